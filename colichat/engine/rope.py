@@ -1,0 +1,72 @@
+"""Rotary position embeddings as llama.cpp computes them: NORM pairing (adjacent pairs) and YaRN.
+
+Axis letters: P positions, I rotated pairs (n_dims / 2), T tokens, H heads.
+
+deepseek2, llama (on GGUF weights) rotate adjacent pairs (x[2i], x[2i+1]) ("NORM"); the angle of
+pair i at position p is p * base^(-2i/n_dims) / ff_i, blended by YaRN between interpolation
+(freq_scale * theta) and extrapolation (theta) with a ramp over the correction dims.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    n_dims: int                 # rotated dims (n_rot)
+    base: float
+    freq_scale: float = 1.0     # 1 / scaling factor
+    ext_factor: float = 0.0     # 1 for YaRN, else 0
+    n_ctx_orig: int = 0         # YaRN original context
+    attn_factor: float = 1.0    # magnitude multiplier passed to the rope op
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+def yarn_corr_dims(p: RopeParams) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims: the pair range over which YaRN blends."""
+
+    def corr_dim(n_rot: float) -> float:
+        return p.n_dims * math.log(p.n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(p.base))
+
+    low = max(0.0, math.floor(corr_dim(p.beta_fast)))
+    high = min(p.n_dims - 1.0, math.ceil(corr_dim(p.beta_slow)))
+    return low, high
+
+
+def rope_tables(p: RopeParams, n_pos: int, freq_factors: np.ndarray | None = None):
+    """cos and sin (with the YaRN magnitude folded in) for positions 0..n_pos-1: two (P, I) float32."""
+    i = np.arange(p.n_dims // 2, dtype=np.float64)  # (I,)
+    inv_freq = p.base ** (-2.0 * i / p.n_dims)  # (I,)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    mscale = p.attn_factor
+    if p.ext_factor != 0.0:
+        low, high = yarn_corr_dims(p)
+        y = (i - low) / max(0.001, high - low)
+        ramp = (1.0 - np.clip(y, 0.0, 1.0)) * p.ext_factor  # (I,) 1 = extrapolate
+        inv_freq = inv_freq * p.freq_scale * (1.0 - ramp) + inv_freq * ramp
+        mscale *= 1.0 + 0.1 * math.log(1.0 / p.freq_scale)
+    else:
+        inv_freq = inv_freq * p.freq_scale
+    theta = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq[None, :]  # (P, I)
+    cos = (np.cos(theta) * mscale).astype(np.float32)
+    sin = (np.sin(theta) * mscale).astype(np.float32)
+    return cos, sin
+
+
+def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate adjacent pairs of the last axis. x: (T, ..., 2I); cos, sin: (T, I) for x's positions."""
+    shape = x.shape
+    xp = x.reshape(shape[0], -1, shape[-1] // 2, 2)  # (T, *, I, 2)
+    x0, x1 = xp[..., 0], xp[..., 1]  # (T, *, I)
+    c = cos[:, None, :]  # (T, 1, I)
+    s = sin[:, None, :]
+    out = np.empty_like(xp)
+    out[..., 0] = x0 * c - x1 * s
+    out[..., 1] = x0 * s + x1 * c
+    return out.reshape(shape)

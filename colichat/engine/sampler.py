@@ -1,0 +1,73 @@
+"""Choose the next token from logits: greedy, or temperature with top-k / top-p / min-p filters,
+after a repetition penalty over recent tokens. Randomness comes from one seeded numpy Generator,
+so the same seed and settings give the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    temperature: float = 0.7     # 0 = greedy
+    top_k: int = 40              # 0 = off
+    top_p: float = 0.95          # 1 = off
+    min_p: float = 0.05          # 0 = off
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64      # how many recent tokens the penalty looks at
+    seed: int | None = None      # None: a fresh seed per run
+
+    def with_(self, **changes) -> SamplerSettings:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0 (0 means greedy)")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 means off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            raise ValueError("min_p must be in [0, 1)")
+        if self.repeat_penalty <= 0:
+            raise ValueError("repeat_penalty must be > 0 (1 means off)")
+        if self.repeat_last_n < 0:
+            raise ValueError("repeat_last_n must be >= 0")
+
+
+class Sampler:
+    def __init__(self, settings: SamplerSettings):
+        settings.validate()
+        self.settings = settings
+        self.rng = np.random.default_rng(settings.seed)
+
+    def __call__(self, logits: np.ndarray, recent: list[int] | np.ndarray = ()) -> int:
+        s = self.settings
+        x = np.array(logits, dtype=np.float64)  # (V,) working copy
+        if s.repeat_penalty != 1.0 and len(recent) and s.repeat_last_n:
+            ids = np.unique(np.asarray(recent[-s.repeat_last_n :], dtype=np.int64))
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / s.repeat_penalty, v * s.repeat_penalty)
+        if s.temperature == 0:
+            return int(np.argmax(x))
+        # Candidates sorted by logit, best first; filters cut the tail.
+        k = x.size if s.top_k <= 0 else min(s.top_k, x.size)
+        cand = np.argpartition(-x, k - 1)[:k] if k < x.size else np.arange(x.size)
+        cand = cand[np.argsort(-x[cand], kind="stable")]
+        z = x[cand] / s.temperature
+        p = np.exp(z - z[0])
+        p /= p.sum()
+        keep = p.size
+        if s.min_p > 0:
+            keep = min(keep, int(np.sum(p >= s.min_p * p[0])))
+        if s.top_p < 1:
+            keep = min(keep, int(np.searchsorted(np.cumsum(p), s.top_p)) + 1)
+        p = p[: max(keep, 1)]
+        p /= p.sum()
+        return int(cand[self.rng.choice(p.size, p=p)])
