@@ -1,0 +1,137 @@
+"""Chat templates: render a GGUF's Jinja `tokenizer.chat_template` the way Hugging Face does.
+
+The environment matches transformers' `apply_chat_template`: a sandboxed, immutable Jinja2
+environment with `trim_blocks`/`lstrip_blocks` and the loop-control extension; the globals
+`raise_exception` and `strftime_now`; a `tojson` filter that keeps non-ASCII text as is and
+accepts `indent`, `separators` and `sort_keys`; the `{% generation %}` block (rendered as its
+body); and the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and
+`tools` (None unless given). We also provide a `from_json` filter, which some DeepSeek templates
+use to read tool-call arguments.
+
+Templates that emit `{{ bos_token }}` themselves are rendered with the real BOS text;
+`Tokenizer.encode_prompt` then avoids adding a second BOS (docs: mla-spec section 10.4).
+
+Every problem (a syntax error, a `raise_exception` call, a failing expression) becomes a
+`TemplateError` whose message is one line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from functools import lru_cache
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+
+from .gguf import ModelError
+
+# Used when a GGUF carries no chat template: plain ChatML, the format of the SmolLM2, Qwen and
+# MiniCPM families. It adds no default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class TemplateError(ModelError):
+    """A chat template that cannot be compiled or rendered. The message is one line."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split()) or "unknown error"
+
+
+def _raise_exception(message):
+    raise TemplateError(f"chat template: {_one_line(message)}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks in HF;
+    for rendering it is just its body)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.filters["from_json"] = json.loads
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template. `render(messages)` returns the prompt text to tokenize."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        self.source = source
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self.is_fallback = False
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            msg = _one_line(e.message)
+            raise TemplateError(f"chat template syntax error (line {e.lineno}): {msg}") from None
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template error: {_one_line(e)}") from None
+
+    def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
+        """Render a conversation (a list of {"role": ..., "content": ...} dicts).
+
+        `extra` adds template variables (`tools`, `enable_thinking`, `date_string`, ...)."""
+        context = {
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "tools": None,
+        }
+        context.update(extra)
+        try:
+            return self._template.render(**context)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template error: {_one_line(e)}") from None
+        except Exception as e:  # errors raised by expressions inside the template
+            raise TemplateError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from None
+
+    def __repr__(self):
+        kind = "ChatML fallback" if self.is_fallback else f"{len(self.source)} chars"
+        return f"ChatTemplate({kind})"
+
+
+def chat_template_for(tokenizer) -> ChatTemplate:
+    """The model's own template (`tokenizer.chat_template` in the GGUF) with its BOS/EOS texts;
+    plain ChatML (`CHATML_TEMPLATE`) when the GGUF has none."""
+    source = tokenizer.chat_template
+    template = ChatTemplate(source or CHATML_TEMPLATE, tokenizer.bos_text, tokenizer.eos_text)
+    template.is_fallback = not source
+    return template
