@@ -1,0 +1,23 @@
+"""The on-disk side of colichat: sessions as KV-cache files plus JSON sidecars (see FORMAT.md).
+
+persist/ knows nothing about the forward pass: it moves the cache's records and the turn list.
+
+    from colichat.persist import Store, CacheLayout, Turn, model_identity, paths, SessionError
+    ident = model_identity(gguf_path, cfg.arch, cfg.name)
+    layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
+    store = Store()
+    sess = store.open(ident, name, layout)          # or store.create(ident, layout) for a new one
+    res = sess.load(model.cache, ctx_limit, detokenize)   # res.summary(), res.warnings, res.turns
+    sess.append(model.cache, turns)                 # after every turn (whole turn list is fine)
+    sess.truncate(n_turns)                          # /rewind, /regen
+    sess.close()
+"""
+
+from .kvfile import CacheLayout, SessionError
+from .session import LoadResult, Session, Turn
+from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, weights_fingerprint
+
+__all__ = [
+    "CacheLayout", "LoadResult", "Paths", "Session", "SessionError", "SessionInfo", "Store", "Turn",
+    "check_name", "model_identity", "paths", "weights_fingerprint",
+]

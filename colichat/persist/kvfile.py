@@ -1,0 +1,199 @@
+"""The .coli_kv file: a 40-byte header, then fixed-size per-token records (see FORMAT.md).
+
+    magic (8 bytes)  b"COLIKV1\\0" (MLA) or b"COLIGQA\\0" (GQA)
+    8 x int32 LE     n_layers, A width, B width, index_hd, n_index_layers, vocab, nrec, 0
+    nrec records     int32 token id, then per layer A f32 then B f32 (MLA: c, k_pe; GQA: K, V)
+
+A record is byte-for-byte the in-memory record of `colichat.engine.cache.KVCache`, so records move
+between the file and the cache with one write (`cache.raw(first, last)`) or a few large reads
+straight into the cache buffer. Everything here works on raw file descriptors with positioned I/O;
+no function modifies a file unless its name says it writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import struct
+from dataclasses import dataclass
+
+MAGIC = {"mla": b"COLIKV1\0", "gqa": b"COLIGQA\0"}
+KIND_OF_MAGIC = {m: k for k, m in MAGIC.items()}
+HEADER = struct.Struct("<8s8i")
+HEADER_SIZE = HEADER.size  # 40
+NREC_OFFSET = 8 + 6 * 4  # byte offset of the nrec field
+INT32_MAX = 2**31 - 1
+CHUNK = 1 << 28  # largest single read/write (Linux caps one call near 2 GiB)
+
+
+class SessionError(Exception):
+    """A session colichat cannot open, load or save. The message is one line meant for the user."""
+
+
+def oserror_text(e: OSError) -> str:
+    return e.strerror or str(e) or type(e).__name__
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the header describes: the cache kind, its widths and the model's vocabulary size."""
+
+    kind: str  # "mla" or "gqa"
+    n_layer: int
+    a_width: int  # MLA: kv_lora (c); GQA: K width
+    b_width: int  # MLA: qk_rope (k_pe); GQA: V width
+    vocab: int
+    index_hd: int = 0  # DSA indexer key width (0: no indexer)
+    n_index_layers: int = 0
+
+    @classmethod
+    def from_cache(cls, cache, vocab: int) -> CacheLayout:
+        return cls(cache.kind, cache.n_layer, cache.a_width, cache.b_width, int(vocab))
+
+    @property
+    def record_bytes(self) -> int:
+        return 4 + 4 * (self.n_layer * (self.a_width + self.b_width) + self.n_index_layers * self.index_hd)
+
+    def header(self, nrec: int) -> Header:
+        return Header(MAGIC[self.kind], self.n_layer, self.a_width, self.b_width,
+                      self.index_hd, self.n_index_layers, self.vocab, nrec, 0)
+
+    def check_cache(self, cache) -> None:
+        """A programming error, not a user one: the cache handed in must have this layout."""
+        got = (cache.kind, cache.n_layer, cache.a_width, cache.b_width, cache.record_bytes)
+        want = (self.kind, self.n_layer, self.a_width, self.b_width, self.record_bytes)
+        if got != want:
+            raise ValueError(f"cache layout {got} does not match the session layout {want}")
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Header:
+    magic: bytes
+    n_layer: int
+    a_width: int
+    b_width: int
+    index_hd: int
+    n_index_layers: int
+    vocab: int
+    nrec: int
+    reserved: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(self.magic, self.n_layer, self.a_width, self.b_width, self.index_hd,
+                           self.n_index_layers, self.vocab, self.nrec, self.reserved)
+
+    def mismatches(self, layout: CacheLayout) -> list[str]:
+        """Fields that differ from what this model needs, as `name file/model` phrases."""
+        a, b = ("kv_lora", "qk_rope") if layout.kind == "mla" else ("K width", "V width")
+        pairs = [("n_layers", self.n_layer, layout.n_layer), (a, self.a_width, layout.a_width),
+                 (b, self.b_width, layout.b_width), ("index_hd", self.index_hd, layout.index_hd),
+                 ("indexed layers", self.n_index_layers, layout.n_index_layers),
+                 ("vocab", self.vocab, layout.vocab)]
+        return [f"{n} {f} (model: {m})" for n, f, m in pairs if f != m]
+
+
+def lstat_regular(path: str, what: str) -> os.stat_result | None:
+    """lstat a session file: None if absent; SessionError if it is a symlink or not a regular file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise SessionError(f"cannot access {what} {path}: {oserror_text(e)}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise SessionError(f"{what} {path} is a symbolic link; colichat does not follow symlinked "
+                           "session files (replace the link with the file itself)")
+    if not stat.S_ISREG(st.st_mode):
+        raise SessionError(f"{what} {path} is not a regular file")
+    return st
+
+
+def open_file(path: str, what: str, flags: int, mode: int = 0o600) -> int:
+    """os.open without following a final symlink; errors become one-line SessionErrors."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    except FileExistsError:
+        raise
+    except PermissionError:
+        raise SessionError(f"cannot open {what} {path}: permission denied "
+                           "(check the file's owner and mode)") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SessionError(f"{what} {path} is a symbolic link; colichat does not follow "
+                               "symlinked session files") from None
+        raise SessionError(f"cannot open {what} {path}: {oserror_text(e)}") from None
+
+
+def read_header(fd: int, path: str) -> tuple[Header, int]:
+    """The header and the file size. Refuses files too short or with a magic colichat does not know."""
+    size = os.fstat(fd).st_size
+    if size < HEADER_SIZE:
+        detail = "empty" if size == 0 else f"{size} bytes, a header needs {HEADER_SIZE}"
+        raise SessionError(f"{path} is not a usable KV file (truncated header: {detail})")
+    raw = os.pread(fd, HEADER_SIZE, 0)
+    if len(raw) < HEADER_SIZE:
+        raise SessionError(f"{path}: short read of the header")
+    h = Header(*HEADER.unpack(raw))
+    if h.magic not in KIND_OF_MAGIC:
+        raise SessionError(f"{path} is not a colichat/COLIKV1 KV file (magic {h.magic!r})")
+    if min(h.n_layer, h.a_width, h.b_width, h.index_hd, h.n_index_layers, h.vocab, h.nrec) < 0:
+        raise SessionError(f"{path}: damaged header (negative field)")
+    return h, size
+
+
+def read_records(fd: int, dest: memoryview, record_bytes: int) -> None:
+    """Fill `dest` (whole records, a byte view of the cache) from record 0 on, in large reads."""
+    offset, done = HEADER_SIZE, 0
+    while done < len(dest):
+        n = os.preadv(fd, [dest[done : done + CHUNK]], offset + done)
+        if n <= 0:
+            raise SessionError(f"the KV file ended while reading record {done // record_bytes}")
+        done += n
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done : done + CHUNK], offset + done)
+        if n <= 0:  # a short write with nothing written: report it as the disk being full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += n
+
+
+def write_records(fd: int, first: int, data: memoryview, record_bytes: int) -> None:
+    """Write records starting at record `first` (over any dead space), then fsync."""
+    _pwrite_all(fd, data, HEADER_SIZE + first * record_bytes)
+    os.fsync(fd)
+
+
+def write_nrec(fd: int, nrec: int) -> None:
+    """Rewrite the header's record count, then fsync: this is what commits appended records."""
+    if not 0 <= nrec <= INT32_MAX:
+        raise ValueError(f"nrec {nrec} does not fit the header")
+    _pwrite_all(fd, memoryview(struct.pack("<i", nrec)), NREC_OFFSET)
+    os.fsync(fd)
+
+
+def create_kv(path: str, layout: CacheLayout) -> int:
+    """Create a new KV file (mode 0600, never over an existing one) holding just the header."""
+    fd = open_file(path, "session file", os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    try:
+        os.fchmod(fd, 0o600)
+        _pwrite_all(fd, memoryview(layout.header(0).pack()), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

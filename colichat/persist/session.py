@@ -1,0 +1,469 @@
+"""A session: NAME.coli_kv (the records) + NAME.json (the sidecar) + NAME.lock (the writer's lock).
+
+    sess = Session.create(directory, name, ident, layout, sampler=None)   # new, empty, locked
+    sess = Session.open(directory, name, ident, layout)                   # existing, locked
+    res = sess.load(cache, ctx_limit=None, detokenize=None, margin=0)     # -> LoadResult
+    sess.append(cache, turns)     # save the turns not yet on disk (see `append`)
+    sess.truncate(n_turns)        # keep the first n_turns turns (rewind)
+    sess.close()                  # or use the session as a context manager
+
+Turns tile the records: turn 0 starts at record 0 and each turn starts where the previous one ends.
+A turn handed in may be any object with role, text, first, last; the session keeps its own copies.
+Saving follows design.md section 3: new records in one write + fsync, then nrec + fsync, then an
+atomic sidecar replace. `load` reads only; what it drops from a damaged session stays on disk until
+the next `append` or `truncate`, which rewrite nrec and the sidecar to the kept prefix (FORMAT.md).
+Every user-facing failure is a SessionError with a one-line message; ValueError means a caller bug.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+
+from .kvfile import (
+    HEADER_SIZE,
+    INT32_MAX,
+    MAGIC,
+    CacheLayout,
+    SessionError,
+    create_kv,
+    fsync_dir,
+    lstat_regular,
+    open_file,
+    oserror_text,
+    read_header,
+    read_records,
+    write_nrec,
+    write_records,
+)
+
+FORMAT_VERSION = 1
+MAX_SIDECAR_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "system", "user", "assistant"; "imported" for a cache loaded without a sidecar
+    text: str
+    first: int  # first record of the turn
+    last: int  # one past its last record
+
+
+@dataclass
+class LoadResult:
+    name: str
+    tokens: int
+    turns: list[Turn]
+    elapsed_ms: float
+    warnings: list[str] = field(default_factory=list)  # one line per thing dropped, and why
+    sampler: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """The line the chat program prints to stderr after a resume."""
+        return (f"resumed {self.tokens} tokens, {len(self.turns)} turns from {self.name} "
+                f"in {self.elapsed_ms:.0f} ms, no re-prefill")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def turn_crc(cache, t: Turn) -> int:
+    return zlib.crc32(cache.raw(t.first, t.last))
+
+
+def _lock(path: str, name: str) -> int:
+    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it."""
+    fd = open_file(path, "lock file", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise SessionError(f"session {name} is open in another colichat (pid {pid})") from None
+        raise SessionError(f"cannot lock session {name}: {oserror_text(e)}") from None
+    os.fchmod(fd, 0o600)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    os.close(fd)  # closing the descriptor releases the flock
+
+
+def _parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:
+    """The longest well-formed, contiguous prefix of the sidecar's turns, and a warning if shorter."""
+    raw = doc.get("turns")
+    if not isinstance(raw, list):
+        return [], [], "the sidecar has no turn list: no turns kept"
+    turns: list[Turn] = []
+    crcs: list[int] = []
+    for i, t in enumerate(raw):
+        ok = isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("text"), str)
+        vals = [t.get(k) for k in ("first", "last", "crc32")] if ok else []
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in vals)
+        prev = turns[-1].last if turns else 0
+        if not ok or vals[0] != prev or not vals[0] <= vals[1] <= INT32_MAX or not 0 <= vals[2] < 2**32:
+            return turns, crcs, f"sidecar turn {i + 1} is malformed: dropped it and {len(raw) - i - 1} later"
+        turns.append(Turn(t["role"], t["text"], vals[0], vals[1]))
+        crcs.append(vals[2])
+    return turns, crcs, None
+
+
+def _span(turns: list[Turn], i: int) -> str:
+    """'turns 3-5 (records 40-97)' for turns[i:]."""
+    a, b = i + 1, len(turns)
+    which = f"turn {a}" if a == b else f"turns {a}-{b}"
+    return f"{which} (records {turns[i].first}-{turns[-1].last})"
+
+
+class Session:
+    """One open session, holding its writer lock until `close`."""
+
+    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int):
+        self.directory = str(directory)
+        self.name = name
+        self.ident = dict(ident)
+        self.layout = layout
+        self.kv_path = os.path.join(self.directory, name + ".coli_kv")
+        self.json_path = os.path.join(self.directory, name + ".json")
+        self._lock_fd = lock_fd
+        self._kv_fd: int | None = None
+        self.turns: list[Turn] = []  # what is on disk and valid
+        self._crcs: list[int] = []
+        self.nrec = 0  # records covered by self.turns
+        self.sampler: dict = {}  # saved with every sidecar write
+        self.created = now_iso()
+        self._has_sidecar = False
+        self._loaded = False  # state known (created, or loaded): needed before saving
+
+    # ---- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
+               sampler: dict | None = None) -> Session:
+        """A new empty session. FileExistsError if NAME already exists (the store picks names)."""
+        base = os.path.join(str(directory), name)
+        if lstat_regular(base + ".coli_kv", "session file") or lstat_regular(base + ".json", "sidecar"):
+            raise FileExistsError(errno.EEXIST, "session exists", name)
+        s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
+        try:
+            s._kv_fd = create_kv(s.kv_path, layout)
+            try:
+                s.sampler = dict(sampler or {})
+                s._write_sidecar([], [])
+            except BaseException:
+                os.unlink(s.kv_path)
+                raise
+        except OSError as e:
+            s.close()
+            if isinstance(e, FileExistsError):
+                raise
+            raise SessionError(f"cannot create session {name}: {oserror_text(e)}") from None
+        except BaseException:
+            s.close()
+            raise
+        s._loaded = True
+        return s
+
+    @classmethod
+    def open(cls, directory, name: str, ident: dict, layout: CacheLayout) -> Session:
+        """An existing session, locked for writing; `load` it before saving to it."""
+        base = os.path.join(str(directory), name)
+        if lstat_regular(base + ".coli_kv", "session file") is None:
+            raise SessionError(f"no session named {name} for this model (/sessions lists them)")
+        lstat_regular(base + ".json", "sidecar")
+        s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
+        try:
+            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDWR)
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def close(self) -> None:
+        if self._kv_fd is not None:
+            os.close(self._kv_fd)
+            self._kv_fd = None
+        if self._lock_fd is not None:
+            _unlock(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def load(self, cache, ctx_limit: int | None = None, detokenize=None, margin: int = 0) -> LoadResult:
+        """Fill `cache` with the longest valid prefix of whole turns; modifies no file.
+
+        Refuses (SessionError, cache untouched) a file of another model, kind or shape, other
+        weights (sidecar fingerprint), or a saved length >= ctx_limit - margin (ctx_limit defaults
+        to the cache capacity). Damage drops turns from the first bad one on, with a warning each.
+        `detokenize(ids) -> str` names the text of a cache saved without a sidecar (one turn).
+        """
+        t0 = time.perf_counter()
+        if self._kv_fd is None:
+            raise ValueError(f"session {self.name} is closed")
+        self.layout.check_cache(cache)
+        header, size = read_header(self._kv_fd, self.kv_path)
+        if header.magic != MAGIC[self.layout.kind]:
+            raise SessionError(f"session {self.name} holds a cache of another kind of model "
+                               f"(magic {header.magic!r}, this model needs {MAGIC[self.layout.kind]!r}); "
+                               "start a new session with /reset")
+        bad = header.mismatches(self.layout)
+        if bad:
+            raise SessionError(f"session {self.name} was saved by another model ({', '.join(bad)}); "
+                               "start a new session with /reset")
+        doc = self._read_sidecar()
+        warnings: list[str] = []
+        turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
+        ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
+        if n > 0 and n >= ctx - margin:
+            raise SessionError(f"session {self.name} holds {n} tokens, at or beyond the context limit "
+                               f"({ctx} tokens, {margin} kept free); start a new session with /reset "
+                               "or use a larger context")
+        try:
+            read_records(self._kv_fd, cache.raw(0, n), self.layout.record_bytes)
+        except (OSError, SessionError) as e:
+            cache.set_length(0)
+            why = oserror_text(e) if isinstance(e, OSError) else str(e)
+            raise SessionError(f"could not read session {self.name} ({why}); the cache was cleared") from None
+        if doc is not None:
+            n = self._verify(cache, turns, crcs, warnings)
+        else:
+            n = self._check_tokens(cache, n, warnings)
+            warnings.append(f"no sidecar {self.name}.json: loaded the {n} records as one imported turn "
+                            "(no weights fingerprint to check)" if n else f"no sidecar {self.name}.json")
+            if n:
+                text = self._imported_text(cache.tokens[:n].tolist(), detokenize, warnings)
+                turns, crcs = [Turn("imported", text, 0, n)], [zlib.crc32(cache.raw(0, n))]
+        cache.set_length(n)
+
+        self.turns, self._crcs, self.nrec = turns, crcs, n
+        self._has_sidecar = doc is not None
+        if doc is not None:
+            self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
+            self.created = doc.get("created") if isinstance(doc.get("created"), str) else now_iso()
+        self._loaded = True
+        ms = (time.perf_counter() - t0) * 1000
+        return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler))
+
+    def _listed_prefix(self, doc, nrec: int, size: int, warnings: list[str]):
+        """(turns, crcs, records to read): the sidecar's turns that lie within the whole records
+        present (all records present when there is no sidecar)."""
+        whole = (size - HEADER_SIZE) // self.layout.record_bytes
+        avail = min(nrec, whole)
+        if whole < nrec:
+            warnings.append(f"the KV file is cut short: its header lists {nrec} records, "
+                            f"it holds {whole} whole ones")
+        if doc is None:
+            return [], [], avail
+        turns, crcs, warn = _parse_turns(doc)
+        warnings += [warn] if warn else []
+        kept = sum(1 for t in turns if t.last <= avail)
+        if kept < len(turns):
+            warnings.append(f"dropped {_span(turns, kept)}: past the {avail} records in the KV file")
+            del turns[kept:], crcs[kept:]
+        n = turns[-1].last if turns else 0
+        if avail > n:
+            warnings.append(f"dropped {avail - n} records after the last turn (an interrupted save)")
+        return turns, crcs, n
+
+    def _verify(self, cache, turns: list[Turn], crcs: list[int], warnings: list[str]) -> int:
+        """Drop (in place) the first turn whose CRC or token ids are wrong, and all later ones."""
+        for i, t in enumerate(turns):
+            if turn_crc(cache, t) != crcs[i]:
+                warnings.append(f"dropped {_span(turns, i)}: checksum mismatch (damaged records)")
+                del turns[i:], crcs[i:]
+                break
+        n = turns[-1].last if turns else 0
+        k = self._check_tokens(cache, n, [])
+        if k < n:
+            i = next(i for i, t in enumerate(turns) if t.last > k)
+            warnings.append(f"dropped {_span(turns, i)}: token id {int(cache.tokens[k])} is outside "
+                            "the vocabulary")
+            del turns[i:], crcs[i:]
+            n = turns[-1].last if turns else 0
+        return n
+
+    def _check_tokens(self, cache, n: int, warnings: list[str]) -> int:
+        """The number of leading records whose token id is inside the vocabulary."""
+        ids = cache.tokens[:n]
+        out = np.flatnonzero((ids < 0) | (ids >= self.layout.vocab))
+        if not out.size:
+            return n
+        k = int(out[0])
+        warnings.append(f"dropped records {k}-{n}: token id {int(ids[k])} is outside the vocabulary")
+        return k
+
+    @staticmethod
+    def _imported_text(ids: list[int], detokenize, warnings: list[str]) -> str:
+        if detokenize is None:
+            return ""
+        try:
+            return str(detokenize(ids))
+        except Exception as e:  # the text is cosmetic: a failing detokenizer must not stop a resume
+            warnings.append(f"could not detokenize the imported turn ({type(e).__name__})")
+            return ""
+
+    def _read_sidecar(self) -> dict | None:
+        """The sidecar document, None if there is none; refuses a damaged one or another model's."""
+        st = lstat_regular(self.json_path, "sidecar")
+        if st is None:
+            return None
+        aside = f"move {self.json_path} aside to load the cache as one imported turn"
+        if st.st_size > MAX_SIDECAR_BYTES:
+            raise SessionError(f"sidecar {self.json_path} is implausibly large; {aside}")
+        fd = open_file(self.json_path, "sidecar", os.O_RDONLY)
+        try:
+            data = os.read(fd, st.st_size + 1)
+        except OSError as e:
+            raise SessionError(f"cannot read sidecar {self.json_path}: {oserror_text(e)}") from None
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
+                or not isinstance(doc.get("model"), dict):
+            raise SessionError(f"sidecar {self.json_path} is damaged (not a colichat sidecar); {aside}")
+        if doc["format"] > FORMAT_VERSION:
+            raise SessionError(f"session {self.name} was written by a newer colichat "
+                               f"(sidecar format {doc['format']}); upgrade colichat to resume it")
+        saved, me = doc["model"], self.ident
+        if saved.get("arch") != me.get("arch") or saved.get("fingerprint") != me.get("fingerprint"):
+            raise SessionError(
+                f"session {self.name} was saved with other weights ({saved.get('name')}, fingerprint "
+                f"{str(saved.get('fingerprint'))[:12]}; this model: {me.get('name')}, "
+                f"{str(me.get('fingerprint'))[:12]}); load that model or start a new session with /reset")
+        return doc
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def append(self, cache, turns: list[Turn]) -> None:
+        """Save the turns not yet on disk: writes records [self.nrec, turns[-1].last) and the sidecar.
+
+        `turns` is either the whole conversation (starting at record 0, its head equal to
+        `self.turns`) or just the new turns (starting at `self.nrec`). Passing the whole list is
+        simplest: after a failed save (SessionError: disk full, I/O error) the next call retries the
+        unsaved turns. A failed save leaves the cache untouched and the disk at the previous save.
+        """
+        self._require_loaded()
+        self.layout.check_cache(cache)
+        turns = [Turn(t.role, t.text, t.first, t.last) for t in turns]  # any object with these fields
+        if self.turns and turns and turns[0].first == 0:
+            if turns[: len(self.turns)] != self.turns:
+                raise ValueError("the turn list does not start with the saved turns; truncate first")
+            turns = turns[len(self.turns):]
+        if not turns:
+            return
+        prev = self.nrec
+        for t in turns:
+            if t.first != prev or not t.first <= t.last:
+                raise ValueError(f"turn {t.role!r} [{t.first}, {t.last}) does not start at record {prev}")
+            prev = t.last
+        if prev > cache.length:
+            raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
+        crcs = [turn_crc(cache, t) for t in turns]
+        try:
+            if not self._has_sidecar:  # an imported cache: record its state before touching the file
+                self._write_sidecar(self.turns, self._crcs)
+            write_records(self._kv_fd, self.nrec, cache.raw(self.nrec, prev), self.layout.record_bytes)
+            write_nrec(self._kv_fd, prev)
+            self._write_sidecar(self.turns + turns, self._crcs + crcs)
+        except OSError as e:
+            raise SessionError(f"could not save session {self.name}: {oserror_text(e)}; the conversation "
+                               "is still in memory but its last turn may not be on disk "
+                               "(free some space; the next save retries)") from None
+        self.turns += turns
+        self._crcs += crcs
+        self.nrec = prev
+
+    def truncate(self, n_turns: int) -> None:
+        """Keep the first n_turns saved turns: rewrite nrec, then the sidecar; later records become
+        dead space. Keeping more turns than are saved (after a failed save) keeps them all."""
+        self._require_loaded()
+        if n_turns < 0:
+            raise ValueError(f"cannot keep {n_turns} turns")
+        n_turns = min(n_turns, len(self.turns))
+        turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
+        n = turns[-1].last if turns else 0
+        try:
+            write_nrec(self._kv_fd, n)
+            self._write_sidecar(turns, crcs)
+        except OSError as e:
+            raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
+        self.turns, self._crcs, self.nrec = turns, crcs, n
+
+    def save_sampler(self, sampler: dict) -> None:
+        """Record new sampler settings now (they are also saved with every append)."""
+        self._require_loaded()
+        old, self.sampler = self.sampler, dict(sampler)
+        try:
+            self._write_sidecar(self.turns, self._crcs)
+        except OSError as e:
+            self.sampler = old
+            raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
+
+    def _require_loaded(self) -> None:
+        if self._kv_fd is None:
+            raise ValueError(f"session {self.name} is closed")
+        if not self._loaded:
+            raise ValueError(f"session {self.name}: load() it before saving to it")
+
+    def _write_sidecar(self, turns: list[Turn], crcs: list[int]) -> None:
+        """Atomically replace NAME.json: write NAME.json.tmp, fsync, rename over, fsync the directory."""
+        doc = {
+            "format": FORMAT_VERSION,
+            "model": self.ident,
+            "layout": self.layout.to_json(),
+            "created": self.created,
+            "updated": now_iso(),
+            "sampler": self.sampler,
+            "nrec": turns[-1].last if turns else 0,
+            "turns": [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c}
+                      for t, c in zip(turns, crcs, strict=True)],
+        }
+        try:
+            data = json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates in a text: escape them instead
+            data = json.dumps(doc, indent=1).encode("ascii")
+        tmp = self.json_path + ".tmp"
+        fd = open_file(tmp, "sidecar", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            try:
+                os.fchmod(fd, 0o600)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.json_path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        fsync_dir(self.directory)
+        self._has_sidecar = True

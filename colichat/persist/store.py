@@ -1,0 +1,320 @@
+"""Where sessions live, what they are called, which model they belong to.
+
+    paths() -> Paths(data, state, cache)       # COLICHAT_HOME/{data,state,cache}, else the XDG dirs
+    ident = model_identity(gguf_path, arch, name)   # {"arch", "name", "fingerprint"}, reads ~2 MB
+    store = Store()                            # sessions under paths().data / "sessions"
+    sess = store.create(ident, layout, name=None, sampler=None)   # new empty session, locked
+    sess = store.open(ident, name, layout)     # existing session, locked (then sess.load(...))
+    store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None
+    store.latest(ident) -> SessionInfo | None
+
+Layout on disk: <data>/sessions/<model dir>/NAME.{coli_kv,json,lock}, where the model dir is the
+sanitized model name plus 12 hex digits of the weights fingerprint, so two fine-tunes of one base
+model never share sessions. Directories are created 0700, session files 0600.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from .kvfile import HEADER, HEADER_SIZE, KIND_OF_MAGIC, CacheLayout, SessionError, oserror_text
+from .session import Session
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+KV_EXT = ".coli_kv"
+
+
+@dataclass(frozen=True)
+class Paths:
+    data: Path  # sessions (what a user keeps)
+    state: Path  # history
+    cache: Path  # dequantized weights and other re-creatable files
+
+
+def paths() -> Paths:
+    """COLICHAT_HOME (if set and non-empty) holds data/, state/ and cache/; else the XDG directories."""
+    home = os.environ.get("COLICHAT_HOME")
+    if home:
+        h = Path(home).expanduser()
+        return Paths(h / "data", h / "state", h / "cache")
+    import platformdirs
+
+    return Paths(Path(platformdirs.user_data_dir("colichat")), Path(platformdirs.user_state_dir("colichat")),
+                 Path(platformdirs.user_cache_dir("colichat")))
+
+
+# ---- model identity ---------------------------------------------------------------------------
+
+_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+TENSOR_SAMPLES, TENSOR_SAMPLE = 256, 4096  # a 4 KiB sample from the middle of up to 256 tensors
+SPREAD_SAMPLES, SPREAD_SAMPLE = 16, 65536  # plus 16 x 64 KiB spread evenly over the data region
+
+
+def _skip_value(buf: bytes, pos: int, typ: int) -> int:
+    if typ in _SCALAR_SIZE:
+        return pos + _SCALAR_SIZE[typ]
+    if typ == 8:  # string: u64 length + bytes
+        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+    if typ == 9:  # array: u32 type, u64 count, values
+        sub, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if sub in _SCALAR_SIZE:
+            return pos + count * _SCALAR_SIZE[sub]
+        for _ in range(count):
+            pos = _skip_value(buf, pos, sub)
+            if pos > len(buf):
+                raise struct.error("short")
+        return pos
+    raise ValueError(f"unknown GGUF value type {typ}")
+
+
+def _gguf_layout(buf: bytes) -> tuple[int, list[int]]:
+    """(data region offset, sorted tensor offsets within it) from the start of a GGUF v2/v3 file.
+
+    struct.error: `buf` is too short to hold the whole header; ValueError: not a GGUF we can walk."""
+    if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] < 2:
+        raise ValueError("not GGUF v2+")
+    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+    if n_tensors > 1 << 24 or n_kv > 1 << 24:
+        raise ValueError("implausible counts")
+    pos, alignment = 24, 32
+    for _ in range(n_kv):
+        klen = struct.unpack_from("<Q", buf, pos)[0]
+        key = buf[pos + 8 : pos + 8 + klen]
+        pos += 8 + klen
+        typ = struct.unpack_from("<I", buf, pos)[0]
+        if key == b"general.alignment" and typ == 4:
+            alignment = struct.unpack_from("<I", buf, pos + 4)[0] or 32
+        pos = _skip_value(buf, pos + 4, typ)
+    offsets = []
+    for _ in range(n_tensors):
+        nlen = struct.unpack_from("<Q", buf, pos)[0]
+        n_dims = struct.unpack_from("<I", buf, pos + 8 + nlen)[0]
+        pos += 8 + nlen + 4 + 8 * n_dims + 4
+        offsets.append(struct.unpack_from("<Q", buf, pos)[0])
+        pos += 8
+    data_start = -(-pos // alignment) * alignment
+    if data_start > len(buf):
+        raise struct.error("short")
+    return data_start, sorted(offsets)
+
+
+def _read_at(f, offset: int, n: int) -> bytes:
+    f.seek(offset)
+    return f.read(n)
+
+
+def weights_fingerprint(path: str) -> str:
+    """32 hex digits identifying a GGUF file's weights without reading it in full.
+
+    Hashes the file size, the whole header (metadata + tensor infos), a 4 KiB sample from the middle
+    of up to 256 tensors, and 16 x 64 KiB spread over the data region: ~2 MB read whatever the size.
+    Two files of the same shapes with other weights (fine-tunes) differ in every sampled tensor."""
+    h = hashlib.sha256(b"colichat weights fingerprint 1\0")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        n, layout = min(size, 1 << 20), None
+        while layout is None:
+            head = _read_at(f, 0, n)
+            try:
+                layout = _gguf_layout(head)
+            except struct.error:
+                if n >= min(size, 1 << 28):
+                    break
+                n = min(size, n * 4, 1 << 28)
+            except ValueError:
+                break
+        if layout is None:  # not a GGUF we can walk: hash its start and the spread samples
+            data_start, starts = min(size, 1 << 20), []
+            h.update(head[:data_start])
+        else:
+            data_start = layout[0]
+            h.update(head[:data_start])
+            starts = [data_start + o for o in layout[1]]
+        ends = starts[1:] + [size]
+        step = max(1, -(-len(starts) // TENSOR_SAMPLES))
+        for s, e in list(zip(starts, ends, strict=True))[::step]:
+            e = min(e, size)
+            if e > s:
+                mid = max(s, (s + e - TENSOR_SAMPLE) // 2)
+                h.update(_read_at(f, mid, min(TENSOR_SAMPLE, e - mid)))
+        span = max(0, size - data_start - SPREAD_SAMPLE)
+        for k in range(SPREAD_SAMPLES):
+            h.update(_read_at(f, data_start + span * k // (SPREAD_SAMPLES - 1), SPREAD_SAMPLE))
+    return h.hexdigest()[:32]
+
+
+def model_identity(gguf_path: str, arch: str, name: str) -> dict:
+    """What a session records about its model: {"arch", "name", "fingerprint"}."""
+    try:
+        fp = weights_fingerprint(str(gguf_path))
+    except OSError as e:
+        raise SessionError(f"cannot fingerprint model {gguf_path}: {oserror_text(e)}") from None
+    return {"arch": str(arch), "name": str(name), "fingerprint": fp}
+
+
+def model_dirname(ident: dict) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", str(ident.get("name") or "")).strip("-.")[:40]
+    return f"{base or ident.get('arch') or 'model'}-{ident['fingerprint'][:12]}"
+
+
+# ---- names ------------------------------------------------------------------------------------
+
+
+def check_name(name) -> str:
+    """A session name, or SessionError: up to 64 of A-Z a-z 0-9 - _ . (not first), no '..'."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
+        raise SessionError(f"invalid session name {name!r}: use 1 to 64 letters, digits, '-', '_' "
+                           "or '.' (not first, no '..')")
+    return name
+
+
+def auto_name(taken) -> str:
+    """A fresh name from the local time, e.g. 20250301-142233 (then -2, -3, ... if taken)."""
+    base = time.strftime("%Y%m%d-%H%M%S")
+    name, k = base, 1
+    while name in taken:
+        k += 1
+        name = f"{base}-{k}"
+    return name
+
+
+# ---- the store --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    name: str
+    model: str  # the model's name as saved in the sidecar (else its directory name)
+    model_dir: str
+    turns: int
+    tokens: int
+    size: int  # bytes on disk (KV file + sidecar)
+    last_used: float  # epoch seconds (sidecar "updated", else the KV file's mtime)
+    path: Path  # the .coli_kv file
+
+    def describe(self, now: float | None = None) -> str:
+        """'NAME: 4 turns, 812 tokens, 1.2 MB, 3 h ago' for listings and the start-up notice."""
+        age = max(0.0, (time.time() if now is None else now) - self.last_used)
+        for unit, secs in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+            if age >= secs or unit == "s":
+                break
+        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {self.size / 1e6:.1f} MB, "
+                f"{int(age // secs)} {unit} ago")
+
+
+def _session_info(directory: Path, name: str) -> SessionInfo | None:
+    """Read-only summary of one session; None for anything that is not a readable session."""
+    kv = directory / (name + KV_EXT)
+    try:
+        st = kv.lstat()
+        if not kv.is_file() or kv.is_symlink():
+            return None
+        with open(kv, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+        if len(raw) < HEADER_SIZE or raw[:8] not in KIND_OF_MAGIC:
+            return None
+        tokens, turns, model = HEADER.unpack(raw)[7], 0, directory.name
+        last_used, size = st.st_mtime, st.st_size
+    except OSError:
+        return None
+    side = directory / (name + ".json")
+    try:
+        if not side.is_symlink() and side.is_file():
+            size += side.stat().st_size
+            doc = json.loads(side.read_bytes().decode("utf-8"))
+            turns = len(doc["turns"])
+            tokens = int(doc["turns"][-1]["last"]) if turns else 0
+            model = str(doc["model"].get("name") or model)
+            last_used = datetime.fromisoformat(doc["updated"]).timestamp()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        pass  # a damaged sidecar: list what the header says; loading reports the damage
+    return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv)
+
+
+class Store:
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root is not None else paths().data / "sessions"
+
+    def model_dir(self, ident: dict) -> Path:
+        return self.root / model_dirname(ident)
+
+    def create(self, ident: dict, layout: CacheLayout, name: str | None = None,
+               sampler: dict | None = None) -> Session:
+        """A new empty session (locked); `name=None` picks a fresh time-based name."""
+        directory = self._make_dir(self.model_dir(ident))
+        if name is not None:
+            try:
+                return Session.create(directory, check_name(name), ident, layout, sampler)
+            except FileExistsError:
+                raise SessionError(f"session {name} already exists; resume it with /resume {name} "
+                                   "or choose another name") from None
+        while True:
+            taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, ".json")}
+            try:
+                return Session.create(directory, auto_name(taken), ident, layout, sampler)
+            except FileExistsError:
+                continue  # another colichat took the same name just now
+
+    def open(self, ident: dict, name: str, layout: CacheLayout) -> Session:
+        """An existing session of this model, locked for writing; load it next."""
+        directory = self.model_dir(ident)
+        check_name(name)
+        if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
+            others = sorted({i.model for i in self.list() if i.name == name})
+            if others:
+                raise SessionError(f"session {name} belongs to another model ({', '.join(others)}); "
+                                   "start colichat with that model to resume it")
+        return Session.open(directory, name, ident, layout)
+
+    def list(self, ident: dict | None = None) -> list[SessionInfo]:
+        """Sessions of one model (or all), newest first. Never raises on damaged entries."""
+        if ident is not None:
+            dirs = [self.model_dir(ident)]
+        else:
+            try:
+                dirs = [p for p in self.root.iterdir() if p.is_dir() and not p.is_symlink()]
+            except OSError:
+                dirs = []
+        infos = []
+        for d in dirs:
+            try:
+                names = [p.name[: -len(KV_EXT)] for p in d.iterdir() if p.name.endswith(KV_EXT)]
+            except OSError:
+                continue
+            infos += [i for i in (_session_info(d, n) for n in names if NAME_RE.fullmatch(n)) if i]
+        return sorted(infos, key=lambda i: (i.last_used, i.name), reverse=True)
+
+    def latest(self, ident: dict) -> SessionInfo | None:
+        found = self.list(ident)
+        return found[0] if found else None
+
+    @staticmethod
+    def _make_dir(directory: Path) -> Path:
+        """Create missing directories down to `directory`, each 0700."""
+        missing = []
+        d = directory
+        while not d.exists():
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=0o700)
+                os.chmod(d, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise SessionError(f"cannot create session directory {d}: {oserror_text(e)}") from None
+        if not directory.is_dir():
+            raise SessionError(f"session directory {directory} is not a directory")
+        return directory
+

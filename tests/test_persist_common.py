@@ -1,0 +1,91 @@
+"""Helpers shared by the persist tests (imported by them and by their child processes), and paths().
+
+Caches here are filled from a deterministic generator seeded by turn index, so a test (or a child
+process) can always say which records a session should hold for its first m turns.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from colichat.engine.cache import KVCache
+from colichat.persist import CacheLayout, Turn, paths
+
+TESTS = Path(__file__).resolve().parent
+VOCAB = 1000
+DIMS = {"mla": (3, 16, 4), "gqa": (2, 8, 8)}  # n_layer, a_width, b_width
+IDENT = {"arch": "deepseek2", "name": "Tiny Test/Model", "fingerprint": "0123456789abcdef" * 2}
+OTHER_IDENT = {"arch": "deepseek2", "name": "Tiny Test/Model", "fingerprint": "fedcba9876543210" * 2}
+ROLES = ("user", "assistant")
+
+
+def make_cache(kind: str = "mla", capacity: int = 4096) -> KVCache:
+    return KVCache(kind, *DIMS[kind], capacity)
+
+
+def layout_of(cache: KVCache) -> CacheLayout:
+    return CacheLayout.from_cache(cache, VOCAB)
+
+
+def turn_len(i: int) -> int:
+    return 1 + (i * 7919) % 23
+
+
+def plan(n_turns: int) -> list[Turn]:
+    """The first n_turns turns of every test conversation: contiguous, varied lengths."""
+    turns, first = [], 0
+    for i in range(n_turns):
+        last = first + turn_len(i)
+        turns.append(Turn(ROLES[i % 2], f"turn {i}: h\u00e9llo \U0001f600", first, last))
+        first = last
+    return turns
+
+
+def fill_turn(cache: KVCache, i: int, t: Turn) -> None:
+    """Write turn i's records (what the engine would have computed) into the cache."""
+    rng = np.random.default_rng(1000 + i)
+    n = t.last - t.first
+    cache.records["token"][t.first : t.last] = rng.integers(0, VOCAB, n)
+    cache.records["kv"][t.first : t.last] = rng.standard_normal(cache.records["kv"][t.first : t.last].shape)
+    cache.set_length(t.last)
+
+
+def build(cache: KVCache, n_turns: int) -> list[Turn]:
+    """Fill the cache with the first n_turns turns; return them."""
+    turns = plan(n_turns)
+    for i, t in enumerate(turns):
+        fill_turn(cache, i, t)
+    cache.set_length(turns[-1].last if turns else 0)
+    return turns
+
+
+def expected_records(kind: str, n_turns: int) -> np.ndarray:
+    c = make_cache(kind, 8192)
+    turns = build(c, n_turns)
+    return c.records[: turns[-1].last if turns else 0].copy()
+
+
+def snapshot(directory) -> dict:
+    """Bytes and mtime of every session file (lock files excluded: opening writes the pid there)."""
+    out = {}
+    for p in sorted(Path(directory).iterdir()):
+        if p.suffix != ".lock":
+            st = os.lstat(p)
+            out[p.name] = (p.read_bytes() if p.is_file() and not p.is_symlink() else None, st.st_mtime_ns)
+    return out
+
+
+def test_paths_follow_colichat_home(colichat_home, monkeypatch):
+    p = paths()
+    h = colichat_home
+    assert (p.data, p.state, p.cache) == (h / "data", h / "state", h / "cache")
+    monkeypatch.delenv("COLICHAT_HOME")
+    import platformdirs
+
+    p = paths()
+    assert p.data == Path(platformdirs.user_data_dir("colichat"))
+    assert p.state == Path(platformdirs.user_state_dir("colichat"))
+    assert p.cache == Path(platformdirs.user_cache_dir("colichat"))

@@ -1,0 +1,260 @@
+"""Crashes and write errors while saving: the session on disk always loads to a complete turn.
+
+A child process appends and truncates turns of deterministic records (seeded by turn index) and is
+SIGKILLed before its K-th I/O call (every point of the save sequence: record write, its fsync, nrec
+write, its fsync, sidecar temp write, its fsync, rename, directory fsync), halfway through a write,
+or at a random time. Write errors come from RLIMIT_FSIZE in a child and from failing os calls.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_persist_common import IDENT, TESTS, build, expected_records, fill_turn, layout_of, make_cache, plan
+
+from colichat.persist import SessionError, Store, Turn
+
+MAX_TURNS = 30
+EXPECTED = expected_records("mla", MAX_TURNS + 1)
+
+CHILD = """
+import os, random, signal, sys
+sys.path.insert(0, {tests!r})
+from test_persist_common import IDENT, fill_turn, layout_of, make_cache, plan
+from colichat.persist import SessionError, Store
+
+mode, kill_at, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cache = make_cache("mla", 8192)
+store = Store()
+try:
+    sess = store.open(IDENT, "crash", layout_of(cache))
+    m = len(sess.load(cache).turns)
+except SessionError:
+    sess = store.create(IDENT, layout_of(cache), name="crash")
+    m = 0
+print("loaded", m, flush=True)
+
+calls = [0]
+def deadly(fn, name):
+    def call(*args):
+        calls[0] += 1
+        if calls[0] == kill_at:
+            if mode == "half" and name == "pwrite" and len(args[1]) > 8:
+                fn(args[0], args[1][: len(args[1]) // 2], args[2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*args)
+    return call
+if mode in ("before", "half"):
+    for name in ("pwrite", "fsync", "write", "replace"):
+        setattr(os, name, deadly(getattr(os, name), name))
+
+rng = random.Random(seed)
+for _ in range(100000):
+    if m and (m >= {max_turns} or rng.random() < 0.25):
+        target = rng.randrange(m)
+        print("begin", target, flush=True)
+        sess.truncate(target)
+        cache.truncate(plan(target)[-1].last if target else 0)
+    else:
+        target = m + 1
+        turns = plan(target)
+        fill_turn(cache, m, turns[m])
+        print("begin", target, flush=True)
+        sess.append(cache, turns)
+    m = target
+    print("saved", m, flush=True)
+"""
+
+
+def run_child(mode: str, kill_at: int, seed: int) -> tuple[int, int | None, int]:
+    """Run one crash trial; return (committed turns, turns of the save in flight or None, returncode)."""
+    script = CHILD.format(tests=str(TESTS), max_turns=MAX_TURNS)
+    child = subprocess.Popen([sys.executable, "-c", script, mode, str(kill_at), str(seed)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if mode == "free":
+        first = child.stdout.readline()
+        assert first.startswith("loaded")
+        time.sleep(random.Random(seed).uniform(0, 0.04))
+        child.send_signal(signal.SIGKILL)
+        out, err = first + child.stdout.read(), child.stderr.read()  # same buffered reader as readline
+        child.wait(60)
+    else:
+        out, err = child.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    committed, inflight = None, None
+    for line in out.splitlines():
+        word, n = line.split()
+        if word in ("loaded", "saved"):
+            committed, inflight = int(n), None
+        else:
+            inflight = int(n)
+    return committed, inflight, child.returncode
+
+
+def check_session(possible: set[int]) -> int:
+    """Load the crash session in this process: a complete prefix of the plan, one of `possible`."""
+    cache = make_cache("mla", 8192)
+    with Store().open(IDENT, "crash", layout_of(cache)) as sess:
+        res = sess.load(cache)
+    m = len(res.turns)
+    assert m in possible, (m, possible, res.warnings)
+    assert res.turns == plan(m)
+    n = res.tokens
+    assert cache.raw(0, n).tobytes() == memoryview(EXPECTED[:n]).cast("B").tobytes()
+    return m
+
+
+def test_sigkill_at_every_step_and_at_random_times(colichat_home):
+    trials = [("before", k) for k in range(1, 27)] + [("half", k) for k in (1, 3, 9, 11)]
+    trials += [("free", 0)] * 30
+    seen_codes = set()
+    for seed, (mode, kill_at) in enumerate(trials):
+        committed, inflight, code = run_child(mode, kill_at, seed)
+        seen_codes.add(code)
+        assert committed is not None, "the child died before loading the session"
+        check_session({committed} | ({inflight} if inflight is not None else set()))
+    assert seen_codes == {-signal.SIGKILL}
+    # The next save repairs whatever the last crash left; afterwards the session loads cleanly.
+    cache = make_cache("mla", 8192)
+    with Store().open(IDENT, "crash", layout_of(cache)) as sess:
+        m = len(sess.load(cache).turns)
+        turns = plan(m + 1)
+        fill_turn(cache, m, turns[m])
+        sess.append(cache, turns)
+    with Store().open(IDENT, "crash", layout_of(cache)) as sess:
+        res = sess.load(make_cache("mla", 8192))
+    assert res.turns == turns and res.warnings == []
+
+
+FSIZE_CHILD = """
+import os, resource, signal, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from test_persist_common import IDENT, build, layout_of, make_cache
+from colichat.persist import SessionError, Store, Turn
+
+big_text = sys.argv[1] == "sidecar"
+cache = make_cache("mla")
+turns = build(cache, 3)
+if big_text:
+    turns[2] = Turn(turns[2].role, "x" * 200000, turns[2].first, turns[2].last)
+sess = Store().create(IDENT, layout_of(cache), name="full")
+sess.append(cache, turns[:2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+room = 100000 if big_text else cache.record_bytes  # sidecar case: the records fit, the sidecar not
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(sess.kv_path) + room, hard))
+before = cache.records.copy(), cache.length
+try:
+    sess.append(cache, turns)
+    print("saved")
+except SessionError as e:
+    print("error", e)
+assert np.array_equal(cache.records, before[0]) and cache.length == before[1]
+assert sess.turns == turns[:2]
+"""
+
+
+@pytest.mark.parametrize("where", ["records", "sidecar"])
+def test_file_size_limit_is_reported_and_nothing_is_lost(colichat_home, where):
+    out = subprocess.run([sys.executable, "-c", FSIZE_CHILD.format(tests=str(TESTS)), where],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("error could not save session full: File too large"), out.stdout
+    cache = make_cache("mla")
+    turns = build(cache, 3)
+    store = Store()
+    with store.open(IDENT, "full", layout_of(cache)) as sess:
+        loaded = make_cache("mla")
+        res = sess.load(loaded)
+        assert res.turns == turns[:2]
+        assert loaded.raw(0, res.tokens).tobytes() == cache.raw(0, res.tokens).tobytes()
+        sess.append(cache, turns)  # space again: the conversation goes on
+    with store.open(IDENT, "full", layout_of(cache)) as sess:
+        res = sess.load(make_cache("mla"))
+    assert res.turns == turns and res.warnings == []
+
+
+FAIL_POINTS = [("pwrite", 1), ("pwrite", 2), ("fsync", 1), ("fsync", 2), ("write", 1), ("fsync", 3),
+               ("replace", 1), ("fsync", 4)]
+
+
+@pytest.mark.parametrize("name,nth", FAIL_POINTS)
+@pytest.mark.parametrize("retry", ["same session", "reopened"])
+def test_write_error_at_each_step(colichat_home, monkeypatch, name, nth, retry):
+    cache = make_cache("mla")
+    turns = build(cache, 3)
+    store = Store()
+    sess = store.create(IDENT, layout_of(cache), name="enospc")
+    sess.append(cache, turns[:2])
+    real, calls = getattr(os, name), [0]
+
+    def failing(*args):
+        calls[0] += 1
+        if calls[0] == nth:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args)
+
+    before = cache.records.copy()
+    monkeypatch.setattr(os, name, failing)
+    with pytest.raises(SessionError) as e:
+        sess.append(cache, turns)
+    monkeypatch.setattr(os, name, real)
+    assert str(e.value).startswith("could not save session enospc: No space left on device")
+    assert np.array_equal(cache.records, before) and cache.length == turns[-1].last
+    assert sess.turns == turns[:2] and sess.nrec == turns[1].last
+    assert not any(p.endswith(".tmp") for p in os.listdir(sess.directory))
+    if retry == "reopened":
+        sess.close()
+        sess = store.open(IDENT, "enospc", layout_of(cache))
+        res = sess.load(loaded := make_cache("mla"))
+        if (name, nth) == ("fsync", 4):  # the rename was done, only its durability is in doubt
+            assert res.turns in (turns[:2], turns)
+        else:
+            assert res.turns == turns[:2]
+        assert loaded.raw(0, res.tokens).tobytes() == cache.raw(0, res.tokens).tobytes()
+    sess.append(cache, turns)
+    sess.close()
+    with store.open(IDENT, "enospc", layout_of(cache)) as sess:
+        res = sess.load(make_cache("mla"))
+    assert res.turns == turns and res.warnings == []
+
+
+def test_write_error_during_truncate(colichat_home, monkeypatch):
+    cache = make_cache("mla")
+    turns = build(cache, 3)
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="tr") as sess:
+        sess.append(cache, turns)
+        monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+        with pytest.raises(SessionError, match="could not save session tr: I/O error"):
+            sess.truncate(1)
+        monkeypatch.undo()
+        assert sess.turns == turns
+    with store.open(IDENT, "tr", layout_of(cache)) as sess:
+        assert sess.load(make_cache("mla")).turns == turns
+
+
+def test_failing_append_of_new_turns_only(colichat_home, monkeypatch):
+    """The new-turns form of append: after an error, passing the unsaved turns again retries them."""
+    cache = make_cache("mla")
+    turns = build(cache, 3)
+    with Store().create(IDENT, layout_of(cache), name="n") as sess:
+        sess.append(cache, turns[:1])
+        monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+        with pytest.raises(SessionError):
+            sess.append(cache, turns[1:2])
+        monkeypatch.undo()
+        sess.append(cache, turns[1:2])
+        sess.append(cache, [turns[2]])
+        with pytest.raises(ValueError):
+            sess.append(cache, [Turn("user", "gap", turns[2].last + 1, turns[2].last + 2)])
+        assert sess.turns == turns

@@ -1,0 +1,205 @@
+"""Session names, file modes, listing, the writer lock, and the weights fingerprint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import TINY
+from test_persist_common import IDENT, OTHER_IDENT, TESTS, build, layout_of, make_cache
+
+import colichat.persist.store as store_mod
+from colichat.persist import SessionError, Store, model_identity, weights_fingerprint
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", "x" * 65, ".hidden", "a..b", "a b", "caf\u00e9", "..",
+                                  "a\\b", "a\0b"])
+def test_bad_names_are_refused(colichat_home, name):
+    cache = make_cache()
+    with pytest.raises(SessionError, match="invalid session name"):
+        Store().create(IDENT, layout_of(cache), name=name)
+    with pytest.raises(SessionError, match="invalid session name"):
+        Store().open(IDENT, name, layout_of(cache))
+    assert not list(colichat_home.rglob("*.coli_kv"))
+
+
+def test_open_needs_a_name(colichat_home):
+    with pytest.raises(SessionError, match="invalid session name"):
+        Store().open(IDENT, None, layout_of(make_cache()))
+
+
+@pytest.mark.parametrize("name", ["a", "A-1_b.c", "x" * 64, "_x", "-"])
+def test_good_names(colichat_home, name):
+    cache = make_cache()
+    with Store().create(IDENT, layout_of(cache), name=name) as sess:
+        assert sess.name == name
+
+
+def test_files_0600_dirs_0700(colichat_home):
+    os.umask(0o022)
+    cache = make_cache()
+    with Store().create(IDENT, layout_of(cache), name="m") as sess:
+        sess.append(cache, build(cache, 2))
+        directory = sess.directory
+    for p in os.listdir(directory):
+        assert stat.S_IMODE(os.stat(os.path.join(directory, p)).st_mode) == 0o600, p
+    for d in (directory, colichat_home / "data" / "sessions", colichat_home / "data"):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+
+
+def test_existing_name_is_refused_and_reset_keeps_the_old_session(colichat_home):
+    cache = make_cache()
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="a") as sess:
+        sess.append(cache, build(cache, 2))
+    with pytest.raises(SessionError, match="already exists"):
+        store.create(IDENT, layout_of(cache), name="a")
+    with store.create(IDENT, layout_of(cache)) as fresh:  # /reset: a new empty session
+        assert fresh.name != "a" and fresh.nrec == 0
+    with store.open(IDENT, "a", layout_of(cache)) as sess:
+        assert sess.load(make_cache()).tokens == build(make_cache(), 2)[-1].last
+
+
+def test_auto_names_are_unique(colichat_home):
+    cache = make_cache()
+    names = set()
+    for _ in range(4):
+        with Store().create(IDENT, layout_of(cache)) as sess:
+            names.add(sess.name)
+    assert len(names) == 4 and all(store_mod.NAME_RE.fullmatch(n) for n in names)
+
+
+def test_listing_newest_first_per_model(colichat_home):
+    store = Store()
+    cache = make_cache()
+    for name, ident, n in [("old", IDENT, 1), ("other", OTHER_IDENT, 2), ("new", IDENT, 3)]:
+        with store.create(ident, layout_of(cache), name=name) as sess:
+            sess.append(cache, build(cache, n))
+        time.sleep(0.01)
+    junk = store.model_dir(IDENT) / "junk.coli_kv"
+    junk.write_bytes(b"not a session")
+    infos = store.list(IDENT)
+    assert [i.name for i in infos] == ["new", "old"]
+    new = infos[0]
+    assert (new.turns, new.tokens, new.model) == (3, build(make_cache(), 3)[-1].last, IDENT["name"])
+    assert new.size == sum(os.path.getsize(new.path.with_suffix(e)) for e in (".coli_kv", ".json"))
+    assert new.last_used >= infos[1].last_used
+    assert "new: 3 turns" in new.describe()
+    assert [i.name for i in store.list()] == ["new", "other", "old"]
+    assert store.latest(IDENT).name == "new" and store.latest(OTHER_IDENT).name == "other"
+    assert store.latest({**IDENT, "fingerprint": "f" * 32}) is None
+    with pytest.raises(SessionError, match="belongs to another model"):
+        store.open(IDENT, "other", layout_of(cache))
+
+
+LOCK_HOLDER = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_persist_common import IDENT, layout_of, make_cache
+from colichat.persist import Store
+sess = Store().open(IDENT, "shared", layout_of(make_cache()))
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_second_writer_is_refused(colichat_home):
+    cache = make_cache()
+    store = Store()
+    store.create(IDENT, layout_of(cache), name="shared").close()
+    child = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(tests=str(TESTS))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        with pytest.raises(SessionError) as e:
+            store.open(IDENT, "shared", layout_of(cache))
+        assert str(e.value) == f"session shared is open in another colichat (pid {child.pid})"
+    finally:
+        child.stdin.close()
+        child.wait(10)
+    store.open(IDENT, "shared", layout_of(cache)).close()  # free again once the holder is gone
+
+
+def test_lock_is_per_session_within_a_process(colichat_home):
+    cache = make_cache()
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="one"):
+        with pytest.raises(SessionError, match="open in another colichat"):
+            store.open(IDENT, "one", layout_of(cache))
+        store.create(IDENT, layout_of(cache), name="two").close()
+
+
+# ---- fingerprint ------------------------------------------------------------------------------
+
+
+def write_gguf(path, seed, n_tensors=6, shape=(64, 96), vocab=0):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("fp-test")
+    if vocab:
+        w.add_token_list([f"tok{i}" for i in range(vocab)])
+        w.add_token_scores([float(i) for i in range(vocab)])
+    rng = np.random.default_rng(seed)
+    for i in range(n_tensors):
+        w.add_tensor(f"blk.{i}.w", rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_fingerprint_tells_weights_apart(tmp_path):
+    a, b, a2 = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "copy.gguf"
+    write_gguf(a, seed=1)
+    write_gguf(b, seed=2)  # same metadata and shapes, other weights
+    shutil.copy(a, a2)
+    assert os.path.getsize(a) == os.path.getsize(b)
+    assert weights_fingerprint(a) != weights_fingerprint(b)
+    assert weights_fingerprint(a) == weights_fingerprint(a2)
+    data = bytearray(a.read_bytes())  # one tensor fine-tuned, the others unchanged
+    start = len(data) - 3 * 64 * 96 * 4
+    tuned = np.random.default_rng(3).standard_normal(64 * 96).astype("<f4")
+    data[start : start + tuned.nbytes] = tuned.tobytes()
+    a2.write_bytes(bytes(data))
+    assert weights_fingerprint(a) != weights_fingerprint(a2)
+    ident = model_identity(a, "llama", "fp-test")
+    assert ident == {"arch": "llama", "name": "fp-test", "fingerprint": weights_fingerprint(a)}
+
+
+def test_fingerprint_reads_little_of_a_big_file(tmp_path, monkeypatch):
+    path = tmp_path / "big.gguf"
+    write_gguf(path, seed=1, n_tensors=300, shape=(8, 8))
+    with open(path, "r+b") as f:
+        f.truncate(8 << 30)  # sparse: 8 GiB on paper
+    read = []
+    real = store_mod._read_at
+    monkeypatch.setattr(store_mod, "_read_at", lambda f, off, n: read.append(n) or real(f, off, n))
+    weights_fingerprint(path)
+    assert sum(read) < 4 << 20
+
+
+def test_header_walk_agrees_with_gguf_py(tmp_path):
+    import gguf
+
+    path = tmp_path / "vocab.gguf"
+    write_gguf(path, seed=4, n_tensors=5, vocab=5000)
+    reader = gguf.GGUFReader(str(path))
+    data_start, offsets = store_mod._gguf_layout(path.read_bytes())
+    assert data_start == reader.data_offset
+    assert offsets == sorted(int(t.data_offset) - reader.data_offset for t in reader.tensors)
+    with pytest.raises(struct.error):  # a header cut short asks for more bytes
+        store_mod._gguf_layout(path.read_bytes()[: data_start // 2])
+
+
+def test_fingerprint_of_the_tiny_models():
+    fps = {p.name: weights_fingerprint(p) for p in sorted(TINY.glob("*.gguf"))}
+    assert len(set(fps.values())) == len(fps) >= 2
+    assert all(len(f) == 32 for f in fps.values())
