@@ -1,0 +1,384 @@
+"""A conversation: turns, the chat template, the generate loop, and the persistence calls.
+
+Each exchange is two turns over consecutive cache records:
+  user turn      [first, last): the template text between the previous answer and this answer
+                 (end-of-turn markers, the user's message, the assistant header);
+  assistant turn [first, last): the tokens the model generated (the end-of-generation token is
+                 not fed back; the next user turn's template text starts with it).
+The cache only ever grows by appending (or shrinks by truncating), so what is on disk is a
+prefix of what is in memory. The template text of a new user turn is computed from the messages
+alone (`render(messages + [user]) minus (render(messages before the last answer) + answer)`), so a
+resumed conversation continues with exactly the tokens an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from .engine import Model, Sampler, SamplerSettings
+from .engine.template import chat_template_for
+from .persist import CacheLayout, SessionError, Store, Turn, model_identity
+
+RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
+
+
+class ChatError(Exception):
+    """Something the user asked that cannot be done; the message is one line."""
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    generated: int = 0
+    decode_s: float = 0.0
+    stopped: str = "eog"  # eog | length | interrupt | context
+    saved: bool | None = None  # None: saving is off
+    save_error: str | None = None
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Settings:
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    max_tokens: int = 512
+    system: str | None = None
+
+
+class Conversation:
+    """Owns the model's cache, the turns and the session they are saved into.
+
+    With saving on, the session file is created at the first answer (named --session NAME, else
+    a time-based name), so starting colichat and quitting leaves nothing behind.
+    """
+
+    def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
+                 store: Store | None = None):
+        self.model = model
+        self.tok = model.tokenizer
+        self.template = chat_template_for(self.tok)
+        self.settings = settings
+        self.sampler = Sampler(settings.sampler)
+        self.turns: list[Turn] = []
+        self.stop_requested = False
+        self.last_stats: TurnStats | None = None
+        cfg = model.cfg
+        self.store = (store or Store()) if save else None
+        self.ident = model_identity(cfg.path, cfg.arch, cfg.name) if save else None
+        self.layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
+        self.session = None  # persist.Session once created or resumed
+        self.session_name = session_name
+
+    # --- state ------------------------------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        return self.model.cache.length
+
+    def messages(self, turns: list[Turn] | None = None) -> list[dict]:
+        """The chat messages for the template (turns imported from a bare cache file are opaque)."""
+        msgs = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        turns = self.turns if turns is None else turns
+        return msgs + [{"role": t.role, "content": t.text} for t in turns if t.role in ("user", "assistant")]
+
+    def options(self) -> dict:
+        s = self.settings.sampler
+        return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                "repeat_penalty": s.repeat_penalty, "seed": s.seed, "max_tokens": self.settings.max_tokens,
+                "system": self.settings.system or ""}
+
+    def set_option(self, key: str, value) -> str:
+        if key == "max_tokens":
+            if value < 1:
+                raise ChatError("max_tokens must be at least 1")
+            self.settings.max_tokens = value
+        elif key == "system":
+            self.settings.system = value or None
+            if self.turns:
+                return "system prompt set; it applies to new conversations (/reset)"
+        else:
+            new = self.settings.sampler.with_(**{key: value})
+            try:
+                new.validate()
+            except ValueError as e:
+                raise ChatError(str(e)) from None
+            self.settings.sampler = new
+            self.sampler = Sampler(new)
+        self._save_settings()
+        return f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
+
+    def _settings_dict(self) -> dict:
+        return {**self.settings.sampler.to_dict(), "max_tokens": self.settings.max_tokens,
+                "system": self.settings.system}
+
+    def _apply_settings_dict(self, d: dict) -> None:
+        fields = {k: d[k] for k in SamplerSettings.__dataclass_fields__ if k in d}
+        try:
+            sampler = self.settings.sampler.with_(**fields)
+            sampler.validate()
+        except (TypeError, ValueError):
+            return  # a damaged settings record: keep the current settings
+        self.settings.sampler, self.sampler = sampler, Sampler(sampler)
+        if isinstance(d.get("max_tokens"), int) and d["max_tokens"] > 0:
+            self.settings.max_tokens = d["max_tokens"]
+        if d.get("system") is None or isinstance(d.get("system"), str):
+            self.settings.system = d.get("system")
+
+    # --- sessions ---------------------------------------------------------------------------------
+
+    def latest_hint(self) -> str | None:
+        if not self.store:
+            return None
+        info = self.store.latest(self.ident)
+        if info is None:
+            return None
+        return f"latest saved conversation: {info.describe()} (/resume to continue it)"
+
+    def list_sessions(self) -> list[str]:
+        if not self.store:
+            raise ChatError("saving is off (--no-save): no sessions")
+        current = self.session.name if self.session else None
+        return [("* " if i.name == current else "  ") + i.describe() for i in self.store.list(self.ident)]
+
+    def resume(self, name: str | None = None) -> str:
+        """Fill the cache from a saved session (the latest by default); no forward pass."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing to resume")
+        if name is None:
+            info = self.store.latest(self.ident)
+            if info is None:
+                raise ChatError("no saved conversation for this model yet")
+            name = info.name
+        if self.session and self.session.name == name:
+            raise ChatError(f"already in session {name}")
+        new = self.store.open(self.ident, name, self.layout)
+        try:
+            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
+        except BaseException:
+            new.close()
+            if self.model.cache.length != (self.turns[-1].last if self.turns else 0):
+                self.clear()  # the failed read touched the cache: start clean (the old session is on disk)
+            raise
+        if self.session:
+            self.session.close()
+        self.session, self.session_name = new, name
+        self.turns = list(res.turns)
+        self._apply_settings_dict(res.sampler or {})
+        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
+        return "\n".join(lines)
+
+    def reset(self) -> str:
+        """A new empty conversation; the current session stays on disk."""
+        old = self.session.name if self.session else None
+        if self.session:
+            self.session.close()
+        self.session, self.session_name = None, None
+        self.clear()
+        return f"new conversation (session {old} is saved; /resume {old} reopens it)" if old else "new conversation"
+
+    def clear(self) -> None:
+        self.model.reset()
+        self.turns = []
+
+    def close(self) -> None:
+        if self.session:
+            self.session.close()
+            self.session = None
+
+    def disk_bytes(self) -> int:
+        if not self.session:
+            return 0
+        total = 0
+        for path in (self.session.kv_path, self.session.json_path):
+            try:
+                total += os.path.getsize(path)
+            except OSError:
+                pass
+        return total
+
+    def _save(self, stats: TurnStats) -> None:
+        """Append the unsaved turns; a failure is reported and the conversation goes on in memory."""
+        if not self.store:
+            return
+        try:
+            if self.session is None:
+                self.session = self.store.create(self.ident, self.layout, self.session_name,
+                                                 self._settings_dict())
+                self.session_name = self.session.name
+            self.session.append(self.model.cache, self.turns)
+            stats.saved = True
+        except (SessionError, OSError, ValueError) as e:
+            stats.saved = False
+            stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+    def _save_settings(self) -> None:
+        if self.session:
+            try:
+                self.session.save_sampler(self._settings_dict())
+            except (SessionError, OSError):
+                pass  # saved again with the next answer
+
+    # --- the prompt for a new user message ---------------------------------------------------------
+
+    def _prompt_ids(self, user_text: str) -> tuple[list[int], int]:
+        """Token ids to append for a new user message, and the cache row they start at
+        (below the cache length only when the template re-renders history differently)."""
+        full = self.template.render(self.messages() + [{"role": "user", "content": user_text}], True)
+        users = [i for i, t in enumerate(self.turns) if t.role == "user"]
+        if not self.turns:
+            return self.tok.encode_prompt(full), 0
+        if not users:  # only turns imported from a bare cache: continue after them, no second BOS
+            bos = self.tok.bos_text
+            return self.tok.encode(full[len(bos):] if bos and full.startswith(bos) else full,
+                                   special=True), self.n_tokens
+        last_user = users[-1]
+        base = self.template.render(self.messages(self.turns[: last_user + 1]), True)
+        base += "".join(t.text for t in self.turns[last_user + 1 :])
+        if full.startswith(base):
+            return self.tok.encode(full[len(base) :], special=True), self.n_tokens
+        # Not prefix-stable (e.g. a template that rewrites past answers): keep the cache up to the
+        # last turn boundary inside the longest common token prefix, and re-run the rest.
+        ids = self.tok.encode_prompt(full)
+        cached = self.model.cache.token_ids()
+        lcp = 0
+        while lcp < min(len(ids), len(cached)) and ids[lcp] == cached[lcp]:
+            lcp += 1
+        keep = max([0] + [t.last for t in self.turns if t.last <= lcp])
+        return ids[keep:], keep
+
+    # --- one exchange -----------------------------------------------------------------------------
+
+    def ask(self, user_text: str, on_text=None, on_progress=None) -> tuple[str, TurnStats]:
+        """Append the user's message, generate the answer (streamed through on_text), save both turns.
+
+        `stop_requested` (set from a signal handler) ends the answer after the current token;
+        what was generated stays in the transcript and the cache.
+        """
+        if not user_text.strip():
+            raise ChatError("empty message")
+        self.stop_requested = False
+        stats = TurnStats()
+        ids, start = self._prompt_ids(user_text)
+        room = self.model.n_ctx - start
+        if len(ids) + 1 >= room:
+            raise ChatError(
+                f"the message needs {len(ids)} tokens but only {room} of the context of "
+                f"{self.model.n_ctx} are left: /rewind, /reset, or restart with a larger --ctx"
+            )
+        if start < self.n_tokens:
+            self._truncate_records(start)
+        first = self.n_tokens
+        t0 = time.perf_counter()
+        try:
+            logits = self._prefill(ids, on_progress)
+        except KeyboardInterrupt:
+            self.model.cache.truncate(first)
+            raise
+        stats.prompt_tokens, stats.prefill_s = len(ids), time.perf_counter() - t0
+        user = Turn("user", user_text, first, self.n_tokens)
+        answer, stats = self._generate(logits, stats, on_text)
+        self.turns += [user, Turn("assistant", answer, user.last, self.n_tokens)]
+        self._save(stats)
+        self.last_stats = stats
+        return answer, stats
+
+    def _prefill(self, ids: list[int], on_progress):
+        step = 256 if on_progress and len(ids) > 512 else len(ids)
+        for i in range(0, len(ids), step):
+            logits = self.model.prefill(ids[i : i + step], all_logits=False)[-1]
+            if on_progress:
+                on_progress(min(i + step, len(ids)), len(ids))
+        return logits
+
+    def _generate(self, logits, stats: TurnStats, on_text) -> tuple[str, TurnStats]:
+        stream = self.tok.stream()
+        pieces: list[str] = []
+        cache = self.model.cache
+        t0 = time.perf_counter()
+        stats.stopped = "length"
+        for _ in range(self.settings.max_tokens):
+            if self.stop_requested:
+                stats.stopped = "interrupt"
+                break
+            recent = cache.tokens[max(0, cache.length - 64) : cache.length]
+            tid = self.sampler(logits, recent)
+            if tid in self.tok.eog_ids:
+                stats.stopped = "eog"
+                break
+            if cache.room() < 2:
+                stats.stopped = "context"
+                break
+            logits = self.model.decode(tid)  # the token is in the cache before it is shown
+            stats.generated += 1
+            piece = stream.push(tid)
+            if piece:
+                pieces.append(piece)
+                if on_text:
+                    on_text(piece)
+        tail = stream.flush()
+        if tail:
+            pieces.append(tail)
+            if on_text:
+                on_text(tail)
+        stats.decode_s = time.perf_counter() - t0
+        return "".join(pieces), stats
+
+    # --- history edits ----------------------------------------------------------------------------
+
+    def rewind(self, n: int = 1) -> list[Turn]:
+        """Drop the last n exchanges (cache truncated to the start of the first dropped one)."""
+        if n < 1:
+            raise ChatError("/rewind takes a positive number of exchanges")
+        starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
+        if n > len(starts):
+            raise ChatError(f"cannot rewind {n} exchange(s): the conversation has {len(starts)}")
+        dropped = self.turns[starts[-n]:]
+        self._truncate_records(dropped[0].first)
+        return dropped
+
+    def _truncate_records(self, n: int) -> None:
+        """Shrink the cache to n rows (a turn boundary), dropping later turns, on disk too."""
+        self.model.cache.truncate(n)
+        self.turns = [t for t in self.turns if t.last <= n]
+        if self.session:
+            try:
+                self.session.truncate(len(self.turns))
+            except SessionError as e:
+                raise ChatError(f"{e} (the conversation goes on in memory)") from None
+
+    # --- reporting --------------------------------------------------------------------------------
+
+    def footer(self, stats: TurnStats) -> str:
+        saved = {None: "not saved (--no-save)", True: f"saved to {self.session_name}",
+                 False: f"NOT saved: {stats.save_error}"}[stats.saved]
+        stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
+                "context": ", context full"}.get(stats.stopped, "")
+        return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
+                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}; {saved}]")
+
+    def stats_lines(self) -> list[str]:
+        cache = self.model.cache
+        lines = [f"context: {self.n_tokens} of {self.model.n_ctx} tokens, {self.exchanges()} exchange(s)",
+                 f"KV cache: {cache.kv_bytes_per_token:,} bytes/token, "
+                 f"{self.n_tokens * cache.record_bytes / 1e6:.2f} MB in use"]
+        if self.session:
+            lines.append(f"session {self.session.name}: {self.disk_bytes() / 1e6:.2f} MB on disk")
+        else:
+            lines.append("session: not saved yet" if self.store else "session: saving is off (--no-save)")
+        s = self.last_stats
+        if s:
+            lines.append(f"last answer: {s.generated} tokens at {s.decode_tps:.1f} tok/s; "
+                         f"prefill {s.prompt_tokens} tokens at {s.prefill_tps:.0f} tok/s")
+        return lines
+
+    def exchanges(self) -> int:
+        return sum(1 for t in self.turns if t.role == "user")
