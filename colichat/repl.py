@@ -12,7 +12,7 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
 from .commands import completions
-from .persist import paths
+from .paths import paths
 
 PROMPT = "> "
 CONTINUATION = "... "

@@ -25,30 +25,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ..paths import Paths, paths  # noqa: F401  (re-exported)
 from .kvfile import HEADER, HEADER_SIZE, KIND_OF_MAGIC, CacheLayout, SessionError, oserror_text
 from .session import Session
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 KV_EXT = ".coli_kv"
-
-
-@dataclass(frozen=True)
-class Paths:
-    data: Path  # sessions (what a user keeps)
-    state: Path  # history
-    cache: Path  # dequantized weights and other re-creatable files
-
-
-def paths() -> Paths:
-    """COLICHAT_HOME (if set and non-empty) holds data/, state/ and cache/; else the XDG directories."""
-    home = os.environ.get("COLICHAT_HOME")
-    if home:
-        h = Path(home).expanduser()
-        return Paths(h / "data", h / "state", h / "cache")
-    import platformdirs
-
-    return Paths(Path(platformdirs.user_data_dir("colichat")), Path(platformdirs.user_state_dir("colichat")),
-                 Path(platformdirs.user_cache_dir("colichat")))
 
 
 # ---- model identity ---------------------------------------------------------------------------
