@@ -1,5 +1,6 @@
 """Attention over the cache. Axis letters: T new tokens, N cached tokens (including the new ones),
-H query heads, G KV heads (GQA), Q = H / G queries per KV head, E head size.
+H query heads, G KV heads (GQA), Q = H / G queries per KV head, E head size;
+MLA: C latent (kv_lora_rank), R rope part (qk_rope), Dn nope part (qk_nope), Dv value head size.
 """
 
 from __future__ import annotations
@@ -7,6 +8,23 @@ from __future__ import annotations
 import numpy as np
 
 from .ops import causal_mask, softmax
+
+SCORE_BUDGET = 1 << 25  # floats in one (rows, N) score block: bounds attention scratch to ~128 MiB
+QUERY_BLOCK = 128  # prefill queries per block: later keys of a block are left out (causal)
+DECOMPRESS_BUDGET = 1 << 26  # floats of decompressed per-head keys+values the naive MLA form may make
+
+
+def _query_blocks(t: int, h: int, n: int):
+    """[i0, i1) query ranges: at most QUERY_BLOCK queries and SCORE_BUDGET scores (H * rows * N) each."""
+    tb = max(1, min(t, QUERY_BLOCK, SCORE_BUDGET // max(1, h * n)))
+    return [(i0, min(t, i0 + tb)) for i0 in range(0, t, tb)]
+
+
+def _exp_rows(s: np.ndarray) -> np.ndarray:
+    """In place: s <- exp(s - rowmax); returns the row sums (keepdims), to divide the output by."""
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    return s.sum(axis=-1, keepdims=True)
 
 
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
@@ -30,3 +48,90 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     o = np.matmul(s, v.transpose(1, 0, 2))  # (G, Q*T, E)
     o = o.reshape(g, qpk, t, e).transpose(2, 0, 1, 3)  # (T, G, Q, E)
     return o.reshape(t, h * e)
+
+
+def mla_absorbed(
+    q_nope: np.ndarray,
+    q_pe: np.ndarray,
+    kv: np.ndarray,
+    k_b: np.ndarray,
+    v_b: np.ndarray,
+    pos0: int,
+    scale: float,
+    q_scale: np.ndarray | None = None,
+) -> np.ndarray:
+    """MLA in the absorbed form (mla-spec 5.4): one shared 'MQA' key [c | k_pe] per cached token.
+
+    q_nope: (T, H, Dn); q_pe: (T, H, R) roped, for positions pos0..pos0+T-1;
+    kv: (N, C+R) cache rows [c | k_pe] (a strided view is fine), N = pos0 + T, new rows written;
+    k_b: (H, C, Dn) (attn_k_b); v_b: (H, Dv, C) (attn_v_b); scale: kq_scale (uses d_qk, not C+R);
+    q_scale: optional (T,) query temperature. Returns (T, H * Dv).
+    """
+    t, h, _ = q_nope.shape
+    n, cr = kv.shape
+    c = k_b.shape[1]
+    qh = np.empty((t, h, cr), dtype=np.float32)  # (T, H, C+R) absorbed queries [K_b q_nope | q_pe]
+    # per head: q~ = K_b[h] @ q_nope[h], batched over heads: (H, T, Dn) @ (H, Dn, C) -> (H, T, C)
+    qh[:, :, :c] = np.matmul(q_nope.transpose(1, 0, 2), k_b.transpose(0, 2, 1)).transpose(1, 0, 2)
+    qh[:, :, c:] = q_pe
+    if q_scale is not None:
+        qh *= q_scale[:, None, None]
+    qh *= np.float32(scale)
+    lat = np.empty((t, h, c), dtype=np.float32)  # (T, H, C) attention-weighted latents
+    for i0, i1 in _query_blocks(t, h, n):
+        m = pos0 + i1  # keys past the block's last query are masked anyway: leave them out
+        s = qh[i0:i1].reshape((i1 - i0) * h, cr) @ kv[:m].T  # (tb*H, m)
+        if t > 1:
+            s3 = s.reshape(i1 - i0, h, m)
+            s3 += causal_mask(pos0 + i0, i1 - i0, m)[:, None, :]
+        z = _exp_rows(s)  # (tb*H, 1) row sums; s now holds unnormalized probabilities
+        lat[i0:i1] = ((s @ kv[:m, :c]) / z).reshape(i1 - i0, h, c)  # (tb, H, C)
+    o = np.matmul(lat.transpose(1, 0, 2), v_b.transpose(0, 2, 1))  # (H, T, Dv)
+    return o.transpose(1, 0, 2).reshape(t, -1)  # (T, H*Dv)
+
+
+def mla_naive(
+    q_nope: np.ndarray,
+    q_pe: np.ndarray,
+    kv: np.ndarray,
+    k_b: np.ndarray,
+    v_b: np.ndarray,
+    pos0: int,
+    scale: float,
+    q_scale: np.ndarray | None = None,
+) -> np.ndarray:
+    """MLA in the decompressed multi-head form (mla-spec 5.3): every cached latent is expanded to
+    per-head k_nope = W_UK c and v = W_UV c. Same arguments and result as mla_absorbed; cheaper
+    than it for long query chunks (see prefer_naive), much dearer for decode."""
+    t, h, _ = q_nope.shape
+    n, cr = kv.shape
+    c = k_b.shape[1]
+    lat = kv[:, :c]  # (N, C)
+    k = np.matmul(lat, k_b)  # (H, N, Dn): per head c @ K_b[h] = (W_UK c)^T
+    v = np.matmul(lat, v_b.transpose(0, 2, 1))  # (H, N, Dv)
+    sc = np.float32(scale) if q_scale is None else (np.float32(scale) * q_scale)[None, :, None]
+    qn = q_nope.transpose(1, 0, 2) * sc  # (H, T, Dn), scale folded in
+    qr = q_pe.transpose(1, 0, 2) * sc  # (H, T, R)
+    out = np.empty((h, t, v.shape[2]), dtype=np.float32)  # (H, T, Dv)
+    for i0, i1 in _query_blocks(t, h, n):
+        m = pos0 + i1  # keys past the block's last query are masked anyway: leave them out
+        s = np.matmul(qn[:, i0:i1], k[:, :m].transpose(0, 2, 1))  # (H, tb, m)
+        s += (qr[:, i0:i1].reshape(-1, cr - c) @ kv[:m, c:].T).reshape(h, i1 - i0, m)  # rope part
+        if t > 1:
+            s += causal_mask(pos0 + i0, i1 - i0, m)
+        z = _exp_rows(s)  # (H, tb, 1)
+        out[:, i0:i1] = np.matmul(s, v[:, :m]) / z  # (H, tb, Dv)
+    return out.transpose(1, 0, 2).reshape(t, -1)  # (T, H*Dv)
+
+
+def prefer_naive(t: int, n: int, h: int, c: int, dn: int, dv: int) -> bool:
+    """Whether the decompressed form is cheaper for T queries over N keys.
+
+    Per (query, key, head) the absorbed form costs 2C + R multiply-adds, the naive one Dn + R + Dv
+    plus C (Dn + Dv) per key and head to decompress. Measured on one DeepSeek-V2-Lite layer (H 16,
+    C 512, Dn = Dv = 128): naive is faster from T ~ 200 on (1.5x at T = 512) and far slower for
+    decode; the 1.3 margin puts the switch there. The decompressed keys and values must also fit
+    DECOMPRESS_BUDGET (large-H models with long contexts stay absorbed).
+    """
+    per_pair = 2 * c - dn - dv
+    return per_pair > 0 and t * per_pair > 1.3 * c * (dn + dv) and h * n * (dn + dv) <= DECOMPRESS_BUDGET
