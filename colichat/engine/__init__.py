@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
-from .model import Model
+from .model import Model, prepare_weights
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
@@ -21,23 +21,40 @@ def load_tokenizer(path_or_reader):
     return _load(path_or_reader)
 
 
-def load(path: str, n_ctx: int | None = None, progress=None) -> Model:
+def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, expert_cache: float | None = None,
+         on_note=None) -> Model:
     """Open a GGUF, check it, dequantize its weights, and return a Model with an empty cache.
 
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
     progress: optional callback(done, total) while weights are prepared.
+    cache_dir: where dequantized weights are kept between runs (prepared.py); None: not kept.
+    expert_cache: MiB of dequantized routed experts kept (MoE models; default in model.py).
+    on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
     """
-    from .model import prepare_weights
+    from .prepared import load_prepared, save_prepared
+    from .tokenizer import Tokenizer
     from .tokenizer import load_tokenizer as _load_tokenizer
 
     path = str(path)
-    reader = open_gguf(path)
-    tensors = Tensors(reader, path)
-    cfg = load_config(reader, path, tensors)
-    tokenizer = _load_tokenizer(reader)
+    prepared = load_prepared(path, cache_dir) if cache_dir is not None else None
+    if prepared is not None:
+        cfg, tensors, weights = prepared.config, prepared.tensors, prepared.weights
+        tokenizer = Tokenizer(prepared.tokenizer_meta, path)
+    else:
+        reader = open_gguf(path)
+        tensors = Tensors(reader, path)
+        cfg = load_config(reader, path, tensors)
+        tokenizer = _load_tokenizer(reader)
+        weights = None
     if n_ctx is None:
         n_ctx = min(cfg.n_ctx_train, DEFAULT_CTX)
     if n_ctx < 16:
         raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
-    weights = prepare_weights(cfg, tensors, progress)
-    return Model(cfg, weights, tokenizer, n_ctx, tensors)
+    if weights is None:
+        weights = prepare_weights(cfg, tensors, progress)
+        if cache_dir is not None:
+            problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors)
+            if problem and on_note:
+                on_note(problem)
+    kwargs = {} if expert_cache is None else {"expert_cache": expert_cache}
+    return Model(cfg, weights, tokenizer, n_ctx, tensors, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -148,20 +149,47 @@ def _scalar(v):
     return v
 
 
+class TensorRecord(NamedTuple):
+    """One GGUF tensor as Tensors needs it (gguf-py's ReaderTensor has these fields too)."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple         # ggml order (ne)
+    n_bytes: int
+    data: np.ndarray     # the raw data, memory-mapped, numpy layout
+
+
 class Tensors:
-    """GGUF tensors by name; `f32(name)` dequantizes one tensor (or one expert) on request."""
+    """GGUF tensors by name; `f32(name)` dequantizes one tensor (or one expert) on request.
+
+    `files[name]` and `offsets[name]` say where each tensor's data lies (its file may be one part
+    of a split model), so a prepared model can map it again without parsing the GGUF.
+    """
 
     def __init__(self, reader, path: str):
-        import gguf
-
-        self.path = path
         tensors = list(reader.tensors)
+        files = {t.name: str(reader.path) for t in tensors}
         parts = shard_paths(str(reader.path), reader)
         for part in parts[1:]:  # a split model: the first part was opened by open_gguf
-            tensors += _open_one(part).tensors
+            more = _open_one(part).tensors
+            tensors += more
+            files.update({t.name: part for t in more})
         expected = field(reader, "split.tensors.count")
         if len(parts) > 1 and expected is not None and int(expected) != len(tensors):
             raise ModelError(f"{path}: the {len(parts)} parts hold {len(tensors)} tensors, expected {expected}")
+        self._init(path, tensors, files, {t.name: int(t.data_offset) for t in tensors})
+
+    @classmethod
+    def from_records(cls, path: str, records: list[TensorRecord], files: dict, offsets: dict) -> Tensors:
+        self = cls.__new__(cls)
+        self._init(path, records, files, offsets)
+        return self
+
+    def _init(self, path: str, tensors: list, files: dict, offsets: dict) -> None:
+        import gguf
+
+        self.path = path
+        self.files, self.offsets = files, offsets
         self.by_name = {t.name: t for t in tensors}
         supported = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
         supported |= set(getattr(gguf.quants, "_type_traits", {}))

@@ -355,6 +355,7 @@ class Tokenizer:
     """A GGUF byte-level BPE vocabulary. Build with `load_tokenizer`."""
 
     def __init__(self, meta: dict, where: str = "model"):
+        self.meta = meta  # the GGUF keys it was built from (kept for the prepared-model cache)
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             raise ModelError(f"{where}: no tokenizer in this GGUF (missing 'tokenizer.ggml.model')")
