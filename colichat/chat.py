@@ -13,19 +13,31 @@ resumed conversation continues with exactly the tokens an uninterrupted one woul
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
 
 from .engine import Model, Sampler, SamplerSettings
 from .engine.template import chat_template_for
-from .persist import CacheLayout, SessionError, Store, Turn, model_identity
+from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
 
 class ChatError(Exception):
     """Something the user asked that cannot be done; the message is one line."""
+
+
+def check_sampler(s: SamplerSettings) -> None:
+    """ValueError for settings the sampler cannot use: what `validate` checks, plus NaN/infinite
+    numbers (they pass its comparisons) and a negative seed (numpy's own error would not name it)."""
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        if not math.isfinite(getattr(s, key)):
+            raise ValueError(f"{key} must be a finite number")
+    if s.seed is not None and s.seed < 0:
+        raise ValueError("seed must be >= 0")
+    s.validate()
 
 
 @dataclass
@@ -108,7 +120,7 @@ class Conversation:
         else:
             new = self.settings.sampler.with_(**{key: value})
             try:
-                new.validate()
+                check_sampler(new)
             except ValueError as e:
                 raise ChatError(str(e)) from None
             self.settings.sampler = new
@@ -124,7 +136,7 @@ class Conversation:
         fields = {k: d[k] for k in SamplerSettings.__dataclass_fields__ if k in d}
         try:
             sampler = self.settings.sampler.with_(**fields)
-            sampler.validate()
+            check_sampler(sampler)
         except (TypeError, ValueError):
             return  # a damaged settings record: keep the current settings
         self.settings.sampler, self.sampler = sampler, Sampler(sampler)
@@ -142,6 +154,13 @@ class Conversation:
         if info is None:
             return None
         return f"latest saved conversation: {info.describe()} (/resume to continue it)"
+
+    def check_new_session(self, name: str) -> None:
+        """Refuse at start a --session NAME that the first answer could not create (saving is on)."""
+        check_name(name)
+        base = self.store.model_dir(self.ident) / name
+        if any(os.path.lexists(f"{base}{ext}") for ext in (".coli_kv", ".json")):
+            raise ChatError(f"session {name} already exists: add --resume to continue it, or choose another name")
 
     def list_sessions(self) -> list[str]:
         if not self.store:
@@ -280,22 +299,24 @@ class Conversation:
         t0 = time.perf_counter()
         try:
             logits = self._prefill(ids, on_progress)
-        except KeyboardInterrupt:
-            self.model.cache.truncate(first)
+            stats.prompt_tokens, stats.prefill_s = len(ids), time.perf_counter() - t0
+            user = Turn("user", user_text, first, self.n_tokens)
+            answer, stats = self._generate(logits, stats, on_text)
+        except BaseException:
+            self.model.cache.truncate(first)  # an exchange that failed midway leaves no rows without turns
             raise
-        stats.prompt_tokens, stats.prefill_s = len(ids), time.perf_counter() - t0
-        user = Turn("user", user_text, first, self.n_tokens)
-        answer, stats = self._generate(logits, stats, on_text)
         self.turns += [user, Turn("assistant", answer, user.last, self.n_tokens)]
         self._save(stats)
         self.last_stats = stats
         return answer, stats
 
     def _prefill(self, ids: list[int], on_progress):
-        step = 256 if on_progress and len(ids) > 512 else len(ids)
+        """Long prompts go in steps so that progress can be shown (only past 512 tokens)."""
+        show = on_progress is not None and len(ids) > 512
+        step = 256 if show else len(ids)
         for i in range(0, len(ids), step):
             logits = self.model.prefill(ids[i : i + step], all_logits=False)[-1]
-            if on_progress:
+            if show:
                 on_progress(min(i + step, len(ids)), len(ids))
         return logits
 

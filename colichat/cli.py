@@ -11,10 +11,11 @@ import sys
 import time
 
 from . import __version__
-from .chat import ChatError, Conversation, Settings
+from .chat import ChatError, Conversation, Settings, check_sampler
 from .commands import dispatch, is_command
 from .engine import ModelError, SamplerSettings, load
 from .models import DefaultModelMissing, default_model_path
+from .paths import paths
 from .persist import SessionError
 
 
@@ -36,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--max-tokens", type=int, metavar="N", help="the longest answer (default 512)")
     p.add_argument("--system", metavar="TEXT", help="system prompt for new conversations")
+    p.add_argument("--expert-cache", type=float, metavar="MIB",
+                   help="MiB of dequantized MoE experts kept in memory (default 4096)")
     p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
@@ -50,7 +53,7 @@ def settings_from(args) -> Settings:
         value = getattr(args, opt)
         if value is not None:
             s = s.with_(**{key: value})
-    s.validate()
+    check_sampler(s)
     out = Settings(sampler=s, system=args.system)
     if args.max_tokens is not None:
         if args.max_tokens < 1:
@@ -67,13 +70,27 @@ class App:
         self.interactive = interactive
         self.quitting = False
         self.errors = 0
+        self.output_closed = False  # stdout's reader went away (broken pipe)
 
     def say(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     def out(self, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        if self.output_closed:
+            return
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # Nobody reads the answer any more: end it here (what was generated is kept and saved).
+            self.output_closed = True
+            self.conv.stop_requested = True
+            self.errors += 1
+            self.say("colichat: the output was closed; stopping")
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # a quiet flush at exit
+            except (OSError, ValueError):
+                pass
 
     def quit(self) -> None:
         self.quitting = True
@@ -83,6 +100,8 @@ class App:
         _, stats = self.conv.ask(text, on_text=self.out, on_progress=progress)
         self.out("\n")
         self.say(self.conv.footer(stats))
+        if stats.saved is False:
+            self.errors += 1  # the footer says why; the exit status says so too
 
     def _prefill_progress(self, done: int, total: int) -> None:
         sys.stderr.write(f"\rprefill {done}/{total} tokens" + ("\n" if done == total else ""))
@@ -91,7 +110,7 @@ class App:
     def handle(self, line: str) -> None:
         """One input: a command or a message. Errors print one line and count."""
         try:
-            if is_command(line):
+            if is_command(line) and not isinstance(line, Message):
                 dispatch(self, line)
             elif line.strip():
                 self.answer(line)
@@ -100,29 +119,33 @@ class App:
             self.say(f"colichat: {e}")
 
 
+class Message(str):
+    """An input from a `\"\"\"` block: a message even if it starts with `/`."""
+
+
 def read_inputs(stream):
-    """Lines of stdin as inputs; a block between two lines of `\"\"\"` is one input."""
+    """Lines of stdin as inputs; a block between two lines of `\"\"\"` is one input (a Message)."""
     block = None
     for raw in stream:
         line = raw.rstrip("\n")
         if block is not None:
             if line.strip() == '"""':
-                yield "\n".join(block)
+                yield Message("\n".join(block))
                 block = None
             else:
                 block.append(line)
         elif line.strip() == '"""':
             block = []
         elif line.strip().startswith('"""') and line.strip().endswith('"""') and len(line.strip()) > 6:
-            yield line.strip()[3:-3]
+            yield Message(line.strip()[3:-3])
         else:
             yield line
     if block:
-        yield "\n".join(block)
+        yield Message("\n".join(block))
 
 
-def pipe_mode(app: App) -> int:
-    """Read inputs from stdin until its end; only the model's text goes to stdout."""
+def pipe_mode(app: App, inputs=None) -> int:
+    """Read inputs from stdin (or `inputs`, for -p) until the end; only the model's text goes to stdout."""
     interrupted = False
 
     def on_sigint(signum, frame):
@@ -134,11 +157,11 @@ def pipe_mode(app: App) -> int:
 
     old = signal.signal(signal.SIGINT, on_sigint)
     try:
-        for line in read_inputs(sys.stdin):
+        for line in read_inputs(sys.stdin) if inputs is None else inputs:
             app.handle(line)
             if interrupted:
                 return 130
-            if app.quitting:
+            if app.quitting or app.output_closed:
                 break
     except KeyboardInterrupt:
         return 130
@@ -157,15 +180,13 @@ def load_model(args, say):
             sys.stderr.write(f"\rloading {os.path.basename(path)}: layer {done}/{total}")
             sys.stderr.flush()
 
-    model = load(path, n_ctx=args.ctx, progress=progress)
+    model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
+                 expert_cache=args.expert_cache, on_note=lambda line: say(f"note: {line}"))
     if tty:
         sys.stderr.write("\r\033[K")
     cfg = model.cfg
-    say(
-        f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}; "
-        f"KV cache {model.cache.kv_bytes_per_token:,} bytes/token, context {model.n_ctx}; "
-        f"weights {model.weight_bytes / 2**20:,.0f} MiB; loaded in {time.perf_counter() - t0:.1f} s"
-    )
+    say(f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}, loaded in {time.perf_counter() - t0:.1f} s")
+    say(f"memory: {model.memory_estimate()}")
     return model
 
 
@@ -175,7 +196,11 @@ def main(argv=None) -> int:
     def say(line):
         print(line, file=sys.stderr, flush=True)
 
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
     try:
+        if args.prompt is not None and not args.prompt.strip():
+            raise ValueError("-p/--prompt needs a message")
         settings = settings_from(args)
         model = load_model(args, say)
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session)
@@ -190,12 +215,13 @@ def main(argv=None) -> int:
         if args.resume:
             say(conv.resume(args.session))
         else:
+            if args.session and not args.no_save:
+                conv.check_new_session(args.session)
             hint = conv.latest_hint()
             if hint:
                 say(hint)
         if args.prompt is not None:
-            app.handle(args.prompt)
-            return 1 if app.errors else 0
+            return pipe_mode(app, [args.prompt])
         if interactive:
             from .repl import run
 
@@ -204,6 +230,8 @@ def main(argv=None) -> int:
     except (ChatError, SessionError, ModelError) as e:
         say(f"colichat: {e}")
         return 1
+    except KeyboardInterrupt:
+        return 130
     finally:
         conv.close()
 

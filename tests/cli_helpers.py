@@ -1,0 +1,162 @@
+"""Drive colichat the way scripts (and the tests) do: a subprocess in pipe mode, stdout and stderr apart.
+
+    r = chat(home, ["--model", TINY_LLAMA, *GREEDY], "hello\\n/history\\n")
+    r.rc, r.out (bytes: only the answers), r.err (str: everything else)
+    r.ok() / r.failed()            assert the exit code, no traceback; return r
+    saved_turns(home, name)        [(role, text), ...] from the session's sidecar
+    answers_bytes(texts)           what stdout must hold for these answers
+    copy_gguf(src, dst, ...)       a GGUF rewritten with a key or tensor dropped, or another architecture
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import TINY
+
+TINY_LLAMA = str(TINY / "llama.gguf")
+CHAT = [sys.executable, "-m", "colichat.cli"]
+GREEDY = ["--temperature", "0"]
+TINY_ARGS = ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "8"]
+RESUMED_RE = re.compile(r"^resumed (\d+) tokens, (\d+) turns from (\S+) in \d+ ms, no re-prefill$", re.M)
+FOOTER_RE = re.compile(r"^\[\d+ tokens, .*context (\d+)/(\d+).*; "
+                       r"(saved to \S+|NOT saved: .*|not saved \(--no-save\))\]$", re.M)
+
+
+@dataclass
+class Run:
+    rc: int
+    out: bytes
+    err: str
+
+    def ok(self) -> Run:
+        return self.exits(0)
+
+    def failed(self) -> Run:
+        return self.exits(1)
+
+    def exits(self, rc: int) -> Run:
+        assert "Traceback" not in self.err, self.err
+        assert self.rc == rc, f"exit {self.rc}, expected {rc}; stderr:\n{self.err}"
+        return self
+
+    def errors(self) -> list[str]:
+        """The error lines (`colichat: ...`) on stderr."""
+        return [line for line in self.err.splitlines() if line.startswith("colichat: ")]
+
+    def footers(self) -> list[str]:
+        return [m.group(0) for m in FOOTER_RE.finditer(self.err)]
+
+    def resumed(self) -> tuple[int, int, str]:
+        """(tokens, turns, name) of the resume line; fails if there is none."""
+        m = RESUMED_RE.search(self.err)
+        assert m, f"no resume line in stderr:\n{self.err}"
+        return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
+def env_for(home, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONIOENCODING"}
+    env.update(COLICHAT_HOME=str(home), **extra)
+    return env
+
+
+def chat(home, args, stdin: str | bytes = "", timeout: float = 300, env_extra=None, **popen) -> Run:
+    """Run colichat with `args`, feed `stdin`, wait for it to exit."""
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    p = subprocess.run([*CHAT, *map(str, args)], input=data, capture_output=True, timeout=timeout,
+                       env=env_for(home, **(env_extra or {})), cwd=str(home), **popen)
+    return Run(p.returncode, p.stdout, p.stderr.decode("utf-8", "replace"))
+
+
+def start(home, args, **popen) -> subprocess.Popen:
+    """colichat running in the background with stdin, stdout and stderr piped."""
+    return subprocess.Popen([*CHAT, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env_for(home), cwd=str(home), **popen)
+
+
+def read_until(stream, needle: bytes = b"", timeout: float = 120) -> bytes:
+    """Read a pipe until `needle` appears (the empty needle: any data) or it ends; fails after `timeout` s."""
+    fd, got = stream.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while not got or needle not in got:
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out waiting for {needle!r}; got {got[-2000:]!r}"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def finish(p: subprocess.Popen, head_out: bytes = b"", head_err: bytes = b"", timeout: float = 300) -> Run:
+    out, err = p.communicate(timeout=timeout)
+    return Run(p.returncode, head_out + out, (head_err + err).decode("utf-8", "replace"))
+
+
+def session_files(home) -> list[Path]:
+    return sorted(p for p in (Path(home) / "data" / "sessions").glob("*/*") if p.is_file())
+
+
+def saved_turns(home, name: str) -> list[tuple[str, str]]:
+    """The (role, text) turns of session NAME, read from its sidecar (one model per home in these tests)."""
+    found = list((Path(home) / "data" / "sessions").glob(f"*/{name}.json"))
+    assert len(found) == 1, f"session {name}: {found}"
+    return [(t["role"], t["text"]) for t in json.loads(found[0].read_text("utf-8"))["turns"]]
+
+
+def saved_answers(home, name: str) -> list[str]:
+    return [text for role, text in saved_turns(home, name) if role == "assistant"]
+
+
+def saved_users(home, name: str) -> list[str]:
+    return [text for role, text in saved_turns(home, name) if role == "user"]
+
+
+def session_names(run: Run) -> list[str]:
+    """The sessions the footers say the answers were saved to, in order."""
+    return [m.group(1) for m in re.finditer(r"; saved to (\S+)\]$", run.err, re.M)]
+
+
+def answers_bytes(texts) -> bytes:
+    """Stdout of a run that gave these answers: each answer's text, then a newline."""
+    return b"".join(t.encode("utf-8") + b"\n" for t in texts)
+
+
+def lines(*inputs: str) -> str:
+    return "".join(i + "\n" for i in inputs)
+
+
+def copy_gguf(src, dst, drop_keys=(), drop_tensors=(), arch: str | None = None, scale: dict | None = None) -> str:
+    """Rewrite GGUF `src` as `dst` without some keys or tensors, with another general.architecture,
+    or with some tensors multiplied by a factor (`scale={name: factor}`: the same model, other weights)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), arch or str(reader.fields["general.architecture"].contents()))
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), vtype, sub)
+    for t in reader.tensors:
+        if t.name in drop_tensors:
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, "copy_gguf handles F32 files only"
+        data = np.array(t.data, dtype=np.float32) * np.float32((scale or {}).get(t.name, 1.0))
+        writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(dst)

@@ -1,0 +1,325 @@
+"""Bad input to the chat program: one clear line on stderr each, never a traceback, the right exit code.
+
+Bad model files and bad options end the program (exit 1) before anything is written; bad commands in
+pipe mode are named back and the program goes on with the next lines (exit 1 at the end); a session
+that cannot be written is reported after each answer ("NOT saved: ...") and the conversation goes on.
+"""
+
+from __future__ import annotations
+
+import resource
+import shutil
+
+import pytest
+from cli_helpers import (
+    GREEDY,
+    TINY_ARGS,
+    TINY_LLAMA,
+    answers_bytes,
+    chat,
+    copy_gguf,
+    finish,
+    lines,
+    read_until,
+    saved_answers,
+    saved_users,
+    session_files,
+    start,
+)
+
+Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
+
+
+# ---- bad model files ----------------------------------------------------------------------------
+
+
+def _missing(d):
+    return d / "nowhere.gguf", "no such file"
+
+
+def _directory(d):
+    (d / "model.gguf").mkdir()
+    return d / "model.gguf", "is a directory"
+
+
+def _not_gguf(d):
+    (d / "notes.gguf").write_text("hello, world\n")
+    return d / "notes.gguf", "not a GGUF file"
+
+
+def _empty(d):
+    (d / "empty.gguf").write_bytes(b"")
+    return d / "empty.gguf", "not a GGUF file"
+
+
+def _truncated(n):
+    def make(d):
+        with open(TINY_LLAMA, "rb") as f:
+            (d / "cut.gguf").write_bytes(f.read(n))
+        return d / "cut.gguf", "damaged or truncated GGUF file"
+
+    return make
+
+
+def _missing_key(d):
+    return copy_gguf(TINY_LLAMA, d / "nokey.gguf", drop_keys=["llama.embedding_length"]), \
+        "missing GGUF key 'llama.embedding_length'"
+
+
+def _missing_tensor(d):
+    return copy_gguf(TINY_LLAMA, d / "notensor.gguf", drop_tensors=["blk.2.ffn_up.weight"]), \
+        "missing tensor 'blk.2.ffn_up.weight'"
+
+
+def _arch(name):
+    def make(d):
+        return copy_gguf(TINY_LLAMA, d / f"{name}.gguf", arch=name), f"architecture '{name}' is not supported"
+
+    return make
+
+
+BAD_MODELS = {
+    "missing": _missing, "directory": _directory, "not-gguf": _not_gguf, "empty": _empty,
+    "truncated-header": _truncated(3000), "truncated-data": _truncated(5_000_000),
+    "missing-key": _missing_key, "missing-tensor": _missing_tensor,
+    "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("minicpm3"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_MODELS)
+def test_bad_model_file(kind, tmp_path, colichat_home):
+    path, problem = BAD_MODELS[kind](tmp_path)
+    run = chat(colichat_home, ["--model", path, *GREEDY], lines("hello")).failed()
+    assert run.out == b""
+    [line] = run.err.splitlines()  # one line, nothing else
+    assert line.startswith(f"colichat: {path}: ") and problem in line, line
+    assert session_files(colichat_home) == []
+
+
+def test_rewritten_model_loads_when_nothing_is_missing(tmp_path, colichat_home):
+    """The control for the rewritten files above: an unchanged copy answers like the original."""
+    copy = copy_gguf(TINY_LLAMA, tmp_path / "copy.gguf")
+    mine = chat(colichat_home, ["--model", copy, *TINY_ARGS[2:], "--no-save"], lines(Q[0])).ok()
+    orig = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()
+    assert mine.out == orig.out != b""
+
+
+# ---- bad options --------------------------------------------------------------------------------
+
+BAD_OPTIONS = {
+    "negative-temperature": (["--temperature", "-1"], "temperature must be >= 0"),
+    "nan-temperature": (["--temperature", "nan"], "temperature must be a finite number"),
+    "top-p": (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    "negative-seed": (["--seed", "-1"], "seed must be >= 0"),
+    "max-tokens": (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    "tiny-ctx": (["--ctx", "8"], "context size 8 is too small"),
+    "empty-prompt": (["-p", " "], "-p/--prompt needs a message"),
+    "bad-session-name": (["--session", "../up"], "invalid session name '../up'"),
+    "resume-nothing": (["--resume"], "no saved conversation for this model yet"),
+    "resume-unknown": (["--resume", "--session", "nosuch"], "no session named nosuch"),
+    "resume-without-saving": (["--resume", "--no-save"], "saving is off (--no-save): nothing to resume"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_OPTIONS)
+def test_bad_option(kind, colichat_home):
+    args, problem = BAD_OPTIONS[kind]
+    run = chat(colichat_home, [*TINY_ARGS, *args], lines("hello")).failed()
+    assert run.out == b""
+    [line] = run.errors()
+    assert problem in line, line
+    assert session_files(colichat_home) == []
+
+
+def test_existing_session_name_without_resume_is_refused_at_start(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[1])).failed()
+    assert run.out == b""
+    assert run.errors() == ["colichat: session s already exists: add --resume to continue it, or choose another name"]
+    assert saved_users(colichat_home, "s") == [Q[0]]
+
+
+# ---- bad commands in pipe mode ------------------------------------------------------------------
+
+
+def test_bad_commands_are_named_back_and_the_input_goes_on(colichat_home):
+    stdin = lines("/frobnicate now", "/rewind", Q[0], "/rewind 2", "/rewind two", "/resume nosuch",
+                  "/resume ../etc", "/set colour blue", "/set temperature hot", "/help frob", Q[1], "/history")
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], stdin).failed()
+    expected = [
+        "colichat: unknown command '/frobnicate': /help lists the commands",
+        "colichat: cannot rewind 1 exchange(s): the conversation has 0",
+        "colichat: cannot rewind 2 exchange(s): the conversation has 1",
+        "colichat: /rewind takes a whole number, not 'two'",
+        "colichat: no session named nosuch for this model (/sessions lists them)",
+        "colichat: invalid session name '../etc'",
+        "colichat: cannot set 'colour'",
+        "colichat: temperature takes a number, not 'hot'",
+        "colichat: unknown command '/frob'",
+    ]
+    errors = run.errors()
+    assert len(errors) == len(expected), errors
+    for line, start_ in zip(errors, expected, strict=True):
+        assert line.startswith(start_), (line, start_)
+    # ... and the conversation went on: both questions answered, saved, listed by /history.
+    assert saved_users(colichat_home, "s") == Q[:2]
+    assert run.out == answers_bytes(saved_answers(colichat_home, "s"))
+    assert [line for line in run.err.splitlines() if line.startswith("user> ")] == [f"user> {q}" for q in Q[:2]]
+
+
+@pytest.mark.parametrize("command", ["/frobnicate", "/rewind", "/resume nosuch", "/set top_k many"])
+def test_bad_command_in_one_shot_mode_exits_1(command, colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "-p", command]).failed()
+    assert run.out == b"" and len(run.errors()) == 1
+
+
+def test_message_too_long_for_the_context(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--ctx", "16", "--no-save"],
+               lines("a message far too long for a context of sixteen tokens", "hi")).failed()
+    [line] = run.errors()
+    assert "only 16 of the context of 16 are left" in line and "--ctx" in line
+    assert len(run.footers()) == 1 and run.out.endswith(b"\n")
+
+
+def test_session_of_another_model_is_refused(tmp_path, colichat_home):
+    # Same file name, same shapes, other weights (a "fine-tune"): its sessions are not ours.
+    (tmp_path / "ft").mkdir()
+    finetune = copy_gguf(TINY_LLAMA, tmp_path / "ft" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    ft_args = ["--model", finetune, *TINY_ARGS[2:]]
+    chat(colichat_home, [*TINY_ARGS, "--session", "mine"], lines(Q[0])).ok()
+    run = chat(colichat_home, [*ft_args, "--resume", "--session", "mine"], lines(Q[1])).failed()
+    assert run.out == b""
+    [line] = run.errors()
+    assert line.startswith("colichat: session mine belongs to another model (llama.gguf)"), line
+    run = chat(colichat_home, ft_args, lines("/resume mine", Q[1], "/sessions")).failed()
+    assert run.errors() == [line] and len(run.footers()) == 1
+    assert not any(row.strip().startswith("mine:") for row in run.err.splitlines())
+    # The session is intact for its own model.
+    mine = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "mine"]).ok()
+    assert mine.resumed()[1:] == (2, "mine")
+
+
+def test_second_colichat_on_the_same_session_is_refused(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    first = start(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"])  # waits on stdin
+    head_err = b""
+    try:
+        head_err = read_until(first.stderr, b"no re-prefill")
+        msg = f"colichat: session s is open in another colichat (pid {first.pid})"
+        second = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).failed()
+        assert second.errors() == [msg] and second.out == b""
+        third = chat(colichat_home, TINY_ARGS, lines("/resume s", Q[1])).failed()
+        assert third.errors() == [msg] and len(third.footers()) == 1
+        fourth = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[1])).failed()
+        assert "session s already exists" in fourth.errors()[0]
+        first.stdin.write(lines(Q[1]).encode())
+    finally:
+        run = finish(first, head_err=head_err)
+    run.ok()
+    assert saved_users(colichat_home, "s") == Q[:2]
+    chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"]).ok()  # free again
+
+
+# ---- saving fails -------------------------------------------------------------------------------
+
+
+def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
+    (tmp_path / "clean").mkdir()
+    clean = chat(tmp_path / "clean", [*TINY_ARGS, "--session", "c"], lines(*Q)).ok()
+    ref = saved_answers(tmp_path / "clean", "c")
+    # A file size limit (RLIMIT_FSIZE: writes past it fail with EFBIG; root ignores permissions) halfway
+    # between the cache file's size after the first answer and after the second.
+    [kv] = [p for p in session_files(tmp_path / "clean") if p.suffix == ".coli_kv"]
+    ctx = [int(f.split("context ")[1].split("/")[0]) for f in clean.footers()]
+    limit = kv.stat().st_size * (ctx[0] + ctx[1]) // (2 * ctx[2])
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    chat(colichat_home, [*TINY_ARGS, "--no-save"]).ok()  # any cache the model start makes, made without the limit
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(*Q), preexec_fn=limit_file_size).failed()
+    assert run.out == clean.out == answers_bytes(ref)  # the conversation went on in memory, unchanged
+    f = run.footers()
+    assert len(f) == 3 and f[0].endswith("; saved to s]"), f
+    assert all("NOT saved: could not save session s: File too large" in x for x in f[1:]), f
+    assert run.errors() == []  # the footers said it; no extra lines
+    # On disk: the session loads to the last turn that was saved, and goes on from there.
+    again = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).ok()
+    assert again.resumed()[1:] == (2, "s")
+    assert again.out == answers_bytes(ref[1:2])
+    assert saved_answers(colichat_home, "s") == ref[:2]
+
+
+def test_session_directory_blocked_by_a_file(colichat_home):
+    (colichat_home / "data").mkdir()
+    (colichat_home / "data" / "sessions").write_text("in the way\n")
+    run = chat(colichat_home, TINY_ARGS, lines(Q[0], Q[1], "/sessions")).failed()
+    f = run.footers()
+    assert len(f) == 2 and all("NOT saved: cannot create session directory " in x and "Not a directory" in x
+                               for x in f), f
+    assert run.out.count(b"\n") >= 2 and "no saved sessions for this model" in run.err
+    assert (colichat_home / "data" / "sessions").read_text() == "in the way\n"
+
+
+# ---- the output side ----------------------------------------------------------------------------
+
+
+def test_closed_stdout_stops_quietly_and_keeps_the_answer(colichat_home):
+    p = start(colichat_home, ["--model", TINY_LLAMA, *GREEDY, "--ctx", "8192", "--max-tokens", "8000",
+                              "--session", "s"])
+    p.stdin.write(lines("hello", "not answered").encode())
+    p.stdin.close()
+    read_until(p.stdout)
+    p.stdout.close()  # like `colichat | head -c 1`
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert "Traceback" not in err and p.returncode == 1, err
+    assert "colichat: the output was closed; stopping" in err
+    assert ", interrupted; saved to s]" in err
+    assert saved_users(colichat_home, "s") == ["hello"] and saved_answers(colichat_home, "s")[0]
+
+
+def test_unencodable_answer_text_is_replaced_not_fatal(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(*Q[:2]),
+               env_extra={"PYTHONIOENCODING": "ascii"}).ok()
+    answers = saved_answers(colichat_home, "s")
+    assert any(ord(c) > 127 for a in answers for c in a)  # the tiny model's gibberish is not ASCII
+    assert run.out == b"".join(a.encode("ascii", "replace") + b"\n" for a in answers)
+
+
+def test_bad_model_does_not_touch_sessions(tmp_path, colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    before = {p: p.read_bytes() for p in session_files(colichat_home)}
+    cut = tmp_path / "llama.gguf"
+    shutil.copyfile(TINY_LLAMA, cut)
+    with open(cut, "r+b") as f:
+        f.truncate(1_000_000)
+    chat(colichat_home, ["--model", cut, "--resume", "--session", "s"]).failed()
+    assert {p: p.read_bytes() for p in session_files(colichat_home)} == before
+
+
+def test_failure_inside_an_answer_leaves_cache_and_turns_consistent(colichat_home):
+    """In-process: an exception while the answer streams (here from the output callback) drops the
+    whole exchange from the cache, so the next message and the saved session stay consistent."""
+    from colichat.chat import Conversation, Settings
+    from colichat.engine import SamplerSettings, load
+
+    model = load(TINY_LLAMA)
+    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=8), session_name="s")
+    try:
+        conv.ask(Q[0])
+        before = conv.n_tokens
+
+        def broken(piece):
+            raise RuntimeError("output failed")
+
+        with pytest.raises(RuntimeError):
+            conv.ask(Q[1], on_text=broken)
+        assert conv.n_tokens == before == conv.turns[-1].last
+        answer, stats = conv.ask(Q[1])
+        assert stats.saved and conv.n_tokens == conv.turns[-1].last
+    finally:
+        conv.close()
+    ref = chat(colichat_home, [*TINY_ARGS, "--session", "r"], lines(*Q[:2])).ok()
+    assert saved_answers(colichat_home, "s") == saved_answers(colichat_home, "r")
+    assert ref.out.endswith(answers_bytes([answer]))

@@ -1,0 +1,284 @@
+"""The chat program in pipe mode, end to end: colichat runs as a subprocess with stdin piped.
+
+Contract: each input line is a user turn (a \"\"\" block spans lines), a line starting with `/` is a
+command; stdout holds only the model's answers (each ends with a newline), stderr everything else;
+exit 0 at the end of input, 1 after an error, 130 on interrupt.
+
+The tiny random-weight llama answers gibberish (newlines and U+FFFD included), so what stdout must hold
+is computed from the answers the session's sidecar recorded, and compared byte for byte.
+Tests marked default_model run the real SmolLM2-135M-Instruct (a few seconds per process).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from cli_helpers import (
+    GREEDY,
+    TINY_ARGS,
+    TINY_LLAMA,
+    answers_bytes,
+    chat,
+    finish,
+    lines,
+    read_until,
+    saved_answers,
+    saved_users,
+    session_names,
+    start,
+)
+
+from colichat import __version__
+from colichat.commands import COMMANDS
+
+Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tmp_path_factory):
+    """The reference: one uninterrupted greedy conversation of the three questions (session `a`)."""
+    home = tmp_path_factory.mktemp("ref")
+    run = chat(home, [*TINY_ARGS, "--session", "a"], lines(*Q, "/history", "/stats")).ok()
+    return home, run, saved_answers(home, "a")
+
+
+def last_context(run) -> int:
+    """The context length the last footer reports."""
+    return int(run.footers()[-1].split("context ")[1].split("/")[0])
+
+
+# ---- a conversation -----------------------------------------------------------------------------
+
+
+def test_conversation_stdout_holds_only_the_answers(tiny_ref):
+    home, run, answers = tiny_ref
+    assert saved_users(home, "a") == Q and len(answers) == 3
+    assert run.out == answers_bytes(answers)
+    err = run.err.splitlines()
+    assert err[0].startswith("llama.gguf (llama, 4 layers) from " + TINY_LLAMA)
+    footers = run.footers()
+    assert len(footers) == 3 and all(f.endswith("; saved to a]") for f in footers)
+    contexts = [int(f.split("context ")[1].split("/")[0]) for f in footers]
+    assert contexts == sorted(contexts) and contexts[-1] < 2048
+    assert [line for line in err if line.startswith("user> ")] == [f"user> {q}" for q in Q]
+    assert f"context: {contexts[-1]} of 2048 tokens, 3 exchange(s)" in err
+    assert any(line.startswith("session a: ") and line.endswith("MB on disk") for line in err)
+    assert run.errors() == []
+
+
+def test_rewind_then_same_question_gives_the_same_answer(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "rw"], lines(Q[0], Q[1], "/rewind 1", Q[1])).ok()
+    assert saved_answers(colichat_home, "rw") == ref[:2]
+    assert run.out == answers_bytes([ref[0], ref[1], ref[1]])
+    assert f"removed user: {Q[1]}" in run.err.splitlines()
+    assert any(line.startswith("rewound 1 exchange(s); ") for line in run.err.splitlines())
+
+
+def test_set_show_regen_stats(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    args = ["--model", TINY_LLAMA, "--max-tokens", "8", "--session", "rg"]  # default temperature 0.7
+    run = chat(colichat_home, args, lines("/set temperature 0", "/show", Q[0], "/regen", "/stats")).ok()
+    err = run.err.splitlines()
+    assert "temperature = 0.0" in err and "temperature    0.0" in err and "max_tokens     8" in err
+    assert run.out == answers_bytes([ref[0], ref[0]])  # greedy: /regen answers the same again
+    assert saved_answers(colichat_home, "rg") == [ref[0]]
+    ctx = last_context(run)
+    assert f"context: {ctx} of 2048 tokens, 1 exchange(s)" in err
+    assert any(line.startswith("session rg: ") for line in err)
+    assert any(line.startswith("last answer: ") for line in err)
+    # The settings travel with the session.
+    again = chat(colichat_home, [*args, "--resume"], lines("/show")).ok()
+    assert "temperature    0.0" in again.err.splitlines()
+
+
+# ---- resume -------------------------------------------------------------------------------------
+
+
+def test_resume_by_name_continues_byte_for_byte(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    b = chat(colichat_home, [*TINY_ARGS, "--session", "b"], lines(Q[0], Q[1])).ok()
+    assert b.out == answers_bytes(ref[:2])
+    c = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "b"], lines(Q[2], "/history")).ok()
+    assert c.out == answers_bytes(ref[2:])
+    assert c.resumed() == (last_context(b), 4, "b")
+    assert [line for line in c.err.splitlines() if line.startswith("user> ")] == [f"user> {q}" for q in Q]
+    assert saved_answers(colichat_home, "b") == ref
+
+
+def test_resume_without_a_name_takes_the_latest(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    old = chat(colichat_home, TINY_ARGS, lines("Something else entirely.")).ok()
+    [old_name] = session_names(old)
+    b = chat(colichat_home, TINY_ARGS, lines(Q[0], Q[1])).ok()
+    # On start it says there is a saved conversation, and does not load it.
+    assert f"latest saved conversation: {old_name}: 2 turns, " in b.err
+    assert b.out == answers_bytes(ref[:2])
+    b_name = session_names(b)[0]
+    assert b_name != old_name
+    c = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[2])).ok()
+    assert c.resumed() == (last_context(b), 4, b_name)
+    assert c.out == answers_bytes(ref[2:])
+
+
+def test_reset_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "first"],
+               lines(Q[0], "/reset", Q[0], "/sessions", "/resume first", "/history", Q[1])).ok()
+    err = run.err.splitlines()
+    assert "new conversation (session first is saved; /resume first reopens it)" in err
+    names = session_names(run)
+    assert names[0] == names[2] == "first" and names[1] != "first"
+    listed = [line for line in err if line.endswith(" ago")]
+    assert len(listed) == 2
+    assert any(line.startswith(f"* {names[1]}: 2 turns, ") for line in listed)
+    assert any(line.startswith("  first: 2 turns, ") for line in listed)
+    tokens, turns, name = run.resumed()
+    assert (turns, name) == (2, "first")
+    # After /reset the same question gets the answer of a fresh conversation; after /resume the
+    # conversation goes on exactly as an uninterrupted one.
+    assert run.out == answers_bytes([ref[0], ref[0], ref[1]])
+    assert saved_users(colichat_home, "first") == Q[:2]
+    assert saved_users(colichat_home, names[1]) == [Q[0]]
+
+
+# ---- input forms and options --------------------------------------------------------------------
+
+
+def test_help_and_quit(colichat_home):
+    run = chat(colichat_home, TINY_ARGS, lines("/help", "/help rewind", "/help /set", "/quit", "not answered")).ok()
+    err = run.err.splitlines()
+    for cmd in COMMANDS:
+        assert any(line.startswith(cmd.name + " ") and cmd.summary in line for line in err), cmd.name
+    assert "/rewind [N]  drop the last N exchanges (default 1)" in err
+    assert any(line.split() == ["temperature", "0", "=", "greedy;", "higher", "=", "more", "random"] for line in err)
+    assert run.out == b"" and run.footers() == []
+
+
+def test_multiline_blocks(colichat_home):
+    stdin = lines('"""', "first line", "", "  third line", '"""',
+                  '"""', "/not a command", "still the message", '"""',
+                  '"""inline block"""')
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "ml"], stdin).ok()
+    assert saved_users(colichat_home, "ml") == ["first line\n\n  third line", "/not a command\nstill the message",
+                                                "inline block"]
+    assert run.out == answers_bytes(saved_answers(colichat_home, "ml"))
+    assert run.errors() == []
+
+
+def test_one_shot(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "one", "-p", Q[0]], "stdin is not read\n").ok()
+    assert run.out == answers_bytes(ref[:1])
+    assert saved_users(colichat_home, "one") == [Q[0]]
+    helped = chat(colichat_home, [*TINY_ARGS, "-p", "/help"]).ok()
+    assert helped.out == b"" and "/resume [NAME]" in helped.err
+
+
+def test_no_save_writes_nothing(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    run = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0], Q[1], "/stats")).ok()
+    assert run.out == answers_bytes(ref[:2])
+    footers = run.footers()
+    assert len(footers) == 2 and all(f.endswith("; not saved (--no-save)]") for f in footers)
+    assert "session: saving is off (--no-save)" in run.err.splitlines()
+    # Nothing in COLICHAT_HOME (also the working directory) but maybe re-creatable caches.
+    assert [p for p in colichat_home.rglob("*") if p.relative_to(colichat_home).parts[0] != "cache"] == []
+
+
+def test_version_and_help_options(colichat_home):
+    run = chat(colichat_home, ["--version"]).ok()
+    assert run.out == f"colichat {__version__}\n".encode()
+    usage = chat(colichat_home, ["-h"]).ok().out.decode()
+    for opt in ["--model", "--session", "--resume", "--ctx", "--temperature", "--top-k", "--top-p", "--min-p",
+                "--repeat-penalty", "--seed", "--max-tokens", "--no-save", "--plain", "--prompt", "--version"]:
+        assert opt in usage, opt
+    assert list(colichat_home.rglob("*")) == []
+
+
+# ---- interrupt ----------------------------------------------------------------------------------
+
+
+def interrupt_after_first_output(home, args, stdin: str = ""):
+    """Start colichat, wait until the answer streams, send SIGINT, wait for the exit."""
+    p = start(home, args)
+    if stdin:
+        p.stdin.write(stdin.encode())
+        p.stdin.flush()
+    head = read_until(p.stdout)
+    p.send_signal(signal.SIGINT)
+    return finish(p, head)
+
+
+def check_interrupted(home, run, name: str, question: str):
+    """Exit 130; the partial answer was shown, saved, and the session resumes with it."""
+    run.exits(130)
+    [footer] = run.footers()
+    assert footer.endswith(f", interrupted; saved to {name}]"), footer
+    assert saved_users(home, name) == [question]
+    [answer] = saved_answers(home, name)
+    assert answer and run.out == answers_bytes([answer])
+    return answer
+
+
+LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "8192", "--max-tokens", "8000"]  # "hello": thousands of tokens
+
+
+def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
+    run = interrupt_after_first_output(colichat_home, [*LONG, "--session", "s"], lines("hello", "not answered"))
+    answer = check_interrupted(colichat_home, run, "s", "hello")
+    again = chat(colichat_home, [*LONG, "--resume", "--session", "s"], lines("/history")).ok()
+    assert again.resumed()[1:] == (2, "s")
+    assert f"assistant> {answer}" in again.err
+
+
+def test_interrupt_in_one_shot_mode(colichat_home):
+    run = interrupt_after_first_output(colichat_home, [*LONG, "--session", "p", "-p", "hello"])
+    check_interrupted(colichat_home, run, "p", "hello")
+
+
+# ---- the default model (SmolLM2-135M-Instruct) ----------------------------------------------------
+
+DEFAULT_ARGS = [*GREEDY, "--ctx", "1024", "--max-tokens", "24"]
+DQ = ["What is the capital of France?", "And what is the capital of Germany?", "Which river flows through it?"]
+
+
+@pytest.fixture(scope="module")
+def default_home(tmp_path_factory):
+    """One COLICHAT_HOME for the default-model tests (other session names), so caches are made once."""
+    return tmp_path_factory.mktemp("default-home")
+
+
+@pytest.mark.default_model
+def test_default_model_conversation_and_resume(default_home):
+    home = default_home
+    a = chat(home, [*DEFAULT_ARGS, "--session", "a"], lines(*DQ)).ok()
+    ref = saved_answers(home, "a")
+    assert len(ref) == 3 and "Paris" in ref[0]
+    assert a.out == answers_bytes(ref)
+    assert "(llama, 30 layers)" in a.err.splitlines()[0]
+    assert len(a.footers()) == 3 and all(f.endswith("; saved to a]") for f in a.footers())
+    # The headline: stop after two questions, resume in a new process, the third answer is the same.
+    b = chat(home, [*DEFAULT_ARGS, "--session", "b"], lines(*DQ[:2])).ok()
+    assert b.out == answers_bytes(ref[:2])
+    c = chat(home, [*DEFAULT_ARGS, "--resume", "--session", "b"], lines(DQ[2])).ok()
+    assert c.resumed() == (last_context(b), 4, "b")
+    assert c.out == answers_bytes(ref[2:])
+    # That session belongs to the default model: the tiny llama refuses it and goes on.
+    other = chat(home, [*TINY_ARGS, "--resume", "--session", "b"]).failed()
+    [line] = other.errors()
+    assert line.startswith("colichat: session b belongs to another model (")
+    other = chat(home, TINY_ARGS, lines("/resume b", "hello")).failed()
+    assert other.errors() == [line] and len(other.footers()) == 1
+
+
+@pytest.mark.default_model
+def test_default_model_interrupt(default_home):
+    question = "Write a long story about a dragon."
+    run = interrupt_after_first_output(default_home, [*GREEDY, "--ctx", "1024", "--max-tokens", "900",
+                                                      "--session", "story"], lines(question))
+    answer = check_interrupted(default_home, run, "story", question)
+    assert int(run.footers()[0][1:].split()[0]) < 900
+    again = chat(default_home, [*DEFAULT_ARGS, "--resume", "--session", "story"], lines("/history")).ok()
+    assert f"assistant> {answer}" in again.err
