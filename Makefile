@@ -23,7 +23,9 @@ chat: venv
 lint: venv
 	$(BIN)/ruff check colichat tests benchmarks
 
+# The interactive tests drive the program in tmux, as a person would.
 test: lint
+	command -v tmux >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tmux >/dev/null; }
 	$(BIN)/python -m pytest -q
 
 bench: venv

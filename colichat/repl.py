@@ -11,6 +11,7 @@ from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
+from .cli import Message
 from .commands import completions
 from .paths import paths
 
@@ -58,7 +59,7 @@ def read_input(session: PromptSession) -> str:
     while True:
         line = session.prompt(CONTINUATION)
         if line.strip() == '"""':
-            return "\n".join(lines)
+            return Message("\n".join(lines))  # a message even if it starts with "/"
         lines.append(line)
 
 

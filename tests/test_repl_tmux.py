@@ -1,0 +1,103 @@
+"""The interactive program, used as a person would: in tmux, typing keys and reading the screen."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.default_model
+
+FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+")
+
+
+class Tmux:
+    def __init__(self, command: str, width: int = 160, height: int = 60):
+        if shutil.which("tmux") is None:
+            raise RuntimeError("tmux is not installed (make test installs it)")
+        self.name = f"colichat-{uuid.uuid4().hex[:8]}"
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
+                        command], check=True)
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def type(self, text: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
+
+    def screen(self) -> str:
+        out = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
+                             capture_output=True, text=True, check=True)
+        return out.stdout
+
+    def wait_for(self, predicate, timeout: float = 60.0, what: str = "") -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{self.screen()}")
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+@pytest.fixture
+def tmux_chat(colichat_home):
+    cmd = (f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 300; "
+           "echo EXITED $?; sleep 600")
+    t = Tmux(cmd)
+    yield t
+    t.close()
+
+
+def test_interactive_session(tmux_chat):
+    t = tmux_chat
+    t.wait_for(lambda s: "Type a message" in s, 120, "the prompt")
+
+    # a question: the answer streams, then the footer
+    t.type("What is the capital of France?")
+    t.keys("Enter")
+    screen = t.wait_for(lambda s: len(FOOTER.findall(s)) >= 1, 60, "the first footer")
+    assert "Paris" in screen
+    assert "saved to" in screen
+
+    # Tab completes a command name
+    t.type("/his")
+    t.keys("Tab")
+    t.wait_for(lambda s: s.rstrip().endswith("> /history"), 10, "Tab completion of /history")
+    t.keys("Enter")
+    t.wait_for(lambda s: "user> What is the capital of France?" in s, 10, "/history output")
+
+    # a long answer, interrupted with Ctrl-C: it stops, keeps what it said, and the REPL goes on
+    t.type("Write a long story about a dragon who lived in a castle.")
+    t.keys("Enter")
+    t.wait_for(lambda s: "a castle." in s and len(s.split("a castle.", 1)[1].split()) > 8, 60,
+               "the long answer to stream")
+    t.keys("C-c")
+    screen = t.wait_for(lambda s: "interrupted;" in s, 30, "the interrupted footer")
+    assert len(FOOTER.findall(screen)) == 2
+
+    t.type("/history")
+    t.keys("Enter")
+    screen = t.wait_for(lambda s: "assistant> " in s.split("/history")[-1] and "dragon" in s, 10, "history")
+    partial = screen.split("user> Write a long story")[-1]
+    assert "assistant> " in partial
+
+    # the conversation continues after the interruption
+    t.type("Thank you!")
+    t.keys("Enter")
+    t.wait_for(lambda s: len(FOOTER.findall(s)) >= 3, 60, "the third footer")
+
+    # Ctrl-C at the prompt clears the line; Ctrl-D quits cleanly
+    t.type("some text")
+    t.keys("C-c")
+    t.wait_for(lambda s: "input cleared" in s, 10, "the Ctrl-C hint")
+    t.keys("C-d")
+    t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
