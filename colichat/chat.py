@@ -13,7 +13,6 @@ resumed conversation continues with exactly the tokens an uninterrupted one woul
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,17 +26,6 @@ RESUME_MARGIN = 16  # a resumed conversation must leave at least this many token
 
 class ChatError(Exception):
     """Something the user asked that cannot be done; the message is one line."""
-
-
-def check_sampler(s: SamplerSettings) -> None:
-    """ValueError for settings the sampler cannot use: what `validate` checks, plus NaN/infinite
-    numbers (they pass its comparisons) and a negative seed (numpy's own error would not name it)."""
-    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
-        if not math.isfinite(getattr(s, key)):
-            raise ValueError(f"{key} must be a finite number")
-    if s.seed is not None and s.seed < 0:
-        raise ValueError("seed must be >= 0")
-    s.validate()
 
 
 @dataclass
@@ -120,7 +108,7 @@ class Conversation:
         else:
             new = self.settings.sampler.with_(**{key: value})
             try:
-                check_sampler(new)
+                new.validate()
             except ValueError as e:
                 raise ChatError(str(e)) from None
             self.settings.sampler = new
@@ -136,7 +124,7 @@ class Conversation:
         fields = {k: d[k] for k in SamplerSettings.__dataclass_fields__ if k in d}
         try:
             sampler = self.settings.sampler.with_(**fields)
-            check_sampler(sampler)
+            sampler.validate()
         except (TypeError, ValueError):
             return  # a damaged settings record: keep the current settings
         self.settings.sampler, self.sampler = sampler, Sampler(sampler)

@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import __version__
-from .chat import ChatError, Conversation, Settings, check_sampler
+from .chat import ChatError, Conversation, Settings
 from .commands import dispatch, is_command
 from .engine import ModelError, SamplerSettings, load
 from .models import DefaultModelMissing, default_model_path
@@ -53,7 +53,7 @@ def settings_from(args) -> Settings:
         value = getattr(args, opt)
         if value is not None:
             s = s.with_(**{key: value})
-    check_sampler(s)
+    s.validate()
     out = Settings(sampler=s, system=args.system)
     if args.max_tokens is not None:
         if args.max_tokens < 1:

@@ -5,6 +5,7 @@ so the same seed and settings give the same tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -27,6 +28,12 @@ class SamplerSettings:
         return asdict(self)
 
     def validate(self) -> None:
+        """ValueError naming the setting for values the sampler cannot use (NaN fails every check)."""
+        for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"{key} must be a finite number")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError("seed must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0 (0 means greedy)")
         if self.top_k < 0:
