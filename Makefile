@@ -21,7 +21,7 @@ chat: venv
 	$(BIN)/colichat $(ARGS)
 
 lint: venv
-	$(BIN)/ruff check colichat tests benchmarks
+	$(BIN)/ruff check colichat tests $(wildcard benchmarks)
 
 # The interactive tests drive the program in tmux, as a person would.
 test: lint
