@@ -37,6 +37,8 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     t, h, e = q.shape
     n, g, _ = k.shape
     qpk = h // g
+    if t == 1:
+        return _gqa_decode(q[0], k.reshape(n, g * e), v.reshape(n, g * e), g, scale)
     qg = q.reshape(t, g, qpk, e).transpose(1, 2, 0, 3).reshape(g, qpk * t, e)  # (G, Q*T, E)
     s = np.matmul(qg, k.transpose(1, 2, 0))  # (G, Q*T, N)
     s *= np.float32(scale)
@@ -48,6 +50,25 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     o = np.matmul(s, v.transpose(1, 0, 2))  # (G, Q*T, E)
     o = o.reshape(g, qpk, t, e).transpose(2, 0, 1, 3)  # (T, G, Q, E)
     return o.reshape(t, h * e)
+
+
+def _gqa_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: int, scale: float) -> np.ndarray:
+    """One query token: all heads in two long matrix products over the cache rows.
+
+    q: (H, E); k, v: (N, G*E) cache views (strided rows are fine for BLAS). The queries go in a
+    block-diagonal (G*E, H) matrix (head h's column holds q[h] in its KV head's rows), so the scores
+    of every head come from one (N, G*E) @ (G*E, H) product instead of G tiny ones; the outputs are
+    the diagonal blocks of (H, N) @ (N, G*E).
+    """
+    h, e = q.shape
+    qpk = h // g
+    qb = np.zeros((g, e, g, qpk), dtype=np.float32)  # (G, E, G, Q) -> (G*E, H)
+    idx = np.arange(g)
+    qb[idx, :, idx, :] = q.reshape(g, qpk, e).transpose(0, 2, 1) * np.float32(scale)  # (G, E, Q)
+    s = np.ascontiguousarray((k @ qb.reshape(g * e, h)).T)  # (H, N)
+    softmax(s)
+    o = (s @ v).reshape(g, qpk, g, e)  # (G, Q, G, E): keep the blocks where both G agree
+    return o[idx, :, idx, :].reshape(1, h * e)
 
 
 def mla_absorbed(

@@ -323,8 +323,8 @@ class Model:
         if b + "attn_qkv.bias" in w:
             qkv += w[b + "attn_qkv.bias"]
         cos, sin = self.cos[pos0 : pos0 + t], self.sin[pos0 : pos0 + t]  # (T, I)
-        q = rope_norm(qkv[:, : h * e].reshape(t, h, e), cos, sin)  # (T, H, E)
-        k = rope_norm(qkv[:, h * e : (h + g) * e].reshape(t, g, e), cos, sin)  # (T, G, E)
+        qk = rope_norm(qkv[:, : (h + g) * e].reshape(t, h + g, e), cos, sin)  # (T, H+G, E) q and k heads
+        q, k = qk[:, :h], qk[:, h:]  # (T, H, E), (T, G, E)
         n = pos0 + t
         kc, vc = self.cache.a[l], self.cache.b[l]  # (N, G*E) views
         kc[pos0:n] = k.reshape(t, g * e)

@@ -22,11 +22,15 @@ import fcntl
 import json
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import numpy as np
+
+try:  # the same CRC-32 as zlib.crc32, several times faster (resume checks every saved byte)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
+    from zlib import crc32
 
 from .kvfile import (
     HEADER_SIZE,
@@ -77,7 +81,8 @@ def now_iso() -> str:
 
 
 def turn_crc(cache, t: Turn) -> int:
-    return zlib.crc32(cache.raw(t.first, t.last))
+    """CRC-32 (zlib's polynomial) of the turn's record bytes; ISA-L computes the same value ~4x faster."""
+    return crc32(cache.raw(t.first, t.last))
 
 
 def _lock(path: str, name: str) -> int:
@@ -254,7 +259,7 @@ class Session:
                             "(no weights fingerprint to check)" if n else f"no sidecar {self.name}.json")
             if n:
                 text = self._imported_text(cache.tokens[:n].tolist(), detokenize, warnings)
-                turns, crcs = [Turn("imported", text, 0, n)], [zlib.crc32(cache.raw(0, n))]
+                turns, crcs = [Turn("imported", text, 0, n)], [turn_crc(cache, Turn('imported', '', 0, n))]
         cache.set_length(n)
 
         self.turns, self._crcs, self.nrec = turns, crcs, n
