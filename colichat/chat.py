@@ -299,13 +299,15 @@ class Conversation:
         return answer, stats
 
     def _prefill(self, ids: list[int], on_progress):
-        """Long prompts go in steps so that progress can be shown (only past 512 tokens)."""
-        show = on_progress is not None and len(ids) > 512
-        step = 256 if show else len(ids)
+        """Long prompts (past 512 tokens) go in steps of 256: progress can be shown, and a stop
+        request drops the message instead of waiting for the whole prompt."""
+        step = 256 if len(ids) > 512 else len(ids)
         for i in range(0, len(ids), step):
             logits = self.model.prefill(ids[i : i + step], all_logits=False)[-1]
-            if show:
+            if on_progress and step < len(ids):
                 on_progress(min(i + step, len(ids)), len(ids))
+            if self.stop_requested and i + step < len(ids):
+                raise ChatError("interrupted while reading the message; it was not sent")
         return logits
 
     def _generate(self, logits, stats: TurnStats, on_text) -> tuple[str, TurnStats]:

@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         else:
             if args.session and not args.no_save:
                 conv.check_new_session(args.session)
-            hint = conv.latest_hint()
+            hint = conv.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
         if args.prompt is not None:
