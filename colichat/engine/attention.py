@@ -27,6 +27,9 @@ def _exp_rows(s: np.ndarray) -> np.ndarray:
     return s.sum(axis=-1, keepdims=True)
 
 
+DECODE_BLOCK_MIN = 256  # cached tokens from which one decode query is faster as a block-diagonal product
+
+
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
     """Grouped-query attention; query head h uses KV head h // Q (ggml broadcast, HF repeat_kv).
 
@@ -37,7 +40,7 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     t, h, e = q.shape
     n, g, _ = k.shape
     qpk = h // g
-    if t == 1:
+    if t == 1 and n > DECODE_BLOCK_MIN:
         return _gqa_decode(q[0], k.reshape(n, g * e), v.reshape(n, g * e), g, scale)
     qg = q.reshape(t, g, qpk, e).transpose(1, 2, 0, 3).reshape(g, qpk * t, e)  # (G, Q*T, E)
     s = np.matmul(qg, k.transpose(1, 2, 0))  # (G, Q*T, N)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ops import silu
+from .ops import silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
 
@@ -21,7 +21,7 @@ def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarr
     """W_down (silu(W_gate x) * W_up x). x: (T, D); w_gate_up: (2F, D) = [gate; up]; w_down: (D, F)."""
     f = w_down.shape[1]
     gu = x @ w_gate_up.T  # (T, 2F)
-    h = silu(gu[:, :f]) * gu[:, f:]  # (T, F)
+    h = silu_mul(gu[:, :f], gu[:, f:])  # (T, F)
     return h @ w_down.T  # (T, D)
 
 

@@ -6,9 +6,12 @@ import numpy as np
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis (the mean accumulated in float64)."""
-    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
-    return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * weight
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (the sum of squares in float64, as ggml)."""
+    ss = np.einsum("...d,...d->...", x, x, dtype=np.float64)  # (...,) one pass, no temporaries
+    scale = (1.0 / np.sqrt(ss / x.shape[-1] + eps)).astype(np.float32)
+    out = x * scale[..., None]
+    out *= weight
+    return out
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -19,8 +22,13 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return x
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up in three passes over one new array (the SwiGLU hidden layer)."""
+    h = np.exp(-gate)
+    h += 1.0
+    np.divide(gate, h, out=h)
+    h *= up
+    return h
 
 
 def causal_mask(pos0: int, t: int, n: int) -> np.ndarray:
