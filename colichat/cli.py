@@ -12,7 +12,7 @@ import time
 
 from . import __version__
 from .chat import ChatError, Conversation, Settings
-from .commands import dispatch, is_command
+from .commands import Message, dispatch, is_command
 from .engine import ModelError, SamplerSettings, load
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
@@ -110,7 +110,7 @@ class App:
     def handle(self, line: str) -> None:
         """One input: a command or a message. Errors print one line and count."""
         try:
-            if is_command(line) and not isinstance(line, Message):
+            if is_command(line):
                 dispatch(self, line)
             elif line.strip():
                 self.answer(line)
@@ -119,8 +119,6 @@ class App:
             self.say(f"colichat: {e}")
 
 
-class Message(str):
-    """An input from a `\"\"\"` block: a message even if it starts with `/`."""
 
 
 def read_inputs(stream):

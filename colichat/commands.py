@@ -144,8 +144,12 @@ COMMANDS = [
 BY_NAME = {c.name: c for c in COMMANDS}
 
 
+class Message(str):
+    """An input from a `\"\"\"` block: a message even if it starts with `/`."""
+
+
 def is_command(line: str) -> bool:
-    return line.startswith("/")
+    return line.startswith("/") and not isinstance(line, Message)
 
 
 def dispatch(app, line: str) -> None:

@@ -11,8 +11,7 @@ from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from .cli import Message
-from .commands import completions
+from .commands import Message, completions
 from .paths import paths
 
 PROMPT = "> "
