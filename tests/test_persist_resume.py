@@ -14,10 +14,6 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-engine = pytest.importorskip("colichat.engine")
-if not hasattr(engine, "load"):
-    pytest.skip("colichat.engine.load is not available yet", allow_module_level=True)
-
 N_CTX = 256
 N_GEN = 4
 
