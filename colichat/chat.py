@@ -77,6 +77,7 @@ class Conversation:
         self.layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
         self.session = None  # persist.Session once created or resumed
         self.session_name = session_name
+        self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -94,7 +95,8 @@ class Conversation:
         s = self.settings.sampler
         return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                 "repeat_penalty": s.repeat_penalty, "seed": s.seed, "max_tokens": self.settings.max_tokens,
-                "system": self.settings.system or ""}
+                "system": self.settings.system or "",
+                **({"system (next)": self.pending_system or ""} if self.pending_system is not False else {})}
 
     def set_option(self, key: str, value) -> str:
         if key == "max_tokens":
@@ -102,9 +104,10 @@ class Conversation:
                 raise ChatError("max_tokens must be at least 1")
             self.settings.max_tokens = value
         elif key == "system":
+            if self.turns:  # the conversation so far was read with the old one
+                self.pending_system = value or None
+                return "system prompt set for the next conversation (/reset starts one)"
             self.settings.system = value or None
-            if self.turns:
-                return "system prompt set; it applies to new conversations (/reset)"
         else:
             new = self.settings.sampler.with_(**{key: value})
             try:
@@ -190,6 +193,8 @@ class Conversation:
             self.session.close()
         self.session, self.session_name = None, None
         self.clear()
+        if self.pending_system is not False:
+            self.settings.system, self.pending_system = self.pending_system, False
         return f"new conversation (session {old} is saved; /resume {old} reopens it)" if old else "new conversation"
 
     def clear(self) -> None:
@@ -282,7 +287,7 @@ class Conversation:
                 f"{self.model.n_ctx} are left: /rewind, /reset, or restart with a larger --ctx"
             )
         if start < self.n_tokens:
-            self._truncate_records(start)
+            self._rebase(start)
         first = self.n_tokens
         t0 = time.perf_counter()
         try:
@@ -355,6 +360,19 @@ class Conversation:
         dropped = self.turns[starts[-n]:]
         self._truncate_records(dropped[0].first)
         return dropped
+
+    def _rebase(self, n: int) -> None:
+        """The template renders the history differently now: keep the cache up to row n (a turn
+        boundary). Later turns keep their text (the template still renders them) but lose their
+        records, which the new user turn's records re-create."""
+        kept = sum(1 for t in self.turns if t.last <= n)
+        self.model.cache.truncate(n)
+        self.turns = self.turns[:kept] + [Turn(t.role, t.text, n, n) for t in self.turns[kept:]]
+        if self.session:
+            try:
+                self.session.truncate(kept)
+            except SessionError as e:
+                raise ChatError(f"{e} (the conversation goes on in memory)") from None
 
     def _truncate_records(self, n: int) -> None:
         """Shrink the cache to n rows (a turn boundary), dropping later turns, on disk too."""

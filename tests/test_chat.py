@@ -43,3 +43,62 @@ def test_stop_during_the_answer_keeps_what_was_said(model):
     answer, stats = conv.ask("tell me", on_text=on_text)
     assert stats.stopped == "interrupt" and answer == "".join(pieces)
     assert conv.turns[-1].last == model.cache.length and stats.generated >= 3
+
+
+REWRITING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% else %}<｜Assistant｜>[{{ m['content'] }}]<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt(model):
+    """Past answers rendered differently (as templates that strip reasoning do): the cache is cut at
+    the last turn boundary it shares with the new prompt, and the model reads exactly the new prompt."""
+    from colichat.engine.template import ChatTemplate
+
+    model.reset()
+    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=6), save=False)
+    conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
+    conv.ask("hello")
+    conv.ask("and again")
+    user2 = conv.turns[-2]
+    prompt = conv.template.render(conv.messages(conv.turns[:-1]), True)
+    assert model.cache.token_ids()[: user2.last] == model.tokenizer.encode_prompt(prompt)
+    assert [t.role for t in conv.turns] == ["user", "assistant", "user", "assistant"]
+    assert conv.turns[-1].last == model.cache.length
+
+
+def test_system_prompt_change_waits_for_the_next_conversation(model):
+    model.reset()
+    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=4), save=False)
+    conv.ask("hello")
+    rows = model.cache.length
+    assert "next conversation" in conv.set_option("system", "Be brief.")
+    assert conv.settings.system is None and conv.options()["system (next)"] == "Be brief."
+    conv.ask("more")
+    assert model.cache.token_ids()[:rows] == conv.model.cache.token_ids()[:rows] and conv.turns[0].first == 0
+    conv.reset()
+    assert conv.settings.system == "Be brief." and "system (next)" not in conv.options()
+
+
+def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
+    from colichat.engine.template import ChatTemplate
+
+    model.reset()
+    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=6), session_name="rw")
+    conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
+    conv.ask("hello")
+    _, stats = conv.ask("and again")
+    assert stats.saved
+    records, turns = model.cache.records[: model.cache.length].copy(), list(conv.turns)
+    conv.close()
+    model.reset()
+    again = Conversation(model, Settings(SamplerSettings(temperature=0)))
+    again.resume("rw")
+    def rows(ts):
+        return [(t.role, t.text, t.first, t.last) for t in ts]
+
+    assert rows(again.turns) == rows(turns)
+    assert model.cache.records[: model.cache.length].tobytes() == records.tobytes()
+    again.close()
