@@ -17,7 +17,7 @@ from .cache import KVCache
 from .ffn import ExpertCache, Routing, moe, route, swiglu
 from .gguf import ModelConfig, ModelError, Tensors
 from .ops import rms_norm
-from .rope import RopeParams, rope_norm, rope_tables
+from .rope import RopeParams, rope_norm, rope_rotations
 
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
 DEFAULT_EXPERT_CACHE_MIB = 4096  # dequantized routed experts kept (LRU), when load() is not told
@@ -252,7 +252,7 @@ class Model:
                 raise ModelError(f"{cfg.path}: attention.temperature_scale set without temperature_length")
         else:
             raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
-        self.cos, self.sin = rope_tables(rope, n_ctx, weights.get("rope_freqs"))  # (N, I)
+        self.rot = rope_rotations(rope, n_ctx, weights.get("rope_freqs"))  # (N, I) complex64
         self.output = weights.get("output", weights["token_embd"])  # (V, D)
 
     # --- public API -------------------------------------------------------------------------------
@@ -322,8 +322,8 @@ class Model:
         qkv = u @ w[b + "attn_qkv"].T  # (T, (H+2G)E)
         if b + "attn_qkv.bias" in w:
             qkv += w[b + "attn_qkv.bias"]
-        cos, sin = self.cos[pos0 : pos0 + t], self.sin[pos0 : pos0 + t]  # (T, I)
-        qk = rope_norm(qkv[:, : (h + g) * e].reshape(t, h + g, e), cos, sin)  # (T, H+G, E) q and k heads
+        rot = self.rot[pos0 : pos0 + t]  # (T, I)
+        qk = rope_norm(qkv[:, : (h + g) * e].reshape(t, h + g, e), rot)  # (T, H+G, E) q and k heads
         q, k = qk[:, :h], qk[:, h:]  # (T, H, E), (T, G, E)
         n = pos0 + t
         kc, vc = self.cache.a[l], self.cache.b[l]  # (N, G*E) views
@@ -348,11 +348,11 @@ class Model:
         else:
             q = z[:, :nq]  # (T, H*K)
         q = q.reshape(t, h, k)  # (T, H, K): per head [nope (Dn) | rope (R)]
-        cos, sin = self.cos[pos0 : pos0 + t], self.sin[pos0 : pos0 + t]  # (T, R/2)
-        q_pe = rope_norm(q[:, :, dn:], cos, sin)  # (T, H, R)
+        rot = self.rot[pos0 : pos0 + t]  # (T, R/2)
+        q_pe = rope_norm(q[:, :, dn:], rot)  # (T, H, R)
         n = pos0 + t
         self.cache.a[l][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c
-        self.cache.b[l][pos0:n] = rope_norm(z[:, nq + c :], cos, sin)  # k_pe (T, R)
+        self.cache.b[l][pos0:n] = rope_norm(z[:, nq + c :], rot)  # k_pe (T, R)
         q_scale = None
         if cfg.attn_temp_scale:  # Mistral-Large-3: 1 + tau * ln(floor(p / length) + 1) per query
             p = np.arange(pos0, n, dtype=np.float64)

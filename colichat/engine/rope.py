@@ -59,14 +59,17 @@ def rope_tables(p: RopeParams, n_pos: int, freq_factors: np.ndarray | None = Non
     return cos, sin
 
 
-def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate adjacent pairs of the last axis. x: (T, ..., 2I); cos, sin: (T, I) for x's positions."""
+def rope_rotations(p: RopeParams, n_pos: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """The rotations e^(i theta) (magnitude folded in) as complex64 (P, I), for rope_norm."""
+    cos, sin = rope_tables(p, n_pos, freq_factors)
+    rot = np.empty(cos.shape, dtype=np.complex64)
+    rot.real, rot.imag = cos, sin
+    return rot
+
+
+def rope_norm(x: np.ndarray, rot: np.ndarray) -> np.ndarray:
+    """Rotate adjacent pairs of the last axis: each pair (a, b) read as the complex a + ib times
+    e^(i theta), i.e. (a cos - b sin, a sin + b cos). x: (T, ..., 2I); rot: (T, I) for x's positions."""
     shape = x.shape
-    xp = x.reshape(shape[0], -1, shape[-1] // 2, 2)  # (T, *, I, 2)
-    x0, x1 = xp[..., 0], xp[..., 1]  # (T, *, I)
-    c = cos[:, None, :]  # (T, 1, I)
-    s = sin[:, None, :]
-    out = np.empty_like(xp)
-    out[..., 0] = x0 * c - x1 * s
-    out[..., 1] = x0 * s + x1 * c
-    return out.reshape(shape)
+    xc = np.ascontiguousarray(x).view(np.complex64).reshape(shape[0], -1, shape[-1] // 2)  # (T, *, I)
+    return (xc * rot[:, None, :]).view(np.float32).reshape(shape)
