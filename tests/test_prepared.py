@@ -74,3 +74,18 @@ def test_unwritable_cache_dir_is_only_a_note(tmp_path):
     model = load(str(gguf), n_ctx=64, cache_dir=blocker / "weights", on_note=notes.append)
     assert model.prefill(IDS).shape == (len(IDS), model.cfg.n_vocab)
     assert len(notes) == 1 and "weights cache" in notes[0]
+
+
+def test_no_cache_written_when_the_disk_is_nearly_full(tmp_path, monkeypatch):
+    import collections
+
+    from colichat.engine import prepared
+
+    gguf = tmp_path / "llama.gguf"
+    shutil.copy(TINY / "llama.gguf", gguf)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(prepared.shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 100 << 20))
+    notes = []
+    load(str(gguf), n_ctx=64, cache_dir=tmp_path / "weights", on_note=notes.append)
+    assert len(notes) == 1 and "free" in notes[0]
+    assert load_prepared(str(gguf), tmp_path / "weights") is None

@@ -30,6 +30,7 @@ from .gguf import ModelConfig, TensorRecord, Tensors
 
 PREPARED_FORMAT = 1
 ALIGN = 64
+FREE_MARGIN = 1 << 30  # bytes the weights cache leaves free on its disk
 
 
 def _identity(path: str) -> tuple[str, str]:
@@ -94,6 +95,10 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
         key, real = _identity(path)
         root = Path(cache_dir)
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        need = sum(a.nbytes for a in weights.values())
+        if shutil.disk_usage(root).free < need + FREE_MARGIN:  # never crowd out the sessions' disk
+            return (f"not writing the weights cache: {need >> 20} MiB would leave less than "
+                    f"{FREE_MARGIN >> 20} MiB free in {root}; each start dequantizes instead")
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     except OSError as e:
         return f"cannot write the weights cache ({e.strerror or e})"
