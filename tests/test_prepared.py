@@ -89,3 +89,14 @@ def test_no_cache_written_when_the_disk_is_nearly_full(tmp_path, monkeypatch):
     load(str(gguf), n_ctx=64, cache_dir=tmp_path / "weights", on_note=notes.append)
     assert len(notes) == 1 and "free" in notes[0]
     assert load_prepared(str(gguf), tmp_path / "weights") is None
+
+
+def test_a_model_too_big_for_memory_is_refused_before_dequantizing(tmp_path, monkeypatch):
+    import pytest
+
+    from colichat import engine
+    from colichat.engine.gguf import ModelError
+
+    monkeypatch.setattr(engine, "available_memory", lambda: 1 << 20)  # 1 MiB free
+    with pytest.raises(ModelError, match="GiB as f32"):
+        load(str(TINY / "llama.gguf"), n_ctx=64)

@@ -51,6 +51,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     if n_ctx < 16:
         raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
     if weights is None:
+        check_memory(path, dense_f32_bytes(tensors))
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:
             problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors)
@@ -58,3 +59,35 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem)
     kwargs = {} if expert_cache is None else {"expert_cache": expert_cache}
     return Model(cfg, weights, tokenizer, n_ctx, tensors, **kwargs)
+
+
+def dense_f32_bytes(tensors: Tensors) -> int:
+    """What dequantizing every tensor but the routed experts (which stay quantized) takes as f32."""
+    total = 0
+    for name in tensors.by_name:
+        if "_exps." not in name:
+            n = 1
+            for d in tensors.shape(name):
+                n *= d
+            total += 4 * n
+    return total
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(path: str, need: int) -> None:
+    """Refuse, before dequantizing, a model whose f32 weights cannot fit in the memory available."""
+    have = available_memory()
+    if have is not None and need > have:
+        raise ModelError(f"{path}: its weights need {need / 2**30:.1f} GiB as f32 but only "
+                         f"{have / 2**30:.1f} GiB of memory is available; use a smaller model")
