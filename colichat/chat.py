@@ -186,6 +186,15 @@ class Conversation:
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
         return "\n".join(lines)
 
+    def delete_session(self, name: str) -> str:
+        """Delete a saved conversation of this model (not the one in use)."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): no sessions")
+        if self.session and self.session.name == name:
+            raise ChatError(f"session {name} is the current conversation: /reset first, then /delete {name}")
+        freed = self.store.delete(self.ident, name)
+        return f"deleted session {name} ({freed / 1e6:.1f} MB)"
+
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
         old = self.session.name if self.session else None

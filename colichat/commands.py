@@ -71,6 +71,13 @@ def cmd_sessions(app, arg: str) -> None:
         app.say(line)
 
 
+def cmd_delete(app, arg: str) -> None:
+    name = arg.strip()
+    if not name:
+        raise ChatError("/delete needs the name of a session (/sessions lists them)")
+    app.say(app.conv.delete_session(name))
+
+
 def cmd_reset(app, arg: str) -> None:
     app.say(app.conv.reset())
 
@@ -133,6 +140,7 @@ COMMANDS = [
     Command("/resume", "[NAME]", "reopen a saved conversation (the latest by default), no re-prefill", cmd_resume),
     Command("/sessions", "", "list saved conversations of this model", cmd_sessions),
     Command("/reset", "", "start a new empty conversation (the current one stays saved)", cmd_reset),
+    Command("/delete", "NAME", "delete a saved conversation of this model (not the current one)", cmd_delete),
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
     Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen),
     Command("/history", "", "show the conversation so far", cmd_history),

@@ -25,6 +25,7 @@ from cli_helpers import (
     read_until,
     saved_answers,
     saved_users,
+    session_files,
     session_names,
     start,
 )
@@ -282,3 +283,19 @@ def test_default_model_interrupt(default_home):
     assert int(run.footers()[0][1:].split()[0]) < 900
     again = chat(default_home, [*DEFAULT_ARGS, "--resume", "--session", "story"], lines("/history")).ok()
     assert f"assistant> {answer}" in again.err
+
+
+def test_delete_removes_another_session_but_not_the_current_one(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "new"],
+               lines(Q[0], "/delete new", "/delete old", "/sessions", "/resume old"))
+    assert run.rc == 1  # the refused /delete and the failed /resume count as errors
+    err = run.err.splitlines()
+    assert any("session new is the current conversation" in line for line in err)
+    assert any(line.startswith("deleted session old (") for line in err)
+    listed = [line for line in err if line.endswith(" ago")]
+    assert len(listed) == 1 and listed[0].startswith("* new: ")
+    assert any("no session named old" in line for line in err)
+    assert "Traceback" not in run.err
+    assert sorted(p.name for p in session_files(colichat_home) if not p.name.endswith(".lock")) == [
+        "new.coli_kv", "new.json"]

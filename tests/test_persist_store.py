@@ -203,3 +203,23 @@ def test_fingerprint_of_the_tiny_models():
     fps = {p.name: weights_fingerprint(p) for p in sorted(TINY.glob("*.gguf"))}
     assert len(set(fps.values())) == len(fps) >= 2
     assert all(len(f) == 32 for f in fps.values())
+
+
+def test_delete_takes_the_lock_and_removes_both_files(colichat_home):
+    from test_persist_common import IDENT, build, layout_of, make_cache
+
+    from colichat.persist import SessionError, Store
+
+    cache = make_cache()
+    turns = build(cache, 3)
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="gone") as s:
+        s.append(cache, turns)
+        with pytest.raises(SessionError, match="open in another colichat"):
+            store.delete(IDENT, "gone")  # held: refused
+    freed = store.delete(IDENT, "gone")
+    assert freed > 0 and store.list(IDENT) == []
+    with pytest.raises(SessionError, match="no session named gone"):
+        store.delete(IDENT, "gone")
+    with pytest.raises(SessionError, match="invalid session name"):
+        store.delete(IDENT, "../x")

@@ -26,8 +26,17 @@ from datetime import datetime
 from pathlib import Path
 
 from ..paths import Paths, paths  # noqa: F401  (re-exported)
-from .kvfile import HEADER, HEADER_SIZE, KIND_OF_MAGIC, CacheLayout, SessionError, oserror_text
-from .session import Session
+from .kvfile import (
+    HEADER,
+    HEADER_SIZE,
+    KIND_OF_MAGIC,
+    CacheLayout,
+    SessionError,
+    fsync_dir,
+    lstat_regular,
+    oserror_text,
+)
+from .session import Session, _lock, _unlock
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 KV_EXT = ".coli_kv"
@@ -257,6 +266,31 @@ class Store:
                 raise SessionError(f"session {name} belongs to another model ({', '.join(others)}); "
                                    "start colichat with that model to resume it")
         return Session.open(directory, name, ident, layout)
+
+    def delete(self, ident: dict, name: str) -> int:
+        """Remove a saved session of this model and return the bytes freed. Its lock is taken first,
+        so a session open in another colichat is refused. The sidecar goes first: a crash in between
+        leaves a bare KV file, which still loads (as one imported turn) and can be deleted again."""
+        directory = self.model_dir(ident)
+        check_name(name)
+        base = os.path.join(str(directory), name)
+        if lstat_regular(base + KV_EXT, "session file") is None:
+            raise SessionError(f"no session named {name} for this model (/sessions lists them)")
+        fd = _lock(base + ".lock", name)
+        freed = 0
+        try:
+            for path in (base + ".json", base + KV_EXT):
+                try:
+                    freed += os.lstat(path).st_size
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise SessionError(f"cannot delete session {name}: {oserror_text(e)}") from None
+            fsync_dir(str(directory))
+        finally:
+            _unlock(fd)
+        return freed
 
     def list(self, ident: dict | None = None) -> list[SessionInfo]:
         """Sessions of one model (or all), newest first. Never raises on damaged entries."""
