@@ -178,13 +178,16 @@ def load_model(args, say):
             sys.stderr.write(f"\rloading {os.path.basename(path)}: layer {done}/{total}")
             sys.stderr.flush()
 
+    notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
-                 expert_cache=args.expert_cache, on_note=lambda line: say(f"note: {line}"))
+                 expert_cache=args.expert_cache, on_note=notes.append)
     if tty:
         sys.stderr.write("\r\033[K")
     cfg = model.cfg
     say(f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}, loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
+    for line in notes:
+        say(f"note: {line}")
     return model
 
 

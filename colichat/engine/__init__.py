@@ -55,8 +55,10 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:
             problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors)
-            if problem and on_note:
-                on_note(problem)
+            if on_note:
+                size = sum(a.nbytes for a in weights.values()) >> 20
+                on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
+                        "later starts map them instead of dequantizing")
     kwargs = {} if expert_cache is None else {"expert_cache": expert_cache}
     return Model(cfg, weights, tokenizer, n_ctx, tensors, **kwargs)
 
