@@ -375,21 +375,20 @@ class Conversation:
         boundary). Later turns keep their text (the template still renders them) but lose their
         records, which the new user turn's records re-create."""
         kept = sum(1 for t in self.turns if t.last <= n)
-        self.model.cache.truncate(n)
         self.turns = self.turns[:kept] + [Turn(t.role, t.text, n, n) for t in self.turns[kept:]]
-        if self.session:
-            try:
-                self.session.truncate(kept)
-            except SessionError as e:
-                raise ChatError(f"{e} (the conversation goes on in memory)") from None
+        self._cut(n, kept)
 
     def _truncate_records(self, n: int) -> None:
         """Shrink the cache to n rows (a turn boundary), dropping later turns, on disk too."""
-        self.model.cache.truncate(n)
         self.turns = [t for t in self.turns if t.last <= n]
+        self._cut(n, len(self.turns))
+
+    def _cut(self, n: int, kept_turns: int) -> None:
+        """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
+        self.model.cache.truncate(n)
         if self.session:
             try:
-                self.session.truncate(len(self.turns))
+                self.session.truncate(kept_turns)
             except SessionError as e:
                 raise ChatError(f"{e} (the conversation goes on in memory)") from None
 
