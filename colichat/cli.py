@@ -39,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system", metavar="TEXT", help="system prompt for new conversations")
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default 4096)")
+    p.add_argument("--numerics", choices=["fast", "llama.cpp"], default="fast",
+                   help="llama.cpp: reproduce llama.cpp's CPU arithmetic (deepseek2 files with F32/Q8_0 weights; "
+                   "slow, for checking against llama.cpp)")
     p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
@@ -180,7 +183,7 @@ def load_model(args, say):
 
     notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
-                 expert_cache=args.expert_cache, on_note=notes.append)
+                 expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics)
     if tty:
         sys.stderr.write("\r\033[K")
     cfg = model.cfg

@@ -22,7 +22,7 @@ def load_tokenizer(path_or_reader):
 
 
 def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, expert_cache: float | None = None,
-         on_note=None) -> Model:
+         on_note=None, numerics: str = "fast") -> Model:
     """Open a GGUF, check it, dequantize its weights, and return a Model with an empty cache.
 
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
@@ -30,6 +30,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     cache_dir: where dequantized weights are kept between runs (prepared.py); None: not kept.
     expert_cache: MiB of dequantized routed experts kept (MoE models; default in model.py).
     on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
+    numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic (deepseek2; slow).
     """
     from .prepared import load_prepared, save_prepared
     from .tokenizer import Tokenizer
@@ -60,7 +61,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
     kwargs = {} if expert_cache is None else {"expert_cache": expert_cache}
-    return Model(cfg, weights, tokenizer, n_ctx, tensors, **kwargs)
+    return Model(cfg, weights, tokenizer, n_ctx, tensors, numerics=numerics, **kwargs)
 
 
 def dense_f32_bytes(tensors: Tensors) -> int:

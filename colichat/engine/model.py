@@ -216,9 +216,12 @@ class Model:
         n_ctx: int,
         tensors: Tensors | None = None,
         expert_cache: float | None = None,
+        numerics: str = "fast",
     ):
         """expert_cache: MiB of dequantized routed experts to keep (MoE models; default
-        DEFAULT_EXPERT_CACHE_MIB). Routed experts are read from `tensors` (the GGUF memory map)."""
+        DEFAULT_EXPERT_CACHE_MIB). Routed experts are read from `tensors` (the GGUF memory map).
+        numerics: "fast" (float32 math, BLAS) or "llama.cpp" (deepseek2 only: llama.cpp's CPU
+        arithmetic reproduced op by op, see ggml_ops.py; slow, for checking against llama.cpp)."""
         self.cfg = cfg
         self.w = weights
         self.tokenizer = tokenizer
@@ -254,6 +257,17 @@ class Model:
             raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
         self.rot = rope_rotations(rope, n_ctx, weights.get("rope_freqs"))  # (N, I) complex64
         self.output = weights.get("output", weights["token_embd"])  # (V, D)
+        self.numerics = numerics
+        if numerics == "llama.cpp":
+            if cfg.arch != "deepseek2" or tensors is None:
+                raise ModelError(f"{cfg.path}: llama.cpp numerics are implemented for deepseek2 files only")
+            from .mla_reference import GgmlMLA
+
+            ref = GgmlMLA(cfg, tensors, weights, rope, self.kq_scale, self.routing, n_ctx)
+            self._layer = lambda l, x, pos0: ref.layer(self, l, x, pos0)
+            self._logits = ref.logits
+        elif numerics != "fast":
+            raise ValueError(f"numerics must be 'fast' or 'llama.cpp', not {numerics!r}")
 
     # --- public API -------------------------------------------------------------------------------
 

@@ -1,0 +1,152 @@
+"""deepseek2 with llama.cpp's arithmetic: the same block as Model._mla_layer, computed with the ops
+of ggml_ops.py in the order llama.cpp's graph runs them (`load(..., numerics="llama.cpp")`).
+
+It reads the weights as the GGUF stores them (Q8_0 blocks or F32), fills the same latent cache
+(c, k_pe) as the fast path, and reproduces llama.cpp's logits bit for bit or within one flipped
+activation rounding (tests/test_mla_reference.py). Scope: split attn_k_b/attn_v_b files whose
+matmul weights are F32 or Q8_0. Axis letters as in model.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ggml_ops as G
+from .ffn import NORM_MIN
+from .gguf import ModelConfig, ModelError, Tensors
+
+F32 = np.float32
+
+
+class _Weight:
+    """One matmul weight as stored: Q8_0 blocks (q (N, K/32, 32) int8, d (N, K/32)) or F32 (N, K)."""
+
+    def __init__(self, q=None, d=None, f=None):
+        self.q, self.d, self.f = q, d, f
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:  # (T, K) -> (T, N)
+        if self.f is not None:
+            return G.matmul_f32(x, self.f)
+        return G.matmul_q8_0(x, self.q, self.d)
+
+
+def _read(t: Tensors, name: str, expert: int | None = None, head: int | None = None) -> _Weight:
+    """A weight (one expert of a *_exps tensor, one head of attn_k_b/attn_v_b) as the file stores it."""
+    if t.qtype(name).name == "F32":
+        f = t.f32(name, expert)
+        return _Weight(f=f if head is None else f[head])
+    data = t.require(name).data
+    data = data if expert is None else data[expert]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, 34)
+    shape = t.shape(name)[1 if expert is not None else 0:-1]  # leading axes, without K
+    d = blocks[:, :2].copy().view(np.float16).astype(F32).reshape(shape + (-1,))
+    q = blocks[:, 2:].view(np.int8).reshape(shape + (-1, 32))
+    if head is not None:
+        q, d = q[head], d[head]
+    return _Weight(q=np.ascontiguousarray(q), d=np.ascontiguousarray(d))
+
+
+class GgmlMLA:
+    """The deepseek2 forward of one Model in llama.cpp's arithmetic."""
+
+    def __init__(self, cfg: ModelConfig, tensors: Tensors, weights: dict, rope, kq_scale: float, routing, n_ctx: int):
+        if not cfg.mla_split:
+            raise ModelError(f"{cfg.path}: llama.cpp numerics need split attn_k_b/attn_v_b tensors")
+        if cfg.attn_temp_scale:
+            raise ModelError(f"{cfg.path}: llama.cpp numerics do not cover attention temperature scaling")
+        self.cfg, self.t, self.w, self.routing = cfg, tensors, weights, routing
+        self.kq_scale = F32(kq_scale)
+        self.cos, self.sin = G.rope_cache(rope, n_ctx, weights.get("rope_freqs"))  # (N, R/2) each
+        self.mats: dict = {}
+        self.output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
+        for name in tensors.by_name:  # refuse unsupported types now, not at the first prompt
+            matmul = len(tensors.shape(name)) > 1 and "ffn_gate_inp" not in name and name != "token_embd.weight"
+            if (matmul or name == self.output) and tensors.qtype(name).name not in ("F32", "Q8_0"):
+                raise ModelError(f"{cfg.path}: llama.cpp numerics support F32 and Q8_0 weights, not "
+                                 f"{tensors.qtype(name).name} ({name}); use the default numerics")
+
+    def _mat(self, name: str, expert: int | None = None, head: int | None = None) -> _Weight:
+        key = (name, expert, head)
+        if key not in self.mats:
+            self.mats[key] = _read(self.t, name, expert, head)
+        return self.mats[key]
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        h = G.rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
+        return self._mat(self.output)(h)  # (T, V)
+
+    def layer(self, model, l: int, x: np.ndarray, pos0: int) -> np.ndarray:
+        cfg, w, b = self.cfg, self.w, f"blk.{l}."
+        t, h, c, dn = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope
+        n = pos0 + t
+        u = G.rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
+        if cfg.q_lora_rank:
+            qa = G.rms_norm(self._mat(b + "attn_q_a.weight")(u), w[b + "attn_q_a_norm"], cfg.rms_eps)
+            q = self._mat(b + "attn_q_b.weight")(qa)  # (T, H*K)
+        else:
+            q = self._mat(b + "attn_q.weight")(u)
+        q = q.reshape(t, h, cfg.qk_head)  # (T, H, K)
+        kv_a = self._mat(b + "attn_kv_a_mqa.weight")(u)  # (T, C+R)
+        cos, sin = self.cos[pos0:n], self.sin[pos0:n]
+        q_pe = G.rope_norm(q[:, :, dn:], cos, sin)  # (T, H, R)
+        model.cache.a[l][pos0:n] = G.rms_norm(kv_a[:, :c], w[b + "attn_kv_a_norm"], cfg.rms_eps)
+        model.cache.b[l][pos0:n] = G.rope_norm(kv_a[:, c:], cos, sin)
+        kv = np.ascontiguousarray(model.cache.records["kv"][:n, l])  # (N, C+R)
+        mask = np.where(np.arange(n)[None, :] <= np.arange(pos0, n)[:, None], F32(0), F32(-np.inf))  # (T, N)
+        heads = []
+        for i in range(h):
+            q_abs = self._mat(b + "attn_k_b.weight", head=i)(np.ascontiguousarray(q[:, i, :dn]))  # (T, C)
+            kq = G.matmul_f32(np.concatenate([q_abs, q_pe[:, i]], axis=1), kv)  # (T, N)
+            p = G.soft_max(((kq * self.kq_scale).astype(F32) + mask).astype(F32))  # (T, N)
+            pad = (-n) % G.LANES  # llama.cpp pads the cache length; zero rows change no sum
+            lat = G.matmul_f32(np.pad(p, ((0, 0), (0, pad))), np.pad(kv[:, :c], ((0, pad), (0, 0))).T)  # (T, C)
+            heads.append(self._mat(b + "attn_v_b.weight", head=i)(lat))  # (T, Dv)
+        x = (x + self._mat(b + "attn_output.weight")(np.concatenate(heads, axis=1))).astype(F32)
+        u = G.rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)
+        if l < cfg.n_dense:
+            return (x + self._ffn(u, b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight")).astype(F32)
+        return (x + self._moe(u, l)).astype(F32)
+
+    def _ffn(self, x, gate: str, up: str, down: str, expert: int | None = None) -> np.ndarray:
+        g, u = self._mat(gate, expert)(x), self._mat(up, expert)(x)
+        return self._mat(down, expert)(G.silu_mul(g, u))
+
+    def _expert(self, x: np.ndarray, b: str, e: int) -> np.ndarray:
+        if self.t.has(b + "ffn_gate_up_exps.weight"):  # merged (X, 2F, D): one matmul, then halves
+            gu = self._mat(b + "ffn_gate_up_exps.weight", e)(x)  # (T, 2F)
+            f = gu.shape[1] // 2
+            return self._mat(b + "ffn_down_exps.weight", e)(G.silu_mul(gu[:, :f], gu[:, f:]))
+        return self._ffn(x, b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight", e)
+
+    def _moe(self, u: np.ndarray, l: int) -> np.ndarray:
+        """Routing (build_moe_ffn), experts weighted, summed in selection order, then the shared one."""
+        cfg, r, b = self.cfg, self.routing, f"blk.{l}."
+        t = u.shape[0]
+        logits = G.matmul_f32(u, self.w[b + "ffn_gate_inp"])  # (T, X)
+        probs = G.sigmoid(logits) if r.gating == 2 else G.soft_max(logits)
+        bias = self.w.get(b + "exp_probs_b")
+        sel = (probs + bias).astype(F32) if bias is not None else probs.copy()
+        if r.n_group > 1:
+            grouped = sel.reshape(t, r.n_group, -1)  # (T, G, X/G)
+            top2 = np.sort(grouped, axis=2)[:, :, -2:]
+            score = (top2[:, :, 0] + top2[:, :, 1]).astype(F32)  # (T, G)
+            drop = np.argsort(-score, axis=1, kind="stable")[:, r.n_group_used:]
+            np.put_along_axis(grouped, drop[:, :, None], -np.inf, axis=1)
+        ids = np.argsort(-sel, axis=1, kind="stable")[:, : r.n_used]  # (T, K) best first
+        wts = np.take_along_axis(probs, ids, axis=1)  # (T, K)
+        if r.norm:
+            total = np.cumsum(wts.astype(np.float64), axis=1)[:, -1:].astype(F32)
+            wts = (wts / np.maximum(total, F32(NORM_MIN))).astype(F32)
+        if r.scale not in (0.0, 1.0):
+            wts = (wts * F32(r.scale)).astype(F32)
+        ys = np.zeros((t, r.n_used, u.shape[1]), dtype=F32)  # (T, K, D)
+        for e in np.unique(ids).tolist():
+            rows, k = np.nonzero(ids == e)
+            ys[rows, k] = (self._expert(u[rows], b, e) * wts[rows, k][:, None]).astype(F32)
+        out = ys[:, 0]
+        for k in range(1, r.n_used):
+            out = (out + ys[:, k]).astype(F32)
+        if cfg.n_expert_shared:
+            shared = self._ffn(u, b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight")
+            out = (out + shared).astype(F32)
+        return out
