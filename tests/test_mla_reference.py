@@ -112,6 +112,7 @@ def test_matmuls_agree_with_float64():
     xq, xd = G.quantize_q8_0(x)
     want = (xq * xd[..., None]).reshape(5, 64).astype(np.float64) @ (wq * wd[..., None]).reshape(7, 64).T
     assert np.allclose(G.matmul_q8_0(x, wq, wd), want, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(G.GgmlWeight("Q8_0", q=wq, d=wd)(x), G.matmul_q8_0(x, wq, wd))
 
 
 # --- what it refuses ----------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def expf(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """quantize_row_q8_0 on rows of x (T, K): int8 values (T, K/32, 32) and fp16 scales as f32 (T, K/32)."""
+    """quantize_row_q8_0 on rows of x (T, K): int8 values (T, K/32, 32), fp16 scales as f32 (T, K/32)."""
     b = np.ascontiguousarray(x, dtype=F32).reshape(x.shape[0], -1, 32)
     amax = np.abs(b).max(axis=-1, keepdims=True)  # (T, K/32, 1)
     with np.errstate(divide="ignore"):
@@ -88,21 +88,55 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, d
 
 
-def matmul_q8_0(x: np.ndarray, wq: np.ndarray, wd: np.ndarray, rows: int = 64) -> np.ndarray:
+class GgmlWeight:
+    """A matmul weight as the GGUF stores it, multiplied as ggml does (x (T, K) -> (T, N)):
+    F32 (f (N, K)) or Q8_0 (q int8 (N, K/32, 32), d (N, K/32))."""
+
+    def __init__(self, kind: str, q=None, d=None, f=None):
+        self.kind, self.q, self.d, self.f = kind, q, d, f
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.kind == "F32":
+            return matmul_f32(x, self.f)
+        return matmul_q8_0(x, self.q, self.d)
+
+
+KINDS = ("F32", "Q8_0")  # the weight types these numerics multiply like llama.cpp
+
+
+def read_weight(t, name: str, expert: int | None = None, head: int | None = None) -> GgmlWeight:
+    """One weight of Tensors `t` (one expert of a *_exps tensor, one head of a 3-D tensor)."""
+    kind = t.qtype(name).name
+    if kind == "F32":
+        f = t.f32(name, expert)
+        return GgmlWeight(kind, f=f if head is None else f[head])
+    data = t.require(name).data
+    data = data if expert is None else data[expert]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, 34)  # (blocks, fp16 d + 32 int8)
+    shape = t.shape(name)[0 if expert is None else 1:-1] + (-1,)  # (..., N, K/32)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(F32).reshape(shape)
+    q = blocks[:, 2:].view(np.int8).reshape(shape + (32,))
+    if head is not None:
+        q, d = q[head], d[head]
+    return GgmlWeight(kind, np.ascontiguousarray(q), np.ascontiguousarray(d))
+
+
+def matmul_q8_0(x: np.ndarray, wq: np.ndarray, wd: np.ndarray, rows: int = 16) -> np.ndarray:
     """x (T, K) times Q8_0 weights wq (N, K/32, 32) int8, wd (N, K/32) -> (T, N), as
-    ggml_vec_dot_q8_0_q8_0 / tinyBLAS_Q0 sum it: per block 8 lanes of 4 products, fma over blocks."""
+    ggml_vec_dot_q8_0_q8_0 and tinyBLAS_Q0 sum it: activations quantized per 32; per block 8 lanes
+    of 4 integer products, scaled by d_w * d_x and accumulated with fma over the blocks; hsum."""
     xq, xd = quantize_q8_0(x)
     t, nb = xd.shape
     n = wq.shape[0]
-    w4 = wq.reshape(n, nb, 8, 4).astype(np.int32)
+    wl = wq.reshape(n, nb, 8, 4).transpose(1, 2, 3, 0).astype(F32)  # (nb, 8, 4, N)
     out = np.empty((t, n), dtype=F32)
     for i0 in range(0, t, rows):
-        x4 = xq[i0:i0 + rows].reshape(-1, nb, 8, 4).astype(np.int32)
-        lanes = np.einsum("tbjk,nbjk->tnbj", x4, w4)  # (t, N, nb, 8) exact integer lane sums
-        dd = (xd[i0:i0 + rows, None, :] * wd[None]).astype(F32)  # (t, N, nb)
-        acc = np.zeros(lanes.shape[:2] + (8,), dtype=F32)
+        xl = xq[i0:i0 + rows].reshape(-1, nb, 8, 4).transpose(1, 2, 0, 3).astype(F32)  # (nb, 8, t, 4)
+        acc = np.zeros((xl.shape[2], n, 8), dtype=F32)  # (t, N, 8)
         for blk in range(nb):
-            acc = fma(dd[:, :, blk, None], lanes[:, :, blk], acc)
+            lanes = np.matmul(xl[blk], wl[blk]).transpose(1, 2, 0)  # (t, N, 8), exact: |sum| < 2^24
+            dd = (wd[None, :, blk] * xd[i0:i0 + rows, blk, None]).astype(F32)  # (t, N)
+            acc = fma(dd[..., None], lanes, acc)
         out[i0:i0 + rows] = hsum(acc)
     return out
 

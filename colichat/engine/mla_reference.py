@@ -18,34 +18,6 @@ from .gguf import ModelConfig, ModelError, Tensors
 F32 = np.float32
 
 
-class _Weight:
-    """One matmul weight as stored: Q8_0 blocks (q (N, K/32, 32) int8, d (N, K/32)) or F32 (N, K)."""
-
-    def __init__(self, q=None, d=None, f=None):
-        self.q, self.d, self.f = q, d, f
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:  # (T, K) -> (T, N)
-        if self.f is not None:
-            return G.matmul_f32(x, self.f)
-        return G.matmul_q8_0(x, self.q, self.d)
-
-
-def _read(t: Tensors, name: str, expert: int | None = None, head: int | None = None) -> _Weight:
-    """A weight (one expert of a *_exps tensor, one head of attn_k_b/attn_v_b) as the file stores it."""
-    if t.qtype(name).name == "F32":
-        f = t.f32(name, expert)
-        return _Weight(f=f if head is None else f[head])
-    data = t.require(name).data
-    data = data if expert is None else data[expert]
-    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, 34)
-    shape = t.shape(name)[1 if expert is not None else 0:-1]  # leading axes, without K
-    d = blocks[:, :2].copy().view(np.float16).astype(F32).reshape(shape + (-1,))
-    q = blocks[:, 2:].view(np.int8).reshape(shape + (-1, 32))
-    if head is not None:
-        q, d = q[head], d[head]
-    return _Weight(q=np.ascontiguousarray(q), d=np.ascontiguousarray(d))
-
-
 class GgmlMLA:
     """The deepseek2 forward of one Model in llama.cpp's arithmetic."""
 
@@ -61,14 +33,14 @@ class GgmlMLA:
         self.output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
         for name in tensors.by_name:  # refuse unsupported types now, not at the first prompt
             matmul = len(tensors.shape(name)) > 1 and "ffn_gate_inp" not in name and name != "token_embd.weight"
-            if (matmul or name == self.output) and tensors.qtype(name).name not in ("F32", "Q8_0"):
-                raise ModelError(f"{cfg.path}: llama.cpp numerics support F32 and Q8_0 weights, not "
+            if (matmul or name == self.output) and tensors.qtype(name).name not in G.KINDS:
+                raise ModelError(f"{cfg.path}: llama.cpp numerics support {', '.join(G.KINDS)} weights, not "
                                  f"{tensors.qtype(name).name} ({name}); use the default numerics")
 
-    def _mat(self, name: str, expert: int | None = None, head: int | None = None) -> _Weight:
+    def _mat(self, name: str, expert: int | None = None, head: int | None = None) -> G.GgmlWeight:
         key = (name, expert, head)
         if key not in self.mats:
-            self.mats[key] = _read(self.t, name, expert, head)
+            self.mats[key] = G.read_weight(self.t, name, expert, head)
         return self.mats[key]
 
     def logits(self, x: np.ndarray) -> np.ndarray:

@@ -259,8 +259,10 @@ class Model:
         self.output = weights.get("output", weights["token_embd"])  # (V, D)
         self.numerics = numerics
         if numerics == "llama.cpp":
-            if cfg.arch != "deepseek2" or tensors is None:
+            if cfg.arch != "deepseek2":
                 raise ModelError(f"{cfg.path}: llama.cpp numerics are implemented for deepseek2 files only")
+            if tensors is None:
+                raise ValueError("llama.cpp numerics read the weights as stored: the Model needs its Tensors")
             from .mla_reference import GgmlMLA
 
             ref = GgmlMLA(cfg, tensors, weights, rope, self.kq_scale, self.routing, n_ctx)
