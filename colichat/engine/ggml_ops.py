@@ -118,7 +118,7 @@ def read_weight(t, name: str, expert: int | None = None, head: int | None = None
     q = blocks[:, 2:].view(np.int8).reshape(shape + (32,))
     if head is not None:
         q, d = q[head], d[head]
-    return GgmlWeight(kind, np.ascontiguousarray(q), np.ascontiguousarray(d))
+    return GgmlWeight(kind, q, d)  # q: a view of the memory-mapped file
 
 
 def matmul_q8_0(x: np.ndarray, wq: np.ndarray, wd: np.ndarray, rows: int = 16) -> np.ndarray:

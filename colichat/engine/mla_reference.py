@@ -38,9 +38,13 @@ class GgmlMLA:
                                  f"{tensors.qtype(name).name} ({name}); use the default numerics")
 
     def _mat(self, name: str, expert: int | None = None, head: int | None = None) -> G.GgmlWeight:
-        key = (name, expert, head)
+        """Dense weights are kept (views of the mapped file plus their scales); routed experts are
+        read again at each use, so memory stays bounded on models with thousands of experts."""
+        if expert is not None:
+            return G.read_weight(self.t, name, expert, head)
+        key = (name, head)
         if key not in self.mats:
-            self.mats[key] = G.read_weight(self.t, name, expert, head)
+            self.mats[key] = G.read_weight(self.t, name, None, head)
         return self.mats[key]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
