@@ -138,3 +138,12 @@ def test_cli_option(colichat_home):
     assert r.out.strip()
     r = chat(colichat_home, ["--model", TINY_LLAMA, "--numerics", "llama.cpp"], "hello\n").failed()
     assert len(r.errors()) == 1 and "deepseek2 files only" in r.errors()[0]
+
+
+def test_merged_gate_up_experts_equal_separate(tmp_path):
+    """ffn_gate_up_exps holds [gate; up] per expert: every output element is summed the same way."""
+    ids = np.arange(3, 40)
+    spec = dict(qtype="Q8_0", qk_nope=32, v_head=32)  # every matrix row a whole number of Q8_0 blocks
+    a = load(str(write_deepseek2(tmp_path / "a.gguf", merged_gate_up=True, **spec)), n_ctx=64, numerics="llama.cpp")
+    b = load(str(write_deepseek2(tmp_path / "b.gguf", **spec)), n_ctx=64, numerics="llama.cpp")
+    assert np.array_equal(a.prefill(ids), b.prefill(ids))
