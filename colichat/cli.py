@@ -189,6 +189,8 @@ def load_model(args, say):
     cfg = model.cfg
     say(f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}, loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
+    if model.numerics != "fast":
+        say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp)")
     for line in notes:
         say(f"note: {line}")
     return model

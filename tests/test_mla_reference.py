@@ -136,6 +136,7 @@ def test_cli_option(colichat_home):
     r = chat(colichat_home, ["--model", Q8, "--numerics", "llama.cpp", *GREEDY, "--max-tokens", "6", "--no-save"],
              "hello\n").ok()
     assert r.out.strip()
+    assert "numerics: llama.cpp's CPU arithmetic" in r.err
     r = chat(colichat_home, ["--model", TINY_LLAMA, "--numerics", "llama.cpp"], "hello\n").failed()
     assert len(r.errors()) == 1 and "deepseek2 files only" in r.errors()[0]
 
