@@ -19,8 +19,11 @@ computes it on an x86 build with AVX-512 (the `ggml-cpu` backend, its `llamafile
   float 1/sum; SiLU: x / (1 + v_expf(-x));
 - RoPE: angles by the float recurrence theta *= theta_scale, YaRN blend in float, cos/sin rounded.
 
-Slow (every matmul goes through integer einsums and lane loops): meant for checking the model
-against llama.cpp, not for chatting with large models. Shapes: T tokens, N outputs, K inputs.
+Which build: the reference data in ../shared/ref matches the AVX-512 forms (16-lane sums, the
+AVX-512 ggml_v_expf) and no fma contraction in RoPE; the AVX2 forms give more flipped roundings.
+
+Slow (every matmul is a loop of lane sums and emulated fmas): meant for checking the model against
+llama.cpp, not for chatting with large models. Shapes: T tokens, N outputs, K inputs.
 """
 
 from __future__ import annotations
