@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default 4096)")
     p.add_argument("--numerics", choices=["fast", "llama.cpp"], default="fast",
-                   help="llama.cpp: reproduce llama.cpp's CPU arithmetic (deepseek2 files with F32/Q8_0 weights; "
+                   help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp)")
     p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")

@@ -2,9 +2,9 @@
 of ggml_ops.py in the order llama.cpp's graph runs them (`load(..., numerics="llama.cpp")`).
 
 It reads the weights as the GGUF stores them (Q8_0 blocks or F32), fills the same latent cache
-(c, k_pe) as the fast path, and reproduces llama.cpp's logits bit for bit or within one flipped
-activation rounding (tests/test_mla_reference.py). Scope: split attn_k_b/attn_v_b files whose
-matmul weights are F32 or Q8_0. Axis letters as in model.py.
+(c, k_pe) as the fast path, and reproduces llama.cpp's logits bit for bit
+(tests/test_llama_cpp_numerics.py). Scope: split attn_k_b/attn_v_b files whose matmul weights are
+of ggml_ops.KINDS. Axis letters as in model.py.
 """
 
 from __future__ import annotations
@@ -71,11 +71,10 @@ class GgmlMLA:
         mask = np.where(np.arange(n)[None, :] <= np.arange(pos0, n)[:, None], F32(0), F32(-np.inf))  # (T, N)
         heads = []
         for i in range(h):
-            q_abs = self._mat(b + "attn_k_b.weight", head=i)(np.ascontiguousarray(q[:, i, :dn]))  # (T, C)
-            kq = G.matmul_f32(np.concatenate([q_abs, q_pe[:, i]], axis=1), kv)  # (T, N)
-            p = G.soft_max(((kq * self.kq_scale).astype(F32) + mask).astype(F32))  # (T, N)
-            pad = (-n) % G.LANES  # llama.cpp pads the cache length; zero rows change no sum
-            lat = G.matmul_f32(np.pad(p, ((0, 0), (0, pad))), np.pad(kv[:, :c], ((0, pad), (0, 0))).T)  # (T, C)
+            q_nope = np.ascontiguousarray(q[:, i, :dn])  # a permuted view in llama.cpp's graph
+            q_abs = self._mat(b + "attn_k_b.weight", head=i)(q_nope, True)  # (T, C)
+            q_i = np.concatenate([q_abs, q_pe[:, i]], axis=1)  # (T, C+R) against the shared key [c | k_pe]
+            lat = G.attention_head(q_i, kv, kv[:, :c], mask, self.kq_scale)  # (T, C)
             heads.append(self._mat(b + "attn_v_b.weight", head=i)(lat))  # (T, Dv)
         x = (x + self._mat(b + "attn_output.weight")(np.concatenate(heads, axis=1))).astype(F32)
         u = G.rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)
@@ -84,14 +83,15 @@ class GgmlMLA:
         return (x + self._moe(u, l)).astype(F32)
 
     def _ffn(self, x, gate: str, up: str, down: str, expert: int | None = None) -> np.ndarray:
-        g, u = self._mat(gate, expert)(x), self._mat(up, expert)(x)
-        return self._mat(down, expert)(G.silu_mul(g, u))
+        routed = expert is not None  # ggml_mul_mat_id
+        g, u = self._mat(gate, expert)(x, routed), self._mat(up, expert)(x, routed)
+        return self._mat(down, expert)(G.silu_mul(g, u), routed)
 
     def _expert(self, x: np.ndarray, b: str, e: int) -> np.ndarray:
         if self.t.has(b + "ffn_gate_up_exps.weight"):  # merged (X, 2F, D): one matmul, then halves
-            gu = self._mat(b + "ffn_gate_up_exps.weight", e)(x)  # (T, 2F)
+            gu = self._mat(b + "ffn_gate_up_exps.weight", e)(x, True)  # (T, 2F)
             f = gu.shape[1] // 2
-            return self._mat(b + "ffn_down_exps.weight", e)(G.silu_mul(gu[:, :f], gu[:, f:]))
+            return self._mat(b + "ffn_down_exps.weight", e)(G.silu_mul(gu[:, :f], gu[:, f:]), True)
         return self._ffn(x, b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight", e)
 
     def _moe(self, u: np.ndarray, l: int) -> np.ndarray:

@@ -220,8 +220,8 @@ class Model:
     ):
         """expert_cache: MiB of dequantized routed experts to keep (MoE models; default
         DEFAULT_EXPERT_CACHE_MIB). Routed experts are read from `tensors` (the GGUF memory map).
-        numerics: "fast" (float32 math, BLAS) or "llama.cpp" (deepseek2 only: llama.cpp's CPU
-        arithmetic reproduced op by op, see ggml_ops.py; slow, for checking against llama.cpp)."""
+        numerics: "fast" (float32 math, BLAS) or "llama.cpp" (llama.cpp's CPU arithmetic reproduced
+        op by op, see ggml_ops.py; slow, for checking against llama.cpp)."""
         self.cfg = cfg
         self.w = weights
         self.tokenizer = tokenizer
@@ -259,13 +259,16 @@ class Model:
         self.output = weights.get("output", weights["token_embd"])  # (V, D)
         self.numerics = numerics
         if numerics == "llama.cpp":
-            if cfg.arch != "deepseek2":
-                raise ModelError(f"{cfg.path}: llama.cpp numerics are implemented for deepseek2 files only")
             if tensors is None:
                 raise ValueError("llama.cpp numerics read the weights as stored: the Model needs its Tensors")
-            from .mla_reference import GgmlMLA
+            if cfg.arch == "deepseek2":
+                from .mla_reference import GgmlMLA
 
-            ref = GgmlMLA(cfg, tensors, weights, rope, self.kq_scale, self.routing, n_ctx)
+                ref = GgmlMLA(cfg, tensors, weights, rope, self.kq_scale, self.routing, n_ctx)
+            else:
+                from .llama_reference import GgmlLlama
+
+                ref = GgmlLlama(cfg, tensors, weights, rope, self.kq_scale, n_ctx)
             self._layer = lambda l, x, pos0: ref.layer(self, l, x, pos0)
             self._logits = ref.logits
         elif numerics != "fast":

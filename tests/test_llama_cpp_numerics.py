@@ -1,13 +1,14 @@
-"""llama.cpp numerics (engine/ggml_ops.py, engine/mla_reference.py): the deepseek2 forward computed
-with llama.cpp's CPU arithmetic reproduces llama.cpp's logits on the tiny reference models, the Q8_0
-one included, where the fast float32 engine cannot (see test_engine_mla.py)."""
+"""llama.cpp numerics (engine/ggml_ops.py, mla_reference.py, llama_reference.py): the forward pass
+computed with llama.cpp's CPU arithmetic gives llama.cpp's logits bit for bit on every reference
+file, the Q8_0 one included (where the fast float32 engine cannot meet the bar: test_engine_mla.py),
+and the default model's greedy answers token for token."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from cli_helpers import GREEDY, TINY_LLAMA, chat
-from conftest import TINY
+from cli_helpers import GREEDY, chat
+from conftest import REF, TINY
 from gguf_factory import write_deepseek2
 
 from colichat.engine import ggml_ops as G
@@ -15,6 +16,7 @@ from colichat.engine import load
 from colichat.engine.gguf import ModelError
 
 Q8 = str(TINY / "ds-v3.q8_0.gguf")
+TINY_MODELS = ["ds-v3.q8_0", "ds-v3", "ds-v2-lite", "ds-dense", "llama"]
 
 
 @pytest.fixture(scope="module")
@@ -31,32 +33,30 @@ def ggml(models, name):
 
 
 @pytest.mark.parametrize("case", ["ref", "long.ref"])
-def test_q8_0_matches_llama_cpp(models, case):
-    """The issue's bar for the Q8_0 file (argmax at >= 90% of positions, max abs difference < 0.25)
-    on both cases. Measured: max 0.033 / 0.066; the logits are bit-identical to llama.cpp's at 39 of
-    40 and 245 of 320 positions, the rest differ by one activation rounding (a 1-ulp difference
-    before a Q8_0 rounding tie)."""
+def test_q8_0_meets_the_bar(models, case):
+    """The issue's bar for the Q8_0 file: argmax at >= 90% of positions, max abs difference < 0.25,
+    on both cases (the next test shows more: no difference at all)."""
     ref = np.load(TINY / f"ds-v3.q8_0.{case}.npz")
     logits = ggml(models, "ds-v3.q8_0").prefill(ref["tokens_0"])
-    diff = np.abs(logits - ref["logits_0"]).max(axis=1)
-    assert diff.max() < 0.25
+    assert np.abs(logits - ref["logits_0"]).max() < 0.25
     assert np.mean(logits.argmax(1) == ref["logits_0"].argmax(1)) >= 0.9
-    assert np.mean(diff == 0) >= (0.95 if case == "ref" else 0.7)
 
 
-@pytest.mark.parametrize("name,case", [("ds-v3", "long.ref"), ("ds-v2-lite", "ref"), ("ds-dense", "ref")])
-def test_f32_files_match_llama_cpp(models, name, case):
-    """F32 weights (no activation rounding): within 1e-5 like the fast engine; covers softmax
-    gating, no q_lora, and head sizes that are not a multiple of 16 (vec_dot order)."""
+@pytest.mark.parametrize("case", ["ref", "long.ref"])
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_tiny_models_bit_identical(models, name, case):
+    """Every position of every case: the same float32 bits as llama.cpp. Covers Q8_0 activation
+    rounding, YaRN past the original context, sigmoid and softmax routing with groups, q_lora and
+    attn_q, head sizes that are not a multiple of 16, F32 experts (ggml_mul_mat_id), and GQA."""
     ref = np.load(TINY / f"{name}.{case}.npz")
     logits = ggml(models, name).prefill(ref["tokens_0"])
-    assert np.abs(logits - ref["logits_0"]).max() < 2e-5
-    assert np.array_equal(logits.argmax(1), ref["logits_0"].argmax(1))
+    assert np.array_equal(logits, ref["logits_0"])
 
 
-def test_chunks_and_decode_are_bit_identical(models):
-    """Each output element is summed in the same order whatever the chunk, so prefill in one chunk,
-    in three, and token by token give the same bits (logits and cache)."""
+def test_chunks_equal_one_prefill_and_decode_is_close(models):
+    """Chunks of two or more tokens take the same kernels as one chunk: the same bits, logits and
+    cache. A single token does not (tinyBLAS refuses one column, so the weighted sum of the values
+    runs in ggml_vec_dot_f32's order), in llama.cpp as here: decode agrees to float rounding."""
     ids = np.load(TINY / "ds-v3.q8_0.ref.npz")["tokens_0"]
     m = ggml(models, "ds-v3.q8_0")
     whole, kv = m.prefill(ids), m.cache.records[: ids.size].copy()
@@ -65,8 +65,34 @@ def test_chunks_and_decode_are_bit_identical(models):
     assert np.array_equal(parts, whole)
     assert np.array_equal(m.cache.records[: ids.size], kv)
     m.reset()
-    steps = np.stack([m.decode(int(i)) for i in ids])
-    assert np.array_equal(steps, whole)
+    m.prefill(ids[:30])
+    steps = np.stack([m.decode(int(i)) for i in ids[30:]])
+    assert np.abs(steps - whole[30:]).max() < 0.1
+    assert np.array_equal(steps.argmax(1), whole[30:].argmax(1))
+
+
+@pytest.mark.default_model
+def test_default_model_matches_llama_cpp(default_model_path):
+    """SmolLM2 (Q4_1 weights, Q8_1 activations, Q8_0 tied output): the top-20 logits at every
+    position and all logits at the last one are llama.cpp's, bit for bit, on the four chat cases;
+    greedy decoding gives llama.cpp's continuation token for token. The fast engine's greedy answers
+    leave llama.cpp's at the first token of case 0 and the sixth of case 2."""
+    ref = np.load(REF / "smollm2" / "chat.ref.npz")
+    m = load(default_model_path, n_ctx=256, numerics="llama.cpp")
+    for i in range(4):
+        m.reset()
+        logits = m.prefill(ref[f"tokens_{i}"])
+        top = np.take_along_axis(logits, ref[f"topk_ids_{i}"], axis=1)
+        assert np.array_equal(top, ref[f"topk_logits_{i}"]), i
+        assert np.array_equal(logits[-1], ref[f"last_logits_{i}"]), i
+    for i, n in ((0, 8), (2, 7)):
+        m.reset()
+        last = m.prefill(ref[f"tokens_{i}"], all_logits=False)[0]
+        answer = []
+        for _ in range(n):
+            answer.append(int(last.argmax()))
+            last = m.decode(answer[-1])
+        assert answer == ref[f"greedy_{i}"][:n].tolist(), i
 
 
 def test_same_cache_as_fast_numerics(models):
@@ -95,8 +121,8 @@ def test_v_expf_is_close_to_exp():
 def test_quantize_q8_0_rounds_half_to_even():
     x = np.zeros((1, 32), np.float32)
     x[0, :4] = [127.0, 0.5, 1.5, -2.5]  # amax 127: the scale is exactly 1
-    q, d = G.quantize_q8_0(x)
-    assert d.tolist() == [[1.0]]
+    q, d, s = G.quantize_q8_0(x)
+    assert d.tolist() == [[1.0]] and s.tolist() == [[127.0]]  # q8_1's d * sum(q): 127 + 0 + 2 - 2
     assert q[0, 0, :4].tolist() == [127, 0, 2, -2]
 
 
@@ -109,18 +135,15 @@ def test_matmuls_agree_with_float64():
         assert np.allclose(G.matmul_f32(x[:, :k], w[:, :k]), want, rtol=1e-5, atol=1e-5)
     wq = rng.integers(-127, 128, (7, 2, 32)).astype(np.int8)
     wd = np.full((7, 2), 0.01, np.float32)
-    xq, xd = G.quantize_q8_0(x)
+    xq, xd, _ = G.quantize_q8_0(x)
     want = (xq * xd[..., None]).reshape(5, 64).astype(np.float64) @ (wq * wd[..., None]).reshape(7, 64).T
-    assert np.allclose(G.matmul_q8_0(x, wq, wd), want, rtol=1e-5, atol=1e-5)
-    assert np.array_equal(G.GgmlWeight("Q8_0", q=wq, d=wd)(x), G.matmul_q8_0(x, wq, wd))
+    assert np.allclose(G.GgmlWeight("Q8_0", q=wq, d=wd)(x), want, rtol=1e-5, atol=1e-5)
 
 
 # --- what it refuses ----------------------------------------------------------------------------------
 
 
 def test_refusals(tmp_path):
-    with pytest.raises(ModelError, match="deepseek2 files only"):
-        load(TINY_LLAMA, n_ctx=64, numerics="llama.cpp")
     q4 = write_deepseek2(tmp_path / "q4.gguf", n_layer=2, qtype="Q4_0")
     with pytest.raises(ModelError, match="Q4_0"):
         load(str(q4), n_ctx=64, numerics="llama.cpp")
@@ -131,14 +154,15 @@ def test_refusals(tmp_path):
         load(Q8, n_ctx=64, numerics="exact")
 
 
-def test_cli_option(colichat_home):
-    """--numerics llama.cpp answers in pipe mode; on a llama file it is refused in one line."""
+def test_cli_option(colichat_home, tmp_path):
+    """--numerics llama.cpp answers in pipe mode; a file with other weight types is refused in one line."""
     r = chat(colichat_home, ["--model", Q8, "--numerics", "llama.cpp", *GREEDY, "--max-tokens", "6", "--no-save"],
              "hello\n").ok()
     assert r.out.strip()
     assert "numerics: llama.cpp's CPU arithmetic" in r.err
-    r = chat(colichat_home, ["--model", TINY_LLAMA, "--numerics", "llama.cpp"], "hello\n").failed()
-    assert len(r.errors()) == 1 and "deepseek2 files only" in r.errors()[0]
+    q4 = write_deepseek2(tmp_path / "q4.gguf", n_layer=2, qtype="Q4_0")
+    r = chat(colichat_home, ["--model", q4, "--numerics", "llama.cpp"], "hello\n").failed()
+    assert len(r.errors()) == 1 and "Q4_0" in r.errors()[0] and "default numerics" in r.errors()[0]
 
 
 def test_merged_gate_up_experts_equal_separate(tmp_path):

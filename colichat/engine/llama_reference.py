@@ -1,0 +1,58 @@
+"""llama with llama.cpp's arithmetic: the same block as Model._llama_layer, computed with the ops of
+ggml_ops.py in the order llama.cpp's graph runs them (`load(..., numerics="llama.cpp")`).
+
+Weights are read as the GGUF stores them (F32, Q8_0, Q4_1: the default model); the cache holds the
+same K and V rows as the fast path. Axis letters as in model.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ggml_ops as G
+from .gguf import ModelConfig, ModelError, Tensors
+
+F32 = np.float32
+MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class GgmlLlama:
+    """The llama forward of one Model in llama.cpp's arithmetic."""
+
+    def __init__(self, cfg: ModelConfig, tensors: Tensors, weights: dict, rope, kq_scale: float, n_ctx: int):
+        if tensors.has("blk.0.attn_q.bias"):
+            raise ModelError(f"{cfg.path}: llama.cpp numerics do not cover attention biases")
+        self.cfg, self.w = cfg, weights
+        self.kq_scale = F32(kq_scale)
+        self.cos, self.sin = G.rope_cache(rope, n_ctx, weights.get("rope_freqs"))  # (N, E/2) each
+        self.output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
+        names = [f"blk.{l}.{m}.weight" for l in range(cfg.n_layer) for m in MATMULS] + [self.output]
+        for name in names:
+            if tensors.qtype(name).name not in G.KINDS:
+                raise ModelError(f"{cfg.path}: llama.cpp numerics support {', '.join(G.KINDS)} weights, not "
+                                 f"{tensors.qtype(name).name} ({name}); use the default numerics")
+        self.mats = {name: G.read_weight(tensors, name) for name in names}
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        h = G.rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
+        return self.mats[self.output](h)  # (T, V)
+
+    def layer(self, model, l: int, x: np.ndarray, pos0: int) -> np.ndarray:
+        cfg, w, b = self.cfg, self.w, f"blk.{l}."
+        mat = {m: self.mats[f"{b}{m}.weight"] for m in MATMULS}
+        t, h, g, e = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        n = pos0 + t
+        u = G.rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
+        cos, sin = self.cos[pos0:n], self.sin[pos0:n]
+        q = G.rope_norm(mat["attn_q"](u).reshape(t, h, e), cos, sin)  # (T, H, E)
+        model.cache.a[l][pos0:n] = G.rope_norm(mat["attn_k"](u).reshape(t, g, e), cos, sin).reshape(t, g * e)
+        model.cache.b[l][pos0:n] = mat["attn_v"](u)  # (T, G*E)
+        k = np.ascontiguousarray(model.cache.a[l][:n]).reshape(n, g, e)  # (N, G, E)
+        v = np.ascontiguousarray(model.cache.b[l][:n]).reshape(n, g, e)
+        mask = np.where(np.arange(n)[None, :] <= np.arange(pos0, n)[:, None], F32(0), F32(-np.inf))  # (T, N)
+        heads = [G.attention_head(np.ascontiguousarray(q[:, i]), np.ascontiguousarray(k[:, i // (h // g)]),
+                                  np.ascontiguousarray(v[:, i // (h // g)]), mask, self.kq_scale)
+                 for i in range(h)]  # query head i reads KV head i // (H/G), as ggml broadcasts
+        x = (x + mat["attn_output"](np.concatenate(heads, axis=1))).astype(F32)  # (T, D)
+        u = G.rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)
+        return (x + mat["ffn_down"](G.silu_mul(mat["ffn_gate"](u), mat["ffn_up"](u)))).astype(F32)
