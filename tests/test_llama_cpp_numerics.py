@@ -155,11 +155,14 @@ def test_refusals(tmp_path):
 
 
 def test_cli_option(colichat_home, tmp_path):
-    """--numerics llama.cpp answers in pipe mode; a file with other weight types is refused in one line."""
-    r = chat(colichat_home, ["--model", Q8, "--numerics", "llama.cpp", *GREEDY, "--max-tokens", "6", "--no-save"],
-             "hello\n").ok()
+    """--numerics llama.cpp answers in pipe mode, the same on a second start (prepared weights); a file
+    with other weight types is refused in one line."""
+    args = ["--model", Q8, "--numerics", "llama.cpp", *GREEDY, "--max-tokens", "6", "--no-save"]
+    r = chat(colichat_home, args, "hello\n").ok()
     assert r.out.strip()
     assert "numerics: llama.cpp's CPU arithmetic" in r.err
+    again = chat(colichat_home, args, "hello\n").ok()  # second start: weights mapped from the prepared cache
+    assert again.out == r.out
     q4 = write_deepseek2(tmp_path / "q4.gguf", n_layer=2, qtype="Q4_0")
     r = chat(colichat_home, ["--model", q4, "--numerics", "llama.cpp"], "hello\n").failed()
     assert len(r.errors()) == 1 and "Q4_0" in r.errors()[0] and "default numerics" in r.errors()[0]
