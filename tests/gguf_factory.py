@@ -12,7 +12,7 @@ Weights are a pure function of (spec.seed, tensor name[, expert]): two files tha
 layout (split vs legacy, F32 vs Q8_0, tied or not) carry the same underlying values, so their logits
 can be compared. Tensors are generated and written one at a time (3-D expert tensors one expert at
 a time), so writing a multi-GB file needs memory for one tensor or one expert only.
-`raw_quant=True` fills tensors of the types in RAW_TYPES (Q8_0, Q4_0, Q5_0, IQ4_NL) with random
+`raw_quant=True` fills tensors of the types in RAW_TYPES (Q8_0, Q4_0, Q5_0, IQ4_NL, Q4_K, Q6_K) with random
 blocks directly (random codes, one fixed fp16 scale): no f32 weights and no quantizer, so it is much
 faster for big files and works for types gguf-py cannot quantize (IQ4_NL); the values then no
 longer follow the f32 recipe.
@@ -35,7 +35,10 @@ import gguf
 import numpy as np
 
 # block types whose only float field is a leading fp16 scale, with the std of their codes
-RAW_TYPES = {"Q8_0": 74.0, "Q4_0": 4.6, "Q5_0": 9.2, "IQ4_NL": 67.0}
+RAW_TYPES = {"Q8_0": 74.0, "Q4_0": 4.6, "Q5_0": 9.2, "IQ4_NL": 67.0, "Q4_K": 150.0, "Q6_K": 600.0}
+# where a raw type keeps its fp16 scales in a block, as multiples of the scale: Q4_K's dmin at 7.5 d
+# centres its values (mean of sc * q = 7.5 x mean of m); the default is d in the first two bytes
+RAW_SCALES = {"Q4_K": ((0, 1.0), (2, 7.5)), "Q6_K": ((208, 1.0),)}
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 BASE_MERGES = ["Ġ t", "h e", "i n", "Ġ a", "e r", "Ġt he", "o n", "Ġ s"]
 CHAT_TEMPLATE = (
@@ -272,7 +275,8 @@ def _raw_blocks(spec: DS2Spec, name: str, shape: tuple, qtype, expert: int) -> n
     blocks = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
     # weights of std ~ 1/sqrt(fan_in): code std x scale
     scale = np.float16(1.0 / (RAW_TYPES[qtype.name] * np.sqrt(shape[-1])))
-    blocks[:, :2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+    for offset, times in RAW_SCALES.get(qtype.name, ((0, 1.0),)):
+        blocks[:, offset:offset + 2] = np.frombuffer(np.float16(scale * times).tobytes(), dtype=np.uint8)
     return blocks.reshape(*shape[:-1], shape[-1] // block * size)
 
 

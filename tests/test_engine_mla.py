@@ -169,17 +169,6 @@ def test_fallback_quant_types(tmp_path, qtypes):
     assert np.abs(engine(path).prefill(ids) - naive_logits(path, ids)).max() < 2e-4
 
 
-def test_q8_0_fast_dequantize_is_exact():
-    import gguf
-
-    from colichat.engine.gguf import _dequantize_q8_0
-
-    a = np.random.default_rng(0).standard_normal((3, 40, 96), dtype=np.float32)
-    q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-    ref = gguf.quants.dequantize(q[1], gguf.GGMLQuantizationType.Q8_0)
-    assert np.array_equal(_dequantize_q8_0(q[1]).reshape(ref.shape), ref)
-
-
 def test_merged_gate_up_experts_equal_separate(tmp_path):
     ids = np.arange(10, 40)
     a = engine(write_deepseek2(tmp_path / "a.gguf", DS2Spec(merged_gate_up=True))).prefill(ids)

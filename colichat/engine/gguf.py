@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import dequant
+
 ARCHITECTURES = ("llama", "deepseek2")
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
@@ -224,8 +226,8 @@ class Tensors:
         data = t.data if expert is None else t.data[expert]
         if t.tensor_type == gguf.GGMLQuantizationType.F32:
             out = np.asarray(data, dtype=np.float32)
-        elif t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
-            out = _dequantize_q8_0(data)
+        elif t.tensor_type.name in dequant.FAST:
+            out = dequant.FAST[t.tensor_type.name](data)
         else:
             out = gguf.quants.dequantize(data, t.tensor_type)
         shape = self.shape(name) if expert is None else self.shape(name)[1:]
@@ -240,16 +242,6 @@ class Tensors:
         if got != tuple(shape):
             raise ModelError(f"{self.path}: tensor '{name}' has shape {got}, expected {tuple(shape)}")
         return name
-
-
-def _dequantize_q8_0(data: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks (fp16 scale, 32 int8) -> float32, the same values as gguf-py's, ~3x faster
-    (routed experts are dequantized on every expert-cache miss)."""
-    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, 34)  # (blocks, 34)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # (blocks, 1)
-    out = np.empty((blocks.shape[0], 32), dtype=np.float32)
-    np.multiply(blocks[:, 2:].view(np.int8), d, out=out)
-    return out
 
 
 def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
