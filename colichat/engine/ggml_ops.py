@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from .gguf import ModelError
 from .rope import RopeParams, yarn_corr_dims
 
 F32, F64 = np.float32, np.float64
@@ -116,6 +117,15 @@ class GgmlWeight:
 
 KINDS = ("F32", "Q8_0", "Q4_1")  # the weight types these numerics multiply like llama.cpp
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
+
+
+def require_kinds(t, names) -> None:
+    """Refuse, naming the tensor, a matmul weight these numerics cannot multiply as llama.cpp does."""
+    for name in names:
+        kind = t.qtype(name).name
+        if kind not in KINDS:
+            raise ModelError(f"{t.path}: llama.cpp numerics support {', '.join(KINDS)} weights, not {kind} "
+                             f"({name}); use the default numerics")
 
 
 def read_weight(t, name: str, expert: int | None = None, head: int | None = None) -> GgmlWeight:

@@ -27,10 +27,7 @@ class GgmlLlama:
         self.cos, self.sin = G.rope_cache(rope, n_ctx, weights.get("rope_freqs"))  # (N, E/2) each
         self.output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
         names = [f"blk.{l}.{m}.weight" for l in range(cfg.n_layer) for m in MATMULS] + [self.output]
-        for name in names:
-            if tensors.qtype(name).name not in G.KINDS:
-                raise ModelError(f"{cfg.path}: llama.cpp numerics support {', '.join(G.KINDS)} weights, not "
-                                 f"{tensors.qtype(name).name} ({name}); use the default numerics")
+        G.require_kinds(tensors, names)
         self.mats = {name: G.read_weight(tensors, name) for name in names}
 
     def logits(self, x: np.ndarray) -> np.ndarray:

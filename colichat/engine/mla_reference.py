@@ -31,11 +31,10 @@ class GgmlMLA:
         self.cos, self.sin = G.rope_cache(rope, n_ctx, weights.get("rope_freqs"))  # (N, R/2) each
         self.mats: dict = {}
         self.output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
-        for name in tensors.by_name:  # refuse unsupported types now, not at the first prompt
-            matmul = len(tensors.shape(name)) > 1 and "ffn_gate_inp" not in name and name != "token_embd.weight"
-            if (matmul or name == self.output) and tensors.qtype(name).name not in G.KINDS:
-                raise ModelError(f"{cfg.path}: llama.cpp numerics support {', '.join(G.KINDS)} weights, not "
-                                 f"{tensors.qtype(name).name} ({name}); use the default numerics")
+        G.require_kinds(tensors, [  # now, not at the first prompt: every matmul weight (not the router)
+            name for name in tensors.by_name
+            if name == self.output or (len(tensors.shape(name)) > 1 and name != "token_embd.weight"
+                                       and "ffn_gate_inp" not in name)])
 
     def _mat(self, name: str, expert: int | None = None, head: int | None = None) -> G.GgmlWeight:
         """Dense weights are kept (views of the mapped file plus their scales); routed experts are
