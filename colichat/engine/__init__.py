@@ -30,7 +30,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     cache_dir: where dequantized weights are kept between runs (prepared.py); None: not kept.
     expert_cache: MiB of dequantized routed experts kept (MoE models; default in model.py).
     on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
-    numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic (deepseek2; slow).
+    numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic bit for bit (slow).
     """
     from .prepared import load_prepared, save_prepared
     from .tokenizer import Tokenizer
