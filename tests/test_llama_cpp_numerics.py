@@ -175,3 +175,18 @@ def test_merged_gate_up_experts_equal_separate(tmp_path):
     a = load(str(write_deepseek2(tmp_path / "a.gguf", merged_gate_up=True, **spec)), n_ctx=64, numerics="llama.cpp")
     b = load(str(write_deepseek2(tmp_path / "b.gguf", **spec)), n_ctx=64, numerics="llama.cpp")
     assert np.array_equal(a.prefill(ids), b.prefill(ids))
+
+
+@pytest.mark.default_model
+def test_cli_answers_as_llama_cpp(colichat_home):
+    """End to end through the chat program: the first prompt of the reference (default system prompt,
+    "What is the capital of France?") answered greedily with --numerics llama.cpp prints llama.cpp's
+    continuation. (It is "L'Étoile, la Mar..."; the fast engine answers "The capital of France is Paris.")"""
+    from colichat.engine import load_tokenizer
+    from colichat.models import default_model_path
+
+    ref = np.load(REF / "smollm2" / "chat.ref.npz")
+    want = load_tokenizer(default_model_path()).decode(ref["greedy_0"][:8].tolist())
+    r = chat(colichat_home, ["--numerics", "llama.cpp", *GREEDY, "--max-tokens", "8", "--no-save",
+                             "-p", "What is the capital of France?"]).ok()
+    assert r.out.decode() == want + "\n"
