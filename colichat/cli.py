@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, metavar="N", help="the longest answer (default 512)")
     p.add_argument("--system", metavar="TEXT", help="system prompt for new conversations")
     p.add_argument("--expert-cache", type=float, metavar="MIB",
-                   help="MiB of dequantized MoE experts kept in memory (default 4096)")
+                   help="MiB of dequantized MoE experts kept in memory (default: half of the memory left "
+                   "after the weights and the context, at least 512)")
     p.add_argument("--numerics", choices=["fast", "llama.cpp"], default="fast",
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp)")

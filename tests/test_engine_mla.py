@@ -293,6 +293,24 @@ def test_expert_cache_is_bounded_and_exact(tmp_path):
     assert "expert cache" in str(est) and "B/token" in str(est)
 
 
+def test_expert_cache_default_follows_available_memory(tmp_path, monkeypatch):
+    """Not told a size, load() gives routed experts half of what MemAvailable leaves after the dense
+    weights and the KV cache, at least 512 MiB; with no /proc/meminfo, model.py's fixed default."""
+    import colichat.engine as engine_pkg
+
+    assert engine_pkg.auto_expert_cache_mib(None, 1 << 30) is None
+    assert engine_pkg.auto_expert_cache_mib(10 << 30, 2 << 30) == 4096.0
+    assert engine_pkg.auto_expert_cache_mib(3 << 30, 2 << 30) == 512.0  # the floor
+    path = str(write_deepseek2(tmp_path / "m.gguf", DS2Spec(n_expert=16, qtype="Q8_0", n_embd=64, n_ff_exp=32)))
+    monkeypatch.setattr(engine_pkg, "available_memory", lambda: 8 << 30)
+    m = load(path, n_ctx=128)
+    committed = m.weight_bytes + m.cache.record_bytes * 128
+    assert m.experts.capacity == int(((8 << 30) - committed) / 2)
+    assert load(path, n_ctx=128, expert_cache=1).experts.capacity == 1 << 20  # an explicit size wins
+    monkeypatch.setattr(engine_pkg, "available_memory", lambda: None)
+    assert load(path, n_ctx=128).experts.capacity == model_mod.DEFAULT_EXPERT_CACHE_MIB << 20
+
+
 def test_memory_estimate_dense_model(models):
     m = tiny(models, "ds-dense")
     est = m.memory_estimate()

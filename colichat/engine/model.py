@@ -20,7 +20,7 @@ from .ops import rms_norm
 from .rope import RopeParams, rope_norm, rope_rotations
 
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
-DEFAULT_EXPERT_CACHE_MIB = 4096  # dequantized routed experts kept (LRU), when load() is not told
+DEFAULT_EXPERT_CACHE_MIB = 4096  # dequantized routed experts kept (LRU) when nobody says (load() sizes it from memory)
 
 
 def _expect(w: np.ndarray, shape: tuple, name: str, path: str) -> np.ndarray:
