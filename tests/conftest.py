@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# ../shared/ref beside the repository (read-only reference data made with llama.cpp).
-REF = Path(os.environ.get("COLICHAT_REF", REPO.parent / "shared" / "ref"))
+
+
+def _reference_dir() -> Path:
+    """The read-only reference data made with llama.cpp: $COLICHAT_REF, else ../shared/ref beside the
+    repository, else beside the repository this one was cloned from (a fresh clone in a temporary
+    directory, as CI makes)."""
+    if "COLICHAT_REF" in os.environ:
+        return Path(os.environ["COLICHAT_REF"])
+    beside = REPO.parent / "shared" / "ref"
+    if beside.is_dir():
+        return beside
+    try:
+        origin = subprocess.run(["git", "-C", str(REPO), "config", "--get", "remote.origin.url"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        origin = ""
+    if origin and Path(origin).is_dir():  # a local clone: its origin is a path
+        return Path(origin).resolve().parent / "shared" / "ref"
+    return beside
+
+
+REF = _reference_dir()
 TINY = REF / "tiny"
 VOCAB = REF / "vocab"
 TEMPLATES = REF / "templates"
