@@ -40,30 +40,38 @@ class Routing:
 def route(
     x: np.ndarray, w_router: np.ndarray, bias: np.ndarray | None, r: Routing
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Pick K experts per token: ids (T, K) and their weights (T, K), all in float32.
-
-    The selection bias (exp_probs_b) only chooses; weights come from the unbiased probabilities.
-    """
+    """Pick K experts per token: ids (T, K) and their weights (T, K), all in float32."""
     logits = x.astype(np.float32, copy=False) @ w_router.T  # (T, E)
     if r.gating == 2:
         probs = 1.0 / (1.0 + np.exp(-logits))  # (T, E)
     else:
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
-    sel = probs + bias if bias is not None else probs.copy()  # (T, E)
+    return select_experts(probs, bias, r)
+
+
+def select_experts(probs: np.ndarray, bias: np.ndarray | None, r: Routing) -> tuple[np.ndarray, np.ndarray]:
+    """From the router probabilities (T, E): the K experts (T, K), best first, and their weights.
+
+    The selection bias (exp_probs_b) only chooses; weights come from the unbiased probabilities.
+    As llama.cpp: the weights' sum is taken in double (ggml_sum_rows), then clamped and divided.
+    """
+    sel = (probs + bias).astype(np.float32) if bias is not None else probs.copy()  # (T, E)
     t, e = sel.shape
     if r.n_group > 1:
         grouped = sel.reshape(t, r.n_group, e // r.n_group)  # (T, G, E/G)
-        score = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # (T, G) top-2 sum per group
+        top2 = np.sort(grouped, axis=2)[:, :, -2:]
+        score = (top2[:, :, 0] + top2[:, :, 1]).astype(np.float32)  # (T, G) top-2 sum per group
         drop = np.argsort(-score, axis=1, kind="stable")[:, r.n_group_used :]  # (T, G - used)
         np.put_along_axis(grouped, drop[:, :, None], -np.inf, axis=1)
     ids = np.argsort(-sel, axis=1, kind="stable")[:, : r.n_used]  # (T, K)
-    w = np.take_along_axis(probs, ids, axis=1)  # (T, K)
+    w = np.take_along_axis(probs, ids, axis=1).astype(np.float32)  # (T, K)
     if r.norm:
-        w /= np.maximum(w.sum(axis=1, keepdims=True), np.float32(NORM_MIN))
+        total = np.cumsum(w.astype(np.float64), axis=1)[:, -1:].astype(np.float32)  # (T, 1)
+        w = (w / np.maximum(total, np.float32(NORM_MIN))).astype(np.float32)
     if r.scale not in (0.0, 1.0):
-        w *= np.float32(r.scale)
-    return ids, w.astype(np.float32, copy=False)
+        w = (w * np.float32(r.scale)).astype(np.float32)
+    return ids, w
 
 
 class ExpertCache:

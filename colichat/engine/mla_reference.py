@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml_ops as G
-from .ffn import NORM_MIN
+from .ffn import select_experts
 from .gguf import ModelConfig, ModelError, Tensors
 
 F32 = np.float32
@@ -99,21 +99,7 @@ class GgmlMLA:
         t = u.shape[0]
         logits = G.matmul_f32(u, self.w[b + "ffn_gate_inp"])  # (T, X)
         probs = G.sigmoid(logits) if r.gating == 2 else G.soft_max(logits)
-        bias = self.w.get(b + "exp_probs_b")
-        sel = (probs + bias).astype(F32) if bias is not None else probs.copy()
-        if r.n_group > 1:
-            grouped = sel.reshape(t, r.n_group, -1)  # (T, G, X/G)
-            top2 = np.sort(grouped, axis=2)[:, :, -2:]
-            score = (top2[:, :, 0] + top2[:, :, 1]).astype(F32)  # (T, G)
-            drop = np.argsort(-score, axis=1, kind="stable")[:, r.n_group_used:]
-            np.put_along_axis(grouped, drop[:, :, None], -np.inf, axis=1)
-        ids = np.argsort(-sel, axis=1, kind="stable")[:, : r.n_used]  # (T, K) best first
-        wts = np.take_along_axis(probs, ids, axis=1)  # (T, K)
-        if r.norm:
-            total = np.cumsum(wts.astype(np.float64), axis=1)[:, -1:].astype(F32)
-            wts = (wts / np.maximum(total, F32(NORM_MIN))).astype(F32)
-        if r.scale not in (0.0, 1.0):
-            wts = (wts * F32(r.scale)).astype(F32)
+        ids, wts = select_experts(probs, self.w.get(b + "exp_probs_b"), r)  # (T, K) each, best first
         ys = np.zeros((t, r.n_used, u.shape[1]), dtype=F32)  # (T, K, D)
         for e in np.unique(ids).tolist():
             rows, k = np.nonzero(ids == e)
