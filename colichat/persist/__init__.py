@@ -13,11 +13,11 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
     sess.close()
 """
 
-from .kvfile import CacheLayout, SessionError
+from .kvfile import CacheLayout, SessionBusy, SessionError
 from .session import LoadResult, Session, Turn
 from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, weights_fingerprint
 
 __all__ = [
-    "CacheLayout", "LoadResult", "Paths", "Session", "SessionError", "SessionInfo", "Store", "Turn",
+    "CacheLayout", "LoadResult", "Paths", "Session", "SessionBusy", "SessionError", "SessionInfo", "Store", "Turn",
     "check_name", "model_identity", "paths", "weights_fingerprint",
 ]

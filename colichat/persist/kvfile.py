@@ -33,6 +33,10 @@ class SessionError(Exception):
     """A session colichat cannot open, load or save. The message is one line meant for the user."""
 
 
+class SessionBusy(SessionError):
+    """The session's lock is held by another colichat (or another Session in this process)."""
+
+
 def oserror_text(e: OSError) -> str:
     return e.strerror or str(e) or type(e).__name__
 
@@ -209,7 +213,8 @@ def write_nrec(fd: int, nrec: int) -> None:
 
 
 def create_kv(path: str, layout: CacheLayout) -> int:
-    """Create a new KV file (mode 0600, never over an existing one) holding just the header."""
+    """Create a new KV file (mode 0600, never over an existing one) holding just the header.
+    On failure the descriptor is closed; the file (if it was made) is the caller's to remove."""
     fd = open_file(path, "session file", os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
         os.fchmod(fd, 0o600)
@@ -219,6 +224,16 @@ def create_kv(path: str, layout: CacheLayout) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_nrec_if_empty(path: str) -> bool:
+    """True if `path` is a KV file of a session that holds nothing: a whole header, nrec 0."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except OSError:
+        return False
+    return len(raw) == HEADER_SIZE and raw[:8] in KIND_OF_MAGIC and HEADER.unpack(raw)[7] == 0
 
 
 def fsync_dir(directory: str) -> None:

@@ -37,6 +37,7 @@ from .kvfile import (
     INT32_MAX,
     MAGIC,
     CacheLayout,
+    SessionBusy,
     SessionError,
     create_kv,
     fsync_dir,
@@ -44,6 +45,7 @@ from .kvfile import (
     open_file,
     oserror_text,
     read_header,
+    read_nrec_if_empty,
     read_records,
     write_nrec,
     write_records,
@@ -86,19 +88,31 @@ def turn_crc(cache, t: Turn) -> int:
 
 
 def _lock(path: str, name: str) -> int:
-    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it."""
+    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it.
+
+    The descriptor is closed on every failure. The pid is informational (it names the holder in the
+    refusal another colichat prints), so failing to write it, on a full disk say, keeps the lock."""
     fd = open_file(path, "lock file", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        try:
+            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        except OSError:
+            pid = "?"
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise SessionError(f"session {name} is open in another colichat (pid {pid})") from None
+            raise SessionBusy(f"session {name} is open in another colichat (pid {pid})") from None
         raise SessionError(f"cannot lock session {name}: {oserror_text(e)}") from None
-    os.fchmod(fd, 0o600)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     return fd
 
 
@@ -108,6 +122,35 @@ def _unlock(fd: int) -> None:
     except OSError:
         pass
     os.close(fd)  # closing the descriptor releases the flock
+
+
+def _unlink_quietly(path: str) -> bool:
+    """Remove a file if it is there; True if something was removed. Errors are left to the caller's
+    next step (a failed cleanup must not hide the error being reported)."""
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _holds_something(base: str) -> bool:
+    """Whether NAME.coli_kv or NAME.json exists as anything but the leftover of an interrupted
+    create (a KV file with no records, and no sidecar or one that lists no turns)."""
+    kv = lstat_regular(base + ".coli_kv", "session file")
+    side = lstat_regular(base + ".json", "sidecar")
+    if kv is None:
+        return side is not None
+    if not read_nrec_if_empty(base + ".coli_kv"):
+        return True
+    if side is None:
+        return False
+    try:
+        with open(base + ".json", "rb") as f:
+            doc = json.loads(f.read(MAX_SIDECAR_BYTES).decode("utf-8"))
+        return not (isinstance(doc, dict) and doc.get("turns") == [])
+    except (OSError, ValueError):
+        return True
 
 
 def _parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:
@@ -161,29 +204,56 @@ class Session:
     @classmethod
     def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
                sampler: dict | None = None) -> Session:
-        """A new empty session. FileExistsError if NAME already exists (the store picks names)."""
+        """A new empty session: all its files, or (on any error) none of them and the lock released.
+
+        FileExistsError if NAME holds a conversation (the store picks names). What an interrupted
+        create leaves (a session with no records and no turns) is not a conversation: it is replaced."""
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + ".coli_kv", "session file") or lstat_regular(base + ".json", "sidecar"):
+        if _holds_something(base):  # before locking: the holder of an existing session may have the lock
             raise FileExistsError(errno.EEXIST, "session exists", name)
         s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
         try:
-            s._kv_fd = create_kv(s.kv_path, layout)
-            try:
-                s.sampler = dict(sampler or {})
-                s._write_sidecar([], [])
-            except BaseException:
-                os.unlink(s.kv_path)
-                raise
-        except OSError as e:
-            s.close()
-            if isinstance(e, FileExistsError):
-                raise
-            raise SessionError(f"cannot create session {name}: {oserror_text(e)}") from None
+            if _holds_something(base):  # again, under the lock
+                raise FileExistsError(errno.EEXIST, "session exists", name)
+            s.sampler = dict(sampler or {})
+            s._create_files()
         except BaseException:
             s.close()
             raise
         s._loaded = True
         return s
+
+    def _create_files(self) -> None:
+        """Write the KV file under a temporary name, rename it into place, then write the sidecar.
+
+        A crash leaves at most NAME.coli_kv.tmp or a header-only NAME.coli_kv (both replaced by the
+        next create); an error removes everything this call made (we hold the lock, and the names
+        were free when we took it), so the next save starts again from nothing."""
+        tmp = self.kv_path + ".tmp"
+        fd = None
+        try:
+            for path in (tmp, self.kv_path, self.json_path):  # leftovers of an interrupted create
+                if os.path.lexists(path):
+                    os.unlink(path)
+            fd = create_kv(tmp, self.layout)
+            os.rename(tmp, self.kv_path)
+            self._kv_fd, fd = fd, None
+            self._write_sidecar([], [])
+        except (OSError, SessionError) as e:
+            if fd is not None:
+                os.close(fd)
+            if self._kv_fd is not None:
+                os.close(self._kv_fd)
+                self._kv_fd = None
+            removed = [_unlink_quietly(p) for p in (tmp, self.json_path + ".tmp", self.json_path, self.kv_path)]
+            if any(removed):
+                try:
+                    fsync_dir(self.directory)
+                except OSError:
+                    pass
+            why = oserror_text(e) if isinstance(e, OSError) else str(e)
+            raise SessionError(f"could not create session {self.name}: {why}; nothing was "
+                               "written (free some space; the next save retries)") from None
 
     @classmethod
     def open(cls, directory, name: str, ident: dict, layout: CacheLayout) -> Session:

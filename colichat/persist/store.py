@@ -31,6 +31,7 @@ from .kvfile import (
     HEADER_SIZE,
     KIND_OF_MAGIC,
     CacheLayout,
+    SessionBusy,
     SessionError,
     fsync_dir,
     lstat_regular,
@@ -249,12 +250,14 @@ class Store:
             except FileExistsError:
                 raise SessionError(f"session {name} already exists; resume it with /resume {name} "
                                    "or choose another name") from None
+        busy: set[str] = set()
         while True:
-            taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, ".json")}
+            taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, ".json")} | busy
+            name = auto_name(taken)
             try:
-                return Session.create(directory, auto_name(taken), ident, layout, sampler)
-            except FileExistsError:
-                continue  # another colichat took the same name just now
+                return Session.create(directory, name, ident, layout, sampler)
+            except (FileExistsError, SessionBusy):
+                busy.add(name)  # another colichat took the same name just now
 
     def open(self, ident: dict, name: str, layout: CacheLayout) -> Session:
         """An existing session of this model, locked for writing; load it next."""
