@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .engine import Model, Sampler, SamplerSettings
 from .engine.template import chat_template_for
-from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
+from .persist import CacheLayout, SessionError, SessionExists, Store, Turn, model_identity
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
@@ -146,12 +146,16 @@ class Conversation:
             return None
         return f"latest saved conversation: {info.describe()} (/resume to continue it)"
 
-    def check_new_session(self, name: str) -> None:
-        """Refuse at start a --session NAME that the first answer could not create (saving is on)."""
-        check_name(name)
-        base = self.store.model_dir(self.ident) / name
-        if any(os.path.lexists(f"{base}{ext}") for ext in (".coli_kv", ".json")):
-            raise ChatError(f"session {name} already exists: add --resume to continue it, or choose another name")
+    def claim_session(self, name: str) -> None:
+        """Take --session NAME at start (saving is on): it is ours from now on, so a second colichat
+        started with the same name is refused before its first answer. The first answer's save
+        creates the files."""
+        try:
+            self.session = self.store.claim(self.ident, name, self.layout, self._settings_dict())
+        except SessionExists:
+            raise ChatError(f"session {name} already exists: add --resume to continue it, "
+                            "or choose another name") from None
+        self.session_name = name
 
     def list_sessions(self) -> list[str]:
         if not self.store:
@@ -197,7 +201,7 @@ class Conversation:
 
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
-        old = self.session.name if self.session else None
+        old = self.session.name if self.session and self.session.on_disk else None
         if self.session:
             self.session.close()
         self.session, self.session_name = None, None

@@ -193,22 +193,3 @@ def test_a_failed_first_save_is_retried_by_the_next_answer(colichat_home, monkey
     with conv.store.open(conv.ident, "s", conv.layout) as sess:
         res = sess.load(model.cache)
     assert [t.role for t in res.turns] == ["user", "assistant"] * 2 and res.warnings == []
-
-
-def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
-    """D1 through the program: a file size limit too small for a KV header (the disk is full), then
-    space again: `--session s` starts and saves, and `--resume` finds it."""
-    import resource
-
-    from cli_helpers import TINY_ARGS, chat, lines, session_files
-
-    def tiny_files():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20, resource.RLIM_INFINITY))
-
-    chat(colichat_home, [*TINY_ARGS, "--no-save"]).ok()  # the weights cache, made without the limit
-    full = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there"), preexec_fn=tiny_files)
-    assert "NOT saved: could not create session s: File too large" in full.failed().footers()[0]
-    assert [p.name for p in session_files(colichat_home) if not p.name.endswith(".lock")] == []
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
-    again = chat(colichat_home, [*TINY_ARGS, "--resume"], lines("Bye")).ok()
-    assert again.resumed()[1:] == (2, "s")

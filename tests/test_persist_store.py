@@ -223,3 +223,46 @@ def test_delete_takes_the_lock_and_removes_both_files(colichat_home):
         store.delete(IDENT, "gone")
     with pytest.raises(SessionError, match="invalid session name"):
         store.delete(IDENT, "../x")
+
+
+def test_a_claimed_name_is_locked_and_its_files_come_with_the_first_save(colichat_home):
+    from colichat.persist import SessionBusy, SessionExists
+
+    cache = make_cache()
+    turns = build(cache, 2)
+    store = Store()
+    d = store.model_dir(IDENT)
+    with store.claim(IDENT, "c", layout_of(cache), {"temperature": 0.5}) as sess:
+        assert sorted(os.listdir(d)) == ["c.lock"] and not sess.on_disk
+        with pytest.raises(SessionBusy, match="open in another colichat"):
+            store.claim(IDENT, "c", layout_of(cache))
+        with pytest.raises(SessionBusy):
+            store.create(IDENT, layout_of(cache), name="c")
+        sess.save_sampler({"temperature": 0.25})  # nothing on disk yet: kept for the first save
+        sess.truncate(0)
+        assert sorted(os.listdir(d)) == ["c.lock"]
+    with store.claim(IDENT, "c", layout_of(cache)) as sess:  # quitting before an answer left no session
+        sess.save_sampler({"temperature": 0.25})
+        sess.append(cache, turns)
+    with pytest.raises(SessionExists, match="already exists"):
+        store.claim(IDENT, "c", layout_of(cache))
+    with store.open(IDENT, "c", layout_of(cache)) as sess:
+        res = sess.load(make_cache())
+    assert res.turns == turns and res.sampler == {"temperature": 0.25}
+
+
+def test_the_leftover_of_an_interrupted_create_is_replaced(colichat_home):
+    """A crash between the KV file's rename and the sidecar leaves a header-only KV file: no
+    conversation, so the name is free (an empty sidecar beside it too)."""
+    cache = make_cache()
+    store = Store()
+    for with_sidecar in (False, True):
+        with store.create(IDENT, layout_of(cache), name="x") as sess:
+            pass
+        if not with_sidecar:
+            os.unlink(sess.json_path)
+        with store.create(IDENT, layout_of(cache), name="x") as sess:
+            sess.append(cache, build(cache, 1))
+        with pytest.raises(SessionError, match="already exists"):
+            store.create(IDENT, layout_of(cache), name="x")
+        store.delete(IDENT, "x")

@@ -37,6 +37,10 @@ class SessionBusy(SessionError):
     """The session's lock is held by another colichat (or another Session in this process)."""
 
 
+class SessionExists(SessionError):
+    """A new session was asked for under a name that holds a conversation."""
+
+
 def oserror_text(e: OSError) -> str:
     return e.strerror or str(e) or type(e).__name__
 

@@ -202,12 +202,13 @@ class Session:
     # ---- opening ---------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
-               sampler: dict | None = None) -> Session:
-        """A new empty session: all its files, or (on any error) none of them and the lock released.
+    def claim(cls, directory, name: str, ident: dict, layout: CacheLayout,
+              sampler: dict | None = None) -> Session:
+        """A new empty session that holds its lock but has no files yet: the first save creates them
+        (so a name given at start is ours before the first answer, and quitting leaves no session).
 
-        FileExistsError if NAME holds a conversation (the store picks names). What an interrupted
-        create leaves (a session with no records and no turns) is not a conversation: it is replaced."""
+        FileExistsError if NAME holds a conversation. What an interrupted create leaves (a session
+        with no records and no turns) is not a conversation: it is replaced."""
         base = os.path.join(str(directory), name)
         if _holds_something(base):  # before locking: the holder of an existing session may have the lock
             raise FileExistsError(errno.EEXIST, "session exists", name)
@@ -215,13 +216,29 @@ class Session:
         try:
             if _holds_something(base):  # again, under the lock
                 raise FileExistsError(errno.EEXIST, "session exists", name)
-            s.sampler = dict(sampler or {})
+        except BaseException:
+            s.close()
+            raise
+        s.sampler = dict(sampler or {})
+        s._loaded = True
+        return s
+
+    @classmethod
+    def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
+               sampler: dict | None = None) -> Session:
+        """A new empty session: all its files, or (on any error) none of them and the lock released."""
+        s = cls.claim(directory, name, ident, layout, sampler)
+        try:
             s._create_files()
         except BaseException:
             s.close()
             raise
-        s._loaded = True
         return s
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the session's files exist (a claimed session has none until its first save)."""
+        return self._kv_fd is not None
 
     def _create_files(self) -> None:
         """Write the KV file under a temporary name, rename it into place, then write the sidecar.
@@ -459,6 +476,7 @@ class Session:
         if prev > cache.length:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
+        self._ensure_files()
         try:
             if not self._has_sidecar:  # an imported cache: record its state before touching the file
                 self._write_sidecar(self.turns, self._crcs)
@@ -482,6 +500,8 @@ class Session:
         n_turns = min(n_turns, len(self.turns))
         turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
         n = turns[-1].last if turns else 0
+        if self._kv_fd is None:  # claimed, nothing saved yet: nothing to cut
+            return
         try:
             write_nrec(self._kv_fd, n)
             self._write_sidecar(turns, crcs)
@@ -493,6 +513,8 @@ class Session:
         """Record new sampler settings now (they are also saved with every append)."""
         self._require_loaded()
         old, self.sampler = self.sampler, dict(sampler)
+        if self._kv_fd is None:  # claimed, nothing saved yet: the first save writes them
+            return
         try:
             self._write_sidecar(self.turns, self._crcs)
         except OSError as e:
@@ -500,10 +522,15 @@ class Session:
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
 
     def _require_loaded(self) -> None:
-        if self._kv_fd is None:
+        if self._lock_fd is None:
             raise ValueError(f"session {self.name} is closed")
         if not self._loaded:
             raise ValueError(f"session {self.name}: load() it before saving to it")
+
+    def _ensure_files(self) -> None:
+        """Create the files of a claimed session (its first save); SessionError if that fails."""
+        if self._kv_fd is None:
+            self._create_files()
 
     def _write_sidecar(self, turns: list[Turn], crcs: list[int]) -> None:
         """Atomically replace NAME.json: write NAME.json.tmp, fsync, rename over, fsync the directory."""

@@ -4,6 +4,7 @@
     ident = model_identity(gguf_path, arch, name)   # {"arch", "name", "fingerprint"}, reads ~2 MB
     store = Store()                            # sessions under paths().data / "sessions"
     sess = store.create(ident, layout, name=None, sampler=None)   # new empty session, locked
+    sess = store.claim(ident, name, layout, sampler=None)   # the same, its files made by the first save
     sess = store.open(ident, name, layout)     # existing session, locked (then sess.load(...))
     store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None
     store.latest(ident) -> SessionInfo | None
@@ -33,6 +34,7 @@ from .kvfile import (
     CacheLayout,
     SessionBusy,
     SessionError,
+    SessionExists,
     fsync_dir,
     lstat_regular,
     oserror_text,
@@ -248,8 +250,8 @@ class Store:
             try:
                 return Session.create(directory, check_name(name), ident, layout, sampler)
             except FileExistsError:
-                raise SessionError(f"session {name} already exists; resume it with /resume {name} "
-                                   "or choose another name") from None
+                raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
+                                    "or choose another name") from None
         busy: set[str] = set()
         while True:
             taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, ".json")} | busy
@@ -258,6 +260,16 @@ class Store:
                 return Session.create(directory, name, ident, layout, sampler)
             except (FileExistsError, SessionBusy):
                 busy.add(name)  # another colichat took the same name just now
+
+    def claim(self, ident: dict, name: str, layout: CacheLayout, sampler: dict | None = None) -> Session:
+        """A new session NAME, locked now, whose files the first save creates. SessionExists if the
+        name holds a conversation, SessionBusy if another colichat has it."""
+        directory = self._make_dir(self.model_dir(ident))
+        try:
+            return Session.claim(directory, check_name(name), ident, layout, sampler)
+        except FileExistsError:
+            raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
+                                "or choose another name") from None
 
     def open(self, ident: dict, name: str, layout: CacheLayout) -> Session:
         """An existing session of this model, locked for writing; load it next."""

@@ -1,0 +1,52 @@
+"""Persistence through the program: a full disk at the first start, concurrent starts on one name,
+damaged or planted session files named with the command that clears them, private file modes."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+from cli_helpers import TINY_ARGS, chat, finish, lines, saved_users, session_files, start
+
+
+def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
+    """D1 through the program: a file size limit too small for a KV header (the disk is full), then
+    space again: `--session s` starts and saves, and `--resume` finds it."""
+
+    def tiny_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20, resource.RLIM_INFINITY))
+
+    chat(colichat_home, [*TINY_ARGS, "--no-save"]).ok()  # the weights cache, made without the limit
+    full = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there"), preexec_fn=tiny_files)
+    assert "NOT saved: could not create session s: File too large" in full.failed().footers()[0]
+    assert [p.name for p in session_files(colichat_home) if not p.name.endswith(".lock")] == []
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    again = chat(colichat_home, [*TINY_ARGS, "--resume"], lines("Bye")).ok()
+    assert again.resumed()[1:] == (2, "s")
+
+
+def test_concurrent_starts_on_one_new_name(colichat_home):
+    """Six colichats started at once with the same new --session: one has the name from its start;
+    the five others say so and exit before any answer (they never read their input)."""
+    chat(colichat_home, [*TINY_ARGS, "--no-save"]).ok()  # the weights cache, made once
+    procs = [start(colichat_home, [*TINY_ARGS, "--session", "same"]) for _ in range(6)]
+    try:
+        deadline = time.monotonic() + 300
+        while sum(p.poll() is not None for p in procs) < 5:
+            assert time.monotonic() < deadline, "the losers did not exit"
+            time.sleep(0.05)
+        [winner] = [p for p in procs if p.poll() is None]
+        for p in procs:
+            if p is not winner:
+                run = finish(p).failed()
+                assert run.out == b"" and run.footers() == []
+                assert run.errors() == [f"colichat: session same is open in another colichat (pid {winner.pid})"]
+        winner.stdin.write(lines("Hello there").encode())
+        run = finish(winner).ok()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert run.footers()[0].endswith("; saved to same]")
+    assert saved_users(colichat_home, "same") == ["Hello there"]
