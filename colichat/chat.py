@@ -37,6 +37,7 @@ class TurnStats:
     stopped: str = "eog"  # eog | length | interrupt | context
     saved: bool | None = None  # None: saving is off
     save_error: str | None = None
+    save_note: str | None = None  # something the save did that the user should hear of
 
     @property
     def prefill_tps(self) -> float:
@@ -241,6 +242,8 @@ class Conversation:
                 self.session_name = self.session.name
             self.session.append(self.model.cache, self.turns)
             stats.saved = True
+            stats.save_note = "; ".join(self.session.notes) or None
+            self.session.notes.clear()
         except (SessionError, OSError, ValueError) as e:
             stats.saved = False
             stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -403,8 +406,9 @@ class Conversation:
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")
+        note = f"\nnote: {stats.save_note}" if stats.save_note else ""
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
-                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}; {saved}]")
+                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}; {saved}]{note}")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache

@@ -6,7 +6,7 @@ from __future__ import annotations
 import resource
 import time
 
-from cli_helpers import TINY_ARGS, chat, finish, lines, saved_users, session_files, start
+from cli_helpers import TINY_ARGS, chat, finish, lines, read_until, saved_users, session_files, start
 
 
 def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
@@ -50,3 +50,37 @@ def test_concurrent_starts_on_one_new_name(colichat_home):
                 p.wait()
     assert run.footers()[0].endswith("; saved to same]")
     assert saved_users(colichat_home, "same") == ["Hello there"]
+
+
+def test_a_damaged_session_gets_the_same_advice_everywhere(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
+    kv.write_bytes(b"")
+    line = "s: damaged (empty KV file); /delete s removes it"
+    listing = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()
+    assert f"  {line}" in listing.err.splitlines()
+    for args in (["--session", "s"], ["--resume", "--session", "s"]):
+        run = chat(colichat_home, [*TINY_ARGS, *args], lines("Hi")).failed()
+        assert run.errors() == [f"colichat: session {line}"] and run.out == b""
+    chat(colichat_home, TINY_ARGS, lines("/delete s")).ok()
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    assert saved_users(colichat_home, "s") == ["Hello there"]
+
+
+def test_a_session_file_removed_between_answers_is_written_again(colichat_home):
+    run = start(colichat_home, [*TINY_ARGS, "--session", "s"])
+    try:
+        run.stdin.write(lines("Hello there").encode())
+        run.stdin.flush()
+        head = read_until(run.stderr, b"saved to s]")
+        for p in session_files(colichat_home):
+            if p.suffix in (".coli_kv", ".json"):
+                p.unlink()
+        run.stdin.write(lines("Bye").encode())
+    finally:
+        done = finish(run, head_err=head).ok()
+    assert "note: the KV file of session s was removed by another program: wrote the session again " \
+        "from memory" in done.err
+    assert saved_users(colichat_home, "s") == ["Hello there", "Bye"]
+    again = chat(colichat_home, [*TINY_ARGS, "--resume"]).ok()
+    assert again.resumed()[1:] == (4, "s") and "warning" not in again.err

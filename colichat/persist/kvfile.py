@@ -123,9 +123,10 @@ def lstat_regular(path: str, what: str) -> os.stat_result | None:
 
 
 def open_file(path: str, what: str, flags: int, mode: int = 0o600) -> int:
-    """os.open without following a final symlink; errors become one-line SessionErrors."""
+    """os.open without following a final symlink (nor waiting on a FIFO); errors become one-line
+    SessionErrors."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
     except FileExistsError:
         raise
     except PermissionError:
@@ -136,6 +137,26 @@ def open_file(path: str, what: str, flags: int, mode: int = 0o600) -> int:
             raise SessionError(f"{what} {path} is a symbolic link; colichat does not follow "
                                "symlinked session files") from None
         raise SessionError(f"cannot open {what} {path}: {oserror_text(e)}") from None
+
+
+def check_writable(fd: int, path: str, what: str, fix: str = "") -> os.stat_result:
+    """Refuse to write through `fd` unless it is a regular file with one name: a write through a hard
+    link (or to a device, a FIFO) would change a file that is not this session's. `fix` is the
+    command to offer (default: make the file a copy of its own). Closes `fd` on refusal."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise SessionError(f"cannot access {what} {path}: {oserror_text(e)}") from None
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:
+        return st
+    os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise SessionError(f"{what} {path} is not a regular file; colichat does not write to it "
+                           f"(remove it: rm '{path}')")
+    fix = fix or f"cp '{path}' '{path}.copy' && mv '{path}.copy' '{path}'"
+    raise SessionError(f"{what} {path} has {st.st_nlink} hard links; colichat does not write through a "
+                       f"hard link (another file would change): {fix}")
 
 
 def read_header(fd: int, path: str) -> tuple[Header, int]:

@@ -39,6 +39,7 @@ from .kvfile import (
     CacheLayout,
     SessionBusy,
     SessionError,
+    check_writable,
     create_kv,
     fsync_dir,
     lstat_regular,
@@ -93,6 +94,7 @@ def _lock(path: str, name: str) -> int:
     The descriptor is closed on every failure. The pid is informational (it names the holder in the
     refusal another colichat prints), so failing to write it, on a full disk say, keeps the lock."""
     fd = open_file(path, "lock file", os.O_RDWR | os.O_CREAT)
+    check_writable(fd, path, "lock file", f"remove it (rm '{path}'); colichat makes a new one")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -198,6 +200,8 @@ class Session:
         self.created = now_iso()
         self._has_sidecar = False
         self._loaded = False  # state known (created, or loaded): needed before saving
+        self._cache = None  # the cache last loaded or saved from: what a rewrite copies
+        self.notes: list[str] = []  # things a save did that the user should hear of (caller drains)
 
     # ---- opening ---------------------------------------------------------------------------
 
@@ -281,7 +285,9 @@ class Session:
         lstat_regular(base + ".json", "sidecar")
         s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
         try:
-            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDWR)
+            fd = open_file(s.kv_path, "session file", os.O_RDWR)
+            check_writable(fd, s.kv_path, "session file")
+            s._kv_fd = fd
         except BaseException:
             s.close()
             raise
@@ -350,6 +356,7 @@ class Session:
         cache.set_length(n)
 
         self.turns, self._crcs, self.nrec = turns, crcs, n
+        self._cache = cache
         self._has_sidecar = doc is not None
         if doc is not None:
             self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
@@ -477,7 +484,9 @@ class Session:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
         self._ensure_files()
+        self._cache = cache
         try:
+            self._check_files(self.turns, self._crcs)
             if not self._has_sidecar:  # an imported cache: record its state before touching the file
                 self._write_sidecar(self.turns, self._crcs)
             write_records(self._kv_fd, self.nrec, cache.raw(self.nrec, prev), self.layout.record_bytes)
@@ -503,7 +512,8 @@ class Session:
         if self._kv_fd is None:  # claimed, nothing saved yet: nothing to cut
             return
         try:
-            write_nrec(self._kv_fd, n)
+            if not self._check_files(turns, crcs):
+                write_nrec(self._kv_fd, n)
             self._write_sidecar(turns, crcs)
         except OSError as e:
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
@@ -516,6 +526,7 @@ class Session:
         if self._kv_fd is None:  # claimed, nothing saved yet: the first save writes them
             return
         try:
+            self._check_files(self.turns, self._crcs)
             self._write_sidecar(self.turns, self._crcs)
         except OSError as e:
             self.sampler = old
@@ -531,6 +542,59 @@ class Session:
         """Create the files of a claimed session (its first save); SessionError if that fails."""
         if self._kv_fd is None:
             self._create_files()
+
+    def _check_files(self, turns: list[Turn], crcs: list[int]) -> bool:
+        """Before a save: if another program removed, replaced or hard-linked this session's files
+        since they were opened, write the KV file again, holding `turns`, from the cache (and take
+        the lock again if its file went). True if it did (with a note saying so)."""
+        self._check_lock()
+        st = os.fstat(self._kv_fd)
+        try:
+            cur = os.lstat(self.kv_path)
+        except FileNotFoundError:
+            cur = None
+        same = cur is not None and (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)
+        if same and st.st_nlink == 1:
+            return False
+        what = "removed" if cur is None else "given another name (a hard link)" if same else "replaced"
+        n = turns[-1].last if turns else 0
+        if n and (self._cache is None or self._cache.length < n
+                  or any(turn_crc(self._cache, t) != c for t, c in zip(turns, crcs, strict=True))):
+            raise SessionError(f"the KV file of session {self.name} was {what} by another program, and "
+                               "the conversation in memory no longer holds what was saved")
+        tmp = self.kv_path + ".tmp"
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        fd = create_kv(tmp, self.layout)
+        try:
+            write_records(fd, 0, self._cache.raw(0, n) if n else memoryview(b""), self.layout.record_bytes)
+            write_nrec(fd, n)
+            os.replace(tmp, self.kv_path)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(self._kv_fd)
+        self._kv_fd, self.turns, self._crcs, self.nrec = fd, list(turns), list(crcs), n
+        self._has_sidecar = False  # the sidecar is written again before any new record
+        fsync_dir(self.directory)
+        self.notes.append(f"the KV file of session {self.name} was {what} by another program: "
+                          f"wrote the session again from memory ({n} tokens)")
+        return True
+
+    def _check_lock(self) -> None:
+        """If NAME.lock was removed or replaced, our flock guards nothing: take the new file's."""
+        path = os.path.join(self.directory, self.name + ".lock")
+        st = os.fstat(self._lock_fd)
+        try:
+            cur = os.lstat(path)
+            if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        fd = _lock(path, self.name)
+        _unlock(self._lock_fd)
+        self._lock_fd = fd
 
     def _write_sidecar(self, turns: list[Turn], crcs: list[int]) -> None:
         """Atomically replace NAME.json: write NAME.json.tmp, fsync, rename over, fsync the directory."""
@@ -550,7 +614,9 @@ class Session:
         except UnicodeEncodeError:  # lone surrogates in a text: escape them instead
             data = json.dumps(doc, indent=1).encode("ascii")
         tmp = self.json_path + ".tmp"
-        fd = open_file(tmp, "sidecar", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        if os.path.lexists(tmp):  # a crash's leftover, or a file planted there: never written through
+            os.unlink(tmp)
+        fd = open_file(tmp, "sidecar", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             try:
                 os.fchmod(fd, 0o600)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -36,7 +37,6 @@ from .kvfile import (
     SessionError,
     SessionExists,
     fsync_dir,
-    lstat_regular,
     oserror_text,
 )
 from .session import Session, _lock, _unlock
@@ -195,9 +195,12 @@ class SessionInfo:
     size: int  # bytes on disk (KV file + sidecar)
     last_used: float  # epoch seconds (sidecar "updated", else the KV file's mtime)
     path: Path  # the .coli_kv file
+    damage: str | None = None  # why this is not a loadable session (then /delete NAME clears it)
 
     def describe(self, now: float | None = None) -> str:
         """'NAME: 4 turns, 812 tokens, 1.2 MB, 3 h ago' for listings and the start-up notice."""
+        if self.damage:
+            return damaged_text(self.name, self.damage)
         age = max(0.0, (time.time() if now is None else now) - self.last_used)
         for unit, secs in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
             if age >= secs or unit == "s":
@@ -206,22 +209,59 @@ class SessionInfo:
                 f"{int(age // secs)} {unit} ago")
 
 
+def damaged_text(name: str, damage: str) -> str:
+    """The one line for a damaged session, the same in /sessions, --session and --resume."""
+    return f"{name}: damaged ({damage}); /delete {name} removes it"
+
+
+def _kv_damage(st, raw: bytes) -> str | None:
+    if st.st_size == 0:
+        return "empty KV file"
+    if len(raw) < HEADER_SIZE:
+        return f"truncated header: {len(raw)} bytes, a header needs {HEADER_SIZE}"
+    if raw[:8] not in KIND_OF_MAGIC:
+        return f"not a KV file: magic {raw[:8]!r}"
+    return None
+
+
 def _session_info(directory: Path, name: str) -> SessionInfo | None:
-    """Read-only summary of one session; None for anything that is not a readable session."""
-    kv = directory / (name + KV_EXT)
+    """Read-only summary of one session (with `damage` set if it cannot load); None if nothing is
+    there under that name."""
+    kv, side = directory / (name + KV_EXT), directory / (name + ".json")
+    turns, tokens, model = 0, 0, directory.name
     try:
         st = kv.lstat()
-        if not kv.is_file() or kv.is_symlink():
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        return SessionInfo(name, model, directory.name, 0, 0, 0, 0.0, kv, f"cannot read: {oserror_text(e)}")
+    damage = None
+    if st is None:
+        try:
+            sst = side.lstat()
+        except OSError:
             return None
-        with open(kv, "rb") as f:
-            raw = f.read(HEADER_SIZE)
-        if len(raw) < HEADER_SIZE or raw[:8] not in KIND_OF_MAGIC:
-            return None
-        tokens, turns, model = HEADER.unpack(raw)[7], 0, directory.name
-        last_used, size = st.st_mtime, st.st_size
-    except OSError:
-        return None
-    side = directory / (name + ".json")
+        return SessionInfo(name, model, directory.name, 0, 0, sst.st_size, sst.st_mtime, kv,
+                           f"the sidecar {name}.json has no KV file {name}{KV_EXT}")
+    last_used, size = st.st_mtime, st.st_size
+    if stat.S_ISLNK(st.st_mode):
+        damage = "the KV file is a symbolic link"
+    elif not stat.S_ISREG(st.st_mode):
+        damage = "the KV file is not a regular file"
+    else:
+        try:
+            fd = os.open(kv, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                raw = os.pread(fd, HEADER_SIZE, 0)
+            finally:
+                os.close(fd)
+            damage = _kv_damage(st, raw)
+            if damage is None:
+                tokens = HEADER.unpack(raw)[7]
+        except OSError as e:
+            damage = f"cannot read: {oserror_text(e)}"
+    if damage:
+        return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage)
     try:
         if not side.is_symlink() and side.is_file():
             size += side.stat().st_size
@@ -230,7 +270,7 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
             tokens = int(doc["turns"][-1]["last"]) if turns else 0
             model = str(doc["model"].get("name") or model)
             last_used = datetime.fromisoformat(doc["updated"]).timestamp()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
         pass  # a damaged sidecar: list what the header says; loading reports the damage
     return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv)
 
@@ -250,6 +290,7 @@ class Store:
             try:
                 return Session.create(directory, check_name(name), ident, layout, sampler)
             except FileExistsError:
+                self._refuse_damaged(directory, name)
                 raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
                                     "or choose another name") from None
         busy: set[str] = set()
@@ -268,6 +309,7 @@ class Store:
         try:
             return Session.claim(directory, check_name(name), ident, layout, sampler)
         except FileExistsError:
+            self._refuse_damaged(directory, name)
             raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
                                 "or choose another name") from None
 
@@ -276,11 +318,20 @@ class Store:
         directory = self.model_dir(ident)
         check_name(name)
         if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
-            others = sorted({i.model for i in self.list() if i.name == name})
+            others = sorted({i.model for i in self.list() if i.name == name and not i.damage})
             if others:
                 raise SessionError(f"session {name} belongs to another model ({', '.join(others)}); "
                                    "start colichat with that model to resume it")
+        self._refuse_damaged(directory, name)
         return Session.open(directory, name, ident, layout)
+
+    @staticmethod
+    def _refuse_damaged(directory: Path, name: str) -> None:
+        """SessionError with the line /sessions shows, if NAME is there but cannot be a session
+        (a link, a special file or a file we may not read keep the refusals that name the cause)."""
+        info = _session_info(directory, name)
+        if info and info.damage and not info.damage.startswith(("cannot read", "the KV file is")):
+            raise SessionError(f"session {damaged_text(name, info.damage)}")
 
     def delete(self, ident: dict, name: str) -> int:
         """Remove a saved session of this model and return the bytes freed. Its lock is taken first,
@@ -289,12 +340,12 @@ class Store:
         directory = self.model_dir(ident)
         check_name(name)
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + KV_EXT, "session file") is None:
+        if not any(os.path.lexists(base + ext) for ext in (KV_EXT, ".json")):
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
         fd = _lock(base + ".lock", name)
         freed = 0
-        try:
-            for path in (base + ".json", base + KV_EXT):
+        try:  # links are removed, never followed; the temporary files of an interrupted save go too
+            for path in (base + ".json", base + KV_EXT, base + ".json.tmp", base + KV_EXT + ".tmp"):
                 try:
                     freed += os.lstat(path).st_size
                     os.unlink(path)
@@ -319,14 +370,15 @@ class Store:
         infos = []
         for d in dirs:
             try:
-                names = [p.name[: -len(KV_EXT)] for p in d.iterdir() if p.name.endswith(KV_EXT)]
+                names = [p.name[: -len(ext)] for p in d.iterdir() for ext in (KV_EXT, ".json")
+                         if p.name.endswith(ext)]
             except OSError:
                 continue
-            infos += [i for i in (_session_info(d, n) for n in names if NAME_RE.fullmatch(n)) if i]
+            infos += [i for i in (_session_info(d, n) for n in sorted(set(names)) if NAME_RE.fullmatch(n)) if i]
         return sorted(infos, key=lambda i: (i.last_used, i.name), reverse=True)
 
     def latest(self, ident: dict) -> SessionInfo | None:
-        found = self.list(ident)
+        found = [i for i in self.list(ident) if not i.damage]
         return found[0] if found else None
 
     @staticmethod
