@@ -52,7 +52,7 @@ from .kvfile import (
     write_records,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a "check" CRC over the sidecar's settings, and one over each turn's fields
 MAX_SIDECAR_BYTES = 256 << 20
 
 
@@ -155,11 +155,28 @@ def _holds_something(base: str) -> bool:
         return True
 
 
+def _canonical_crc(value) -> int:
+    """CRC-32 of the value as compact, key-sorted, ASCII JSON: the same whatever the file's layout."""
+    return crc32(json.dumps(value, ensure_ascii=True, sort_keys=True, separators=(",", ":")).encode("ascii"))
+
+
+def turn_check(role: str, text: str, first: int, last: int, crc: int) -> int:
+    """The sidecar's "check" of one turn: covers its role, text, record span and record CRC."""
+    return _canonical_crc([role, text, first, last, crc])
+
+
+def doc_check(doc: dict) -> int:
+    """The sidecar's top-level "check": covers everything but the turns (which carry their own)."""
+    return _canonical_crc({k: v for k, v in doc.items() if k not in ("turns", "check")})
+
+
 def _parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:
-    """The longest well-formed, contiguous prefix of the sidecar's turns, and a warning if shorter."""
+    """The longest well-formed, contiguous, checked prefix of the sidecar's turns, and a warning if
+    shorter. A format-1 sidecar (an older colichat) has no per-turn checks."""
     raw = doc.get("turns")
     if not isinstance(raw, list):
         return [], [], "the sidecar has no turn list: no turns kept"
+    checked = doc.get("format") != 1
     turns: list[Turn] = []
     crcs: list[int] = []
     for i, t in enumerate(raw):
@@ -169,6 +186,9 @@ def _parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:
         prev = turns[-1].last if turns else 0
         if not ok or vals[0] != prev or not vals[0] <= vals[1] <= INT32_MAX or not 0 <= vals[2] < 2**32:
             return turns, crcs, f"sidecar turn {i + 1} is malformed: dropped it and {len(raw) - i - 1} later"
+        if (checked or "check" in t) and t.get("check") != turn_check(t["role"], t["text"], *vals):
+            return turns, crcs, (f"sidecar turn {i + 1} is damaged (its role, text or span does not match its "
+                                 f"checksum): dropped it and {len(raw) - i - 1} later")
         turns.append(Turn(t["role"], t["text"], vals[0], vals[1]))
         crcs.append(vals[2])
     return turns, crcs, None
@@ -332,6 +352,12 @@ class Session:
                                "start a new session with /reset")
         doc = self._read_sidecar()
         warnings: list[str] = []
+        if doc is not None and doc.get("settings damaged"):
+            warnings.append("the sidecar's settings do not match their checksum: the saved sampler "
+                            "settings were not restored")
+        elif doc is not None and doc["format"] == 1:
+            warnings.append("the sidecar was written by an older colichat: its turn texts carry no "
+                            "checksum (the next save adds them)")
         turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
         ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
         if n > 0 and n >= ctx - margin:
@@ -382,7 +408,7 @@ class Session:
             warnings.append(f"dropped {_span(turns, kept)}: past the {avail} records in the KV file")
             del turns[kept:], crcs[kept:]
         n = turns[-1].last if turns else 0
-        if avail > n:
+        if avail > n and not warn:  # (after a dropped sidecar turn the records are that turn's)
             warnings.append(f"dropped {avail - n} records after the last turn (an interrupted save)")
         return turns, crcs, n
 
@@ -443,13 +469,20 @@ class Session:
         except (UnicodeDecodeError, ValueError):
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
-                or not isinstance(doc.get("model"), dict):
+                or not isinstance(doc.get("model"), dict) or doc["format"] < 1:
             raise SessionError(f"sidecar {self.json_path} is damaged (not a colichat sidecar); {aside}")
-        if doc["format"] > FORMAT_VERSION:
+        intact = doc.get("check") == doc_check(doc) or (doc["format"] == 1 and "check" not in doc)
+        if doc["format"] > FORMAT_VERSION:  # its checks may be computed otherwise: they cannot tell
             raise SessionError(f"session {self.name} was written by a newer colichat "
                                f"(sidecar format {doc['format']}); upgrade colichat to resume it")
         saved, me = doc["model"], self.ident
-        if saved.get("arch") != me.get("arch") or saved.get("fingerprint") != me.get("fingerprint"):
+        other = saved.get("arch") != me.get("arch") or saved.get("fingerprint") != me.get("fingerprint")
+        if not intact and other:
+            raise SessionError(f"sidecar {self.json_path} is damaged (its model does not match its "
+                               f"checksum); {aside}")
+        if not intact:  # the turns carry their own checks; only the settings are in doubt
+            doc = {**doc, "sampler": {}, "created": None, "settings damaged": True}
+        if other:
             raise SessionError(
                 f"session {self.name} was saved with other weights ({saved.get('name')}, fingerprint "
                 f"{str(saved.get('fingerprint'))[:12]}; this model: {me.get('name')}, "
@@ -606,9 +639,11 @@ class Session:
             "updated": now_iso(),
             "sampler": self.sampler,
             "nrec": turns[-1].last if turns else 0,
-            "turns": [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c}
-                      for t, c in zip(turns, crcs, strict=True)],
         }
+        doc["check"] = doc_check(doc)
+        doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
+                         "check": turn_check(t.role, t.text, t.first, t.last, c)}
+                        for t, c in zip(turns, crcs, strict=True)]
         try:
             data = json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates in a text: escape them instead
