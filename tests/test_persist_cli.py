@@ -84,3 +84,36 @@ def test_a_session_file_removed_between_answers_is_written_again(colichat_home):
     assert saved_users(colichat_home, "s") == ["Hello there", "Bye"]
     again = chat(colichat_home, [*TINY_ARGS, "--resume"]).ok()
     assert again.resumed()[1:] == (4, "s") and "warning" not in again.err
+
+
+def test_everything_colichat_creates_is_private_under_umask_000(tmp_path, monkeypatch):
+    """COLICHAT_HOME (made by colichat), its data, state and cache directories, the weights cache,
+    the sessions and the input history: directories 0700, files 0600, though the umask is 000."""
+    import os
+    import stat
+    import subprocess
+
+    from cli_helpers import CHAT, env_for
+
+    home = tmp_path / "home"
+    p = subprocess.run([*CHAT, *TINY_ARGS, "--session", "p"], input=b"Hello there\n", capture_output=True,
+                       env=env_for(home), cwd=str(tmp_path), preexec_fn=lambda: os.umask(0), timeout=300)
+    assert p.returncode == 0, p.stderr
+    monkeypatch.setenv("COLICHAT_HOME", str(home))
+    old = os.umask(0)
+    try:  # the input history, made by the interactive prompt
+        from colichat.repl import _history
+
+        _history().store_string("hello")
+    finally:
+        os.umask(old)
+    modes = {}
+    for root, dirs, files in os.walk(home):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            modes[os.path.relpath(path, home)] = stat.S_IMODE(os.lstat(path).st_mode)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert {"data", "state", "cache", "cache/weights", "state/history"} <= set(modes)
+    assert any(f.endswith("weights.f32") for f in modes) and any(f.endswith("p.coli_kv") for f in modes)
+    wrong = {f: oct(m) for f, m in modes.items() if m != (0o700 if (home / f).is_dir() else 0o600)}
+    assert wrong == {}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ..paths import Paths, paths  # noqa: F401  (re-exported)
+from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
@@ -384,20 +384,11 @@ class Store:
     @staticmethod
     def _make_dir(directory: Path) -> Path:
         """Create missing directories down to `directory`, each 0700."""
-        missing = []
-        d = directory
-        while not d.exists():
-            missing.append(d)
-            d = d.parent
-        for d in reversed(missing):
-            try:
-                d.mkdir(mode=0o700)
-                os.chmod(d, 0o700)
-            except FileExistsError:
-                pass
-            except OSError as e:
-                raise SessionError(f"cannot create session directory {d}: {oserror_text(e)}") from None
+        try:
+            private_dir(directory)
+        except OSError as e:
+            raise SessionError(f"cannot create session directory {e.filename or directory}: "
+                               f"{oserror_text(e)}") from None
         if not directory.is_dir():
             raise SessionError(f"session directory {directory} is not a directory")
         return directory
-
