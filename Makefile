@@ -26,7 +26,7 @@ lint: venv
 # The interactive tests drive the program in tmux, as a person would.
 test: lint
 	command -v tmux >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tmux >/dev/null; }
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 bench: venv
 	$(BIN)/python -m pip install -q -e '.[bench]'
