@@ -120,17 +120,20 @@ def saved_session(store, cache, turns):
         sess.append(cache, turns)
 
 
-@pytest.mark.parametrize("op", ["append", "truncate", "save_sampler"])
+@pytest.mark.parametrize("op", ["append", "truncate", "save_sampler", "rewrite"])
 def test_error_at_every_call_of_a_save(colichat_home, op):
     """append writes records, nrec and the sidecar (its rename included); truncate nrec and the
-    sidecar; save_sampler only the sidecar. Every call fails once, then the same session retries."""
+    sidecar; save_sampler only the sidecar; rewrite is an append after another program removed the
+    KV file (a new KV file renamed into place, then the append). Every call fails once, then the
+    same session retries."""
     cache = make_cache()
     turns = build(cache, 4)
     store = Store()
-    before, after = turns[:2], {"append": turns, "truncate": turns[:1], "save_sampler": turns[:2]}[op]
+    before = turns[:2]
+    after = {"append": turns, "truncate": turns[:1], "save_sampler": turns[:2], "rewrite": turns}[op]
 
     def run(sess):
-        if op == "append":
+        if op in ("append", "rewrite"):
             sess.append(cache, turns)
         elif op == "truncate":
             sess.truncate(1)
@@ -140,6 +143,8 @@ def test_error_at_every_call_of_a_save(colichat_home, op):
     saved_session(store, cache, before)
     with store.open(IDENT, "s", layout_of(cache)) as sess:
         sess.load(make_cache())
+        if op == "rewrite":
+            os.unlink(sess.kv_path)
         n = count_calls(lambda: run(sess))
     assert n >= 4
     for k in range(1, n + 1):
@@ -148,6 +153,8 @@ def test_error_at_every_call_of_a_save(colichat_home, op):
             saved_session(store, cache, before)
             sess = store.open(IDENT, "s", layout_of(cache))
             sess.load(make_cache())
+            if op == "rewrite":
+                os.unlink(sess.kv_path)
             with Faults(k, ERRORS[k % 3]) as f:
                 try:
                     run(sess)
@@ -160,6 +167,11 @@ def test_error_at_every_call_of_a_save(colichat_home, op):
             if retry and not ok:
                 run(sess)  # the same session, kept open after the error, retries and succeeds
             sess.close()
+            if op == "rewrite" and not (retry or ok) and not os.path.exists(sess.kv_path):
+                # still as the other program left it: the sidecar alone, shown as damaged
+                with pytest.raises(SessionError, match="damaged .*/delete s removes it"):
+                    load_turns(store)
+                continue
             res, loaded = load_turns(store)
             assert loaded.raw(0, res.tokens).tobytes() == cache.raw(0, res.tokens).tobytes()
             if retry or ok:

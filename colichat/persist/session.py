@@ -123,7 +123,10 @@ def _unlock(fd: int) -> None:
         os.ftruncate(fd, 0)
     except OSError:
         pass
-    os.close(fd)  # closing the descriptor releases the flock
+    try:
+        os.close(fd)  # closing the descriptor releases the flock (also when close reports an error)
+    except OSError:
+        pass
 
 
 def _unlink_quietly(path: str) -> bool:
@@ -315,8 +318,11 @@ class Session:
 
     def close(self) -> None:
         if self._kv_fd is not None:
-            os.close(self._kv_fd)
-            self._kv_fd = None
+            fd, self._kv_fd = self._kv_fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # everything was fsynced: an error closing loses nothing
         if self._lock_fd is not None:
             _unlock(self._lock_fd)
             self._lock_fd = None
@@ -598,7 +604,11 @@ class Session:
         tmp = self.kv_path + ".tmp"
         if os.path.lexists(tmp):
             os.unlink(tmp)
-        fd = create_kv(tmp, self.layout)
+        try:
+            fd = create_kv(tmp, self.layout)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
         try:
             write_records(fd, 0, self._cache.raw(0, n) if n else memoryview(b""), self.layout.record_bytes)
             write_nrec(fd, n)
@@ -607,8 +617,12 @@ class Session:
             os.close(fd)
             _unlink_quietly(tmp)
             raise
-        os.close(self._kv_fd)
-        self._kv_fd, self.turns, self._crcs, self.nrec = fd, list(turns), list(crcs), n
+        old, self._kv_fd = self._kv_fd, fd
+        self.turns, self._crcs, self.nrec = list(turns), list(crcs), n
+        try:
+            os.close(old)
+        except OSError:
+            pass  # the old file is gone from the directory; closing it is housekeeping
         self._has_sidecar = False  # the sidecar is written again before any new record
         fsync_dir(self.directory)
         self.notes.append(f"the KV file of session {self.name} was {what} by another program: "
