@@ -2,6 +2,17 @@
 
     model = load("model.gguf")          # Model with .prefill(ids), .decode(id), .cache, .tokenizer
     tok = load_tokenizer("model.gguf")  # works on vocabulary-only files too
+
+The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
+
+Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
+  T new tokens of a forward   N cache rows (tokens 0..N-1, new ones included)   P RoPE positions
+  L layers   D model width (n_embd)   V vocabulary   F FFN hidden width   A, B cache widths (cache.py)
+  H query heads   G KV heads (GQA)   J = H / G query heads per KV head   E head size (GQA)
+  I rotated pairs (RoPE dims / 2)
+  MLA: Q q_lora_rank, C kv_lora_rank, R qk_rope, Dn qk_nope, K = Dn + R (query head), Dv v head
+  MoE: X routed experts, U experts used per token, Y expert groups, M tokens routed to one expert
+  a matmul x (T, Z) @ W.T (Z, O): Z the summed axis, O the outputs
 """
 
 from __future__ import annotations

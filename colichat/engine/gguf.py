@@ -37,16 +37,16 @@ class ModelConfig:
     arch: str
     name: str
     n_layer: int          # L
-    n_embd: int           # d
+    n_embd: int           # D
     n_head: int           # H
-    n_head_kv: int        # GQA KV heads (llama); informational for MLA
-    n_ff: int             # dense FFN width f
+    n_head_kv: int        # G: GQA KV heads (llama); informational for MLA
+    n_ff: int             # F: dense FFN width
     n_vocab: int          # V
     n_ctx_train: int
     rms_eps: float
     # attention head sizes
-    head_dim: int         # llama: q/k/v head size
-    rope_dim: int         # n_rot (deepseek2: d_r)
+    head_dim: int         # E: llama q/k/v head size
+    rope_dim: int         # n_rot = 2I (deepseek2: R)
     rope_base: float
     rope_scaling: str     # "none" | "linear" | "yarn"
     rope_factor: float    # scaling factor (1.0 = none)
@@ -55,21 +55,21 @@ class ModelConfig:
     rope_attn_factor: float
     tied_output: bool     # no output.weight: logits use token_embd
     # MLA (deepseek2); zero for llama
-    q_lora_rank: int = 0      # r_q (0: attn_q, "lite")
-    kv_lora_rank: int = 0     # r_kv
-    qk_nope: int = 0          # d_n
-    qk_head: int = 0          # d_qk = d_n + d_r
-    v_head_dim: int = 0       # d_v
+    q_lora_rank: int = 0      # Q (0: attn_q, "lite")
+    kv_lora_rank: int = 0     # C
+    qk_nope: int = 0          # Dn
+    qk_head: int = 0          # K = Dn + R
+    v_head_dim: int = 0       # Dv
     mla_split: bool = False   # attn_k_b/attn_v_b present (else legacy attn_kv_b)
     n_dense: int = 0          # leading dense layers
-    n_expert: int = 0         # E
-    n_expert_used: int = 0    # k
-    n_expert_shared: int = 0  # S
-    n_ff_exp: int = 0         # f_e
+    n_expert: int = 0         # X
+    n_expert_used: int = 0    # U
+    n_expert_shared: int = 0  # shared experts
+    n_ff_exp: int = 0         # F of one routed expert
     expert_weights_scale: float = 0.0
     expert_weights_norm: bool = False
     expert_gating: int = 1    # 1 softmax, 2 sigmoid
-    n_group: int = 0
+    n_group: int = 0          # Y
     n_group_used: int = 0
     attn_temp_scale: float = 0.0  # Mistral-Large-3 query temperature tuning (0 = off)
     attn_temp_length: int = 0

@@ -108,8 +108,8 @@ class Forward:
         t = u.shape[0]
         logits = G.matmul_f32(u, self.w[b + "ffn_gate_inp"])  # (T, X)
         probs = G.sigmoid(logits) if r.gating == 2 else G.soft_max(logits)
-        ids, wts = select_experts(probs, self.w.get(b + "exp_probs_b"), r)  # (T, K) each, best first
-        ys = np.zeros((t, r.n_used, u.shape[1]), dtype=F32)  # (T, K, D)
+        ids, wts = select_experts(probs, self.w.get(b + "exp_probs_b"), r)  # (T, U) each, best first
+        ys = np.zeros((t, r.n_used, u.shape[1]), dtype=F32)  # (T, U, D)
         for e in np.unique(ids).tolist():
             rows, k = np.nonzero(ids == e)
             ys[rows, k] = (self._expert(u[rows], b, e) * wts[rows, k][:, None]).astype(F32)
