@@ -42,7 +42,6 @@ ARCHITECTURES = {
     "deepseek2": deepseek2,
 }
 
-NUMERICS = ("fast", "llama.cpp")
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
 DEFAULT_EXPERT_CACHE_MIB = 4096  # routed-expert cache bound where the available memory is unknown
 EXPERT_CACHE_SHARE = 0.5  # of the memory left after the dense weights and the KV cache
@@ -64,7 +63,7 @@ def forward_class(mod, numerics: str):
     if numerics == "fast":
         return mod.Forward
     if numerics != "llama.cpp":
-        raise ValueError(f"numerics must be one of {', '.join(map(repr, NUMERICS))}, not {numerics!r}")
+        raise ValueError(f"numerics must be 'fast' or 'llama.cpp', not {numerics!r}")
     name = f"{__package__}.reference.{mod.__name__.rsplit('.', 1)[-1]}"
     try:
         return importlib.import_module(name).Forward
