@@ -6,7 +6,6 @@ A handler gets the App (see cli.py: `.conv` the Conversation, `.say(line)` statu
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,13 +32,19 @@ class Command:
     run: Callable
 
 
+def printable(text: str, limit: int = 60) -> str:
+    """`text` for an error line: control and line-break characters escaped, long text cut."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _int_arg(arg: str, default: int, what: str) -> int:
     if not arg.strip():
         return default
     try:
         return int(arg)
     except ValueError:
-        raise ChatError(f"{what} takes a whole number, not '{arg.strip()}'") from None
+        raise ChatError(f"{what} takes a whole number, not '{printable(arg.strip())}'") from None
 
 
 def cmd_help(app, arg: str) -> None:
@@ -47,7 +52,7 @@ def cmd_help(app, arg: str) -> None:
     if name:
         cmd = BY_NAME.get("/" + name)
         if cmd is None:
-            raise ChatError(f"unknown command '/{name}': /help lists them")
+            raise ChatError(f"unknown command '/{printable(name)}': /help lists them")
         app.say(f"/{name} {cmd.args}".rstrip() + f"  {cmd.summary}")
         if cmd.name == "/set":
             for key, (_, meaning) in SETTABLE.items():
@@ -107,17 +112,28 @@ def cmd_history(app, arg: str) -> None:
 
 
 def cmd_set(app, arg: str) -> None:
-    key, _, value = arg.strip().partition(" ")
-    key, value = key.strip().lower().replace("-", "_"), value.strip()
+    """/set KEY VALUE: the rest of the line is the value (one pair of enclosing quotes is removed);
+    /set KEY alone shows the current value."""
+    parts = arg.strip().split(None, 1)
+    if not parts:
+        raise ChatError("/set needs a setting and a value: /set KEY VALUE (/help set lists them)")
+    key = parts[0].lower().replace("-", "_")
+    value = parts[1].strip() if len(parts) > 1 else ""
     if key not in SETTABLE:
-        raise ChatError(f"cannot set '{key}': one of {', '.join(SETTABLE)}")
+        raise ChatError(f"cannot set '{printable(parts[0])}': one of {', '.join(SETTABLE)}")
+    if not value:
+        current = app.conv.options()[key]
+        app.say(f"{key} = {current!r}" if isinstance(current, str) else f"{key} = {current}")
+        return
     kind = SETTABLE[key][0]
-    if not value and kind is not str:
-        raise ChatError(f"/set {key} needs a value")
-    try:
-        parsed = kind(value) if kind is not str else (shlex.split(value)[0] if value[:1] in "'\"" else value)
-    except ValueError:
-        raise ChatError(f"{key} takes a {'whole number' if kind is int else 'number'}, not '{value}'") from None
+    if kind is str:
+        parsed = value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else value
+    else:
+        try:
+            parsed = kind(value)
+        except ValueError:
+            what = "whole number" if kind is int else "number"
+            raise ChatError(f"{key} takes a {what}, not '{printable(value)}'") from None
     app.say(app.conv.set_option(key, parsed))
 
 
@@ -162,10 +178,10 @@ def is_command(line: str) -> bool:
 
 def dispatch(app, line: str) -> None:
     """Run one command line; ChatError carries the one-line message for a bad one."""
-    name, _, arg = line.strip().partition(" ")
+    name, arg = (line.strip().split(None, 1) + [""])[:2]
     cmd = BY_NAME.get(name.lower())
     if cmd is None:
-        raise ChatError(f"unknown command '{name}': /help lists the commands")
+        raise ChatError(f"unknown command '{printable(name)}': /help lists the commands")
     cmd.run(app, arg)
 
 
