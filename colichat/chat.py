@@ -52,6 +52,7 @@ class Settings:
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     max_tokens: int = 512
     system: str | None = None
+    pinned: frozenset = frozenset()  # the settings given on the command line: a resumed session keeps them
 
 
 class Conversation:
@@ -124,6 +125,9 @@ class Conversation:
                 "system": self.settings.system}
 
     def _apply_settings_dict(self, d: dict) -> None:
+        """Take a resumed session's saved settings, except those given on the command line."""
+        saved_system = d.get("system")
+        d = {k: v for k, v in d.items() if k not in self.settings.pinned}
         fields = {k: d[k] for k in SamplerSettings.__dataclass_fields__ if k in d}
         try:
             sampler = self.settings.sampler.with_(**fields)
@@ -133,8 +137,12 @@ class Conversation:
         self.settings.sampler, self.sampler = sampler, Sampler(sampler)
         if isinstance(d.get("max_tokens"), int) and d["max_tokens"] > 0:
             self.settings.max_tokens = d["max_tokens"]
-        if d.get("system") is None or isinstance(d.get("system"), str):
-            self.settings.system = d.get("system")
+        if "system" in d and (saved_system is None or isinstance(saved_system, str)):
+            self.settings.system = saved_system
+        elif "system" in self.settings.pinned and self.turns and self.settings.system != saved_system and (
+                saved_system is None or isinstance(saved_system, str)):
+            # --system on a resumed conversation: it was read with the saved one; the new one waits
+            self.pending_system, self.settings.system = self.settings.system, saved_system
 
     # --- sessions ---------------------------------------------------------------------------------
 
@@ -183,6 +191,8 @@ class Conversation:
         self.session, self.session_name = new, name
         self.turns = list(res.turns)
         self._apply_settings_dict(res.sampler or {})
+        if self.settings.pinned:
+            self._save_settings()  # the options given now are the session's settings from now on
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
         return "\n".join(lines)
 

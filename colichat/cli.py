@@ -58,7 +58,9 @@ def settings_from(args) -> Settings:
         if value is not None:
             s = s.with_(**{key: value})
     s.validate()
-    out = Settings(sampler=s, system=args.system)
+    given = [k for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens", "system")
+             if getattr(args, k) is not None]
+    out = Settings(sampler=s, system=args.system, pinned=frozenset(given))
     if args.max_tokens is not None:
         if args.max_tokens < 1:
             raise ValueError("--max-tokens must be at least 1")
