@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .engine import Model, Sampler, SamplerSettings
+from .engine import Model, Sampler
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
+from .settings import BY_NAME, Settings, saved_values
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
@@ -47,14 +48,6 @@ class TurnStats:
         return self.generated / self.decode_s if self.decode_s > 0 else 0.0
 
 
-@dataclass
-class Settings:
-    sampler: SamplerSettings = field(default_factory=SamplerSettings)
-    max_tokens: int = 512
-    system: str | None = None
-    pinned: frozenset = frozenset()  # the settings given on the command line: a resumed session keeps them
-
-
 class Conversation:
     """Owns the model's cache, the turns and the session they are saved into.
 
@@ -63,12 +56,13 @@ class Conversation:
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
-                 store: Store | None = None):
+                 store: Store | None = None, pinned=frozenset()):
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
         self.settings = settings
-        self.sampler = Sampler(settings.sampler)
+        self.pinned = frozenset(pinned)  # settings given on the command line: a resumed session keeps them
+        self.sampler = Sampler(settings.sampler())
         self.turns: list[Turn] = []
         self.stop_requested = False
         self.last_stats: TurnStats | None = None
@@ -93,56 +87,31 @@ class Conversation:
         return msgs + [{"role": t.role, "content": t.text} for t in turns if t.role in ("user", "assistant")]
 
     def options(self) -> dict:
-        s = self.settings.sampler
-        return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                "repeat_penalty": s.repeat_penalty, "seed": s.seed, "max_tokens": self.settings.max_tokens,
-                "system": self.settings.system or "",
-                **({"system (next)": self.pending_system or ""} if self.pending_system is not False else {})}
+        """Every setting's value (and the system prompt waiting for the next conversation)."""
+        return {**self.settings.to_dict(),
+                **({"system (next)": self.pending_system} if self.pending_system is not False else {})}
 
     def set_option(self, key: str, value) -> str:
-        if key == "max_tokens":
-            if value < 1:
-                raise ChatError("max_tokens must be at least 1")
-            self.settings.max_tokens = value
-        elif key == "system":
-            if self.turns:  # the conversation so far was read with the old one
-                self.pending_system = value or None
-                return "system prompt set for the next conversation (/reset starts one)"
-            self.settings.system = value or None
-        else:
-            new = self.settings.sampler.with_(**{key: value})
-            try:
-                new.validate()
-            except ValueError as e:
-                raise ChatError(str(e)) from None
-            self.settings.sampler = new
-            self.sampler = Sampler(new)
+        """Change one setting (a name of settings.TABLE; SettingError for a value it cannot take)."""
+        row = BY_NAME[key]
+        row.validate(value)
+        if key == "system" and self.turns:  # the conversation so far was read with the old one
+            self.pending_system = value
+            return "system prompt set for the next conversation (/new starts one)"
+        self.settings = self.settings.with_(**{key: value})
+        self.sampler = Sampler(self.settings.sampler())
         self._save_settings()
-        return f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
+        return f"{key} = {row.show(value)}"
 
-    def _settings_dict(self) -> dict:
-        return {**self.settings.sampler.to_dict(), "max_tokens": self.settings.max_tokens,
-                "system": self.settings.system}
-
-    def _apply_settings_dict(self, d: dict) -> None:
+    def _apply_saved_settings(self, d) -> None:
         """Take a resumed session's saved settings, except those given on the command line."""
-        saved_system = d.get("system")
-        d = {k: v for k, v in d.items() if k not in self.settings.pinned}
-        fields = {k: d[k] for k in SamplerSettings.__dataclass_fields__ if k in d}
-        try:
-            sampler = self.settings.sampler.with_(**fields)
-            sampler.validate()
-        except (TypeError, ValueError):
-            return  # a damaged settings record: keep the current settings
-        self.settings.sampler, self.sampler = sampler, Sampler(sampler)
-        if isinstance(d.get("max_tokens"), int) and d["max_tokens"] > 0:
-            self.settings.max_tokens = d["max_tokens"]
-        if "system" in d and (saved_system is None or isinstance(saved_system, str)):
-            self.settings.system = saved_system
-        elif "system" in self.settings.pinned and self.turns and self.settings.system != saved_system and (
-                saved_system is None or isinstance(saved_system, str)):
+        saved = saved_values(d)
+        if "system" in self.pinned and self.turns and saved.get("system") != self.settings.system:
             # --system on a resumed conversation: it was read with the saved one; the new one waits
-            self.pending_system, self.settings.system = self.settings.system, saved_system
+            self.pending_system = self.settings.system
+            self.settings = self.settings.with_(system=saved.get("system"))
+        self.settings = self.settings.with_(**{k: v for k, v in saved.items() if k not in self.pinned})
+        self.sampler = Sampler(self.settings.sampler())
 
     # --- sessions ---------------------------------------------------------------------------------
 
@@ -190,8 +159,8 @@ class Conversation:
             self.session.close()
         self.session, self.session_name = new, name
         self.turns = list(res.turns)
-        self._apply_settings_dict(res.sampler or {})
-        if self.settings.pinned:
+        self._apply_saved_settings(res.sampler)
+        if self.pinned:
             self._save_settings()  # the options given now are the session's settings from now on
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
         return "\n".join(lines)
@@ -213,7 +182,8 @@ class Conversation:
         self.session, self.session_name = None, None
         self.clear()
         if self.pending_system is not False:
-            self.settings.system, self.pending_system = self.pending_system, False
+            self.settings, self.pending_system = self.settings.with_(system=self.pending_system), False
+            self._save_settings()
         return f"new conversation (session {old} is saved; /resume {old} reopens it)" if old else "new conversation"
 
     def clear(self) -> None:
@@ -243,7 +213,7 @@ class Conversation:
         try:
             if self.session is None:
                 self.session = self.store.create(self.ident, self.layout, self.session_name,
-                                                 self._settings_dict())
+                                                 self.settings.to_dict())
                 self.session_name = self.session.name
             self.session.append(self.model.cache, self.turns)
             stats.saved = True
@@ -254,7 +224,7 @@ class Conversation:
     def _save_settings(self) -> None:
         if self.session:
             try:
-                self.session.save_sampler(self._settings_dict())
+                self.session.save_sampler(self.settings.to_dict())
             except (SessionError, OSError):
                 pass  # saved again with the next answer
 
@@ -344,7 +314,7 @@ class Conversation:
             if self.stop_requested:
                 stats.stopped = "interrupt"
                 break
-            recent = cache.tokens[max(0, cache.length - 64) : cache.length]
+            recent = cache.tokens[max(0, cache.length - self.settings.repeat_last_n) : cache.length]
             tid = self.sampler(logits, recent)
             if tid in self.tok.eog_ids:
                 stats.stopped = "eog"

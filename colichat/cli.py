@@ -11,12 +11,13 @@ import sys
 import time
 
 from . import __version__
-from .chat import ChatError, Conversation, Settings
+from .chat import ChatError, Conversation
 from .commands import Message, dispatch, is_command
-from .engine import ModelError, SamplerSettings, load
+from .engine import ModelError, load
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
 from .persist import SessionError
+from .settings import TABLE, SettingError, Settings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,14 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--session", metavar="NAME", help="name of the conversation to save into (or resume)")
     p.add_argument("--resume", action="store_true", help="resume the latest (or --session) conversation")
     p.add_argument("--ctx", type=int, metavar="N", help="context size in tokens (default: model's, max 8192)")
-    p.add_argument("--temperature", type=float, metavar="T", help="0 means greedy (default 0.7)")
-    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens (0 = off; default 40)")
-    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1 = off; default 0.95)")
-    p.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P x the best (0 = off; default 0.05)")
-    p.add_argument("--repeat-penalty", type=float, metavar="R", help="penalty on recent tokens (1 = off, the default)")
-    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same answers")
-    p.add_argument("--max-tokens", type=int, metavar="N", help="the longest answer (default 512)")
-    p.add_argument("--system", metavar="TEXT", help="system prompt for new conversations")
+    for row in TABLE:  # the chat settings: read as text here, checked by settings_from
+        p.add_argument(row.option, metavar=row.metavar, help=f"{row.help} (default {row.show(row.default)})")
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default: half of the memory left "
                    "after the weights and the context, at least 512)")
@@ -50,22 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def settings_from(args) -> Settings:
-    s = SamplerSettings()
-    for opt, key in [("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
-                     ("min_p", "min_p"), ("repeat_penalty", "repeat_penalty"), ("seed", "seed")]:
-        value = getattr(args, opt)
-        if value is not None:
-            s = s.with_(**{key: value})
-    s.validate()
-    given = [k for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens", "system")
-             if getattr(args, k) is not None]
-    out = Settings(sampler=s, system=args.system, pinned=frozenset(given))
-    if args.max_tokens is not None:
-        if args.max_tokens < 1:
-            raise ValueError("--max-tokens must be at least 1")
-        out.max_tokens = args.max_tokens
-    return out
+def settings_from(args) -> tuple[Settings, frozenset]:
+    """The settings the options give (the defaults for the others), and the names of those given."""
+    given = {row.name: row.parse(getattr(args, row.name), row.option) for row in TABLE
+             if getattr(args, row.name) is not None}
+    return Settings(**given), frozenset(given)
 
 
 class App:
@@ -120,7 +104,7 @@ class App:
                 dispatch(self, line)
             elif line.strip():
                 self.answer(line)
-        except (ChatError, SessionError, ModelError, ValueError) as e:
+        except (ChatError, SessionError, ModelError, SettingError, ValueError) as e:
             self.errors += 1
             self.say(f"colichat: {e}")
 
@@ -210,10 +194,10 @@ def main(argv=None) -> int:
     try:
         if args.prompt is not None and not args.prompt.strip():
             raise ValueError("-p/--prompt needs a message")
-        settings = settings_from(args)
+        settings, given = settings_from(args)
         model = load_model(args, say)
-        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session)
-    except (ModelError, DefaultModelMissing, SessionError, ValueError) as e:
+        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given)
+    except (ModelError, DefaultModelMissing, SessionError, SettingError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:

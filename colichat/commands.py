@@ -10,18 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .chat import ChatError
-
-SETTABLE = {
-    # key: (type, what it means)
-    "temperature": (float, "0 = greedy; higher = more random"),
-    "top_k": (int, "keep the k most likely tokens (0 = off)"),
-    "top_p": (float, "keep the smallest set with this total probability (1 = off)"),
-    "min_p": (float, "drop tokens below this fraction of the best one (0 = off)"),
-    "repeat_penalty": (float, "penalize recently used tokens (1 = off)"),
-    "seed": (int, "random seed (same seed, same answers)"),
-    "max_tokens": (int, "the longest answer, in tokens"),
-    "system": (str, "the system prompt (applies to new conversations: /reset)"),
-}
+from .settings import BY_NAME as SETTINGS
+from .settings import TABLE, key_of, printable
 
 
 @dataclass(frozen=True)
@@ -30,12 +20,6 @@ class Command:
     args: str
     summary: str
     run: Callable
-
-
-def printable(text: str, limit: int = 60) -> str:
-    """`text` for an error line: control and line-break characters escaped, long text cut."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _int_arg(arg: str, default: int, what: str) -> int:
@@ -55,8 +39,8 @@ def cmd_help(app, arg: str) -> None:
             raise ChatError(f"unknown command '/{printable(name)}': /help lists them")
         app.say(f"/{name} {cmd.args}".rstrip() + f"  {cmd.summary}")
         if cmd.name == "/set":
-            for key, (_, meaning) in SETTABLE.items():
-                app.say(f"  {key:<15}{meaning}")
+            for row in TABLE:
+                app.say(f"  {row.name:<15}{row.help}")
         return
     for cmd in COMMANDS:
         app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{cmd.summary}")
@@ -117,29 +101,18 @@ def cmd_set(app, arg: str) -> None:
     parts = arg.strip().split(None, 1)
     if not parts:
         raise ChatError("/set needs a setting and a value: /set KEY VALUE (/help set lists them)")
-    key = parts[0].lower().replace("-", "_")
-    value = parts[1].strip() if len(parts) > 1 else ""
-    if key not in SETTABLE:
-        raise ChatError(f"cannot set '{printable(parts[0])}': one of {', '.join(SETTABLE)}")
-    if not value:
-        current = app.conv.options()[key]
-        app.say(f"{key} = {current!r}" if isinstance(current, str) else f"{key} = {current}")
+    key = key_of(parts[0])
+    row = SETTINGS[key]
+    if len(parts) == 1:
+        app.say(f"{key} = {row.show(app.conv.options()[key])}")
         return
-    kind = SETTABLE[key][0]
-    if kind is str:
-        parsed = value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else value
-    else:
-        try:
-            parsed = kind(value)
-        except ValueError:
-            what = "whole number" if kind is int else "number"
-            raise ChatError(f"{key} takes a {what}, not '{printable(value)}'") from None
-    app.say(app.conv.set_option(key, parsed))
+    app.say(app.conv.set_option(key, row.parse(parts[1])))
 
 
 def cmd_show(app, arg: str) -> None:
+    """The settings as /set takes them."""
     for key, value in app.conv.options().items():
-        app.say(f"{key:<15}{value!r}" if isinstance(value, str) else f"{key:<15}{value}")
+        app.say(f"{key:<15}{SETTINGS[key.split()[0]].show(value)}")
 
 
 def cmd_stats(app, arg: str) -> None:
@@ -188,5 +161,5 @@ def dispatch(app, line: str) -> None:
 def completions(text: str) -> list[str]:
     """Command names that start with what was typed (for Tab), or settable keys after /set."""
     if text.startswith("/set ") and " " not in text[5:]:
-        return ["/set " + k for k in SETTABLE if k.startswith(text[5:])]
+        return ["/set " + k for k in SETTINGS if k.startswith(text[5:])]
     return [c.name for c in COMMANDS if c.name.startswith(text.lower())]

@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY
 
 from colichat.chat import ChatError, Conversation, Settings
-from colichat.engine import SamplerSettings, load
+from colichat.engine import load
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def model():
 
 def test_stop_during_a_long_prompt_drops_the_message(model):
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=4), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
     conv.ask("hello")
     before = (model.cache.length, list(conv.turns))
 
@@ -32,7 +32,7 @@ def test_stop_during_a_long_prompt_drops_the_message(model):
 
 def test_stop_during_the_answer_keeps_what_was_said(model):
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=50), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=50), save=False)
     pieces = []
 
     def on_text(piece):
@@ -58,7 +58,7 @@ def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt
     from colichat.engine.template import ChatTemplate
 
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=6), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=6), save=False)
     conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
     conv.ask("hello")
     conv.ask("and again")
@@ -71,7 +71,7 @@ def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt
 
 def test_system_prompt_change_waits_for_the_next_conversation(model):
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=4), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
     conv.ask("hello")
     rows = model.cache.length
     assert "next conversation" in conv.set_option("system", "Be brief.")
@@ -86,7 +86,7 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
     from colichat.engine.template import ChatTemplate
 
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=6), session_name="rw")
+    conv = Conversation(model, Settings(temperature=0, max_tokens=6), session_name="rw")
     conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
     conv.ask("hello")
     _, stats = conv.ask("and again")
@@ -94,7 +94,7 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
     records, turns = model.cache.records[: model.cache.length].copy(), list(conv.turns)
     conv.close()
     model.reset()
-    again = Conversation(model, Settings(SamplerSettings(temperature=0)))
+    again = Conversation(model, Settings(temperature=0))
     again.resume("rw")
     def rows(ts):
         return [(t.role, t.text, t.first, t.last) for t in ts]

@@ -109,7 +109,7 @@ def test_rewritten_model_loads_when_nothing_is_missing(tmp_path, colichat_home):
 BAD_OPTIONS = {
     "negative-temperature": (["--temperature", "-1"], "temperature must be >= 0"),
     "nan-temperature": (["--temperature", "nan"], "temperature must be a finite number"),
-    "top-p": (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    "top-p": (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "negative-seed": (["--seed", "-1"], "seed must be >= 0"),
     "max-tokens": (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     "tiny-ctx": (["--ctx", "8"], "context size 8 is too small"),
@@ -302,10 +302,10 @@ def test_failure_inside_an_answer_leaves_cache_and_turns_consistent(colichat_hom
     """In-process: an exception while the answer streams (here from the output callback) drops the
     whole exchange from the cache, so the next message and the saved session stay consistent."""
     from colichat.chat import Conversation, Settings
-    from colichat.engine import SamplerSettings, load
+    from colichat.engine import load
 
     model = load(TINY_LLAMA)
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=8), session_name="s")
+    conv = Conversation(model, Settings(temperature=0, max_tokens=8), session_name="s")
     try:
         conv.ask(Q[0])
         before = conv.n_tokens

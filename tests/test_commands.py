@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from colichat.chat import Conversation, Settings
 from colichat.cli import App
 from colichat.commands import COMMANDS
-from colichat.engine import SamplerSettings, load
+from colichat.engine import load
 from colichat.persist import Store
+from colichat.settings import TABLE
 
 
 class Recorder(App):
@@ -39,7 +40,7 @@ def model():
 @pytest.fixture
 def app(model, tmp_path):
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=4), store=Store(tmp_path / "s"))
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4), store=Store(tmp_path / "s"))
     yield Recorder(conv)
     conv.close()
 
@@ -54,7 +55,7 @@ def run(app, line: str) -> list[str]:
 
 
 def test_set_system_takes_the_rest_of_the_line(app):
-    assert run(app, "/set system You are a pirate.") == ["system = 'You are a pirate.'"]
+    assert run(app, "/set system You are a pirate.") == ["system = You are a pirate."]
     assert app.conv.settings.system == "You are a pirate."
     run(app, "/set system 'Don't lie.'")
     assert app.conv.settings.system == "Don't lie."
@@ -66,8 +67,8 @@ def test_set_system_takes_the_rest_of_the_line(app):
 
 
 def test_set_without_a_value_shows_the_current_one(app):
-    assert run(app, "/set system") == ["system = ''"]
-    assert run(app, "/set temperature") == ["temperature = 0"]
+    assert run(app, "/set system") == ["system = none"]
+    assert run(app, "/set temperature") == ["temperature = 0.0"]
     assert run(app, "/set top-k") == ["top_k = 40"]
     assert app.errors == 0 and app.conv.settings.system is None
 
@@ -112,3 +113,49 @@ def test_any_line_to_any_command_gives_at_most_one_clean_error_line(app, tmp_pat
         failed = [x for x in said if x.startswith("colichat: ")]
         assert len(failed) == 1, said
         assert len(failed[0].splitlines()) == 1 and failed[0].isprintable(), failed
+
+
+# ---- the settings table ----------------------------------------------------------------------------
+
+
+def test_show_prints_values_as_set_takes_them(app):
+    run(app, "/set seed 7")
+    run(app, "/set system Be brief.")
+    shown = run(app, "/show")
+    assert "seed           7" in shown and "system         Be brief." in shown and "temperature    0.0" in shown
+    assert [line.split()[0] for line in shown] == [row.name for row in TABLE]
+    before = app.conv.settings
+    for line in shown:  # every line typed back after /set changes nothing
+        run(app, "/set " + line)
+    assert app.conv.settings == before and app.errors == 0
+
+
+def test_set_seed_none_unsets_it(app):
+    run(app, "/set seed 3")
+    assert app.conv.settings.seed == 3
+    assert run(app, "/set seed none") == ["seed = none"]
+    assert app.conv.settings.seed is None and "seed           none" in run(app, "/show")
+    run(app, "/set system Be brief.")
+    run(app, "/set system none")
+    assert app.conv.settings.system is None and app.errors == 0
+
+
+def test_the_repeat_window_is_the_setting(model):
+    """The sampler sees the last repeat_last_n tokens of the context, whatever that setting is."""
+    seen = []
+    for window in (0, 64, 100):
+        model.reset()
+        conv = Conversation(model, Settings(temperature=0, max_tokens=3, repeat_last_n=window), save=False)
+        sampler = conv.sampler
+        conv.sampler = lambda logits, recent, w=window, s=sampler: seen.append((w, len(recent))) or s(logits, recent)
+        conv.ask(" ".join(f"word{i}" for i in range(25)))  # well over 100 tokens
+    assert {w: n for w, n in seen} == {0: 0, 64: 64, 100: 100}
+
+
+def test_the_options_are_the_table(colichat_home):
+    from colichat.cli import parse_args, settings_from
+
+    args = parse_args(["--seed", "none", "--top-k", "5", "--system", "Be brief."])
+    settings, given = settings_from(args)
+    assert given == {"seed", "top_k", "system"} and settings.top_k == 5 and settings.system == "Be brief."
+    assert settings.seed is None and settings.temperature == 0.7
