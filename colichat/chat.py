@@ -170,7 +170,7 @@ class Conversation:
         if not self.store:
             raise ChatError("saving is off (--no-save): no sessions")
         if self.session and self.session.name == name:
-            raise ChatError(f"session {name} is the current conversation: /reset first, then /delete {name}")
+            raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
         freed = self.store.delete(self.ident, name)
         return f"deleted session {name} ({freed / 1e6:.1f} MB)"
 

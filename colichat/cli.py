@@ -12,7 +12,7 @@ import time
 
 from . import __version__
 from .chat import ChatError, Conversation
-from .commands import Message, dispatch, is_command
+from .commands import Message, dispatch, is_command, is_quit_word
 from .engine import ModelError, load
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
@@ -85,6 +85,22 @@ class App:
     def quit(self) -> None:
         self.quitting = True
 
+    def quit_or_send(self, line: str) -> None:
+        """`exit` alone on a line: ask whether /quit was meant; only a "no" sends it to the model."""
+        word = line.strip()
+        if not self.interactive:
+            raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
+        from prompt_toolkit.shortcuts import confirm
+
+        try:
+            meant_quit = confirm(f"Did you mean /quit? (n sends '{word}' to the model)")
+        except (KeyboardInterrupt, EOFError):
+            return
+        if meant_quit:
+            self.quit()
+        else:
+            self.answer(word)
+
     def answer(self, text: str) -> None:
         progress = self._prefill_progress if sys.stderr.isatty() else None
         _, stats = self.conv.ask(text, on_text=self.out, on_progress=progress)
@@ -102,6 +118,8 @@ class App:
         try:
             if is_command(line):
                 dispatch(self, line)
+            elif is_quit_word(line):
+                self.quit_or_send(line)
             elif line.strip():
                 self.answer(line)
         except (ChatError, SessionError, ModelError, SettingError, ValueError) as e:

@@ -6,6 +6,7 @@ A handler gets the App (see cli.py: `.conv` the Conversation, `.say(line)` statu
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +21,12 @@ class Command:
     args: str
     summary: str
     run: Callable
+    aliases: tuple[str, ...] = ()  # other names it answers to (habits from other chat programs)
+
+    @property
+    def title(self) -> str:
+        """'/new (/clear, /reset)' for the help."""
+        return self.name + (f" ({', '.join(self.aliases)})" if self.aliases else "")
 
 
 def _int_arg(arg: str, default: int, what: str) -> int:
@@ -34,16 +41,15 @@ def _int_arg(arg: str, default: int, what: str) -> int:
 def cmd_help(app, arg: str) -> None:
     name = arg.strip().lstrip("/")
     if name:
-        cmd = BY_NAME.get("/" + name)
-        if cmd is None:
-            raise ChatError(f"unknown command '/{printable(name)}': /help lists them")
-        app.say(f"/{name} {cmd.args}".rstrip() + f"  {cmd.summary}")
+        cmd = find_command("/" + name)
+        app.say(f"{cmd.title} {cmd.args}".rstrip() + f"  {cmd.summary}")
         if cmd.name == "/set":
             for row in TABLE:
                 app.say(f"  {row.name:<15}{row.help}")
         return
     for cmd in COMMANDS:
-        app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{cmd.summary}")
+        app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{cmd.summary}"
+                + (f" (also {', '.join(cmd.aliases)})" if cmd.aliases else ""))
     app.say('Multi-line input: Esc then Enter for a newline, or a block between """ lines.')
 
 
@@ -128,7 +134,8 @@ COMMANDS = [
     Command("/help", "[CMD]", "list the commands, or explain one", cmd_help),
     Command("/resume", "[NAME]", "reopen a saved conversation (the latest by default), no re-prefill", cmd_resume),
     Command("/sessions", "", "list saved conversations of this model", cmd_sessions),
-    Command("/reset", "", "start a new empty conversation (the current one stays saved)", cmd_reset),
+    Command("/new", "", "start a new empty conversation (the current one stays saved)", cmd_reset,
+            ("/clear", "/reset")),
     Command("/delete", "NAME", "delete a saved conversation of this model (not the current one)", cmd_delete),
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
     Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen),
@@ -136,9 +143,20 @@ COMMANDS = [
     Command("/set", "KEY VALUE", "change a setting (/help set lists them)", cmd_set),
     Command("/show", "", "show the settings", cmd_show),
     Command("/stats", "", "context used, bytes on disk, last speeds", cmd_stats),
-    Command("/quit", "", "save and exit (Ctrl-D works too)", cmd_quit),
+    Command("/quit", "", "save and exit (Ctrl-D works too)", cmd_quit, ("/exit", "/bye", "/q")),
 ]
-BY_NAME = {c.name: c for c in COMMANDS}
+BY_NAME = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
+QUIT_WORDS = ("exit", "quit", "bye")  # alone on a line: meant as /quit, not as a message
+
+
+def find_command(name: str) -> Command:
+    """The command called `name` (or an alias), or a ChatError suggesting the nearest one."""
+    cmd = BY_NAME.get(name.lower())
+    if cmd is not None:
+        return cmd
+    near = difflib.get_close_matches(name.lower(), list(BY_NAME), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    raise ChatError(f"unknown command '{printable(name)}': {hint}/help lists the commands")
 
 
 class Message(str):
@@ -149,13 +167,15 @@ def is_command(line: str) -> bool:
     return line.startswith("/") and not isinstance(line, Message)
 
 
+def is_quit_word(line: str) -> bool:
+    """`exit` or `quit` typed alone: almost surely meant for colichat, not for the model."""
+    return not isinstance(line, Message) and line.strip().lower().rstrip(".!") in QUIT_WORDS
+
+
 def dispatch(app, line: str) -> None:
     """Run one command line; ChatError carries the one-line message for a bad one."""
     name, arg = (line.strip().split(None, 1) + [""])[:2]
-    cmd = BY_NAME.get(name.lower())
-    if cmd is None:
-        raise ChatError(f"unknown command '{printable(name)}': /help lists the commands")
-    cmd.run(app, arg)
+    find_command(name).run(app, arg)
 
 
 def completions(text: str) -> list[str]:

@@ -312,3 +312,29 @@ def test_options_on_the_command_line_win_over_the_saved_settings(colichat_home):
     # The option given now is the session's setting from now on; the others stay as saved.
     again = chat(colichat_home, [*args, "--resume"], lines("/show")).ok()
     assert "temperature    0.9" in again.err.splitlines() and "top_k          5" in again.err.splitlines()
+
+
+@pytest.mark.parametrize("word", ["/bye", "/exit", "/q", "/QUIT"])
+def test_quit_aliases(word, colichat_home):
+    run = chat(colichat_home, TINY_ARGS, lines(word, "not answered")).ok()
+    assert run.out == b"" and run.footers() == []
+
+
+def test_new_and_clear_start_a_new_conversation(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "n"], lines(Q[0], "/new", Q[0], "/clear", Q[0])).ok()
+    assert run.out == answers_bytes([ref[0]] * 3)  # each time the answer of a fresh conversation
+    names = session_names(run)
+    assert len(set(names)) == 3 and names[0] == "n"
+    assert sum(line.startswith("new conversation (session ") for line in run.err.splitlines()) == 2
+
+
+def test_exit_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "x"], lines("exit", "quit", "/hlep", "/sesions", Q[0])).failed()
+    assert run.errors() == [
+        "colichat: 'exit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
+        "colichat: 'quit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
+        "colichat: unknown command '/hlep': did you mean /help? /help lists the commands",
+        "colichat: unknown command '/sesions': did you mean /sessions? /help lists the commands",
+    ]
+    assert saved_users(colichat_home, "x") == [Q[0]]
