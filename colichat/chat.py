@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from .engine import Model, Sampler
 from .engine.template import chat_template_for
-from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
+from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity, slug
+from .persist.store import KV_EXT, SIDECAR_EXT
 from .settings import BY_NAME, Settings, saved_values
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
@@ -52,11 +53,13 @@ class Conversation:
     """Owns the model's cache, the turns and the session they are saved into.
 
     With saving on, the session file is created at the first answer (named --session NAME, else
-    a time-based name), so starting colichat and quitting leaves nothing behind.
+    from the first message), so starting colichat and quitting leaves nothing behind. With
+    `save_new` off (one-shot and piped runs without --session), a new conversation is saved only
+    by /save NAME; a resumed one is still saved after every answer.
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
-                 store: Store | None = None, pinned=frozenset()):
+                 store: Store | None = None, pinned=frozenset(), save_new: bool = True):
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
@@ -72,6 +75,7 @@ class Conversation:
         self.layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
         self.session = None  # persist.Session once created or resumed
         self.session_name = session_name
+        self.save_new = save_new
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
 
     # --- state ------------------------------------------------------------------------------------
@@ -127,8 +131,46 @@ class Conversation:
         """Refuse at start a --session NAME that the first answer could not create (saving is on)."""
         check_name(name)
         base = self.store.model_dir(self.ident) / name
-        if any(os.path.lexists(f"{base}{ext}") for ext in (".coli_kv", ".json")):
+        if any(os.path.lexists(f"{base}{ext}") for ext in (KV_EXT, SIDECAR_EXT)):
             raise ChatError(f"session {name} already exists: add --resume to continue it, or choose another name")
+
+    def session_names(self) -> list[str]:
+        """This model's saved conversations, newest first (for Tab completion)."""
+        return [i.name for i in self.store.list(self.ident)] if self.store else []
+
+    def rename(self, new: str) -> str:
+        """Give the current conversation another name (its files are renamed, nothing is rewritten)."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing to rename")
+        if not self.session:
+            raise ChatError("this conversation is not saved yet: /save NAME saves it under that name")
+        old = self.session.name
+        self.store.rename(self.session, new)
+        self.session_name = new
+        return f"renamed session {old} to {new}"
+
+    def save_as(self, name: str) -> str:
+        """Write the conversation from the cache into a new session NAME (no forward pass). An
+        unsaved conversation goes on in it; a saved one goes on in its own, NAME is a copy."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing can be saved")
+        if not self.turns:
+            raise ChatError("nothing to save yet: the conversation is empty")
+        copy = self.store.create(self.ident, self.layout, check_name(name), self.settings.to_dict())
+        try:
+            copy.append(self.model.cache, self.turns)
+        except BaseException:
+            copy.close()
+            try:
+                self.store.delete(self.ident, name)  # a partial copy: the conversation is still in memory
+            except SessionError:
+                pass
+            raise
+        if self.session is None:
+            self.session, self.session_name = copy, name
+            return f"saved to session {name}; the conversation goes on in it"
+        copy.close()
+        return f"saved a copy as session {name} (the conversation goes on in {self.session.name})"
 
     def list_sessions(self) -> list[str]:
         if not self.store:
@@ -210,10 +252,13 @@ class Conversation:
         """Append the unsaved turns; a failure is reported and the conversation goes on in memory."""
         if not self.store:
             return
+        if self.session is None and not self.save_new:
+            return
         try:
             if self.session is None:
+                first = next((t.text for t in self.turns if t.role == "user"), "")
                 self.session = self.store.create(self.ident, self.layout, self.session_name,
-                                                 self.settings.to_dict())
+                                                 self.settings.to_dict(), stem=slug(first))
                 self.session_name = self.session.name
             self.session.append(self.model.cache, self.turns)
             stats.saved = True
@@ -375,7 +420,8 @@ class Conversation:
     # --- reporting --------------------------------------------------------------------------------
 
     def footer(self, stats: TurnStats) -> str:
-        saved = {None: "not saved (--no-save)", True: f"saved to {self.session_name}",
+        unsaved = "not saved (--no-save)" if not self.store else "not saved (/save NAME keeps it)"
+        saved = {None: unsaved, True: f"saved to {self.session_name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")

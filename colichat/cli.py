@@ -16,7 +16,8 @@ from .commands import Message, dispatch, is_command, is_quit_word
 from .engine import ModelError, load
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
-from .persist import SessionError
+from .persist import SessionError, Store
+from .sessions import before_load, export_saved, listing
 from .settings import TABLE, SettingError, Settings
 
 
@@ -27,7 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "as its KV cache and reopens instantly with /resume.",
     )
     p.add_argument("--model", metavar="PATH", help="a GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--session", metavar="NAME", help="name of the conversation to save into (or resume)")
+    p.add_argument("--session", metavar="NAME", help="name of the conversation: a new one, or the saved one "
+                   "of that name, reopened")
     p.add_argument("--resume", action="store_true", help="resume the latest (or --session) conversation")
     p.add_argument("--ctx", type=int, metavar="N", help="context size in tokens (default: model's, max 8192)")
     for row in TABLE:  # the chat settings: read as text here, checked by settings_from
@@ -38,7 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--numerics", choices=["fast", "llama.cpp"], default="fast",
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp)")
-    p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk")
+    p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk (one-shot -p "
+                   "and piped runs are saved only with --session NAME or --resume)")
+    p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit")
+    p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
@@ -201,6 +206,22 @@ def load_model(args, say):
     return model
 
 
+def from_the_shell(args) -> int:
+    """--sessions and --export NAME: read the saved conversations, print to stdout, no model loaded."""
+    store = Store()
+    if args.sessions:
+        rows = listing(store)
+        print("\n".join(rows) if rows else "no saved conversations", flush=True)
+        return 0
+    try:
+        model = args.model or default_model_path()
+    except DefaultModelMissing:
+        model = None
+    sys.stdout.write(export_saved(store, model, args.export))
+    sys.stdout.flush()
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
 
@@ -213,14 +234,20 @@ def main(argv=None) -> int:
         if args.prompt is not None and not args.prompt.strip():
             raise ValueError("-p/--prompt needs a message")
         settings, given = settings_from(args)
+        if args.sessions or args.export is not None:
+            return from_the_shell(args)
+        args.model = args.model or default_model_path()
+        if not args.no_save:  # what --session and --resume mean, known before the model loads
+            args.resume = before_load(Store(), args.model, args.session, args.resume)
+        interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
         model = load_model(args, say)
-        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given)
+        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
+                            save_new=interactive or args.session is not None or args.resume)
     except (ModelError, DefaultModelMissing, SessionError, SettingError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
         return 130
-    interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
     app = App(conv, interactive)
     try:
         if args.resume:

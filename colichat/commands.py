@@ -7,10 +7,12 @@ A handler gets the App (see cli.py: `.conv` the Conversation, `.say(line)` statu
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from .chat import ChatError
+from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
 from .settings import TABLE, key_of, printable
 
@@ -71,6 +73,38 @@ def cmd_delete(app, arg: str) -> None:
     if not name:
         raise ChatError("/delete needs the name of a session (/sessions lists them)")
     app.say(app.conv.delete_session(name))
+
+
+def cmd_rename(app, arg: str) -> None:
+    if not arg.strip():
+        raise ChatError("/rename needs the new name of this conversation")
+    app.say(app.conv.rename(arg.strip()))
+
+
+def cmd_save(app, arg: str) -> None:
+    if not arg.strip():
+        raise ChatError("/save needs a name for the copy (/rename renames this conversation)")
+    app.say(app.conv.save_as(arg.strip()))
+
+
+def cmd_export(app, arg: str) -> None:
+    """/export [FILE]: the conversation as Markdown, in FILE (default NAME.md here); never overwrites."""
+    conv = app.conv
+    if not conv.turns:
+        raise ChatError("nothing to export yet: the conversation is empty")
+    title = conv.session_name or "conversation"
+    path = os.path.expanduser(arg.strip() or f"{title}.md")
+    text = markdown(title, conv.model.cfg.name, [(t.role, t.text) for t in conv.turns], conv.settings.system)
+    try:
+        with open(path, "x", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(text)
+    except FileExistsError:
+        raise ChatError(f"{printable(path)} already exists: give /export another file name") from None
+    except ValueError:  # a NUL in the name
+        raise ChatError(f"cannot write '{printable(path)}': not a file name") from None
+    except OSError as e:
+        raise ChatError(f"cannot write {printable(path)}: {e.strerror or type(e).__name__}") from None
+    app.say(f"exported {len(conv.turns)} turns to {printable(path, 200)}")
 
 
 def cmd_reset(app, arg: str) -> None:
@@ -136,6 +170,10 @@ COMMANDS = [
     Command("/sessions", "", "list saved conversations of this model", cmd_sessions),
     Command("/new", "", "start a new empty conversation (the current one stays saved)", cmd_reset,
             ("/clear", "/reset")),
+    Command("/rename", "NEW", "give this conversation another name", cmd_rename),
+    Command("/save", "NAME", "keep a copy of this conversation as NAME (written from memory, no re-prefill)",
+            cmd_save),
+    Command("/export", "[FILE]", "write the conversation as Markdown (default NAME.md here)", cmd_export),
     Command("/delete", "NAME", "delete a saved conversation of this model (not the current one)", cmd_delete),
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
     Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen),
@@ -178,8 +216,22 @@ def dispatch(app, line: str) -> None:
     find_command(name).run(app, arg)
 
 
-def completions(text: str) -> list[str]:
-    """Command names that start with what was typed (for Tab), or settable keys after /set."""
-    if text.startswith("/set ") and " " not in text[5:]:
-        return ["/set " + k for k in SETTINGS if k.startswith(text[5:])]
+NAME_ARGS = ("/resume", "/delete")  # commands whose argument is a saved conversation's name
+
+
+def completions(text: str, app=None) -> list[str]:
+    """What Tab offers for the text before the cursor: command names, settable keys after /set,
+    saved conversations' names after /resume and /delete (with `app`, the running program)."""
+    name, sep, rest = text.partition(" ")
+    if sep and " " not in rest.lstrip():
+        head, word = text[: len(text) - len(rest.lstrip())], rest.lstrip()
+        if name.lower() == "/set":
+            return [head + k for k in SETTINGS if k.startswith(word.lower())]
+        if name.lower() in NAME_ARGS and app is not None:
+            try:
+                names = app.conv.session_names()
+            except OSError:
+                names = []
+            return [head + n for n in names if n.startswith(word)]
+        return []
     return [c.name for c in COMMANDS if c.name.startswith(text.lower())]

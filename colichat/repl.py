@@ -19,13 +19,16 @@ CONTINUATION = "... "
 
 
 class SlashCompleter(Completer):
-    """Completes command names (and /set keys) from the command table."""
+    """Completes what commands.completions offers: command names, /set keys, session names."""
+
+    def __init__(self, app=None):
+        self.app = app
 
     def get_completions(self, document, complete_event):
         text = document.text_before_cursor
         if not text.startswith("/"):
             return
-        for option in completions(text):
+        for option in completions(text, self.app):
             yield Completion(option, start_position=-len(text))
 
 
@@ -64,7 +67,7 @@ def read_input(session: PromptSession) -> str:
 
 def run(app) -> int:
     """The REPL loop until Ctrl-D or /quit."""
-    session = PromptSession(history=_history(), completer=SlashCompleter(), key_bindings=_bindings(),
+    session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
                             complete_while_typing=False)
     app.say('Type a message, /help for commands, Esc-Enter for a newline, Ctrl-D to quit.')
 

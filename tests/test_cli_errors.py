@@ -131,12 +131,13 @@ def test_bad_option(kind, colichat_home):
     assert session_files(colichat_home) == []
 
 
-def test_existing_session_name_without_resume_is_refused_at_start(colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[1])).failed()
-    assert run.out == b""
-    assert run.errors() == ["colichat: session s already exists: add --resume to continue it, or choose another name"]
-    assert saved_users(colichat_home, "s") == [Q[0]]
+def test_a_session_name_that_cannot_exist_is_refused_before_the_model_loads(colichat_home):
+    for args, problem in ((["--session", "../up"], "invalid session name '../up'"),
+                          (["--resume", "--session", "nosuch"], "no session named nosuch for this model"),
+                          (["--resume"], "no saved conversation for this model yet")):
+        run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[0])).failed()
+        [line] = run.err.splitlines()  # no model load line before it
+        assert line.startswith("colichat: ") and problem in line, line
 
 
 # ---- bad commands in pipe mode ------------------------------------------------------------------
@@ -211,7 +212,7 @@ def test_second_colichat_on_the_same_session_is_refused(colichat_home):
         third = chat(colichat_home, TINY_ARGS, lines("/resume s", Q[1])).failed()
         assert third.errors() == [msg] and len(third.footers()) == 1
         fourth = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[1])).failed()
-        assert "session s already exists" in fourth.errors()[0]
+        assert fourth.errors() == [msg]
         first.stdin.write(lines(Q[1]).encode())
     finally:
         run = finish(first, head_err=head_err)
@@ -253,7 +254,7 @@ def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
 def test_session_directory_blocked_by_a_file(colichat_home):
     (colichat_home / "data").mkdir()
     (colichat_home / "data" / "sessions").write_text("in the way\n")
-    run = chat(colichat_home, TINY_ARGS, lines(Q[0], Q[1], "/sessions")).failed()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1], "/sessions")).failed()
     f = run.footers()
     assert len(f) == 2 and all("NOT saved: cannot create session directory " in x and "Not a directory" in x
                                for x in f), f

@@ -110,16 +110,18 @@ def test_resume_by_name_continues_byte_for_byte(tiny_ref, colichat_home):
 
 def test_resume_without_a_name_takes_the_latest(tiny_ref, colichat_home):
     ref = tiny_ref[2]
-    old = chat(colichat_home, TINY_ARGS, lines("Something else entirely.")).ok()
-    [old_name] = session_names(old)
-    b = chat(colichat_home, TINY_ARGS, lines(Q[0], Q[1])).ok()
+    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines("Something else entirely.")).ok()
+    b = chat(colichat_home, [*TINY_ARGS, "--session", "b"], lines(Q[0], Q[1])).ok()
     # On start it says there is a saved conversation, and does not load it.
-    assert f"latest saved conversation: {old_name}: 2 turns, " in b.err
+    assert 'latest saved conversation: old: 2 turns, ' in b.err
     assert b.out == answers_bytes(ref[:2])
-    b_name = session_names(b)[0]
-    assert b_name != old_name
+    # Piped and one-shot runs without --session are not saved, so they never become the latest.
+    unsaved = chat(colichat_home, TINY_ARGS, lines("Not kept.")).ok()
+    assert unsaved.footers()[0].endswith("; not saved (/save NAME keeps it)]")
+    chat(colichat_home, [*TINY_ARGS, "-p", "Not kept either."]).ok()
+    assert sorted(p.stem for p in session_files(colichat_home) if p.suffix == ".json") == ["b", "old"]
     c = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[2])).ok()
-    assert c.resumed() == (last_context(b), 4, b_name)
+    assert c.resumed() == (last_context(b), 4, "b")
     assert c.out == answers_bytes(ref[2:])
 
 
@@ -131,7 +133,7 @@ def test_reset_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
     assert "new conversation (session first is saved; /resume first reopens it)" in err
     names = session_names(run)
     assert names[0] == names[2] == "first" and names[1] != "first"
-    listed = [line for line in err if line.endswith(" ago")]
+    listed = [line for line in err if line.startswith(("* ", "  ")) and " ago" in line]
     assert len(listed) == 2
     assert any(line.startswith(f"* {names[1]}: 2 turns, ") for line in listed)
     assert any(line.startswith("  first: 2 turns, ") for line in listed)
@@ -293,7 +295,7 @@ def test_delete_removes_another_session_but_not_the_current_one(colichat_home):
     err = run.err.splitlines()
     assert any("session new is the current conversation" in line for line in err)
     assert any(line.startswith("deleted session old (") for line in err)
-    listed = [line for line in err if line.endswith(" ago")]
+    listed = [line for line in err if line.startswith(("* ", "  ")) and " ago" in line]
     assert len(listed) == 1 and listed[0].startswith("* new: ")
     assert any("no session named old" in line for line in err)
     assert "Traceback" not in run.err

@@ -7,7 +7,7 @@ import os
 
 import pytest
 from conftest import TINY
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from colichat.chat import Conversation, Settings
@@ -101,6 +101,8 @@ lines = st.builds(
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(line=lines)
 def test_any_line_to_any_command_gives_at_most_one_clean_error_line(app, tmp_path, line):
+    if line.lower().startswith("/export"):  # files it writes stay in tmp_path
+        assume(not any(x in line[7:] for x in ("/", "~", "..", "\\")))
     cwd = os.getcwd()
     os.chdir(tmp_path)  # a command that writes a file writes it here
     try:

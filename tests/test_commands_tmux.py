@@ -40,3 +40,24 @@ def test_exit_alone_asks_whether_quit_was_meant(terminal):
     t.type("y")
     t.keys("Enter")
     t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
+
+
+def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_home):
+    from cli_helpers import chat, lines
+
+    for name in ("trip-to-rome", "trip-to-oslo", "recipes"):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("hello")).ok()
+    t = terminal()
+    t.type("/resume rec")
+    t.keys("Tab")
+    t.wait_for(lambda s: s.rstrip().endswith("> /resume recipes"), 30, "/resume completed to recipes")
+    t.keys("Enter")
+    t.wait_for(lambda s: "turns from recipes in" in s, 30, "the resume")
+    t.type("/delete trip-to-o")
+    t.keys("Tab")
+    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-oslo"), 30, "/delete completed to trip-to-oslo")
+    t.keys("Enter")
+    t.wait_for(lambda s: "deleted session trip-to-oslo" in s, 30, "the delete")
+    t.type("/delete trip")
+    t.keys("Tab")  # one left that starts so: completed at once
+    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-rome"), 30, "the one trip left")
