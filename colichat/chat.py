@@ -303,7 +303,7 @@ class Conversation:
 
     # --- one exchange -----------------------------------------------------------------------------
 
-    def ask(self, user_text: str, on_text=None, on_progress=None) -> tuple[str, TurnStats]:
+    def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None) -> tuple[str, TurnStats]:
         """Append the user's message, generate the answer (streamed through on_text), save both turns.
 
         `stop_requested` (set from a signal handler) ends the answer after the current token;
@@ -316,10 +316,10 @@ class Conversation:
         ids, start = self._prompt_ids(user_text)
         room = self.model.n_ctx - start
         if len(ids) + 1 >= room:
-            raise ChatError(
-                f"the message needs {len(ids)} tokens but only {room} of the context of "
-                f"{self.model.n_ctx} are left: /rewind, /reset, or restart with a larger --ctx"
-            )
+            raise ChatError(self._no_room(len(ids), room))
+        if on_note and room - len(ids) < min(self.settings.max_tokens, 256):
+            on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut "
+                    f"({self._ways_out()})")
         if start < self.n_tokens:
             self._rebase(start)
         first = self.n_tokens
@@ -382,6 +382,72 @@ class Conversation:
         stats.decode_s = time.perf_counter() - t0
         return "".join(pieces), stats
 
+    # --- a full context ---------------------------------------------------------------------------
+
+    def _ways_out(self) -> str:
+        """What frees context: the commands, and a larger --ctx only when the model allows one."""
+        ways = ["/rewind N drops the last exchanges", "/new starts a new conversation"]
+        if self.exchanges() > 1:
+            ways.append("/forget N continues in a new one without the N oldest exchanges")
+        if self.model.n_ctx < self.model.cfg.n_ctx_train:
+            ways.append(f"or restart with a larger --ctx (this model takes up to {self.model.cfg.n_ctx_train})")
+        return "; ".join(ways)
+
+    def _no_room(self, needs: int, room: int) -> str:
+        n_ctx, most = self.model.n_ctx, self.model.cfg.n_ctx_train
+        if needs + 1 >= n_ctx:  # not even a new conversation would hold it
+            more = f" or restart with a larger --ctx (this model takes up to {most})" if n_ctx < most else ""
+            return f"the message needs {needs} tokens, more than the whole context of {n_ctx}: shorten it{more}"
+        return (f"the message needs {needs} tokens but only {room} of the context of {n_ctx} are left; "
+                f"it was not sent: {self._ways_out()}")
+
+    def forget(self, n: int | None = None, on_progress=None) -> str:
+        """Continue in a new conversation without the n oldest exchanges (default: enough that what
+        remains fills at most half the context): the rest is read again (prefilled) from its text;
+        the current conversation stays saved as it is."""
+        starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
+        if any(t.role not in ("user", "assistant") for t in self.turns):
+            raise ChatError("this conversation began as an imported cache, which cannot be read again: /new")
+        if not starts:
+            raise ChatError("nothing to forget: the conversation is empty")
+        if n is None:
+            half = self.model.n_ctx // 2
+            n = next(k for k in range(1, len(starts) + 1)
+                     if k == len(starts) or self.n_tokens - self.turns[starts[k]].first <= half)
+        if not 1 <= n <= len(starts):
+            raise ChatError(f"/forget takes 1 to {len(starts)} exchange(s)")
+        kept = self.turns[starts[n]:] if n < len(starts) else []
+        old = self.session.name if self.session else None
+        self.reset()
+        try:
+            for t in kept:
+                if t.role == "user":
+                    ids, start = self._prompt_ids(t.text)
+                    if start < self.n_tokens:
+                        self._rebase(start)
+                else:
+                    ids = self.tok.encode(t.text, special=True)
+                first = self.n_tokens
+                if first + len(ids) + 1 >= self.model.n_ctx:
+                    raise ChatError("what remains does not fit in the context: /forget more exchanges")
+                if ids:
+                    self._prefill(ids, on_progress)
+                self.turns.append(Turn(t.role, t.text, first, self.n_tokens))
+        except BaseException:
+            if self.turns and self.turns[-1].role == "user":
+                self.turns.pop()  # an exchange is kept whole or not at all
+            self.model.cache.truncate(self.turns[-1].last if self.turns else 0)
+            raise
+        finally:
+            stats = TurnStats()
+            if self.turns:
+                self._save(stats)
+        where = {None: "not saved", True: f"saved as {self.session_name}",
+                 False: f"NOT saved: {stats.save_error}"}[stats.saved]
+        return (f"new conversation without the {n} oldest exchange(s)"
+                + (f" of {old} (still saved as it was)" if old else "")
+                + f": {self.exchanges()} exchange(s), {self.n_tokens} tokens read again; {where}")
+
     # --- history edits ----------------------------------------------------------------------------
 
     def rewind(self, n: int = 1) -> list[Turn]:
@@ -426,7 +492,8 @@ class Conversation:
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
-                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}; {saved}]")
+                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
+                f"{self.model.n_ctx - self.n_tokens} left{stop}; {saved}]")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache

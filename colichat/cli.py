@@ -107,12 +107,15 @@ class App:
             self.answer(word)
 
     def answer(self, text: str) -> None:
-        progress = self._prefill_progress if sys.stderr.isatty() else None
-        _, stats = self.conv.ask(text, on_text=self.out, on_progress=progress)
+        _, stats = self.conv.ask(text, on_text=self.out, on_progress=self.prefill_progress(), on_note=self.say)
         self.out("\n")
         self.say(self.conv.footer(stats))
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
+
+    def prefill_progress(self):
+        """The callback that shows how far a long prefill is (on a terminal), or None."""
+        return self._prefill_progress if sys.stderr.isatty() else None
 
     def _prefill_progress(self, done: int, total: int) -> None:
         sys.stderr.write(f"\rprefill {done}/{total} tokens" + ("\n" if done == total else ""))

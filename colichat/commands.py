@@ -120,6 +120,11 @@ def cmd_rewind(app, arg: str) -> None:
     app.say(f"rewound {n} exchange(s); {app.conv.n_tokens} tokens in context")
 
 
+def cmd_forget(app, arg: str) -> None:
+    n = _int_arg(arg, 0, "/forget") if arg.strip() else None
+    app.say(app.conv.forget(n, on_progress=app.prefill_progress()))
+
+
 def cmd_regen(app, arg: str) -> None:
     users = [t for t in app.conv.turns if t.role == "user"]
     if not users:
@@ -176,6 +181,8 @@ COMMANDS = [
     Command("/export", "[FILE]", "write the conversation as Markdown (default NAME.md here)", cmd_export),
     Command("/delete", "NAME", "delete a saved conversation of this model (not the current one)", cmd_delete),
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
+    Command("/forget", "[N]", "continue in a new conversation without the N oldest exchanges (default: enough "
+            "to free half the context); the current one stays saved", cmd_forget),
     Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen),
     Command("/history", "", "show the conversation so far", cmd_history),
     Command("/set", "KEY VALUE", "change a setting (/help set lists them)", cmd_set),
