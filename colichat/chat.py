@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .engine import Model, Sampler
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity, slug
-from .persist.store import KV_EXT, SIDECAR_EXT
+from .persist.session import KV_EXT, SIDECAR_EXT
 from .settings import BY_NAME, Settings, saved_values
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context

@@ -12,8 +12,9 @@ import time
 
 from . import __version__
 from .chat import ChatError, Conversation
-from .commands import Message, dispatch, is_command, is_quit_word
+from .commands import dispatch, is_command, is_quit_word
 from .engine import ModelError, load
+from .inputs import inputs_of
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
 from .persist import SessionError, Store
@@ -57,6 +58,11 @@ def settings_from(args) -> tuple[Settings, frozenset]:
     return Settings(**given), frozenset(given)
 
 
+def say(line: str) -> None:
+    """A status line: to stderr, so that stdout holds only the model's text."""
+    print(line, file=sys.stderr, flush=True)
+
+
 class App:
     """What commands act on: the conversation, and the two output streams."""
 
@@ -68,7 +74,7 @@ class App:
         self.output_closed = False  # stdout's reader went away (broken pipe)
 
     def say(self, line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+        say(line)
 
     def out(self, text: str) -> None:
         if self.output_closed:
@@ -137,27 +143,6 @@ class App:
 
 
 
-def read_inputs(stream):
-    """Lines of stdin as inputs; a block between two lines of `\"\"\"` is one input (a Message)."""
-    block = None
-    for raw in stream:
-        line = raw.rstrip("\n")
-        if block is not None:
-            if line.strip() == '"""':
-                yield Message("\n".join(block))
-                block = None
-            else:
-                block.append(line)
-        elif line.strip() == '"""':
-            block = []
-        elif line.strip().startswith('"""') and line.strip().endswith('"""') and len(line.strip()) > 6:
-            yield Message(line.strip()[3:-3])
-        else:
-            yield line
-    if block:
-        yield Message("\n".join(block))
-
-
 def pipe_mode(app: App, inputs=None) -> int:
     """Read inputs from stdin (or `inputs`, for -p) until the end; only the model's text goes to stdout."""
     interrupted = False
@@ -171,7 +156,7 @@ def pipe_mode(app: App, inputs=None) -> int:
 
     old = signal.signal(signal.SIGINT, on_sigint)
     try:
-        for line in read_inputs(sys.stdin) if inputs is None else inputs:
+        for line in inputs_of(sys.stdin) if inputs is None else inputs:
             app.handle(line)
             if interrupted:
                 return 130
@@ -227,10 +212,6 @@ def from_the_shell(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-
-    def say(line):
-        print(line, file=sys.stderr, flush=True)
-
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
     try:

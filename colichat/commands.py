@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .chat import ChatError
+from .inputs import Message
 from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
 from .settings import TABLE, key_of, printable
@@ -202,10 +203,6 @@ def find_command(name: str) -> Command:
     near = difflib.get_close_matches(name.lower(), list(BY_NAME), n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}? " if near else ""
     raise ChatError(f"unknown command '{printable(name)}': {hint}/help lists the commands")
-
-
-class Message(str):
-    """An input from a `\"\"\"` block: a message even if it starts with `/`."""
 
 
 def is_command(line: str) -> bool:

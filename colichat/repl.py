@@ -11,7 +11,8 @@ from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from .commands import Message, completions
+from . import inputs
+from .commands import completions
 from .paths import paths
 
 PROMPT = "> "
@@ -53,16 +54,8 @@ def _history():
 
 
 def read_input(session: PromptSession) -> str:
-    """One input: a line, an Esc-Enter multi-line text, or the lines between two \"\"\" lines."""
-    text = session.prompt(PROMPT)
-    if text.strip() != '"""':
-        return text
-    lines = []
-    while True:
-        line = session.prompt(CONTINUATION)
-        if line.strip() == '"""':
-            return Message("\n".join(lines))  # a message even if it starts with "/"
-        lines.append(line)
+    """One input: a line, an Esc-Enter multi-line text, or a \"\"\" block (inputs.read_input)."""
+    return inputs.read_input(lambda in_block: session.prompt(CONTINUATION if in_block else PROMPT))
 
 
 def run(app) -> int:

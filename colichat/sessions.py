@@ -15,7 +15,7 @@ from collections import defaultdict
 from datetime import datetime
 
 from .persist import SessionError, Store, check_name, weights_fingerprint
-from .persist.store import KV_EXT, SIDECAR_EXT
+from .persist.session import KV_EXT, SIDECAR_EXT
 
 
 def _fingerprint(model_path: str) -> str | None:

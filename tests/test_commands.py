@@ -161,3 +161,25 @@ def test_the_options_are_the_table(colichat_home):
     settings, given = settings_from(args)
     assert given == {"seed", "top_k", "system"} and settings.top_k == 5 and settings.system == "Be brief."
     assert settings.seed is None and settings.temperature == 0.7
+
+
+# ---- inputs: one reader of \"\"\" blocks for the terminal and for pipes --------------------------------
+
+
+def test_blocks_are_read_the_same_way_everywhere():
+    from colichat.inputs import Message, inputs_of, read_input
+
+    got = list(inputs_of(["hello\n", '"""\n', "/not a command\n", "\n", "  x\n", '"""\n', '"""inline"""\n',
+                          "/show\n", '"""\n', "cut at the end\n"]))
+    assert got == ["hello", "/not a command\n\n  x", "inline", "/show", "cut at the end"]
+    assert [type(x) is Message for x in got] == [False, True, True, False, True]
+    # The terminal's reader is the same function: Ctrl-D (EOFError) inside a block ends the block.
+    typed = iter(['"""', "first", "second"])
+
+    def prompt(in_block):
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    assert read_input(prompt) == "first\nsecond"

@@ -39,10 +39,9 @@ from .kvfile import (
     lstat_regular,
     oserror_text,
 )
-from .session import Session, _lock, _unlock
+from .session import KV_EXT, SIDECAR_EXT, Session, _lock, _unlock
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
-KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
 
 
 # ---- model identity ---------------------------------------------------------------------------
