@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
-from test_mla_naive import engine, naive_logits
+from mla_naive import engine, naive_logits
 
 import colichat.engine.attention as attention
 import colichat.engine.model as model_mod
