@@ -14,7 +14,8 @@ u32 type, u64 offset); padding to the alignment; the data. A string is a u64 len
 bytes; an array a u32 element type, a u64 count and the elements.
 
 `buf` may be shorter than the file (the store reads the first MiB, then more): struct.error means
-it ends inside the header; ValueError means it is not a GGUF this reader walks.
+it ends inside the header (the padding before the data region is not checked); ValueError means
+it is not a GGUF this reader walks.
 """
 
 from __future__ import annotations
@@ -126,7 +127,4 @@ def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: b
             ggml_type, offset = struct.unpack_from("<IQ", buf, pos)
             pos += 12
             infos.append(TensorInfo(name, shape, ggml_type, offset))
-    data_start = -(-pos // alignment) * alignment
-    if tensors and data_start > len(buf):
-        raise struct.error("buffer ends before the data region")
-    return Header(version, kv, infos, data_start)
+    return Header(version, kv, infos, -(-pos // alignment) * alignment)

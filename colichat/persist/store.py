@@ -54,6 +54,8 @@ def _gguf_layout(buf: bytes) -> tuple[int, list[int]]:
 
     struct.error: `buf` is too short to hold the whole header; ValueError: not a GGUF we can walk."""
     head = read_header(buf)
+    if head.data_start > len(buf):
+        raise struct.error("short")
     return head.data_start, sorted(t.offset for t in head.tensors)
 
 
