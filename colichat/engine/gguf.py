@@ -15,11 +15,11 @@ import numpy as np
 
 from . import dequant
 
-ARCHITECTURES = ("llama", "deepseek2")
+ARCHITECTURES = ("llama", "deepseek2", "plm", "minicpm3")
+MLA_ARCHITECTURES = ("deepseek2", "plm", "minicpm3")  # deepseek2's attention and latent cache
+DENSE_MLA = ("plm", "minicpm3")  # no experts: every layer has a dense FFN
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
-    "minicpm3": "MLA with LongRoPE (not implemented)",
-    "plm": "MLA with ReLU^2 FFN (not implemented)",
     "deepseek32": "MLA with a sparse-attention indexer (not implemented)",
     "glm-dsa": "MLA with a sparse-attention indexer (not implemented)",
     "deepseek2-ocr": "vision encoder (not implemented)",
@@ -77,7 +77,7 @@ class ModelConfig:
 
     @property
     def is_mla(self) -> bool:
-        return self.arch == "deepseek2"
+        return self.arch in MLA_ARCHITECTURES
 
     @property
     def kv_widths(self) -> tuple[int, int]:
@@ -335,7 +335,7 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         qk_head=d_qk,
         v_head_dim=d_v,
         mla_split=mla_split,
-        n_dense=int(key("leading_dense_block_count", 0)),
+        n_dense=n_layer if arch in DENSE_MLA else int(key("leading_dense_block_count", 0)),
         n_expert=int(key("expert_count", 0)),
         n_expert_used=int(key("expert_used_count", 0)),
         n_expert_shared=int(key("expert_shared_count", 0)),

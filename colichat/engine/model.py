@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention import gqa_attention, mla_absorbed, mla_naive, prefer_naive
+from .attention import gqa_attention
 from .cache import KVCache
 from .ffn import ExpertCache, Routing, moe, route, swiglu
-from .gguf import ModelConfig, ModelError, Tensors
+from .gguf import DENSE_MLA, ModelConfig, ModelError, Tensors
+from .mla import mla_attention, prepare_mla_attention
 from .ops import rms_norm
 from .rope import RopeParams, rope_norm, rope_rotations
 
@@ -66,8 +67,7 @@ def prepare_deepseek2(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, 
     """Dequantize the dense deepseek2 weights; fuse q_a|kv_a_mqa (or q|kv_a_mqa) into attn_in,
     split legacy attn_kv_b into attn_k_b/attn_v_b, fuse gate|up. Routed experts are only checked:
     they stay quantized in the memory map (ExpertCache dequantizes them when routed to)."""
-    d, h, c, r = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.rope_dim
-    dn, dv, k, rq = cfg.qk_nope, cfg.v_head_dim, cfg.qk_head, cfg.q_lora_rank
+    d = cfg.n_embd
 
     def get(name: str, shape: tuple) -> np.ndarray:
         return t.f32(t.check(name, shape))
@@ -78,25 +78,7 @@ def prepare_deepseek2(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, 
         w["output"] = get("output.weight", (cfg.n_vocab, d))
     for l in range(cfg.n_layer):
         b = f"blk.{l}."
-        w[b + "attn_norm"] = get(b + "attn_norm.weight", (d,))
-        kv_a = get(b + "attn_kv_a_mqa.weight", (c + r, d))  # (C+R, D)
-        if rq:
-            q_in = get(b + "attn_q_a.weight", (rq, d))  # (Q, D)
-            w[b + "attn_q_a_norm"] = get(b + "attn_q_a_norm.weight", (rq,))
-            w[b + "attn_q_b"] = get(b + "attn_q_b.weight", (h * k, rq))  # (H*K, Q)
-        else:
-            q_in = get(b + "attn_q.weight", (h * k, d))  # (H*K, D)
-        w[b + "attn_in"] = np.concatenate([q_in, kv_a])  # (Q+C+R, D) or (H*K+C+R, D): one matmul
-        del q_in, kv_a
-        w[b + "attn_kv_a_norm"] = get(b + "attn_kv_a_norm.weight", (c,))
-        if cfg.mla_split:
-            w[b + "attn_k_b"] = get(b + "attn_k_b.weight", (h, c, dn))  # (H, C, Dn)
-            w[b + "attn_v_b"] = get(b + "attn_v_b.weight", (h, dv, c))  # (H, Dv, C)
-        else:  # legacy: per head [W_UK (Dn rows); W_UV (Dv rows)] (mla-spec 3.2)
-            w3 = get(b + "attn_kv_b.weight", (h * (dn + dv), c)).reshape(h, dn + dv, c)
-            w[b + "attn_k_b"] = np.ascontiguousarray(w3[:, :dn].transpose(0, 2, 1))  # (H, C, Dn)
-            w[b + "attn_v_b"] = np.ascontiguousarray(w3[:, dn:])  # (H, Dv, C)
-        w[b + "attn_output"] = get(b + "attn_output.weight", (d, h * dv))  # (D, H*Dv)
+        prepare_mla_attention(cfg, get, b, w)
         w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
         if l < cfg.n_dense:
             f = cfg.n_ff
@@ -138,7 +120,16 @@ def prepare_weights(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np
         return prepare_llama(cfg, t, progress)
     if cfg.arch == "deepseek2":
         return prepare_deepseek2(cfg, t, progress)
+    if cfg.arch in DENSE_MLA:
+        return _module(cfg.arch).prepare(cfg, t, progress)
     raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
+
+
+def _module(arch: str):
+    """The module of a deepseek2-derived architecture (plm.py, minicpm3.py)."""
+    from . import minicpm3, plm
+
+    return {"plm": plm, "minicpm3": minicpm3}[arch]
 
 
 def llama_rope(cfg: ModelConfig) -> RopeParams:
@@ -253,11 +244,20 @@ class Model:
                 self.experts = ExpertCache(tensors, moe_layers, int(mib * (1 << 20)))
             if cfg.attn_temp_scale and cfg.attn_temp_length <= 0:
                 raise ModelError(f"{cfg.path}: attention.temperature_scale set without temperature_length")
+        elif cfg.arch in DENSE_MLA:
+            fwd = _module(cfg.arch).Forward(cfg, weights, tensors, n_ctx, expert_cache)
+            self._embed = fwd.embed
+            self._layer = lambda l, x, pos0: fwd.layer(l, x, pos0, self.cache)
+            self._logits = fwd.logits
+            rope, self.forward = None, fwd
         else:
             raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
-        self.rot = rope_rotations(rope, n_ctx, weights.get("rope_freqs"))  # (N, I) complex64
+        if rope is not None:
+            self.rot = rope_rotations(rope, n_ctx, weights.get("rope_freqs"))  # (N, I) complex64
         self.output = weights.get("output", weights["token_embd"])  # (V, D)
         self.numerics = numerics
+        if numerics == "llama.cpp" and cfg.arch in DENSE_MLA:
+            raise ModelError(f"llama.cpp numerics do not cover {cfg.arch} models; use the default numerics")
         if numerics == "llama.cpp":
             if tensors is None:
                 raise ValueError("llama.cpp numerics read the weights as stored: the Model needs its Tensors")
@@ -324,15 +324,22 @@ class Model:
         pos0 = self.cache.length
         t = ids.size
         self.cache.tokens[pos0 : pos0 + t] = ids
-        x = self.w["token_embd"][ids]  # (T, D)
+        x = self._embed(ids)  # (T, D)
         for l in range(self.cfg.n_layer):
             x = self._layer(l, x, pos0)
         self.cache.length = pos0 + t
         return x
 
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        return self.w["token_embd"][ids]  # (T, D)
+
     def _logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
         return h @ self.output.T  # (T, V)
+
+    def _rope(self, x: np.ndarray, pos0: int) -> np.ndarray:
+        """x (T, ..., R) rotated (NORM pairs) for positions pos0..pos0+T-1."""
+        return rope_norm(x, self.rot[pos0 : pos0 + x.shape[0]])
 
     def _llama_layer(self, l: int, x: np.ndarray, pos0: int) -> np.ndarray:
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
@@ -358,31 +365,14 @@ class Model:
         decompressed one for long prefill chunks), then a dense SwiGLU (leading layers) or routed +
         shared experts."""
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
-        t, h, c, dn, k = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_head
+        t = x.shape[0]
         u = rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
-        z = u @ w[b + "attn_in"].T  # (T, Q+C+R) or (T, H*K+C+R)
-        nq = z.shape[1] - c - cfg.rope_dim
-        if cfg.q_lora_rank:
-            q = rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps) @ w[b + "attn_q_b"].T  # (T, H*K)
-        else:
-            q = z[:, :nq]  # (T, H*K)
-        q = q.reshape(t, h, k)  # (T, H, K): per head [nope (Dn) | rope (R)]
-        rot = self.rot[pos0 : pos0 + t]  # (T, R/2)
-        q_pe = rope_norm(q[:, :, dn:], rot)  # (T, H, R)
-        n = pos0 + t
-        self.cache.a[l][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c
-        self.cache.b[l][pos0:n] = rope_norm(z[:, nq + c :], rot)  # k_pe (T, R)
         q_scale = None
         if cfg.attn_temp_scale:  # Mistral-Large-3: 1 + tau * ln(floor(p / length) + 1) per query
-            p = np.arange(pos0, n, dtype=np.float64)
+            p = np.arange(pos0, pos0 + t, dtype=np.float64)
             q_scale = (1.0 + cfg.attn_temp_scale * np.log(np.floor(p / cfg.attn_temp_length) + 1.0))
             q_scale = q_scale.astype(np.float32)
-        kv = self.cache.records["kv"][:n, l]  # (N, C+R) view of the cache rows [c | k_pe]
-        k_b, v_b = w[b + "attn_k_b"], w[b + "attn_v_b"]  # (H, C, Dn), (H, Dv, C)
-        # decode and short chunks: absorbed; long prefill chunks: decompressed (faster there)
-        form = mla_naive if prefer_naive(t, n, h, c, dn, cfg.v_head_dim) else mla_absorbed
-        o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, pos0, self.kq_scale, q_scale)  # (T, H*Dv)
-        x = x + o @ w[b + "attn_output"].T  # (T, D)
+        x = x + mla_attention(cfg, w, b, u, pos0, self.cache, l, self._rope, self.kq_scale, q_scale)  # (T, D)
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)  # (T, D)
         if l < cfg.n_dense:
             return x + swiglu(u, w[b + "ffn_gate_up"], w[b + "ffn_down"])
