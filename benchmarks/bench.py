@@ -757,6 +757,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plm_only and args.publish:
+        sys.exit("--publish replaces the published results of a full run; run --plm-only without it")
     lengths = [512, 2048] if args.quick else [512, 2048, 4096]
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="colichat-bench-"))
@@ -794,7 +796,8 @@ def main(argv=None) -> int:
 
     (OUT / "bench.json").write_text(json.dumps(results, indent=1))
     (OUT / "bench.md").write_text(report(results, markdown=True))
-    plot(results, OUT / "resume.png")
+    if any(m["lengths"] for m in results["models"]):
+        plot(results, OUT / "resume.png")
     if args.publish:
         shutil.copy(OUT / "bench.json", HERE / "results.json")
         shutil.copy(OUT / "resume.png", HERE / "resume.png")
