@@ -14,12 +14,12 @@ from gguf_factory import DS2Spec, write_deepseek2
 from test_mla_naive import engine, naive_logits
 
 import colichat.engine.attention as attention
-import colichat.engine.mla as mla
+import colichat.engine.deepseek2 as deepseek2_mod
 import colichat.engine.model as model_mod
 from colichat.engine import load
+from colichat.engine.deepseek2 import mla_rope
 from colichat.engine.ffn import Routing, route
 from colichat.engine.gguf import ModelError, Tensors, load_config, open_gguf
-from colichat.engine.model import mla_rope
 
 F32_MODELS = ["ds-v3", "ds-v2-lite", "ds-dense", "plm", "minicpm3"]
 # The context size llama.cpp made a reference with, where it matters: minicpm3's LongRoPE factors
@@ -112,7 +112,7 @@ def test_absorbed_and_decompressed_prefill_agree(models, monkeypatch, name):
     m = tiny(models, name)
     out = {}
     for naive in (False, True):
-        monkeypatch.setattr(mla, "prefer_naive", lambda *a, naive=naive: naive)
+        monkeypatch.setattr(deepseek2_mod, "prefer_naive", lambda *a, naive=naive: naive)
         m.reset()
         out[naive] = (np.concatenate([m.prefill(ids[:90]), m.prefill(ids[90:])]), m.cache.records[:200].copy())
     assert np.abs(out[True][0] - out[False][0]).max() < 1e-4
@@ -148,7 +148,7 @@ def test_minicpm3_rope_factors_follow_the_context_size(models):
     original context (256), whatever the position: the first 40 tokens differ between 256 and 257."""
     ids = np.load(TINY / "minicpm3.ref.npz")["tokens_0"]
     short, long = tiny(models, "minicpm3", 256), tiny(models, "minicpm3", 257)
-    assert not short.forward.long_factors and long.forward.long_factors
+    assert not short.fwd.long_factors and long.fwd.long_factors
     assert np.abs(short.prefill(ids) - long.prefill(ids)).max() > 1e-3
     a = tiny(models, "minicpm3", 257).prefill(ids[:8])
     assert np.array_equal(a, tiny(models, "minicpm3", 1024).prefill(ids[:8]))
@@ -162,9 +162,10 @@ def test_llama_cpp_numerics_refused_in_one_line(name):
 
 def test_plm_and_minicpm3_layouts(models):
     plm, cpm = tiny(models, "plm").cfg, tiny(models, "minicpm3").cfg
-    assert plm.is_mla and (plm.q_lora_rank, plm.mla_split, plm.tied_output, plm.n_dense) == (0, False, True, 3)
-    assert cpm.is_mla and (cpm.q_lora_rank, cpm.mla_split, cpm.tied_output, cpm.rope_orig_ctx) == (96, False, False,
-                                                                                                    256)
+    assert tiny(models, "plm").cache.kind == tiny(models, "minicpm3").cache.kind == "mla"
+    assert (plm.q_lora_rank, plm.mla_split, plm.tied_output, plm.n_dense, plm.n_expert) == (0, False, True, 3, 0)
+    assert (cpm.q_lora_rank, cpm.mla_split, cpm.tied_output, cpm.n_dense, cpm.rope_orig_ctx) == (96, False, False, 3,
+                                                                                                  256)
     assert tiny(models, "plm").output is tiny(models, "plm").w["token_embd"]
 
 
@@ -331,18 +332,16 @@ def test_expert_cache_is_bounded_and_exact(tmp_path):
 def test_expert_cache_default_follows_available_memory(tmp_path, monkeypatch):
     """Not told a size, load() gives routed experts half of what MemAvailable leaves after the dense
     weights and the KV cache, at least 512 MiB; with no /proc/meminfo, model.py's fixed default."""
-    import colichat.engine as engine_pkg
-
-    assert engine_pkg.auto_expert_cache_mib(None, 1 << 30) is None
-    assert engine_pkg.auto_expert_cache_mib(10 << 30, 2 << 30) == 4096.0
-    assert engine_pkg.auto_expert_cache_mib(3 << 30, 2 << 30) == 512.0  # the floor
+    assert model_mod.auto_expert_cache_mib(None, 1 << 30) is None
+    assert model_mod.auto_expert_cache_mib(10 << 30, 2 << 30) == 4096.0
+    assert model_mod.auto_expert_cache_mib(3 << 30, 2 << 30) == 512.0  # the floor
     path = str(write_deepseek2(tmp_path / "m.gguf", DS2Spec(n_expert=16, qtype="Q8_0", n_embd=64, n_ff_exp=32)))
-    monkeypatch.setattr(engine_pkg, "available_memory", lambda: 8 << 30)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: 8 << 30)
     m = load(path, n_ctx=128)
     committed = m.weight_bytes + m.cache.record_bytes * 128
     assert m.experts.capacity == int(((8 << 30) - committed) / 2)
     assert load(path, n_ctx=128, expert_cache=1).experts.capacity == 1 << 20  # an explicit size wins
-    monkeypatch.setattr(engine_pkg, "available_memory", lambda: None)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: None)
     assert load(path, n_ctx=128).experts.capacity == model_mod.DEFAULT_EXPERT_CACHE_MIB << 20
 
 

@@ -1,6 +1,6 @@
 """Rotary position embeddings as llama.cpp computes them: NORM and NEOX pairing, YaRN, frequency factors.
 
-Axis letters: P positions, I rotated pairs (n_dims / 2), T tokens, H heads.
+Axis letters: engine/__init__.py (P positions, I rotated pairs = n_dims / 2, T tokens, H heads).
 
 deepseek2, plm, llama (on GGUF weights) rotate adjacent pairs (x[2i], x[2i+1]) ("NORM"), minicpm3
 the pairs (x[i], x[i + n_dims/2]) ("NEOX"); the angle of pair i at position p is
