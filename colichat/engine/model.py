@@ -1,7 +1,7 @@
 """The model: token ids in, logits out, the cache grows. What every architecture shares lives here;
 what differs lives in one module per architecture, found through ARCHITECTURES.
 
-An architecture module (llama.py, deepseek2.py) holds:
+An architecture module (llama.py, deepseek2.py; plm.py and minicpm3.py derive from deepseek2) holds:
 
     CACHE_KIND = "mla" | "gqa"              # the KVCache kind (and session file format) of its rows
     config(key, common, tensors) -> ModelConfig
