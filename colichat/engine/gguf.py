@@ -17,8 +17,6 @@ from . import dequant
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
-    "minicpm3": "MLA with LongRoPE (not implemented)",
-    "plm": "MLA with ReLU^2 FFN (not implemented)",
     "deepseek32": "MLA with a sparse-attention indexer (not implemented)",
     "glm-dsa": "MLA with a sparse-attention indexer (not implemented)",
     "deepseek2-ocr": "vision encoder (not implemented)",
