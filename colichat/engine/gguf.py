@@ -15,14 +15,17 @@ import numpy as np
 
 from . import dequant
 
-ARCHITECTURES = ("llama", "deepseek2")
+ARCHITECTURES = ("llama", "deepseek2", "deepseek32", "glm-dsa")
+MLA_ARCHS = ("deepseek2", "deepseek32", "glm-dsa")
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
     "minicpm3": "MLA with LongRoPE (not implemented)",
     "plm": "MLA with ReLU^2 FFN (not implemented)",
-    "deepseek32": "MLA with a sparse-attention indexer (not implemented)",
-    "glm-dsa": "MLA with a sparse-attention indexer (not implemented)",
     "deepseek2-ocr": "vision encoder (not implemented)",
+    "deepseek4": "DeepSeek-V4: compressed attention with its own indexer, hyper-connections (not implemented)",
+    "glm5-next": "GLM-5.3-Flash: hybrid linear attention (KDA) + MLA with a k-pool indexer (not implemented)",
+    "kimi-k3": "hybrid linear attention (KDA) + MLA (not implemented)",
+    "kimi-linear": "hybrid linear attention (KDA) + MLA (not implemented)",
 }
 
 
@@ -74,10 +77,26 @@ class ModelConfig:
     n_group_used: int = 0
     attn_temp_scale: float = 0.0  # Mistral-Large-3 query temperature tuning (0 = off)
     attn_temp_length: int = 0
+    n_nextn: int = 0          # MTP (NextN) blocks after the trunk: blk.{n_layer}.. (never in the cache)
+    # sparse-attention MLA (deepseek32, glm-dsa): the lightning indexer; zero without one
+    index_n_head: int = 0     # Hi
+    index_head_dim: int = 0   # Di
+    index_top_k: int = 0      # K keys attended per query
+    index_types: tuple = ()   # per layer: 1 full indexer (owns Ic rows), 0 shared (reuses a selection)
+    index_neox: bool = False  # indexer rope pairing: NEOX (deepseek32) or NORM (glm-dsa)
+    index_eps: float = 0.0    # LayerNorm eps of the indexer key
+
+    def __post_init__(self):
+        object.__setattr__(self, "index_types", tuple(int(v) for v in self.index_types))  # JSON gives a list
 
     @property
     def is_mla(self) -> bool:
-        return self.arch == "deepseek2"
+        return self.arch in MLA_ARCHS
+
+    @property
+    def n_index_layers(self) -> int:
+        """Layers that own a full indexer: the nic of the cache record (0 without DSA)."""
+        return sum(self.index_types)
 
     @property
     def kv_widths(self) -> tuple[int, int]:
@@ -264,7 +283,10 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
     n_head = int(key("attention.head_count", required=True))
     n_head_kv = int(key("attention.head_count_kv", n_head))
     key_length = int(key("attention.key_length", n_embd // n_head))
-    n_layer = int(key("block_count", required=True))
+    n_nextn = int(key("nextn_predict_layers", 0) or 0)
+    n_layer = int(key("block_count", required=True)) - n_nextn
+    if n_layer <= 0 or n_nextn < 0:
+        raise ModelError(f"{path}: nextn_predict_layers {n_nextn} leaves no trunk layers")
     tokens = field(reader, "tokenizer.ggml.tokens")
     n_vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
     if n_vocab == 0:
@@ -298,18 +320,21 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)),
         rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
         tied_output=not tensors.has("output.weight"),
+        n_nextn=n_nextn,
     )
+    if n_nextn and not all(tensors.has(f"blk.{n_layer + m}.nextn.eh_proj.weight") for m in range(n_nextn)):
+        raise ModelError(f"{path}: nextn_predict_layers is {n_nextn} but 'blk.{n_layer}.nextn.eh_proj.weight' "
+                         "is missing")
+    if not n_nextn and any(".nextn." in n for n in tensors.by_name):
+        raise ModelError(f"{path}: has MTP (nextn) tensors but no '{arch}.nextn_predict_layers' key")
     if arch == "llama":
+        if n_nextn:
+            raise ModelError(f"{path}: llama files with MTP (nextn) blocks are not supported")
         if rope_dim != key_length:
             raise ModelError(f"{path}: rope.dimension_count {rope_dim} != head size {key_length}")
         return ModelConfig(**common)
 
     # deepseek2: head sizes from the *_mla keys when present (MLA-split files), else the legacy keys.
-    if int(key("nextn_predict_layers", 0) or 0) or any(".nextn." in n for n in tensors.by_name):
-        raise ModelError(
-            f"{path}: architecture '{arch}' with MTP (nextn) layers is not supported; "
-            "use a file converted without them"
-        )
     d_qk = int(key("attention.key_length_mla", 0) or key_length)
     d_v = int(key("attention.value_length_mla", 0) or key("attention.value_length", n_embd // n_head))
     if d_qk <= rope_dim:
@@ -323,11 +348,16 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         raise ModelError(f"{path}: missing tensor 'blk.0.attn_q_a.weight' (or 'attn_q')")
     q_lora = 0 if lite else int(key("attention.q_lora_rank", 0) or tensors.shape("blk.0.attn_q_a.weight")[0])
     gating = int(key("expert_gating_func", 0) or 0)
-    if gating == 0:  # absent: softmax (DeepSeek V2/V2.5), except GLM-4.7-Lite files (sigmoid)
-        gating = 2 if n_layer in (47, 48) and n_vocab == 154880 else 1
+    if gating == 0:  # absent: softmax (DeepSeek V2/V2.5), except GLM-4.7-Lite files and glm-dsa (sigmoid)
+        gating = 2 if (n_layer in (47, 48) and n_vocab == 154880) or arch == "glm-dsa" else 1
+    dsa_fields = {}
+    if arch != "deepseek2":
+        from . import dsa
+
+        dsa_fields = dsa.config_fields(key, lambda k: field(reader, f"{arch}.{k}"), arch, n_layer, n_ctx_train, path)
     if gating not in (1, 2):
         raise ModelError(f"{path}: expert gating function {gating} is not supported (1 softmax, 2 sigmoid)")
-    return ModelConfig(
+    cfg = ModelConfig(
         **common,
         q_lora_rank=q_lora,
         kv_lora_rank=int(key("attention.kv_lora_rank", required=True)),
@@ -347,4 +377,8 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         n_group_used=int(key("expert_group_used_count", 0)),
         attn_temp_scale=float(key("attention.temperature_scale", 0.0)),
         attn_temp_length=int(key("attention.temperature_length", 0)),
+        **dsa_fields,
     )
+    if cfg.index_types:
+        dsa.check_config(cfg, path)
+    return cfg

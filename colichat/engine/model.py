@@ -14,6 +14,7 @@ import numpy as np
 
 from .attention import gqa_attention, mla_absorbed, mla_naive, prefer_naive
 from .cache import KVCache
+from .dsa import restrict
 from .ffn import ExpertCache, Routing, moe, route, swiglu
 from .gguf import ModelConfig, ModelError, Tensors
 from .ops import rms_norm
@@ -76,7 +77,7 @@ def prepare_deepseek2(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, 
     w["output_norm"] = get("output_norm.weight", (d,))
     if not cfg.tied_output:
         w["output"] = get("output.weight", (cfg.n_vocab, d))
-    for l in range(cfg.n_layer):
+    for l in range(cfg.n_layer + cfg.n_nextn):  # the trunk, then the MTP blocks (same tensors + nextn.*)
         b = f"blk.{l}."
         w[b + "attn_norm"] = get(b + "attn_norm.weight", (d,))
         kv_a = get(b + "attn_kv_a_mqa.weight", (c + r, d))  # (C+R, D)
@@ -105,8 +106,16 @@ def prepare_deepseek2(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, 
             w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f))  # (D, F)
         else:
             _prepare_moe(cfg, t, b, w, get)
+        if l < cfg.n_layer and cfg.index_types:
+            from .dsa import prepare_layer
+
+            prepare_layer(cfg, l, get, w)
+        if l >= cfg.n_layer:
+            from .mtp import prepare_block
+
+            prepare_block(cfg, t, l, get, w)
         if progress:
-            progress(l + 1, cfg.n_layer)
+            progress(l + 1, cfg.n_layer + cfg.n_nextn)
     return w
 
 
@@ -136,7 +145,7 @@ def prepare_weights(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np
     """The dense weights of an architecture, dequantized (routed experts of MoE models stay lazy)."""
     if cfg.arch == "llama":
         return prepare_llama(cfg, t, progress)
-    if cfg.arch == "deepseek2":
+    if cfg.is_mla:
         return prepare_deepseek2(cfg, t, progress)
     raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
 
@@ -228,14 +237,20 @@ class Model:
         self.tensors = tensors
         self.n_ctx = n_ctx
         a, b = cfg.kv_widths
-        self.cache = KVCache("mla" if cfg.is_mla else "gqa", cfg.n_layer, a, b, n_ctx)
+        self.cache = KVCache("mla" if cfg.is_mla else "gqa", cfg.n_layer, a, b, n_ctx,
+                             cfg.index_head_dim if cfg.n_index_layers else 0, cfg.n_index_layers)
         self.experts: ExpertCache | None = None
+        self.selector = None  # sparse attention (deepseek32, glm-dsa): which keys each query uses
         if cfg.arch == "llama":
             rope = llama_rope(cfg)
             self.kq_scale = 1.0 / math.sqrt(cfg.head_dim)
             self._layer = self._llama_layer
-        elif cfg.arch == "deepseek2":
+        elif cfg.is_mla:
             rope, self.kq_scale = mla_rope(cfg)
+            if cfg.index_types:
+                from .dsa import Selector
+
+                self.selector = Selector(cfg, weights)
             self._layer = self._mla_layer
             self.routing = Routing(
                 n_used=cfg.n_expert_used,
@@ -245,7 +260,7 @@ class Model:
                 n_group=cfg.n_group,
                 n_group_used=cfg.n_group_used,
             )
-            moe_layers = [l for l in range(cfg.n_layer) if l >= cfg.n_dense]
+            moe_layers = [l for l in range(cfg.n_layer + cfg.n_nextn) if l >= cfg.n_dense]
             if moe_layers:
                 if tensors is None:
                     raise ValueError("a MoE model needs its Tensors: routed experts are read on demand")
@@ -259,9 +274,11 @@ class Model:
         self.output = weights.get("output", weights["token_embd"])  # (V, D)
         self.numerics = numerics
         if numerics == "llama.cpp":
+            if cfg.index_types:
+                raise ModelError(f"{cfg.path}: llama.cpp numerics cover llama and deepseek2, not {cfg.arch}")
             if tensors is None:
                 raise ValueError("llama.cpp numerics read the weights as stored: the Model needs its Tensors")
-            if cfg.arch == "deepseek2":
+            if cfg.is_mla:
                 from .mla_reference import GgmlMLA
 
                 ref = GgmlMLA(cfg, tensors, weights, rope, self.kq_scale, self.routing, n_ctx)
@@ -276,8 +293,10 @@ class Model:
 
     # --- public API -------------------------------------------------------------------------------
 
-    def prefill(self, ids, all_logits: bool = True) -> np.ndarray:
-        """Run new tokens after the cache; logits (T, V) for every new token, or (1, V) for the last."""
+    def prefill(self, ids, all_logits: bool = True, hidden: bool = False):
+        """Run new tokens after the cache; logits (T, V) for every new token, or (1, V) for the last.
+        hidden=True: (logits, h) with h (T, D) the output_norm'd hidden states of every new token
+        (what an MTP block takes, mtp.py)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -287,16 +306,19 @@ class Model:
             )
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
-        out = []
+        out, hs = [], []
         for start in range(0, ids.size, PREFILL_CHUNK):
             chunk = ids[start : start + PREFILL_CHUNK]
             last = start + chunk.size == ids.size
             x = self._forward(chunk)  # (T, D)
+            if hidden:
+                hs.append(rms_norm(x, self.w["output_norm"], self.cfg.rms_eps))  # (T, D)
             if all_logits:
                 out.append(self._logits(x))
             elif last:
                 out.append(self._logits(x[-1:]))
-        return np.concatenate(out) if len(out) > 1 else out[0]
+        logits = np.concatenate(out) if len(out) > 1 else out[0]
+        return (logits, np.concatenate(hs)) if hidden else logits
 
     def decode(self, token_id: int) -> np.ndarray:
         """One token after the cache: logits (V,)."""
@@ -353,35 +375,45 @@ class Model:
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)
         return x + swiglu(u, w[b + "ffn_gate_up"], w[b + "ffn_down"])
 
-    def _mla_layer(self, l: int, x: np.ndarray, pos0: int) -> np.ndarray:
+    def _mla_layer(self, l: int, x: np.ndarray, pos0: int, cache: KVCache | None = None, slot: int | None = None,
+                   sparse: bool = True) -> np.ndarray:
         """One deepseek2 block (mla-spec 5.2-5.5): MLA over the latent cache (absorbed form, or the
         decompressed one for long prefill chunks), then a dense SwiGLU (leading layers) or routed +
-        shared experts."""
+        shared experts. With an indexer (deepseek32, glm-dsa) each query attends to the keys the
+        selector picks. cache/slot: another cache and its layer (the MTP block's); sparse=False:
+        dense attention (MTP blocks have no indexer)."""
+        cache = self.cache if cache is None else cache
+        slot = l if slot is None else slot
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t, h, c, dn, k = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_head
         u = rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
         z = u @ w[b + "attn_in"].T  # (T, Q+C+R) or (T, H*K+C+R)
         nq = z.shape[1] - c - cfg.rope_dim
         if cfg.q_lora_rank:
-            q = rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps) @ w[b + "attn_q_b"].T  # (T, H*K)
+            qr = rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps)  # (T, Q) normed q latent
+            q = qr @ w[b + "attn_q_b"].T  # (T, H*K)
         else:
             q = z[:, :nq]  # (T, H*K)
         q = q.reshape(t, h, k)  # (T, H, K): per head [nope (Dn) | rope (R)]
         rot = self.rot[pos0 : pos0 + t]  # (T, R/2)
         q_pe = rope_norm(q[:, :, dn:], rot)  # (T, H, R)
         n = pos0 + t
-        self.cache.a[l][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c
-        self.cache.b[l][pos0:n] = rope_norm(z[:, nq + c :], rot)  # k_pe (T, R)
+        cache.a[slot][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c
+        cache.b[slot][pos0:n] = rope_norm(z[:, nq + c :], rot)  # k_pe (T, R)
         q_scale = None
         if cfg.attn_temp_scale:  # Mistral-Large-3: 1 + tau * ln(floor(p / length) + 1) per query
             p = np.arange(pos0, n, dtype=np.float64)
             q_scale = (1.0 + cfg.attn_temp_scale * np.log(np.floor(p / cfg.attn_temp_length) + 1.0))
             q_scale = q_scale.astype(np.float32)
-        kv = self.cache.records["kv"][:n, l]  # (N, C+R) view of the cache rows [c | k_pe]
+        kv = cache.records["kv"][:n, slot]  # (N, C+R) view of the cache rows [c | k_pe]
         k_b, v_b = w[b + "attn_k_b"], w[b + "attn_v_b"]  # (H, C, Dn), (H, Dv, C)
+        mask, qpos = None, pos0
+        if self.selector is not None and sparse:
+            keep = self.selector.select(l, u, qr, pos0, rot, cache)  # (T, N) keys each query uses
+            kv, qpos, mask = restrict(kv, keep, pos0)
         # decode and short chunks: absorbed; long prefill chunks: decompressed (faster there)
-        form = mla_naive if prefer_naive(t, n, h, c, dn, cfg.v_head_dim) else mla_absorbed
-        o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, pos0, self.kq_scale, q_scale)  # (T, H*Dv)
+        form = mla_naive if prefer_naive(t, kv.shape[0], h, c, dn, cfg.v_head_dim) else mla_absorbed
+        o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, qpos, self.kq_scale, q_scale, mask)  # (T, H*Dv)
         x = x + o @ w[b + "attn_output"].T  # (T, D)
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)  # (T, D)
         if l < cfg.n_dense:

@@ -1,0 +1,129 @@
+"""Sparse-attention MLA: deepseek32 (DeepSeek-V3.2) and glm-dsa (GLM-5.x). docs/dsa-mtp-spec.md.
+
+Everything is deepseek2 (MLA, MoE, YaRN kq_scale) except that a layer's attention for query p
+uses only the K keys the lightning indexer (indexer.py) selects. deepseek32: every layer owns a
+full indexer (NEOX rope in the indexer); glm-dsa: the `indexer.types` layers do (1 = full), and
+each other ("shared") layer reuses the selection of the nearest earlier full layer (NORM rope).
+The cache record gains Ic, one indexer key per token for each full layer (cache.py).
+
+Axis letters as in model.py and indexer.py: T new tokens, N cached tokens, D model width,
+Q q latent, Hi indexer heads, Di indexer head size, C latent, R rope part.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import indexer as I
+from .gguf import ModelError
+
+ARCHS = ("deepseek32", "glm-dsa")
+
+GLM_LONG_CONTEXT = 1048576  # glm-dsa files without indexer.types: all full below this context
+GLM_5_2_LAYERS = 78
+
+
+def glm_5_2_types(n_layer: int) -> tuple[int, ...]:
+    """GLM-5.2's default pattern: layers 0 and 1 full, then every fourth from 2 (2, 6, ..., 74)."""
+    return tuple(1 if l < 2 or (l - 2) % 4 == 0 else 0 for l in range(n_layer))
+
+
+def config_fields(key, array_key, arch: str, n_layer: int, n_ctx_train: int, path: str) -> dict:
+    """The indexer fields of ModelConfig from `{arch}.attention.indexer.*` (dsa-mtp-spec, Metadata).
+    key(name, default, required) reads a scalar key; array_key(name) an array key as stored (or None)."""
+    hi = int(key("attention.indexer.head_count", required=True))
+    di = int(key("attention.indexer.key_length", required=True))
+    top_k = int(key("attention.indexer.top_k", required=True))
+    if arch == "deepseek32":
+        types = (1,) * n_layer
+        eps = float(key("attention.layer_norm_epsilon", 1e-6))
+    else:
+        raw = array_key("attention.indexer.types")
+        if raw is not None:
+            types = tuple(int(v) for v in (raw if isinstance(raw, list) else [raw] * n_layer))
+        elif n_ctx_train < GLM_LONG_CONTEXT:
+            types = (1,) * n_layer
+        else:
+            types = glm_5_2_types(n_layer)
+        eps = float(key("attention.layer_norm_epsilon", 0.0))  # llama.cpp leaves it 0 for glm-dsa
+    if len(types) < n_layer or any(v not in (0, 1) for v in types[:n_layer]):
+        raise ModelError(f"{path}: attention.indexer.types must hold 0/1 for each of the {n_layer} layers")
+    types = types[:n_layer]
+    if not types or types[0] != 1:
+        raise ModelError(f"{path}: the first layer must own a full indexer (attention.indexer.types)")
+    if min(hi, di, top_k) <= 0:
+        raise ModelError(f"{path}: indexer head_count {hi}, key_length {di}, top_k {top_k} must be positive")
+    return dict(index_n_head=hi, index_head_dim=di, index_top_k=top_k, index_types=types,
+                index_neox=arch == "deepseek32", index_eps=eps)
+
+
+def check_config(cfg, path: str) -> None:
+    if not cfg.q_lora_rank:
+        raise ModelError(f"{path}: sparse-attention MLA needs the q latent (attn_q_a), not attn_q")
+    if cfg.index_head_dim < cfg.rope_dim:
+        raise ModelError(f"{path}: indexer key_length {cfg.index_head_dim} < rope dims {cfg.rope_dim}")
+
+
+def prepare_layer(cfg, l: int, get, w: dict) -> None:
+    """The indexer weights of a full-indexer layer l (shapes checked), into w."""
+    if not cfg.index_types[l]:
+        return
+    b, d, hi, di = f"blk.{l}.", cfg.n_embd, cfg.index_n_head, cfg.index_head_dim
+    w[b + "indexer.attn_q_b"] = get(b + "indexer.attn_q_b.weight", (hi * di, cfg.q_lora_rank))  # (Hi*Di, Q)
+    w[b + "indexer.attn_k"] = get(b + "indexer.attn_k.weight", (di, d))  # (Di, D)
+    w[b + "indexer.k_norm"] = get(b + "indexer.k_norm.weight", (di,))
+    w[b + "indexer.k_norm.bias"] = get(b + "indexer.k_norm.bias", (di,))
+    w[b + "indexer.proj"] = get(b + "indexer.proj.weight", (hi, d))  # (Hi, D)
+
+
+def index_slots(cfg) -> list[int]:
+    """Per layer: its Ic slot in the record (full layers, in order), or -1 for a shared layer."""
+    out, j = [], 0
+    for full in cfg.index_types:
+        out.append(j if full else -1)
+        j += bool(full)
+    return out
+
+
+class Selector:
+    """The key selection of one forward pass: full layers compute it (and write their Ic rows),
+    shared layers reuse the last one. Built once per Model."""
+
+    def __init__(self, cfg, weights: dict):
+        self.cfg, self.w = cfg, weights
+        self.slots = index_slots(cfg)
+        self.keep: np.ndarray | None = None  # (T, N) bool of the last full layer of this pass
+
+    def select(self, l: int, u: np.ndarray, qr: np.ndarray, pos0: int, rot: np.ndarray, cache) -> np.ndarray:
+        """(T, N) bool: the keys query p of layer l attends to. u: (T, D) attn_norm output;
+        qr: (T, Q) normed q latent; rot: (T, R/2) rotations of the new positions. Writes the new
+        tokens' Ic rows of a full layer into the cache first (decode reads earlier ones from it)."""
+        j = self.slots[l]
+        if j < 0:
+            assert self.keep is not None and self.keep.shape[0] == u.shape[0]
+            return self.keep
+        cfg, w, b = self.cfg, self.w, f"blk.{l}."
+        t = u.shape[0]
+        n = pos0 + t
+        ic = cache.ic[j]  # (N, Di) view of this layer's Ic rows
+        ic[pos0:n] = I.indexer_keys(u, w[b + "indexer.attn_k"], w[b + "indexer.k_norm"],
+                                    w[b + "indexer.k_norm.bias"], cfg.index_eps, rot, cfg.index_neox)
+        q = I.indexer_queries(qr, w[b + "indexer.attn_q_b"], cfg.index_n_head, rot, cfg.index_neox)  # (T, Hi, Di)
+        hw = I.indexer_head_weights(u, w[b + "indexer.proj"], cfg.index_head_dim)  # (T, Hi)
+        scores = I.indexer_scores(q, hw, ic[:n], pos0)  # (T, N)
+        self.keep = I.top_k_mask(scores, cfg.index_top_k)
+        return self.keep
+
+
+def restrict(kv: np.ndarray, keep: np.ndarray, pos0: int):
+    """The attention inputs for a selection: (kv, pos0, mask) to hand to mla_absorbed/mla_naive.
+
+    One query (decode) past K keys: gather the selected rows (attention then costs K, not N, per
+    head), no mask. Otherwise the additive mask over all rows. kv: (N, C+R); keep: (T, N) bool."""
+    t, n = keep.shape
+    if t == 1:
+        idx = np.flatnonzero(keep[0])
+        if idx.size < n:
+            return kv[idx], idx.size - 1, None
+        return kv, pos0, None
+    return kv, pos0, I.selection_mask(keep)
