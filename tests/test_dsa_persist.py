@@ -63,7 +63,9 @@ def test_header_and_records_carry_ic_as_the_spec_says(glm, colichat_home):
     data = open(kv_path, "rb").read()
     header, records, end = parse_dsa(data)
     assert header == (b"COLIKV1\0", 4, 128, 16, 64, 2, 268, 30, 0)
-    assert end == len(data) == 40 + 30 * 2820
+    assert end == len(data) == 40 + 30 * 2820 == 84640
+    # FORMAT.md's offsets: record 0's Ic of layer 2 is its bytes 2564..2820
+    assert data[40 + 2564 : 40 + 2820] == glm.cache.ic[1][0].tobytes()
     for r, (token, layers, ic) in enumerate(records):
         assert token == ids[r]
         for l, (c, k_pe) in enumerate(layers):
