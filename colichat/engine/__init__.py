@@ -61,7 +61,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
     if expert_cache is None and cfg.n_expert and cfg.n_dense < cfg.n_layer:
-        kv_bytes = (4 + 4 * cfg.n_layer * sum(cfg.kv_widths)) * n_ctx
+        kv_bytes = (4 + 4 * (cfg.n_layer * sum(cfg.kv_widths) + cfg.n_index_layers * cfg.index_head_dim)) * n_ctx
         expert_cache = auto_expert_cache_mib(available_memory(), sum(a.nbytes for a in weights.values()) + kv_bytes)
     kwargs = {} if expert_cache is None else {"expert_cache": expert_cache}
     return Model(cfg, weights, tokenizer, n_ctx, tensors, numerics=numerics, **kwargs)
