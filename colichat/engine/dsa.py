@@ -94,13 +94,14 @@ class Selector:
         self.slots = index_slots(cfg)
         self.keep: np.ndarray | None = None  # (T, N) bool of the last full layer of this pass
 
-    def select(self, l: int, u: np.ndarray, qr: np.ndarray, pos0: int, rot: np.ndarray, cache) -> np.ndarray:
-        """(T, N) bool: the keys query p of layer l attends to. u: (T, D) attn_norm output;
-        qr: (T, Q) normed q latent; rot: (T, R/2) rotations of the new positions. Writes the new
-        tokens' Ic rows of a full layer into the cache first (decode reads earlier ones from it)."""
+    def select(self, l: int, u: np.ndarray, qr: np.ndarray, pos0: int, rot: np.ndarray, cache) -> np.ndarray | None:
+        """(T, N) bool: the keys query p of layer l attends to, or None when that is every causal
+        key (N <= K). u: (T, D) attn_norm output; qr: (T, Q) normed q latent; rot: (T, R/2)
+        rotations of the new positions. A full layer writes the new tokens' Ic rows into the cache
+        first (decode reads the earlier ones from it); a shared layer reuses the last selection."""
         j = self.slots[l]
         if j < 0:
-            assert self.keep is not None and self.keep.shape[0] == u.shape[0]
+            assert self.keep is None or self.keep.shape[0] == u.shape[0]
             return self.keep
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t = u.shape[0]
@@ -108,6 +109,9 @@ class Selector:
         ic = cache.ic[j]  # (N, Di) view of this layer's Ic rows
         ic[pos0:n] = I.indexer_keys(u, w[b + "indexer.attn_k"], w[b + "indexer.k_norm"],
                                     w[b + "indexer.k_norm.bias"], cfg.index_eps, rot, cfg.index_neox)
+        if n <= cfg.index_top_k:  # every query keeps all its causal keys: nothing to score
+            self.keep = None
+            return None
         q = I.indexer_queries(qr, w[b + "indexer.attn_q_b"], cfg.index_n_head, rot, cfg.index_neox)  # (T, Hi, Di)
         hw = I.indexer_head_weights(u, w[b + "indexer.proj"], cfg.index_head_dim)  # (T, Hi)
         scores = I.indexer_scores(q, hw, ic[:n], pos0)  # (T, N)
@@ -115,11 +119,14 @@ class Selector:
         return self.keep
 
 
-def restrict(kv: np.ndarray, keep: np.ndarray, pos0: int):
+def restrict(kv: np.ndarray, keep: np.ndarray | None, pos0: int):
     """The attention inputs for a selection: (kv, pos0, mask) to hand to mla_absorbed/mla_naive.
 
     One query (decode) past K keys: gather the selected rows (attention then costs K, not N, per
-    head), no mask. Otherwise the additive mask over all rows. kv: (N, C+R); keep: (T, N) bool."""
+    head), no mask. Otherwise the additive mask over all rows; keep None: plain causal attention.
+    kv: (N, C+R); keep: (T, N) bool."""
+    if keep is None:
+        return kv, pos0, None
     t, n = keep.shape
     if t == 1:
         idx = np.flatnonzero(keep[0])
