@@ -264,7 +264,7 @@ def roofline_terms(model) -> dict:
     other = sum(a.nbytes for k, a in w.items() if k not in ("token_embd", "output"))
     weight_bytes = other + model.output.nbytes + 4 * cfg.n_embd
     layer_params = sum(a.size for k, a in w.items() if k.startswith("blk.") and a.ndim >= 2)
-    if cfg.is_mla:
+    if model.cache.kind == "mla":
         d_qk, d_v = cfg.qk_nope + cfg.rope_dim, cfg.v_head_dim
     else:
         d_qk = d_v = cfg.head_dim
@@ -762,7 +762,7 @@ def bench_dsa(quick: bool) -> dict:
     path = dsa_gguf()
     say("sparse attention: loading the V3.2-shaped model")
     model = load(str(path), n_ctx=max(DSA_CONTEXTS) + 16)
-    cfg, selector, cache = model.cfg, model.selector, model.cache
+    cfg, cache = model.cfg, model.cache
     n = max(DSA_CONTEXTS)
     rng = np.random.default_rng(3)
     cache.tokens[:n] = history_ids(model, n, seed=3)
@@ -774,7 +774,7 @@ def bench_dsa(quick: bool) -> dict:
         say(f"sparse attention: decode at {ctx} tokens of context")
         row = {"ctx": ctx}
         for mode in ("sparse", "dense"):
-            model.selector = selector if mode == "sparse" else None
+            model.fwd.sparse = mode == "sparse"
             times = []
             with OtherLoad() as load_share:
                 for i in range(reps + 1):  # the first one warms up
@@ -783,7 +783,7 @@ def bench_dsa(quick: bool) -> dict:
             row[mode] = {"s_per_token": min(times[1:]), "median_s": float(np.median(times[1:])),
                          "tok_s": 1.0 / min(times[1:]), "others_cpu": load_share.share}
         rows.append(row)
-    model.selector = selector
+    model.fwd.sparse = True
     say("sparse attention: attention alone, one layer")
     alone = [attention_only(n, 3 if quick else 5) for n in (4096, 16384, 65536)]
     real = V32_REAL

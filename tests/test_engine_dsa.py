@@ -11,10 +11,11 @@ from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
 
 import colichat.engine.attention as attention
+import colichat.engine.deepseek2 as deepseek2
 import colichat.engine.model as model_mod
+from colichat.engine import dsa, load
 from colichat.engine import indexer as I
-from colichat.engine import load
-from colichat.engine.dsa import Selector, glm_5_2_types, index_slots
+from colichat.engine.dsa import glm_5_2_types, index_slots
 from colichat.engine.gguf import ModelError
 from colichat.engine.mtp import MTPBlock
 
@@ -49,12 +50,12 @@ def test_tiny_dsa_matches_llama_cpp(models, name, case):
     assert np.abs(logits - ref["logits_0"]).max() < 1e-3
     assert np.array_equal(logits.argmax(1), ref["logits_0"].argmax(1))
     if case == "long.ref":
-        selector, m.selector = m.selector, None  # dense attention over every cached key
+        m.fwd.sparse = False  # dense attention over every cached key
         try:
             m.reset()
             dense = m.prefill(ref["tokens_0"])
         finally:
-            m.selector = selector
+            m.fwd.sparse = True
         assert np.abs(dense - ref["logits_0"]).max() > 0.5
 
 
@@ -121,7 +122,7 @@ def test_absorbed_and_decompressed_forms_agree_with_a_selection(models, monkeypa
     m = tiny(models, "ds-v32")
     out = {}
     for naive in (False, True):
-        monkeypatch.setattr(model_mod, "prefer_naive", lambda *a, naive=naive: naive)
+        monkeypatch.setattr(deepseek2, "prefer_naive", lambda *a, naive=naive: naive)
         m.reset()
         out[naive] = np.concatenate([m.prefill(ids[:90]), m.prefill(ids[90:])])
     assert np.abs(out[True] - out[False]).max() < 1e-4
@@ -135,11 +136,11 @@ def test_decode_reads_cached_ic_and_attends_to_k_keys(models, name, monkeypatch)
     m = tiny(models, name)
     m.prefill(ids[:-1])
     keys_rows, score_keys, attn_rows = [], [], []
-    real_keys, real_scores, real_attn = I.indexer_keys, I.indexer_scores, model_mod.mla_absorbed
+    real_keys, real_scores, real_attn = I.indexer_keys, I.indexer_scores, deepseek2.mla_absorbed
     monkeypatch.setattr(I, "indexer_keys", lambda x, *a: keys_rows.append(x.shape[0]) or real_keys(x, *a))
     monkeypatch.setattr(I, "indexer_scores",
                         lambda q, w, k, p: score_keys.append((q.shape[0], k.shape[0])) or real_scores(q, w, k, p))
-    monkeypatch.setattr(model_mod, "mla_absorbed",
+    monkeypatch.setattr(deepseek2, "mla_absorbed",
                         lambda qn, qp, kv, *a: attn_rows.append(kv.shape[0]) or real_attn(qn, qp, kv, *a))
     want = m.decode(int(ids[-1]))
     nic, k = m.cfg.n_index_layers, m.cfg.index_top_k
@@ -155,14 +156,14 @@ def test_decode_reads_cached_ic_and_attends_to_k_keys(models, name, monkeypatch)
 def test_shared_indexer_layers_reuse_the_previous_selection(models, monkeypatch):
     m = tiny(models, "glm-dsa")
     seen = []
-    real = Selector.select
+    real = dsa.Forward.select
 
     def spy(self, l, *a):
         keep = real(self, l, *a)
         seen.append((l, keep))
         return keep
 
-    monkeypatch.setattr(Selector, "select", spy)
+    monkeypatch.setattr(dsa.Forward, "select", spy)
     m.prefill(np.arange(40) % 200)
     assert [l for l, _ in seen] == [0, 1, 2, 3]
     assert seen[1][1] is seen[0][1] and seen[3][1] is seen[2][1] and seen[2][1] is not seen[0][1]

@@ -6,21 +6,24 @@ full indexer (NEOX rope in the indexer); glm-dsa: the `indexer.types` layers do 
 each other ("shared") layer reuses the selection of the nearest earlier full layer (NORM rope).
 The cache record gains Ic, one indexer key per token for each full layer (cache.py).
 
-Axis letters as in model.py and indexer.py: T new tokens, N cached tokens, D model width,
-Q q latent, Hi indexer heads, Di indexer head size, C latent, R rope part.
+The architecture module (model.ARCHITECTURES) for both: config, cache_widths, prepare and
+Forward, built from deepseek2's pieces; Forward overrides only deepseek2.Forward.select_keys.
+
+Axis letters: engine/__init__.py; Hi indexer heads, Di indexer head size (indexer.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import deepseek2
 from . import indexer as I
-from .gguf import ModelError
+from .gguf import ModelConfig, ModelError, Tensors
 
-ARCHS = ("deepseek32", "glm-dsa")
+CACHE_KIND = deepseek2.CACHE_KIND
+cache_widths = deepseek2.cache_widths
 
 GLM_LONG_CONTEXT = 1048576  # glm-dsa files without indexer.types: all full below this context
-GLM_5_2_LAYERS = 78
 
 
 def glm_5_2_types(n_layer: int) -> tuple[int, ...]:
@@ -28,9 +31,20 @@ def glm_5_2_types(n_layer: int) -> tuple[int, ...]:
     return tuple(1 if l < 2 or (l - 2) % 4 == 0 else 0 for l in range(n_layer))
 
 
-def config_fields(key, array_key, arch: str, n_layer: int, n_ctx_train: int, path: str) -> dict:
-    """The indexer fields of ModelConfig from `{arch}.attention.indexer.*` (dsa-mtp-spec, Metadata).
-    key(name, default, required) reads a scalar key; array_key(name) an array key as stored (or None)."""
+def config(key, common: dict, tensors: Tensors) -> ModelConfig:
+    """deepseek2's keys plus the indexer's (dsa-mtp-spec, Metadata). glm-dsa routes with sigmoid
+    when expert_gating_func is absent."""
+    arch = common["arch"]
+    gating = {} if arch != "glm-dsa" or key("expert_gating_func", 0) else {"expert_gating": 2}
+    cfg = ModelConfig(**common, **{**deepseek2.config_fields(key, common, tensors), **gating},
+                      **config_fields(key, arch, common["n_layer"], common["n_ctx_train"], common["path"]))
+    check_config(cfg, common["path"])
+    return cfg
+
+
+def config_fields(key, arch: str, n_layer: int, n_ctx_train: int, path: str) -> dict:
+    """The indexer fields of ModelConfig from `{arch}.attention.indexer.*`. key(name, default,
+    required, raw) reads "{arch}.{name}" (raw=True: an array as stored)."""
     hi = int(key("attention.indexer.head_count", required=True))
     di = int(key("attention.indexer.key_length", required=True))
     top_k = int(key("attention.indexer.top_k", required=True))
@@ -38,7 +52,7 @@ def config_fields(key, array_key, arch: str, n_layer: int, n_ctx_train: int, pat
         types = (1,) * n_layer
         eps = float(key("attention.layer_norm_epsilon", 1e-6))
     else:
-        raw = array_key("attention.indexer.types")
+        raw = key("attention.indexer.types", None, raw=True)
         if raw is not None:
             types = tuple(int(v) for v in (raw if isinstance(raw, list) else [raw] * n_layer))
         elif n_ctx_train < GLM_LONG_CONTEXT:
@@ -64,7 +78,19 @@ def check_config(cfg, path: str) -> None:
         raise ModelError(f"{path}: indexer key_length {cfg.index_head_dim} < rope dims {cfg.rope_dim}")
 
 
-def prepare_layer(cfg, l: int, get, w: dict) -> None:
+def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
+    """deepseek2's weights (MTP blocks included) plus each full layer's indexer weights."""
+    w = deepseek2.prepare(cfg, t, progress)
+
+    def get(name: str, shape: tuple) -> np.ndarray:
+        return t.f32(t.check(name, shape))
+
+    for l in range(cfg.n_layer):
+        prepare_indexer(cfg, l, get, w)
+    return w
+
+
+def prepare_indexer(cfg: ModelConfig, l: int, get, w: dict) -> None:
     """The indexer weights of a full-indexer layer l (shapes checked), into w."""
     if not cfg.index_types[l]:
         return
@@ -85,20 +111,27 @@ def index_slots(cfg) -> list[int]:
     return out
 
 
-class Selector:
-    """The key selection of one forward pass: full layers compute it (and write their Ic rows),
-    shared layers reuse the last one. Built once per Model."""
+class Forward(deepseek2.Forward):
+    """deepseek2's blocks, each query attending to the keys the indexer selects. Within one forward
+    pass a full layer computes the selection (and writes its Ic rows), shared layers reuse it."""
 
-    def __init__(self, cfg, weights: dict):
-        self.cfg, self.w = cfg, weights
+    def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
+                 expert_cache_mib: float | None = None):
+        super().__init__(cfg, weights, tensors, n_ctx, expert_cache_mib)
         self.slots = index_slots(cfg)
         self.keep: np.ndarray | None = None  # (T, N) bool of the last full layer of this pass
+        self.sparse = True  # False: the indexer off, dense attention over every key (for comparisons)
 
-    def select(self, l: int, u: np.ndarray, qr: np.ndarray, pos0: int, rot: np.ndarray, cache) -> np.ndarray | None:
-        """(T, N) bool: the keys query p of layer l attends to, or None when that is every causal
-        key (N <= K). u: (T, D) attn_norm output; qr: (T, Q) normed q latent; rot: (T, R/2)
-        rotations of the new positions. A full layer writes the new tokens' Ic rows into the cache
-        first (decode reads the earlier ones from it); a shared layer reuses the last selection."""
+    def select_keys(self, l, u, qr, pos0, cache, kv):
+        if l >= self.cfg.n_layer or not self.sparse:  # an MTP block attends densely over its own cache
+            return kv, pos0, None
+        return restrict(kv, self.select(l, u, qr, pos0, cache), pos0)
+
+    def select(self, l: int, u: np.ndarray, qr: np.ndarray, pos0: int, cache) -> np.ndarray | None:
+        """(T, N) bool: the keys the queries of layer l attend to, or None when that is every causal
+        key (N <= K). u: (T, D) attn_norm output; qr: (T, Q) normed q latent. A full layer writes
+        the new tokens' Ic rows into the cache first (decode reads the earlier ones from it); a
+        shared layer reuses the last selection."""
         j = self.slots[l]
         if j < 0:
             assert self.keep is None or self.keep.shape[0] == u.shape[0]
@@ -106,6 +139,7 @@ class Selector:
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t = u.shape[0]
         n = pos0 + t
+        rot = self.rot[pos0:n]  # (T, I) the main rope's angles
         ic = cache.ic[j]  # (N, Di) view of this layer's Ic rows
         ic[pos0:n] = I.indexer_keys(u, w[b + "indexer.attn_k"], w[b + "indexer.k_norm"],
                                     w[b + "indexer.k_norm.bias"], cfg.index_eps, rot, cfg.index_neox)

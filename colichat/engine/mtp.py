@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache import KVCache
+from .gguf import ModelError
 from .ops import rms_norm
 
 NEXTN_REQUIRED = ("eh_proj", "enorm", "hnorm")
@@ -43,9 +44,10 @@ class MTPBlock:
         cfg = model.cfg
         if not 0 <= m < cfg.n_nextn:
             raise ValueError(f"{cfg.path} has {cfg.n_nextn} MTP blocks, not block {m}")
+        if model.numerics != "fast":
+            raise ModelError(f"{cfg.path}: the MTP block runs with the default numerics only")
         self.model, self.l = model, cfg.n_layer + m
-        c, r = cfg.kv_widths
-        self.cache = KVCache("mla", 1, c, r, model.n_ctx)
+        self.cache = KVCache("mla", 1, cfg.kv_lora_rank, cfg.rope_dim, model.n_ctx)
 
     def forward(self, h_prev: np.ndarray, tokens, pos0: int | None = None) -> np.ndarray:
         """Draft logits (T, V) for MTP positions pos0..pos0+T-1 (default: after its cached rows).
@@ -66,7 +68,7 @@ class MTPBlock:
                              rms_norm(h_prev.astype(np.float32), w[b + "nextn.hnorm"], cfg.rms_eps)], axis=1)
         u = eh @ w[b + "nextn.eh_proj"].T  # (T, D)
         self.cache.tokens[pos0 : pos0 + ids.size] = ids
-        u = model._mla_layer(self.l, u, pos0, cache=self.cache, slot=0, sparse=False)  # (T, D)
+        u = model.fwd.layer(self.l, u, pos0, self.cache, slot=0)  # (T, D), dense attention (no indexer)
         self.cache.length = pos0 + ids.size
         hn = rms_norm(u, w.get(b + "nextn.shared_head_norm", w["output_norm"]), cfg.rms_eps)
         return hn @ w.get(b + "nextn.shared_head_head", model.output).T  # (T, V)
