@@ -110,7 +110,7 @@ def test_mla_models_rewind_reset_and_resume(colichat_home, name):
     same answer and the same cache; /reset then the first question answers as a fresh conversation;
     the saved session resumes with the cache to the byte."""
     m = load(str(TINY / f"{name}.gguf"), n_ctx=256)
-    conv = Conversation(m, Settings(SamplerSettings(temperature=0), max_tokens=8), session_name="s")
+    conv = Conversation(m, Settings(temperature=0, max_tokens=8), session_name="s")
     first, _ = conv.ask("hello")
     rows1 = m.cache.records[: m.cache.length].tobytes()
     second, _ = conv.ask("and again")
@@ -123,7 +123,7 @@ def test_mla_models_rewind_reset_and_resume(colichat_home, name):
     assert m.cache.length == 0 and conv.ask("hello")[0] == first
     assert m.cache.records[: m.cache.length].tobytes() == rows1
     conv.close()
-    again = Conversation(m, Settings(SamplerSettings(temperature=0)))
+    again = Conversation(m, Settings(temperature=0))
     again.resume("s")  # the session of the first two exchanges, kept by /reset
     assert again.exchanges() == 2 and m.cache.records[: m.cache.length].tobytes() == rows2
     again.close()

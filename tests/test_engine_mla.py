@@ -355,7 +355,7 @@ def test_memory_estimate_dense_model(models):
 # --- refusals and bad files -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["deepseek32", "glm-dsa", "deepseek2-ocr", "grok"])
+@pytest.mark.parametrize("arch", ["deepseek2-ocr", "deepseek4", "glm5-next", "kimi-k3", "grok"])
 def test_unsupported_mla_architectures_are_refused(tmp_path, arch):
     path = write_deepseek2(tmp_path / f"{arch}.gguf", DS2Spec(arch=arch))
     with pytest.raises(ModelError) as e:
@@ -364,12 +364,27 @@ def test_unsupported_mla_architectures_are_refused(tmp_path, arch):
     assert f"'{arch}'" in msg and "not supported" in msg and str(path) in msg and "\n" not in msg
 
 
-def test_mtp_layers_are_refused(tmp_path):
+def test_mtp_blocks_load(models):
+    """A current DeepSeek-V3 conversion keeps its MTP block (block_count counts it): the trunk is
+    block_count - nextn_predict_layers layers and gives llama.cpp's logits; the MTP block's
+    tensors are shape-checked and kept (test_engine_dsa.py runs it)."""
+    m = tiny(models, "ds-v3-mtp")
+    assert (m.cfg.n_layer, m.cfg.n_nextn) == (3, 1) and m.cache.n_layer == 3
+    for case in ("ref", "long.ref"):
+        ref = np.load(TINY / f"ds-v3-mtp.{case}.npz")
+        m.reset()
+        logits = m.prefill(ref["tokens_0"])
+        assert np.abs(logits - ref["logits_0"]).max() < 1e-3
+        assert np.array_equal(logits.argmax(1), ref["logits_0"].argmax(1))
+    assert m.w["blk.3.nextn.eh_proj"].shape == (256, 512) and "blk.3.attn_in" in m.w
+
+
+def test_malformed_mtp_files_are_refused(tmp_path):
     path = write_deepseek2(tmp_path / "mtp.gguf", DS2Spec(extra_keys={"deepseek2.nextn_predict_layers": 1}))
-    with pytest.raises(ModelError, match="'deepseek2' with MTP"):
+    with pytest.raises(ModelError, match="nextn_predict_layers is 1 but 'blk.2.nextn.eh_proj.weight' is missing"):
         load(str(path))
     path = write_deepseek2(tmp_path / "mtp2.gguf", DS2Spec(extra_tensors={"blk.2.nextn.eh_proj.weight": (64, 128)}))
-    with pytest.raises(ModelError, match="'deepseek2' with MTP"):
+    with pytest.raises(ModelError, match="MTP .nextn. tensors but no 'deepseek2.nextn_predict_layers'"):
         load(str(path))
 
 

@@ -88,7 +88,8 @@ def run(phase: str, model_path, out) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.mark.parametrize("model", ["llama.gguf", "ds-v3.gguf", "plm.gguf", "minicpm3.gguf"])
+@pytest.mark.parametrize("model", ["llama.gguf", "ds-v3.gguf", "ds-v32.gguf", "glm-dsa.gguf", "plm.gguf",
+                                   "minicpm3.gguf"])
 def test_resume_in_a_new_process_is_bit_identical(colichat_home, tmp_path, model):
     path = TINY / model
     run("reference", path, tmp_path / "ref.npz")
@@ -101,6 +102,10 @@ def test_resume_in_a_new_process_is_bit_identical(colichat_home, tmp_path, model
     assert np.array_equal(got["after2"]["kv"], ref["after2"]["kv"])  # the loaded cache
     assert np.array_equal(got["records"]["token"], ref["records"]["token"])
     assert np.array_equal(got["records"]["kv"], ref["records"]["kv"])  # the cache after exchange 3
+    assert got["records"].dtype == ref["records"].dtype
+    if "ic" in ref["records"].dtype.names:  # sparse attention: the indexer keys too
+        assert np.array_equal(got["after2"]["ic"], ref["after2"]["ic"])
+        assert np.array_equal(got["records"]["ic"], ref["records"]["ic"])
     assert got["logits"].shape == ref["logits"].shape
     assert np.array_equal(got["logits"], ref["logits"])  # exchange-3 logits, to the bit
     [kv_path] = colichat_home.rglob("resume.coli_kv")  # its header: the latent layout for MLA models
