@@ -21,7 +21,7 @@ def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
     assert "NOT saved: could not create session s: File too large" in full.failed().footers()[0]
     assert [p.name for p in session_files(colichat_home) if not p.name.endswith(".lock")] == []
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
-    again = chat(colichat_home, [*TINY_ARGS, "--resume"], lines("Bye")).ok()
+    again = chat(colichat_home, [*TINY_ARGS, "--resume"], lines("Thanks a lot")).ok()
     assert again.resumed()[1:] == (2, "s")
 
 
@@ -76,12 +76,12 @@ def test_a_session_file_removed_between_answers_is_written_again(colichat_home):
         for p in session_files(colichat_home):
             if p.suffix in (".coli_kv", ".json"):
                 p.unlink()
-        run.stdin.write(lines("Bye").encode())
+        run.stdin.write(lines("Thanks a lot").encode())
     finally:
         done = finish(run, head_err=head).ok()
     assert "note: the KV file of session s was removed by another program: wrote the session again " \
         "from memory" in done.err
-    assert saved_users(colichat_home, "s") == ["Hello there", "Bye"]
+    assert saved_users(colichat_home, "s") == ["Hello there", "Thanks a lot"]
     again = chat(colichat_home, [*TINY_ARGS, "--resume"]).ok()
     assert again.resumed()[1:] == (4, "s") and "warning" not in again.err
 

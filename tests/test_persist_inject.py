@@ -15,7 +15,7 @@ import fcntl
 import os
 
 import pytest
-from test_persist_common import IDENT, build, layout_of, make_cache
+from persist_helpers import IDENT, build, layout_of, make_cache
 
 from colichat.persist import SessionError, Store
 
@@ -187,10 +187,10 @@ def test_a_failed_first_save_is_retried_by_the_next_answer(colichat_home, monkey
     from conftest import TINY
 
     from colichat.chat import Conversation, Settings
-    from colichat.engine import SamplerSettings, load
+    from colichat.engine import load
 
     model = load(str(TINY / "llama.gguf"), n_ctx=512)
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=4), session_name="s")
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4), session_name="s")
     real = os.pwrite
     with monkeypatch.context() as mp:
         mp.setattr(os, "pwrite", lambda fd, data, off: (_ for _ in ()).throw(
@@ -205,3 +205,47 @@ def test_a_failed_first_save_is_retried_by_the_next_answer(colichat_home, monkey
     with conv.store.open(conv.ident, "s", conv.layout) as sess:
         res = sess.load(model.cache)
     assert [t.role for t in res.turns] == ["user", "assistant"] * 2 and res.warnings == []
+
+
+def test_error_at_every_call_of_a_rename(colichat_home):
+    """Store.rename links the files under the new name, then removes the old names: an error at any
+    call leaves the conversation loadable under a name, the locks free, and the retry succeeds."""
+    cache = make_cache()
+    turns = build(cache, 2)
+    store = Store()
+
+    def fresh():
+        for name in ("s", "t"):
+            if any(os.path.lexists(store.model_dir(IDENT) / (name + e)) for e in (".coli_kv", ".json")):
+                store.delete(IDENT, name)
+        saved_session(store, cache, turns)
+        sess = store.open(IDENT, "s", layout_of(cache))
+        sess.load(make_cache())
+        return sess
+
+    sess = fresh()
+    n = count_calls(lambda: store.rename(sess, "t"))
+    sess.close()
+    assert n >= 6
+    for k in range(1, n + 1):
+        sess = fresh()
+        with Faults(k, ERRORS[k % 3]) as f:
+            try:
+                store.rename(sess, "t")
+            except SessionError as e:
+                check_one_line(e)
+        assert f.failed, k
+        if sess.name == "s":  # failed: the session keeps its old name; the retry moves it
+            assert {"s.coli_kv", "s.json"} <= session_files(store), (k, f.failed)
+            store.rename(sess, "t")
+        sess.append(cache, turns)  # the session goes on under its new name
+        sess.close()
+        res, _ = load_turns(store, "t")
+        assert res.turns == turns and res.warnings == [], (k, f.failed)
+        left = {p for p in session_files(store) if p.startswith("s.") and p != "s.lock"}
+        # gone, or a copy (a KV file alone, as after a crash inside /delete, loads as one imported turn)
+        assert left in (set(), {"s.coli_kv", "s.json"}, {"s.coli_kv"}), (k, f.failed, left)
+        if left:
+            res, copy = load_turns(store, "s")
+            assert res.tokens == turns[-1].last and copy.raw(0, res.tokens).tobytes() == \
+                cache.raw(0, res.tokens).tobytes()

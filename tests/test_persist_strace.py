@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from test_persist_common import IDENT, TESTS, build, layout_of, make_cache
+from persist_helpers import IDENT, TESTS, build, layout_of, make_cache
 
 from colichat.persist import Store
 
@@ -28,7 +28,7 @@ MAX_K = 4  # the first MAX_K calls of each kind (all of them for most kinds)
 CHILD = """
 import os, sys
 sys.path.insert(0, {tests!r})
-from test_persist_common import IDENT, build, layout_of, make_cache
+from persist_helpers import IDENT, build, layout_of, make_cache
 from colichat.persist import SessionError, Store
 
 cache = make_cache()

@@ -16,9 +16,9 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
 
 from .kvfile import CacheLayout, SessionBusy, SessionError, SessionExists
 from .session import LoadResult, Session, Turn
-from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, weights_fingerprint
+from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, slug, weights_fingerprint
 
 __all__ = [
     "CacheLayout", "LoadResult", "Paths", "Session", "SessionBusy", "SessionError", "SessionExists",
-    "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "weights_fingerprint",
+    "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "slug", "weights_fingerprint",
 ]

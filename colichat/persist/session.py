@@ -53,6 +53,7 @@ from .kvfile import (
 )
 
 FORMAT_VERSION = 2  # 2: a "check" CRC over the sidecar's settings, and one over each turn's fields
+KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
 MAX_SIDECAR_BYTES = 256 << 20
 
 
@@ -212,8 +213,8 @@ class Session:
         self.name = name
         self.ident = dict(ident)
         self.layout = layout
-        self.kv_path = os.path.join(self.directory, name + ".coli_kv")
-        self.json_path = os.path.join(self.directory, name + ".json")
+        self.kv_path = os.path.join(self.directory, name + KV_EXT)
+        self.json_path = os.path.join(self.directory, name + SIDECAR_EXT)
         self._lock_fd = lock_fd
         self._kv_fd: int | None = None
         self.turns: list[Turn] = []  # what is on disk and valid
@@ -303,9 +304,9 @@ class Session:
     def open(cls, directory, name: str, ident: dict, layout: CacheLayout) -> Session:
         """An existing session, locked for writing; `load` it before saving to it."""
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + ".coli_kv", "session file") is None:
+        if lstat_regular(base + KV_EXT, "session file") is None:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
-        lstat_regular(base + ".json", "sidecar")
+        lstat_regular(base + SIDECAR_EXT, "sidecar")
         s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
         try:
             fd = open_file(s.kv_path, "session file", os.O_RDWR)
@@ -380,8 +381,8 @@ class Session:
             n = self._verify(cache, turns, crcs, warnings)
         else:
             n = self._check_tokens(cache, n, warnings)
-            warnings.append(f"no sidecar {self.name}.json: loaded the {n} records as one imported turn "
-                            "(no weights fingerprint to check)" if n else f"no sidecar {self.name}.json")
+            warnings.append(f"no sidecar {self.name}{SIDECAR_EXT}: loaded the {n} records as one imported turn "
+                            "(no weights fingerprint to check)" if n else f"no sidecar {self.name}{SIDECAR_EXT}")
             if n:
                 text = self._imported_text(cache.tokens[:n].tolist(), detokenize, warnings)
                 turns, crcs = [Turn("imported", text, 0, n)], [turn_crc(cache, Turn('imported', '', 0, n))]
