@@ -286,10 +286,15 @@ class Store:
             except (FileExistsError, SessionBusy):
                 busy.add(name)  # another colichat took the same name just now
 
-    def claim(self, ident: dict, name: str, layout: CacheLayout, sampler: dict | None = None) -> Session:
+    def claim(self, ident: dict, name: str, layout: CacheLayout, sampler: dict | None = None) -> Session | None:
         """A new session NAME, locked now, whose files the first save creates. SessionExists if the
-        name holds a conversation, SessionBusy if another colichat has it."""
-        directory = self._make_dir(self.model_dir(ident))
+        name holds a conversation, SessionBusy if another colichat has it; None if the session
+        directory cannot be made (nothing can be saved there: the first save says why)."""
+        check_name(name)
+        try:
+            directory = self._make_dir(self.model_dir(ident))
+        except SessionError:
+            return None
         try:
             return Session.claim(directory, check_name(name), ident, layout, sampler)
         except FileExistsError:
