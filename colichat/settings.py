@@ -87,9 +87,10 @@ TABLE: tuple[Setting, ...] = (
             lambda v: 0 < v <= 1, "must be in (0, 1]", metavar="P"),
     Setting("min_p", float, 0.05, "drop tokens below this fraction of the best one's probability (0 = off)",
             lambda v: 0 <= v < 1, "must be in [0, 1)", metavar="P"),
-    Setting("repeat_penalty", float, 1.0, "penalize the tokens of the repeat window (1 = off)",
+    # 1.1 over 256 tokens: the default model stops looping on everyday prompts (models.md, benchmarks/loops.py)
+    Setting("repeat_penalty", float, 1.1, "penalize the tokens of the repeat window (1 = off)",
             lambda v: v > 0, "must be > 0 (1 means off)", metavar="R"),
-    Setting("repeat_last_n", int, 64, "the repeat window: how many recent tokens repeat_penalty looks at",
+    Setting("repeat_last_n", int, 256, "the repeat window: how many recent tokens repeat_penalty looks at",
             lambda v: v >= 0, "must be >= 0"),
     Setting("seed", int, None, "random seed: the same seed gives the same answers (none = a fresh one)",
             lambda v: v >= 0, "must be >= 0", optional=True),

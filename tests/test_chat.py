@@ -102,3 +102,28 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
     assert rows(again.turns) == rows(turns)
     assert model.cache.records[: model.cache.length].tobytes() == records.tobytes()
     again.close()
+
+
+@pytest.mark.parametrize("name", ["plm", "minicpm3"])
+def test_mla_models_rewind_reset_and_resume(colichat_home, name):
+    """The deepseek2-derived models in a conversation: /rewind then the same question gives the
+    same answer and the same cache; /reset then the first question answers as a fresh conversation;
+    the saved session resumes with the cache to the byte."""
+    m = load(str(TINY / f"{name}.gguf"), n_ctx=256)
+    conv = Conversation(m, Settings(temperature=0, max_tokens=8), session_name="s")
+    first, _ = conv.ask("hello")
+    rows1 = m.cache.records[: m.cache.length].tobytes()
+    second, _ = conv.ask("and again")
+    rows2 = m.cache.records[: m.cache.length].tobytes()
+    conv.rewind(1)
+    assert m.cache.records[: m.cache.length].tobytes() == rows1 and conv.exchanges() == 1
+    assert conv.ask("and again")[0] == second
+    assert m.cache.records[: m.cache.length].tobytes() == rows2
+    conv.reset()
+    assert m.cache.length == 0 and conv.ask("hello")[0] == first
+    assert m.cache.records[: m.cache.length].tobytes() == rows1
+    conv.close()
+    again = Conversation(m, Settings(temperature=0))
+    again.resume("s")  # the session of the first two exchanges, kept by /reset
+    assert again.exchanges() == 2 and m.cache.records[: m.cache.length].tobytes() == rows2
+    again.close()

@@ -82,7 +82,7 @@ BAD_MODELS = {
     "missing": _missing, "directory": _directory, "not-gguf": _not_gguf, "empty": _empty,
     "truncated-header": _truncated(3000), "truncated-data": _truncated(5_000_000),
     "missing-key": _missing_key, "missing-tensor": _missing_tensor,
-    "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("minicpm3"),
+    "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("deepseek2-ocr"),
 }
 
 

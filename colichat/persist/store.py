@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ..engine.gguf_header import read_header
 from ..paths import Paths, paths  # noqa: F401  (re-exported)
 from .kvfile import (
     HEADER,
@@ -46,58 +47,18 @@ NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 # ---- model identity ---------------------------------------------------------------------------
 
-_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
 TENSOR_SAMPLES, TENSOR_SAMPLE = 256, 4096  # a 4 KiB sample from the middle of up to 256 tensors
 SPREAD_SAMPLES, SPREAD_SAMPLE = 16, 65536  # plus 16 x 64 KiB spread evenly over the data region
-
-
-def _skip_value(buf: bytes, pos: int, typ: int) -> int:
-    if typ in _SCALAR_SIZE:
-        return pos + _SCALAR_SIZE[typ]
-    if typ == 8:  # string: u64 length + bytes
-        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
-    if typ == 9:  # array: u32 type, u64 count, values
-        sub, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if sub in _SCALAR_SIZE:
-            return pos + count * _SCALAR_SIZE[sub]
-        for _ in range(count):
-            pos = _skip_value(buf, pos, sub)
-            if pos > len(buf):
-                raise struct.error("short")
-        return pos
-    raise ValueError(f"unknown GGUF value type {typ}")
 
 
 def _gguf_layout(buf: bytes) -> tuple[int, list[int]]:
     """(data region offset, sorted tensor offsets within it) from the start of a GGUF v2/v3 file.
 
     struct.error: `buf` is too short to hold the whole header; ValueError: not a GGUF we can walk."""
-    if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] < 2:
-        raise ValueError("not GGUF v2+")
-    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-    if n_tensors > 1 << 24 or n_kv > 1 << 24:
-        raise ValueError("implausible counts")
-    pos, alignment = 24, 32
-    for _ in range(n_kv):
-        klen = struct.unpack_from("<Q", buf, pos)[0]
-        key = buf[pos + 8 : pos + 8 + klen]
-        pos += 8 + klen
-        typ = struct.unpack_from("<I", buf, pos)[0]
-        if key == b"general.alignment" and typ == 4:
-            alignment = struct.unpack_from("<I", buf, pos + 4)[0] or 32
-        pos = _skip_value(buf, pos + 4, typ)
-    offsets = []
-    for _ in range(n_tensors):
-        nlen = struct.unpack_from("<Q", buf, pos)[0]
-        n_dims = struct.unpack_from("<I", buf, pos + 8 + nlen)[0]
-        pos += 8 + nlen + 4 + 8 * n_dims + 4
-        offsets.append(struct.unpack_from("<Q", buf, pos)[0])
-        pos += 8
-    data_start = -(-pos // alignment) * alignment
-    if data_start > len(buf):
+    head = read_header(buf)
+    if head.data_start > len(buf):
         raise struct.error("short")
-    return data_start, sorted(offsets)
+    return head.data_start, sorted(t.offset for t in head.tensors)
 
 
 def _read_at(f, offset: int, n: int) -> bytes:
