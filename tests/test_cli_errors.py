@@ -113,6 +113,8 @@ BAD_OPTIONS = {
     "negative-seed": (["--seed", "-1"], "seed must be >= 0"),
     "max-tokens": (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     "tiny-ctx": (["--ctx", "8"], "context size 8 is too small"),
+    "huge-ctx": (["--ctx", "99999999"], "context size 99,999,999 is above the 2,048 tokens this model was "
+                 "trained for; use at most 2,048"),
     "empty-prompt": (["-p", " "], "-p/--prompt needs a message"),
     "bad-session-name": (["--session", "../up"], "invalid session name '../up'"),
     "resume-nothing": (["--resume"], "no saved conversation for this model yet"),
@@ -129,6 +131,22 @@ def test_bad_option(kind, colichat_home):
     [line] = run.errors()
     assert problem in line, line
     assert session_files(colichat_home) == []
+
+
+def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeypatch):
+    from colichat import engine
+    from colichat.engine import ModelError, load
+
+    record = 4 + 4 * 4 * 2 * 64  # the tiny llama's KV record: token id + 4 layers x (K, V) x 64 floats
+    have = engine.dense_f32_bytes(load(TINY_LLAMA, n_ctx=16).tensors) + 100 * record  # 100 tokens fit
+    monkeypatch.setattr(engine, "available_memory", lambda: have)
+    with pytest.raises(ModelError) as e:
+        load(TINY_LLAMA, n_ctx=2048)
+    msg = str(e.value)
+    assert msg == ("context size 2,048 needs 4 MiB for its KV cache, but only 9 MiB of memory is available "
+                   "and the weights take 9 MiB; use at most 100 tokens")
+    fits = int(msg.rsplit("use at most ", 1)[1].split()[0])
+    assert load(TINY_LLAMA, n_ctx=fits).n_ctx == fits  # the number it gives does load
 
 
 def test_existing_session_name_without_resume_is_refused_at_start(colichat_home):
@@ -265,7 +283,7 @@ def test_session_directory_blocked_by_a_file(colichat_home):
 
 
 def test_closed_stdout_stops_quietly_and_keeps_the_answer(colichat_home):
-    p = start(colichat_home, ["--model", TINY_LLAMA, *GREEDY, "--ctx", "8192", "--max-tokens", "8000",
+    p = start(colichat_home, ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000",
                               "--session", "s"])
     p.stdin.write(lines("hello", "not answered").encode())
     p.stdin.close()

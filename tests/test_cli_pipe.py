@@ -223,7 +223,7 @@ def check_interrupted(home, run, name: str, question: str):
     return answer
 
 
-LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "8192", "--max-tokens", "8000"]  # "hello": thousands of tokens
+LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000"]  # "hello": thousands of tokens
 
 
 def test_interrupt_stops_the_answer_and_saves_it(colichat_home):

@@ -51,8 +51,12 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         n_ctx = min(cfg.n_ctx_train, DEFAULT_CTX)
     if n_ctx < 16:
         raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
+    dense = dense_f32_bytes(tensors)
+    check_memory(path, dense)
+    record_bytes = 4 + 4 * cfg.n_layer * sum(cfg.kv_widths)
+    kv_bytes = record_bytes * n_ctx
+    check_context(n_ctx, cfg.n_ctx_train, record_bytes, dense)
     if weights is None:
-        check_memory(path, dense_f32_bytes(tensors))
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:
             problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors)
@@ -61,7 +65,6 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
     if expert_cache is None and cfg.n_expert and cfg.n_dense < cfg.n_layer:
-        kv_bytes = (4 + 4 * cfg.n_layer * sum(cfg.kv_widths)) * n_ctx
         expert_cache = auto_expert_cache_mib(available_memory(), sum(a.nbytes for a in weights.values()) + kv_bytes)
     kwargs = {} if expert_cache is None else {"expert_cache": expert_cache}
     return Model(cfg, weights, tokenizer, n_ctx, tensors, numerics=numerics, **kwargs)
@@ -102,6 +105,25 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def check_context(n_ctx: int, n_ctx_train: int, record_bytes: int, weight_bytes: int) -> None:
+    """Refuse a context longer than the model was trained for, or whose KV cache (record_bytes per
+    token) cannot fit in the memory available beside the weights."""
+    if n_ctx > n_ctx_train:
+        raise ModelError(f"context size {n_ctx:,} is above the {n_ctx_train:,} tokens this model was "
+                         f"trained for; use at most {n_ctx_train:,}")
+    have = available_memory()
+    need = record_bytes * n_ctx
+    if have is not None and need + weight_bytes > have:
+        fits = max(0, (have - weight_bytes) // record_bytes)
+        raise ModelError(f"context size {n_ctx:,} needs {_size(need)} for its KV cache, but only "
+                         f"{_size(have)} of memory is available and the weights take "
+                         f"{_size(weight_bytes)}; use at most {fits:,} tokens")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def check_memory(path: str, need: int) -> None:
