@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import stat
 import sys
 import time
 
@@ -172,8 +173,19 @@ def pipe_mode(app: App, inputs=None) -> int:
     return 1 if app.errors else 0
 
 
+def check_model_file(path: str) -> None:
+    """Refuse a --model that is not a regular file (a FIFO or a device would hang the reads)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # the loader names what is wrong (no such file, permission)
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise ModelError(f"{path}: not a regular file; --model takes a GGUF file")
+
+
 def load_model(args, say):
     path = args.model or default_model_path()
+    check_model_file(path)
     t0 = time.perf_counter()
     tty = sys.stderr.isatty()
 

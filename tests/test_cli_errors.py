@@ -7,6 +7,7 @@ that cannot be written is reported after each answer ("NOT saved: ...") and the 
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 
@@ -40,6 +41,11 @@ def _missing(d):
 def _directory(d):
     (d / "model.gguf").mkdir()
     return d / "model.gguf", "is a directory"
+
+
+def _fifo(d):
+    os.mkfifo(d / "pipe.gguf")  # nothing ever writes to it: reading it would wait forever
+    return d / "pipe.gguf", "not a regular file; --model takes a GGUF file"
 
 
 def _not_gguf(d):
@@ -79,7 +85,7 @@ def _arch(name):
 
 
 BAD_MODELS = {
-    "missing": _missing, "directory": _directory, "not-gguf": _not_gguf, "empty": _empty,
+    "missing": _missing, "directory": _directory, "fifo": _fifo, "not-gguf": _not_gguf, "empty": _empty,
     "truncated-header": _truncated(3000), "truncated-data": _truncated(5_000_000),
     "missing-key": _missing_key, "missing-tensor": _missing_tensor,
     "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("minicpm3"),
