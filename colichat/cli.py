@@ -59,6 +59,8 @@ def settings_from(args) -> Settings:
         if value is not None:
             s = s.with_(**{key: value})
     s.validate()
+    if args.expert_cache is not None and not 0 <= args.expert_cache < float("inf"):
+        raise ValueError("--expert-cache must be a number of MiB, 0 or more")
     out = Settings(sampler=s, system=args.system)
     if args.max_tokens is not None:
         if args.max_tokens < 1:

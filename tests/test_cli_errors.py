@@ -121,6 +121,9 @@ BAD_OPTIONS = {
     "tiny-ctx": (["--ctx", "8"], "context size 8 is too small"),
     "huge-ctx": (["--ctx", "99999999"], "context size 99,999,999 is above the 2,048 tokens this model was "
                  "trained for; use at most 2,048"),
+    "nan-expert-cache": (["--expert-cache", "nan"], "--expert-cache must be a number of MiB, 0 or more"),
+    "negative-expert-cache": (["--expert-cache", "-5"], "--expert-cache must be a number of MiB, 0 or more"),
+    "infinite-expert-cache": (["--expert-cache", "inf"], "--expert-cache must be a number of MiB, 0 or more"),
     "empty-prompt": (["-p", " "], "-p/--prompt needs a message"),
     "bad-session-name": (["--session", "../up"], "invalid session name '../up'"),
     "resume-nothing": (["--resume"], "no saved conversation for this model yet"),
