@@ -62,7 +62,7 @@ class Conversation:
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
-                 store: Store | None = None):
+                 store: Store | None = None, read_only: bool = False):
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
@@ -78,6 +78,7 @@ class Conversation:
         self.session = None  # persist.Session once created or resumed
         self.session_name = session_name
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
+        self.read_only = read_only  # sessions can be read, not saved (a read-only file system)
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -170,7 +171,7 @@ class Conversation:
             name = info.name
         if self.session and self.session.name == name:
             raise ChatError(f"already in session {name}")
-        new = self.store.open(self.ident, name, self.layout)
+        new = self.store.open(self.ident, name, self.layout, read_only=self.read_only)
         try:
             res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
         except BaseException:
@@ -228,7 +229,7 @@ class Conversation:
 
     def _save(self, stats: TurnStats) -> None:
         """Append the unsaved turns; a failure is reported and the conversation goes on in memory."""
-        if not self.store:
+        if not self.store or self.read_only:
             return
         try:
             if self.session is None:
@@ -242,7 +243,7 @@ class Conversation:
             stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
 
     def _save_settings(self) -> None:
-        if self.session:
+        if self.session and not self.read_only:
             try:
                 self.session.save_sampler(self._settings_dict())
             except (SessionError, OSError):
@@ -386,7 +387,7 @@ class Conversation:
     def _cut(self, n: int, kept_turns: int) -> None:
         """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
         self.model.cache.truncate(n)
-        if self.session:
+        if self.session and not self.read_only:
             try:
                 self.session.truncate(kept_turns)
             except SessionError as e:
@@ -395,7 +396,8 @@ class Conversation:
     # --- reporting --------------------------------------------------------------------------------
 
     def footer(self, stats: TurnStats) -> str:
-        saved = {None: "not saved (--no-save)", True: f"saved to {self.session_name}",
+        saved = {None: "not saved (read-only)" if self.read_only else "not saved (--no-save)",
+                 True: f"saved to {self.session_name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")

@@ -9,6 +9,7 @@ import os
 import signal
 import stat
 import sys
+import tempfile
 import time
 
 from . import __version__
@@ -17,7 +18,7 @@ from .commands import Message, dispatch, is_command
 from .engine import ModelError, SamplerSettings, load
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
-from .persist import SessionError
+from .persist import SessionError, check_name
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -185,6 +186,45 @@ def check_model_file(path: str) -> None:
         raise ModelError(f"{path}: not a regular file; --model takes a GGUF file")
 
 
+def sessions_dir_problem(root) -> str | None:
+    """Why conversations cannot be saved under `root` (the sessions directory), or None: its deepest
+    existing ancestor must be a directory colichat can read, write and enter."""
+    d = os.path.abspath(root)
+    while not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        return f"{d} is not a directory"
+    if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
+        try:  # access() says no; the error of a real attempt says why (permission, read-only)
+            os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY))
+            with tempfile.TemporaryFile(dir=d):
+                pass
+        except OSError as e:
+            return f"{d}: {e.strerror or e}"
+        return f"{d}: permission denied"
+    return None
+
+
+def check_saving(args, say) -> bool:
+    """Refuse at start what would make every save fail: a bad --session name, a sessions directory
+    (under COLICHAT_HOME) that is a file, unreadable or unwritable. With --resume, a sessions
+    directory that can be read but not written (a read-only file system) opens read-only: True."""
+    if args.session is not None:
+        check_name(args.session)
+    if args.no_save:
+        return False
+    root = paths().data / "sessions"
+    problem = sessions_dir_problem(root)
+    if problem and args.resume and os.access(root, os.R_OK | os.X_OK) and os.path.isdir(root):
+        say(f"note: {problem}: the conversation opens read-only (you can read and continue it; "
+            "nothing is saved)")
+        return True
+    if problem:
+        hint = "; --resume opens a saved one read-only" if os.access(root, os.R_OK | os.X_OK) else ""
+        raise SessionError(f"cannot save conversations in {root} ({problem}); fix that, set COLICHAT_HOME "
+                           f"to a writable directory, or use --no-save{hint}")
+
+
 def load_model(args, say):
     path = args.model or default_model_path()
     check_model_file(path)
@@ -223,8 +263,10 @@ def main(argv=None) -> int:
         if args.prompt is not None and not args.prompt.strip():
             raise ValueError("-p/--prompt needs a message")
         settings = settings_from(args)
+        read_only = check_saving(args, say)
         model = load_model(args, say)
-        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session)
+        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session,
+                            read_only=read_only)
     except (ModelError, DefaultModelMissing, SessionError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
@@ -236,7 +278,7 @@ def main(argv=None) -> int:
         if args.resume:
             say(conv.resume(args.session))
         else:
-            if args.session and not args.no_save:
+            if args.session is not None and not args.no_save:
                 conv.check_new_session(args.session)
             hint = conv.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:

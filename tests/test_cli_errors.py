@@ -21,11 +21,13 @@ from cli_helpers import (
     copy_gguf,
     finish,
     lines,
+    read_only,
     read_until,
     saved_answers,
     saved_users,
     session_files,
     start,
+    unprivileged,
 )
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
@@ -126,6 +128,7 @@ BAD_OPTIONS = {
     "infinite-expert-cache": (["--expert-cache", "inf"], "--expert-cache must be a number of MiB, 0 or more"),
     "empty-prompt": (["-p", " "], "-p/--prompt needs a message"),
     "bad-session-name": (["--session", "../up"], "invalid session name '../up'"),
+    "empty-session-name": (["--session", ""], "invalid session name ''"),
     "resume-nothing": (["--resume"], "no saved conversation for this model yet"),
     "resume-unknown": (["--resume", "--session", "nosuch"], "no session named nosuch"),
     "resume-without-saving": (["--resume", "--no-save"], "saving is off (--no-save): nothing to resume"),
@@ -277,15 +280,73 @@ def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
     assert saved_answers(colichat_home, "s") == ref[:2]
 
 
-def test_session_directory_blocked_by_a_file(colichat_home):
+def test_session_directory_blocked_by_a_file_is_refused_at_start(colichat_home):
     (colichat_home / "data").mkdir()
     (colichat_home / "data" / "sessions").write_text("in the way\n")
     run = chat(colichat_home, TINY_ARGS, lines(Q[0], Q[1], "/sessions")).failed()
-    f = run.footers()
-    assert len(f) == 2 and all("NOT saved: cannot create session directory " in x and "Not a directory" in x
-                               for x in f), f
-    assert run.out.count(b"\n") >= 2 and "no saved sessions for this model" in run.err
-    assert (colichat_home / "data" / "sessions").read_text() == "in the way\n"
+    assert run.out == b"" and run.footers() == []  # nothing answered: said before the first question
+    sessions = colichat_home / "data" / "sessions"
+    assert run.errors() == [f"colichat: cannot save conversations in {sessions} ({sessions} is not a directory); "
+                            "fix that, set COLICHAT_HOME to a writable directory, or use --no-save"]
+    assert sessions.read_text() == "in the way\n"
+    chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()  # the way out it names
+
+
+def test_colichat_home_that_is_a_file_is_refused_at_start(tmp_path):
+    home = tmp_path / "home"
+    home.write_text("not a directory\n")
+    run = chat(tmp_path, TINY_ARGS, lines(Q[0]), env_extra={"COLICHAT_HOME": str(home)}).failed()
+    assert run.out == b"" and run.footers() == []
+    [line] = run.errors()
+    assert line.startswith(f"colichat: cannot save conversations in {home}/data/sessions ({home} is not a "
+                           "directory)"), line
+    assert home.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("mode", [0o500, 0o000], ids=["unwritable", "unreadable"])
+def test_sessions_directory_without_permission_is_refused_at_start(mode, colichat_home):
+    prefix = unprivileged()
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    sessions = colichat_home / "data" / "sessions"
+    sessions.chmod(mode)
+    try:
+        for args in ([], ["--session", "t"]) if mode else ([], ["--resume"], ["--session", "t"]):
+            run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[1], "/sessions"), prefix=prefix).failed()
+            assert run.out == b"" and run.footers() == [], run.err
+            [line] = run.errors()
+            assert line.startswith(f"colichat: cannot save conversations in {sessions} ({sessions}: "
+                                   "Permission denied); "), line
+        if mode:  # readable: --resume opens it read-only, as on a read-only file system
+            run = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[1]), prefix=prefix).ok()
+            assert run.err.startswith(f"note: {sessions}: Permission denied: the conversation opens read-only")
+            assert run.footers()[0].endswith("; not saved (read-only)]")
+    finally:
+        sessions.chmod(0o700)
+    assert saved_users(colichat_home, "s") == [Q[0]]
+
+
+def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_home):
+    first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    before = {p: p.read_bytes() for p in session_files(colichat_home)}
+    ro = read_only(colichat_home)
+    run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/rewind", Q[2], "/history"),
+               prefix=ro).ok()
+    sessions = colichat_home / "data" / "sessions"
+    assert run.err.startswith(f"note: {sessions}: Read-only file system: the conversation opens read-only (you "
+                              "can read and continue it; nothing is saved)\n"), run.err
+    assert run.resumed()[1:] == (2, "s")
+    assert f"user> {Q[0]}" in run.err and f"user> {Q[2]}" in run.err
+    assert len(run.footers()) == 2 and all(f.endswith("; not saved (read-only)]") for f in run.footers())
+    assert run.errors() == []
+    # a new conversation there is refused at start, saying how to read the saved ones
+    new = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(Q[0]), prefix=ro).failed()
+    assert new.errors() == [f"colichat: cannot save conversations in {sessions} ({sessions}: Read-only file "
+                            "system); fix that, set COLICHAT_HOME to a writable directory, or use --no-save; "
+                            "--resume opens a saved one read-only"]
+    assert {p: p.read_bytes() for p in session_files(colichat_home)} == before
+    # and the same conversation, writable again, answers the same
+    again = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).ok()
+    assert again.out == run.out.split(b"\n")[0] + b"\n" and first.out
 
 
 # ---- the output side ----------------------------------------------------------------------------

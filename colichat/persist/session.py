@@ -139,7 +139,7 @@ def _span(turns: list[Turn], i: int) -> str:
 class Session:
     """One open session, holding its writer lock until `close`."""
 
-    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int):
+    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None):
         self.directory = str(directory)
         self.name = name
         self.ident = dict(ident)
@@ -186,15 +186,16 @@ class Session:
         return s
 
     @classmethod
-    def open(cls, directory, name: str, ident: dict, layout: CacheLayout) -> Session:
-        """An existing session, locked for writing; `load` it before saving to it."""
+    def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
+        """An existing session, locked for writing; `load` it before saving to it. `read_only`
+        (a read-only file system): no lock, the file opened for reading; saving to it fails."""
         base = os.path.join(str(directory), name)
         if lstat_regular(base + ".coli_kv", "session file") is None:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
         lstat_regular(base + ".json", "sidecar")
-        s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, None if read_only else _lock(base + ".lock", name))
         try:
-            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDWR)
+            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY if read_only else os.O_RDWR)
         except BaseException:
             s.close()
             raise

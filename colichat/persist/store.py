@@ -256,16 +256,16 @@ class Store:
             except FileExistsError:
                 continue  # another colichat took the same name just now
 
-    def open(self, ident: dict, name: str, layout: CacheLayout) -> Session:
-        """An existing session of this model, locked for writing; load it next."""
+    def open(self, ident: dict, name: str, layout: CacheLayout, read_only: bool = False) -> Session:
+        """An existing session of this model, locked for writing (or `read_only`); load it next."""
         directory = self.model_dir(ident)
         check_name(name)
-        if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
+        if not os.path.lexists(directory / (name + KV_EXT)):
             others = sorted({i.model for i in self.list() if i.name == name})
             if others:
                 raise SessionError(f"session {name} belongs to another model ({', '.join(others)}); "
                                    "start colichat with that model to resume it")
-        return Session.open(directory, name, ident, layout)
+        return Session.open(directory, name, ident, layout, read_only)
 
     def delete(self, ident: dict, name: str) -> int:
         """Remove a saved session of this model and return the bytes freed. Its lock is taken first,
