@@ -347,7 +347,7 @@ class Session:
             os.close(fd)
         try:
             doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting too deep
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
                 or not isinstance(doc.get("model"), dict):

@@ -227,7 +227,7 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
             tokens = int(doc["turns"][-1]["last"]) if turns else 0
             model = str(doc["model"].get("name") or model)
             last_used = datetime.fromisoformat(doc["updated"]).timestamp()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
         pass  # a damaged sidecar: list what the header says; loading reports the damage
     return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv)
 
