@@ -124,18 +124,23 @@ class Conversation:
         return {**self.settings.sampler.to_dict(), "max_tokens": self.settings.max_tokens,
                 "system": self.settings.system}
 
-    def _apply_settings_dict(self, d: dict) -> None:
+    def _apply_settings_dict(self, d: dict) -> str | None:
+        """Take the settings saved with a session; a damaged record (a value of the wrong type or out
+        of range) is not used, and the returned line says so."""
         fields = {k: d[k] for k in SamplerSettings.__dataclass_fields__ if k in d}
+        max_tokens, system = d.get("max_tokens", self.settings.max_tokens), d.get("system")
         try:
             sampler = self.settings.sampler.with_(**fields)
             sampler.validate()
-        except (TypeError, ValueError):
-            return  # a damaged settings record: keep the current settings
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ValueError(f"max_tokens must be a whole number >= 1, not {max_tokens!r}")
+            if system is not None and not isinstance(system, str):
+                raise ValueError("system must be text")
+        except (TypeError, ValueError) as e:
+            return f"the session's saved settings are damaged ({e}); kept the current settings"
         self.settings.sampler, self.sampler = sampler, Sampler(sampler)
-        if isinstance(d.get("max_tokens"), int) and d["max_tokens"] > 0:
-            self.settings.max_tokens = d["max_tokens"]
-        if d.get("system") is None or isinstance(d.get("system"), str):
-            self.settings.system = d.get("system")
+        self.settings.max_tokens, self.settings.system = max_tokens, system
+        return None
 
     # --- sessions ---------------------------------------------------------------------------------
 
@@ -183,8 +188,8 @@ class Conversation:
             self.session.close()
         self.session, self.session_name = new, name
         self.turns = list(res.turns)
-        self._apply_settings_dict(res.sampler or {})
-        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
+        damaged = self._apply_settings_dict(res.sampler or {})
+        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + ([damaged] if damaged else [])]
         return "\n".join(lines)
 
     def delete_session(self, name: str) -> str:

@@ -240,6 +240,35 @@ def test_deeply_nested_sidecar_is_reported_as_damage(colichat_home):
                             "to load the cache as one imported turn"]
 
 
+BAD_SETTINGS = {
+    "seed": (1.5, "seed must be a whole number, not 1.5"),
+    "top_k": (2.5, "top_k must be a whole number, not 2.5"),
+    "repeat_last_n": (1.5, "repeat_last_n must be a whole number, not 1.5"),
+    "temperature": ("hot", "temperature must be a finite number"),
+    "repeat_penalty": (True, "repeat_penalty must be a finite number"),
+    "min_p": (7, "min_p must be in [0, 1)"),
+    "max_tokens": (0, "max_tokens must be a whole number >= 1, not 0"),
+    "system": (["a", "list"], "system must be text"),
+}
+
+
+@pytest.mark.parametrize("key", BAD_SETTINGS)
+def test_bad_saved_setting_is_reported_as_damage_and_not_used(key, colichat_home):
+    import json
+
+    value, problem = BAD_SETTINGS[key]
+    first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
+    [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
+    doc = json.loads(side.read_text())
+    doc["sampler"][key] = value
+    doc["turns"] = doc["turns"][:2]  # the second exchange again, with the settings now in force
+    side.write_text(json.dumps(doc))
+    run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/show")).ok()
+    assert f"warning: the session's saved settings are damaged ({problem}); kept the current settings" \
+        in run.err.splitlines()
+    assert run.out == first.out.split(b"\n", 1)[1]  # greedy (from the command line): the same answer
+
+
 def test_second_colichat_on_the_same_session_is_refused(colichat_home):
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     first = start(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"])  # waits on stdin
