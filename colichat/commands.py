@@ -117,7 +117,8 @@ def cmd_set(app, arg: str) -> None:
     try:
         parsed = kind(value) if kind is not str else (shlex.split(value)[0] if value[:1] in "'\"" else value)
     except ValueError:
-        raise ChatError(f"{key} takes a {'whole number' if kind is int else 'number'}, not '{value}'") from None
+        what = {int: "a whole number", float: "a number"}.get(kind, "text with closed quotes")
+        raise ChatError(f"{key} takes {what}, not '{value}'") from None
     app.say(app.conv.set_option(key, parsed))
 
 

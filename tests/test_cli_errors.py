@@ -174,7 +174,8 @@ def test_existing_session_name_without_resume_is_refused_at_start(colichat_home)
 
 def test_bad_commands_are_named_back_and_the_input_goes_on(colichat_home):
     stdin = lines("/frobnicate now", "/rewind", Q[0], "/rewind 2", "/rewind two", "/resume nosuch",
-                  "/resume ../etc", "/set colour blue", "/set temperature hot", "/help frob", Q[1], "/history")
+                  "/resume ../etc", "/set colour blue", "/set temperature hot", '/set system "unterminated',
+                  "/help frob", Q[1], "/history")
     run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], stdin).failed()
     expected = [
         "colichat: unknown command '/frobnicate': /help lists the commands",
@@ -185,6 +186,7 @@ def test_bad_commands_are_named_back_and_the_input_goes_on(colichat_home):
         "colichat: invalid session name '../etc'",
         "colichat: cannot set 'colour'",
         "colichat: temperature takes a number, not 'hot'",
+        "colichat: system takes text with closed quotes, not '\"unterminated'",
         "colichat: unknown command '/frob'",
     ]
     errors = run.errors()
