@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives ident
 from .kvfile import (
     HEADER_SIZE,
     INT32_MAX,
+    KIND_OF_MAGIC,
     MAGIC,
     CacheLayout,
     SessionError,
@@ -230,6 +231,9 @@ class Session:
             raise ValueError(f"session {self.name} is closed")
         self.layout.check_cache(cache)
         header, size = read_header(self._kv_fd, self.kv_path)
+        doc = self._read_sidecar()  # first: the model that saved it tells damage from another model's file
+        if doc is not None and (header.magic != MAGIC[self.layout.kind] or header.mismatches(self.layout)):
+            self._check_header_against(doc, header)
         if header.magic != MAGIC[self.layout.kind]:
             raise SessionError(f"session {self.name} holds a cache of another kind of model "
                                f"(magic {header.magic!r}, this model needs {MAGIC[self.layout.kind]!r}); "
@@ -238,7 +242,6 @@ class Session:
         if bad:
             raise SessionError(f"session {self.name} was saved by another model ({', '.join(bad)}); "
                                "start a new session with /reset")
-        doc = self._read_sidecar()
         warnings: list[str] = []
         turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
         ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
@@ -271,6 +274,17 @@ class Session:
         self._loaded = True
         ms = (time.perf_counter() - t0) * 1000
         return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler))
+
+    def _check_header_against(self, doc: dict, header) -> None:
+        """A header that disagrees with the layout its own sidecar recorded is damaged (SessionError)."""
+        saved = doc.get("layout") if isinstance(doc.get("layout"), dict) else {}
+        got = {"kind": KIND_OF_MAGIC[header.magic], "n_layer": header.n_layer, "a_width": header.a_width,
+               "b_width": header.b_width, "vocab": header.vocab, "index_hd": header.index_hd,
+               "n_index_layers": header.n_index_layers}
+        bad = [f"{k} {v} (sidecar: {saved.get(k)})" for k, v in got.items() if saved.get(k) != v]
+        if bad:
+            raise SessionError(f"session {self.name} is damaged: the header of {self.kv_path} disagrees with "
+                               f"its sidecar ({', '.join(bad)}); it cannot be loaded")
 
     def _listed_prefix(self, doc, nrec: int, size: int, warnings: list[str]):
         """(turns, crcs, records to read): the sidecar's turns that lie within the whole records
