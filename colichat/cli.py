@@ -4,21 +4,39 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 import signal
-import stat
-import sys
-import tempfile
-import time
 
-from . import __version__
-from .chat import ChatError, Conversation, Settings
-from .commands import Message, dispatch, is_command
-from .engine import ModelError, SamplerSettings, load
-from .models import DefaultModelMissing, default_model_path
-from .paths import paths
-from .persist import SessionError, check_name
+
+def _interrupt_at_start(signum, frame):
+    _interrupt_at_start.seen = True
+    raise KeyboardInterrupt
+
+
+# The imports take most of a start (numpy, jinja2): Ctrl-C there exits 130, quietly. An interrupt
+# inside numpy's C imports becomes an ImportError (or is swallowed), so the handler notes that one came.
+_interrupt_at_start.seen, _sigint = False, signal.signal(signal.SIGINT, _interrupt_at_start)
+try:
+    import argparse
+    import os
+    import stat
+    import sys
+    import tempfile
+    import time
+
+    from . import __version__
+    from .chat import ChatError, Conversation, Settings
+    from .commands import Message, dispatch, is_command
+    from .engine import ModelError, SamplerSettings, load
+    from .models import DefaultModelMissing, default_model_path
+    from .paths import paths
+    from .persist import SessionError, check_name
+except BaseException:
+    if not _interrupt_at_start.seen:
+        raise
+if _interrupt_at_start.seen:  # raised, or swallowed by an import that tolerates failures
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+    raise SystemExit(130)
+signal.signal(signal.SIGINT, _sigint)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -171,8 +189,8 @@ def pipe_mode(app: App, inputs=None) -> int:
                 break
     except KeyboardInterrupt:
         return 130
-    finally:
-        signal.signal(signal.SIGINT, old)
+    finally:  # once interrupted, the program is ending: a further Ctrl-C must not cut its exit short
+        signal.signal(signal.SIGINT, signal.SIG_IGN if interrupted else old)
     return 1 if app.errors else 0
 
 
@@ -251,6 +269,12 @@ def load_model(args, say):
     return model
 
 
+def interrupted() -> int:
+    """Exit status 130; further Ctrl-C are ignored while the program ends (no traceback on the way out)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return 130
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
 
@@ -271,7 +295,7 @@ def main(argv=None) -> int:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
-        return 130
+        return interrupted()
     interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
     app = App(conv, interactive)
     try:
@@ -294,7 +318,7 @@ def main(argv=None) -> int:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
-        return 130
+        return interrupted()
     finally:
         conv.close()
 
