@@ -37,7 +37,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     from .tokenizer import load_tokenizer as _load_tokenizer
 
     path = str(path)
-    prepared = load_prepared(path, cache_dir) if cache_dir is not None else None
+    prepared = load_prepared(path, cache_dir, on_note) if cache_dir is not None else None
     if prepared is not None:
         cfg, tensors, weights = prepared.config, prepared.tensors, prepared.weights
         tokenizer = Tokenizer(prepared.tokenizer_meta, path)
