@@ -36,12 +36,48 @@ def test_second_load_maps_cached_weights_and_agrees(tmp_path):
     assert second.cfg == first.cfg
 
 
+def _memory_mapped(a: np.ndarray) -> bool:
+    """Whether the array's memory belongs to a memory mapping (following its chain of bases)."""
+    import mmap
+
+    obj = a
+    while obj is not None:
+        if isinstance(obj, mmap.mmap):
+            return True
+        obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+    return False
+
+
 def test_lazy_experts_are_mapped_from_the_gguf(tmp_path):
-    gguf = write_deepseek2(tmp_path / "moe.gguf", DS2Spec(n_expert=8, n_expert_used=2, qtype="Q8_0"))
+    """Routed experts are not dequantized at load (neither on the first start nor from the weights
+    cache): their tensors are the GGUF's quantized bytes in its memory mapping, and an expert is
+    dequantized from those bytes when a token is routed to it."""
+    import gguf as gguf_py
+
+    path = write_deepseek2(tmp_path / "moe.gguf", DS2Spec(n_expert=8, n_expert_used=2, qtype="Q8_0"))
     cache = tmp_path / "weights"
-    first = _logits(load(str(gguf), n_ctx=64, cache_dir=cache))
-    again = _logits(load(str(gguf), n_ctx=64, cache_dir=cache))
-    assert np.array_equal(first, again)
+    reader = gguf_py.GGUFReader(str(path))  # an independent reading of the file
+    logits = []
+    for start in ("first", "from the weights cache"):
+        model = load(str(path), n_ctx=64, cache_dir=cache)
+        exps = [n for n in model.tensors.by_name if "_exps." in n]
+        assert exps and not [n for n in model.w if "_exps" in n], start  # not among the dequantized weights
+        for name in exps:
+            data = model.tensors.by_name[name].data
+            assert data.dtype == np.uint8 and _memory_mapped(data) and not data.flags.writeable, (start, name)
+            with open(model.tensors.files[name], "rb") as f:  # the mapping is the file at the tensor's offset
+                f.seek(model.tensors.offsets[name])
+                assert f.read(4096) == data.reshape(-1)[:4096].tobytes(), (start, name)
+        assert model.experts.entries == {} and model.experts.misses == 0  # nothing dequantized at load
+        logits.append(_logits(model))
+        assert model.experts.misses > 0 and model.experts.entries  # dequantized on use
+        for (layer, e), (_, down) in model.experts.entries.items():
+            t = next(t for t in reader.tensors if t.name == f"blk.{layer}.ffn_down_exps.weight")
+            want = gguf_py.quants.dequantize(t.data[e], t.tensor_type)
+            assert np.array_equal(down, want.reshape(down.shape)), (start, layer, e)
+    assert np.array_equal(*logits)
+    meta = _meta(next(cache.iterdir()))
+    assert not [n for n in meta["arrays"] if "_exps" in n]  # the cache holds no dequantized experts
 
 
 def test_changed_gguf_invalidates_the_entry(tmp_path):
