@@ -18,7 +18,7 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
-from .model import Model, available_memory, prepare_weights
+from .model import Model, architecture, available_memory, prepare_weights
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
@@ -64,7 +64,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
     dense = dense_f32_bytes(tensors)
     check_memory(path, dense)
-    check_context(n_ctx, cfg.n_ctx_train, 4 + 4 * cfg.n_layer * sum(cfg.kv_widths), dense)
+    check_context(n_ctx, cfg.n_ctx_train, 4 + 4 * cfg.n_layer * sum(architecture(cfg).cache_widths(cfg)), dense)
     if weights is None:
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:
