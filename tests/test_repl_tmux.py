@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
-import time
-import uuid
 
 import pytest
+from tmux_helpers import Tmux
 
 pytestmark = pytest.mark.default_model
 
@@ -19,40 +16,6 @@ FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, cont
 # generous: a busy machine (another process on every core) makes the model many times slower.
 MODEL_WAIT = 600.0  # the model loads or answers
 SCREEN_WAIT = 120.0  # the program reacts to a key
-
-
-class Tmux:
-    def __init__(self, command: str, width: int = 160, height: int = 60):
-        if shutil.which("tmux") is None:
-            raise RuntimeError("tmux is not installed (make test installs it)")
-        self.name = f"colichat-{uuid.uuid4().hex[:8]}"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
-                        command], check=True)
-
-    def keys(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
-
-    def type(self, text: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
-
-    def screen(self) -> str:
-        out = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-", "-t", self.name],  # all history
-                             capture_output=True, text=True, check=True)
-        return out.stdout
-
-    def wait_for(self, predicate, timeout: float = SCREEN_WAIT, what: str = "") -> str:
-        """The screen once `predicate(screen)` holds; polls the pane until then (fails after `timeout` s)."""
-        end = time.monotonic() + timeout
-        while True:
-            screen = self.screen()
-            if predicate(screen):
-                return screen
-            if time.monotonic() > end:
-                raise AssertionError(f"no {what} within {timeout:.0f} s; screen:\n{screen}")
-            time.sleep(0.2)  # between two looks at the pane
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
 
 
 @pytest.fixture
