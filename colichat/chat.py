@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .engine import Model, Sampler
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, SessionExists, Store, Turn, check_name, model_identity, slug
-from .settings import BY_NAME, Settings, saved_values
+from .settings import BY_NAME, Settings, damaged_settings, saved_values
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
@@ -59,7 +59,7 @@ class Conversation:
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
-                 store: Store | None = None, pinned=frozenset(), save_new: bool = True):
+                 store: Store | None = None, pinned=frozenset(), save_new: bool = True, read_only: bool = False):
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
@@ -77,6 +77,7 @@ class Conversation:
         self.session_name = session_name
         self.save_new = save_new
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
+        self.read_only = read_only  # sessions can be read, not saved (a read-only file system)
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class Conversation:
             name = info.name
         if self.session and self.session.name == name:
             raise ChatError(f"already in session {name}")
-        new = self.store.open(self.ident, name, self.layout)
+        new = self.store.open(self.ident, name, self.layout, read_only=self.read_only)
         try:
             res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
         except BaseException:
@@ -208,7 +209,8 @@ class Conversation:
         self._apply_saved_settings(res.sampler)
         if self.pinned:
             self._save_settings()  # the options given now are the session's settings from now on
-        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
+        damaged = damaged_settings(res.sampler)
+        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
         return "\n".join(lines)
 
     def delete_session(self, name: str) -> str:
@@ -254,7 +256,7 @@ class Conversation:
 
     def _save(self, stats: TurnStats) -> None:
         """Append the unsaved turns; a failure is reported and the conversation goes on in memory."""
-        if not self.store:
+        if not self.store or self.read_only:
             return
         if self.session is None and not self.save_new:
             return
@@ -273,7 +275,7 @@ class Conversation:
             stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
 
     def _save_settings(self) -> None:
-        if self.session:
+        if self.session and not self.read_only:
             try:
                 self.session.save_sampler(self.settings.to_dict())
             except (SessionError, OSError):
@@ -483,7 +485,7 @@ class Conversation:
     def _cut(self, n: int, kept_turns: int) -> None:
         """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
         self.model.cache.truncate(n)
-        if self.session:
+        if self.session and not self.read_only:
             try:
                 self.session.truncate(kept_turns)
             except SessionError as e:
@@ -492,7 +494,8 @@ class Conversation:
     # --- reporting --------------------------------------------------------------------------------
 
     def footer(self, stats: TurnStats) -> str:
-        unsaved = "not saved (--no-save)" if not self.store else "not saved (/save NAME keeps it)"
+        unsaved = ("not saved (--no-save)" if not self.store else "not saved (read-only)" if self.read_only
+                   else "not saved (/save NAME keeps it)")
         saved = {None: unsaved, True: f"saved to {self.session_name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",

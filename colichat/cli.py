@@ -4,22 +4,42 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 import signal
-import sys
-import time
 
-from . import __version__
-from .chat import ChatError, Conversation
-from .commands import dispatch, is_command, is_quit_word
-from .engine import ModelError, load
-from .inputs import inputs_of
-from .models import DefaultModelMissing, default_model_path
-from .paths import paths
-from .persist import SessionError, Store
-from .sessions import before_load, export_saved, listing
-from .settings import TABLE, SettingError, Settings
+
+def _interrupt_at_start(signum, frame):
+    _interrupt_at_start.seen = True
+    raise KeyboardInterrupt
+
+
+# The imports take most of a start (numpy, jinja2): Ctrl-C there exits 130, quietly. An interrupt
+# inside numpy's C imports becomes an ImportError (or is swallowed), so the handler notes that one came.
+_interrupt_at_start.seen, _sigint = False, signal.signal(signal.SIGINT, _interrupt_at_start)
+try:
+    import argparse
+    import os
+    import stat
+    import sys
+    import tempfile
+    import time
+
+    from . import __version__
+    from .chat import ChatError, Conversation
+    from .commands import dispatch, is_command, is_quit_word
+    from .engine import ModelError, load
+    from .inputs import inputs_of
+    from .models import DefaultModelMissing, default_model_path
+    from .paths import paths
+    from .persist import SessionError, Store, check_name
+    from .sessions import before_load, export_saved, listing
+    from .settings import TABLE, SettingError, Settings
+except BaseException:
+    if not _interrupt_at_start.seen:
+        raise
+if _interrupt_at_start.seen:  # raised, or swallowed by an import that tolerates failures
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+    raise SystemExit(130)
+signal.signal(signal.SIGINT, _sigint)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,6 +75,8 @@ def settings_from(args) -> tuple[Settings, frozenset]:
     """The settings the options give (the defaults for the others), and the names of those given."""
     given = {row.name: row.parse(getattr(args, row.name), row.option) for row in TABLE
              if getattr(args, row.name) is not None}
+    if args.expert_cache is not None and not 0 <= args.expert_cache < float("inf"):
+        raise ValueError("--expert-cache must be a number of MiB, 0 or more")
     return Settings(**given), frozenset(given)
 
 
@@ -164,9 +186,70 @@ def pipe_mode(app: App, inputs=None) -> int:
                 break
     except KeyboardInterrupt:
         return 130
-    finally:
-        signal.signal(signal.SIGINT, old)
+    finally:  # once interrupted, the program is ending: a further Ctrl-C must not cut its exit short
+        signal.signal(signal.SIGINT, signal.SIG_IGN if interrupted else old)
     return 1 if app.errors else 0
+
+
+def check_model_file(path: str) -> None:
+    """Refuse a --model that is not a regular file (a FIFO or a device would hang the reads)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # the loader names what is wrong (no such file, permission)
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise ModelError(f"{path}: not a regular file; --model takes a GGUF file")
+
+
+def sessions_dir_problem(root) -> str | None:
+    """Why conversations cannot be saved under `root` (the sessions directory), or None: its deepest
+    existing ancestor must be a directory colichat can read, write and enter."""
+    d = os.path.abspath(root)
+    while not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        return f"{d} is not a directory"
+    if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
+        try:  # access() says no; the error of a real attempt says why (permission, read-only)
+            os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY))
+            with tempfile.TemporaryFile(dir=d):
+                pass
+        except OSError as e:
+            return f"{d}: {e.strerror or e}"
+        return f"{d}: permission denied"
+    return None
+
+
+def _cannot_save(root, problem: str) -> SessionError:
+    hint = "; --resume opens a saved one read-only" if os.access(root, os.R_OK | os.X_OK) else ""
+    return SessionError(f"cannot save conversations in {root} ({problem}); fix that, set COLICHAT_HOME "
+                        f"to a writable directory, or use --no-save{hint}")
+
+
+def check_saving(args) -> str | None:
+    """Refuse at start what would make every save fail (a bad --session name is before_load's): a
+    sessions directory (under COLICHAT_HOME) that is a file or unreadable. Returns why it cannot be
+    written, or None: `saving_mode` decides once it is known whether a saved conversation reopens."""
+    if args.session is not None:
+        check_name(args.session)
+    if args.no_save or not (args.interactive or args.session is not None or args.resume):
+        return None  # nothing will be saved (a piped run saves with --session or --resume only)
+    root = paths().data / "sessions"
+    problem = sessions_dir_problem(root)
+    if problem and not (os.path.isdir(root) and os.access(root, os.R_OK | os.X_OK)):
+        raise _cannot_save(root, problem)
+    return problem
+
+
+def saving_mode(args, problem: str | None) -> bool:
+    """True (read-only) when a saved conversation reopens from a sessions directory that can be read
+    but not written (a read-only file system), saying so; a new conversation there is refused."""
+    if not problem:
+        return False
+    if not args.resume:
+        raise _cannot_save(paths().data / "sessions", problem)
+    say(f"note: {problem}: the conversation opens read-only (you can read and continue it; nothing is saved)")
+    return True
 
 
 def load_model(args, say):
@@ -210,6 +293,12 @@ def from_the_shell(args) -> int:
     return 0
 
 
+def interrupted() -> int:
+    """Exit status 130; further Ctrl-C are ignored while the program ends (no traceback on the way out)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return 130
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if hasattr(sys.stdout, "reconfigure"):
@@ -221,23 +310,27 @@ def main(argv=None) -> int:
         if args.sessions or args.export is not None:
             return from_the_shell(args)
         args.model = args.model or default_model_path()
+        check_model_file(args.model)
+        args.interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
+        problem = check_saving(args)
         if not args.no_save:  # what --session and --resume mean, known before the model loads
             args.resume = before_load(Store(), args.model, args.session, args.resume)
+        read_only = saving_mode(args, problem)
         interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
         model = load_model(args, say)
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
-                            save_new=interactive or args.session is not None or args.resume)
+                            save_new=interactive or args.session is not None or args.resume, read_only=read_only)
     except (ModelError, DefaultModelMissing, SessionError, SettingError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
-        return 130
+        return interrupted()
     app = App(conv, interactive)
     try:
         if args.resume:
             say(conv.resume(args.session))
         else:
-            if args.session and not args.no_save:
+            if args.session is not None and not args.no_save:
                 conv.claim_session(args.session)
             hint = conv.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:
@@ -253,7 +346,7 @@ def main(argv=None) -> int:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
-        return 130
+        return interrupted()
     finally:
         conv.close()
 

@@ -12,6 +12,8 @@ Tests marked default_model run the real SmolLM2-135M-Instruct (a few seconds per
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 from cli_helpers import (
@@ -20,6 +22,7 @@ from cli_helpers import (
     TINY_LLAMA,
     answers_bytes,
     chat,
+    env_for,
     finish,
     lines,
     read_until,
@@ -225,7 +228,7 @@ def check_interrupted(home, run, name: str, question: str):
     return answer
 
 
-LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "8192", "--max-tokens", "8000"]  # "hello": thousands of tokens
+LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000"]  # "hello": thousands of tokens
 
 
 def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
@@ -239,6 +242,30 @@ def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
 def test_interrupt_in_one_shot_mode(colichat_home):
     run = interrupt_after_first_output(colichat_home, [*LONG, "--session", "p", "-p", "hello"])
     check_interrupted(colichat_home, run, "p", "hello")
+
+
+def test_double_interrupt_during_an_answer_exits_130(colichat_home):
+    p = start(colichat_home, [*LONG, "--session", "s"])
+    p.stdin.write(lines("hello", "not answered").encode())
+    p.stdin.flush()
+    head = read_until(p.stdout)
+    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGINT)  # the second one stops at once, wherever the program is
+    run = finish(p, head).exits(130)
+    assert run.errors() == []
+
+
+def test_double_interrupt_while_starting_exits_130(colichat_home):
+    """Ctrl-C twice during the imports (most of a start): exit 130, no traceback. `-X importtime`
+    reports each import as it ends, so the signals arrive while numpy is being imported."""
+    p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "colichat.cli", *TINY_ARGS],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env_for(colichat_home), cwd=str(colichat_home))
+    head = read_until(p.stderr, b"numpy._core")  # a module numpy imports first
+    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGINT)
+    run = finish(p, head_err=head).exits(130)
+    assert run.out == b"" and "loaded in" not in run.err
 
 
 # ---- the default model (SmolLM2-135M-Instruct) ----------------------------------------------------

@@ -92,10 +92,16 @@ def test_bit_flip_in_records_drops_that_turn_and_later(saved):
     assert len(res.warnings) == 1 and "checksum" in res.warnings[0] and "turns 3-5" in res.warnings[0]
 
 
-def test_bit_flip_in_header_is_refused(saved):
+def test_bit_flip_in_header_is_reported_as_damage(saved):
+    """The sidecar's fingerprint says this model saved the session: a header that disagrees is damaged."""
     store, directory, _, _ = saved
     patch_file(directory / "d.coli_kv", 8, struct.pack("<i", 3 ^ 0x40))
-    with pytest.raises(SessionError, match="another model"):
+    with pytest.raises(SessionError) as e:
+        load(store)
+    assert str(e.value) == (f"session d is damaged: the header of {directory / 'd.coli_kv'} disagrees with its "
+                            "sidecar (n_layer 67 (sidecar: 3)); it cannot be loaded")
+    patch_file(directory / "d.coli_kv", 0, b"COLIGQA\0")  # a valid magic of the other kind: damage too
+    with pytest.raises(SessionError, match=r"session d is damaged: .*\(kind gqa \(sidecar: mla\), n_layer 67"):
         load(store)
 
 

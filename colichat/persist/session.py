@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives ident
 from .kvfile import (
     HEADER_SIZE,
     INT32_MAX,
+    KIND_OF_MAGIC,
     MAGIC,
     CacheLayout,
     SessionBusy,
@@ -208,7 +209,7 @@ def _span(turns: list[Turn], i: int) -> str:
 class Session:
     """One open session, holding its writer lock until `close`."""
 
-    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int):
+    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None):
         self.directory = str(directory)
         self.name = name
         self.ident = dict(ident)
@@ -300,18 +301,21 @@ class Session:
             raise SessionError(f"could not create session {self.name}: {why}; nothing was "
                                "written (free some space; the next save retries)") from None
 
-    @classmethod
-    def open(cls, directory, name: str, ident: dict, layout: CacheLayout) -> Session:
-        """An existing session, locked for writing; `load` it before saving to it."""
+    def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
+        """An existing session, locked for writing; `load` it before saving to it. `read_only`
+        (a read-only file system): no lock, the file opened for reading; saving to it fails."""
         base = os.path.join(str(directory), name)
         if lstat_regular(base + KV_EXT, "session file") is None:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
         lstat_regular(base + SIDECAR_EXT, "sidecar")
-        s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, None if read_only else _lock(base + ".lock", name))
         try:
-            fd = open_file(s.kv_path, "session file", os.O_RDWR)
-            check_writable(fd, s.kv_path, "session file")
-            s._kv_fd = fd
+            if read_only:
+                s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
+            else:
+                fd = open_file(s.kv_path, "session file", os.O_RDWR)
+                check_writable(fd, s.kv_path, "session file")
+                s._kv_fd = fd
         except BaseException:
             s.close()
             raise
@@ -349,6 +353,9 @@ class Session:
             raise ValueError(f"session {self.name} is closed")
         self.layout.check_cache(cache)
         header, size = read_header(self._kv_fd, self.kv_path)
+        doc = self._read_sidecar()  # first: the model that saved it tells damage from another model's file
+        if doc is not None and (header.magic != MAGIC[self.layout.kind] or header.mismatches(self.layout)):
+            self._check_header_against(doc, header)
         if header.magic != MAGIC[self.layout.kind]:
             raise SessionError(f"session {self.name} holds a cache of another kind of model "
                                f"(magic {header.magic!r}, this model needs {MAGIC[self.layout.kind]!r}); "
@@ -357,7 +364,6 @@ class Session:
         if bad:
             raise SessionError(f"session {self.name} was saved by another model ({', '.join(bad)}); "
                                "start a new session with /reset")
-        doc = self._read_sidecar()
         warnings: list[str] = []
         if doc is not None and doc.get("settings damaged"):
             warnings.append("the sidecar's settings do not match their checksum: the saved sampler "
@@ -397,6 +403,17 @@ class Session:
         self._loaded = True
         ms = (time.perf_counter() - t0) * 1000
         return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler))
+
+    def _check_header_against(self, doc: dict, header) -> None:
+        """A header that disagrees with the layout its own sidecar recorded is damaged (SessionError)."""
+        saved = doc.get("layout") if isinstance(doc.get("layout"), dict) else {}
+        got = {"kind": KIND_OF_MAGIC[header.magic], "n_layer": header.n_layer, "a_width": header.a_width,
+               "b_width": header.b_width, "vocab": header.vocab, "index_hd": header.index_hd,
+               "n_index_layers": header.n_index_layers}
+        bad = [f"{k} {v} (sidecar: {saved.get(k)})" for k, v in got.items() if saved.get(k) != v]
+        if bad:
+            raise SessionError(f"session {self.name} is damaged: the header of {self.kv_path} disagrees with "
+                               f"its sidecar ({', '.join(bad)}); it cannot be loaded")
 
     def _listed_prefix(self, doc, nrec: int, size: int, warnings: list[str]):
         """(turns, crcs, records to read): the sidecar's turns that lie within the whole records
@@ -473,7 +490,7 @@ class Session:
             os.close(fd)
         try:
             doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting too deep
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
                 or not isinstance(doc.get("model"), dict) or doc["format"] < 1:

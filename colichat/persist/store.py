@@ -302,8 +302,8 @@ class Store:
             raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
                                 "or choose another name") from None
 
-    def open(self, ident: dict, name: str, layout: CacheLayout) -> Session:
-        """An existing session of this model, locked for writing; load it next."""
+    def open(self, ident: dict, name: str, layout: CacheLayout, read_only: bool = False) -> Session:
+        """An existing session of this model, locked for writing (or `read_only`); load it next."""
         directory = self.model_dir(ident)
         check_name(name)
         if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
@@ -312,7 +312,7 @@ class Store:
                 raise SessionError(f"session {name} belongs to another model ({', '.join(others)}); "
                                    "start colichat with that model to resume it")
         self._refuse_damaged(directory, name)
-        return Session.open(directory, name, ident, layout)
+        return Session.open(directory, name, ident, layout, read_only)
 
     @staticmethod
     def _refuse_damaged(directory: Path, name: str) -> None:
