@@ -316,6 +316,8 @@ class Conversation:
         """Long prompts (past 512 tokens) go in steps of 256: progress can be shown, and a stop
         request drops the message instead of waiting for the whole prompt."""
         step = 256 if len(ids) > 512 else len(ids)
+        if on_progress:
+            on_progress(0, len(ids))
         for i in range(0, len(ids), step):
             logits = self.model.prefill(ids[i : i + step], all_logits=False)[-1]
             if on_progress and step < len(ids):

@@ -66,22 +66,54 @@ def settings_from(args) -> Settings:
     return out
 
 
+class StatusLine:
+    """One transient line on a terminal's stderr (progress, "reading ..."): shown in place and
+    cleared before anything else is printed, so it never runs into the next message. It is cut
+    to the terminal's width (a wrapped line could not be cleared). Off a terminal it shows nothing."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if not self.tty:
+            return
+        try:
+            width = os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError):
+            width = 80
+        self.stream.write("\r\033[K" + text[: max(1, width - 1)])
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
+
+
 class App:
     """What commands act on: the conversation, and the two output streams."""
 
-    def __init__(self, conv: Conversation, interactive: bool):
+    def __init__(self, conv: Conversation, interactive: bool, status: StatusLine | None = None):
         self.conv = conv
         self.interactive = interactive
         self.quitting = False
         self.errors = 0
         self.output_closed = False  # stdout's reader went away (broken pipe)
+        self.status = status or StatusLine()
+        self.hushed = False  # Ctrl-C: the rest of the answer is not shown
 
     def say(self, line: str) -> None:
+        self.status.clear()
         print(line, file=sys.stderr, flush=True)
 
     def out(self, text: str) -> None:
-        if self.output_closed:
+        if self.output_closed or self.hushed:
             return
+        self.status.clear()
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -96,33 +128,46 @@ class App:
             except (OSError, ValueError):
                 pass
 
+    def interrupted(self) -> None:
+        """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of it."""
+        self.conv.stop_requested = True
+        self.hushed = True
+
     def quit(self) -> None:
         self.quitting = True
 
     def answer(self, text: str) -> None:
-        progress = self._prefill_progress if sys.stderr.isatty() else None
-        _, stats = self.conv.ask(text, on_text=self.out, on_progress=progress)
+        self.status.show("reading your message ...")
+        _, stats = self.conv.ask(text, on_text=self.out, on_progress=self._prefill_progress)
+        self.hushed = False
         self.out("\n")
         self.say(self.conv.footer(stats))
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
     def _prefill_progress(self, done: int, total: int) -> None:
-        sys.stderr.write(f"\rprefill {done}/{total} tokens" + ("\n" if done == total else ""))
-        sys.stderr.flush()
+        if done == 0:
+            self.status.show(f"reading your message ({total:,} tokens) ...")
+        else:
+            self.status.show(f"reading your message: {done:,}/{total:,} tokens ...")
 
     def handle(self, line: str) -> None:
         """One input: a command or a message. Errors print one line and count."""
+        self.hushed = False
         try:
             if is_command(line):
+                self.status.show(BUSY.get(line.split(maxsplit=1)[0].lower(), "working ..."))
                 dispatch(self, line)
             elif line.strip():
                 self.answer(line)
         except (ChatError, SessionError, ModelError, ValueError) as e:
             self.errors += 1
             self.say(f"colichat: {e}")
+        finally:
+            self.status.clear()
 
 
+BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
 
 
 def read_inputs(stream):
@@ -172,21 +217,19 @@ def pipe_mode(app: App, inputs=None) -> int:
     return 1 if app.errors else 0
 
 
-def load_model(args, say):
+def load_model(args, say, status: StatusLine):
     path = args.model or default_model_path()
     t0 = time.perf_counter()
-    tty = sys.stderr.isatty()
+    name = os.path.basename(path)
+    status.show(f"loading {name} ...")  # the first start of a model reads its metadata for seconds
 
     def progress(done, total):
-        if tty:
-            sys.stderr.write(f"\rloading {os.path.basename(path)}: layer {done}/{total}")
-            sys.stderr.flush()
+        status.show(f"loading {name}: layer {done}/{total}")
 
     notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
                  expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics)
-    if tty:
-        sys.stderr.write("\r\033[K")
+    status.clear()
     cfg = model.cfg
     say(f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}, loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
@@ -200,7 +243,10 @@ def load_model(args, say):
 def main(argv=None) -> int:
     args = parse_args(argv)
 
+    status = StatusLine()
+
     def say(line):
+        status.clear()
         print(line, file=sys.stderr, flush=True)
 
     if hasattr(sys.stdout, "reconfigure"):
@@ -209,17 +255,19 @@ def main(argv=None) -> int:
         if args.prompt is not None and not args.prompt.strip():
             raise ValueError("-p/--prompt needs a message")
         settings = settings_from(args)
-        model = load_model(args, say)
+        model = load_model(args, say, status)
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session)
     except (ModelError, DefaultModelMissing, SessionError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
+        status.clear()
         return 130
     interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
-    app = App(conv, interactive)
+    app = App(conv, interactive, status)
     try:
         if args.resume:
+            status.show(BUSY["/resume"])
             say(conv.resume(args.session))
         else:
             if args.session and not args.no_save:

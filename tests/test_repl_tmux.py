@@ -124,3 +124,68 @@ def test_interactive_session(tmux_chat):
     t.wait_for(lambda s: "input cleared" in s, 10, "the Ctrl-C hint")
     t.keys("C-d")
     t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
+
+
+# ---- feedback on every wait -------------------------------------------------------------------------
+
+
+def gated_chat(home, args: str, log) -> Tmux:
+    """colichat in tmux, started only once everything it writes is recorded to `log` (the raw bytes,
+    escapes included, in order: what a transient status line showed stays there after it is cleared)."""
+    t = Tmux(f"read _; COLICHAT_HOME={home} {sys.executable} -m colichat.cli {args}; echo EXITED $?; sleep 600")
+    subprocess.run(["tmux", "pipe-pane", "-t", t.name, "-o", f"cat >> {log}"], check=True)
+    t.keys("Enter")
+    return t
+
+
+def lines_of(screen: str) -> list[str]:
+    return [line.rstrip() for line in screen.splitlines() if line.strip()]
+
+
+def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home, tmp_path):
+    log = tmp_path / "raw.log"
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log)
+    try:
+        # the first start of a model (metadata read, weights dequantized): a loading line at once,
+        # replaced by the banner
+        screen = t.wait_for(lambda s: "Type a message" in s, 300, "the prompt")
+        raw = log.read_bytes()
+        assert b"loading SmolLM2-135M-Instruct.Q4_1.gguf ..." in raw
+        assert raw.index(b"loading SmolLM2") < raw.index(b"(llama, 30 layers)")
+        assert b": layer 30/30" in raw
+        assert not any(line.startswith("loading") for line in lines_of(screen))
+
+        # a short message: its token count shows until the answer starts, then is gone
+        t.type("Name a color.")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), 120,
+                            "the first answer")
+        assert re.search(rb"reading your message \(\d+ tokens\) \.\.\.", log.read_bytes())
+        assert "reading your message" not in screen
+
+        # a long message shows its progress; Ctrl-C drops it, and the error line starts clean
+        t.type("Please summarize the following notes. " + "The river flows past the old mill. " * 160)
+        t.keys("Enter")
+        t.wait_for(lambda s: "reading your message: 256/" in s, 300, "the progress of a long message")
+        t.keys("C-c")
+        screen = t.wait_for(lambda s: "interrupted while reading the message" in s and s.rstrip().endswith(">"),
+                            300, "the interrupted message")
+        shown = lines_of(screen)
+        error = next(line for line in shown if "interrupted while reading" in line)
+        assert error == "colichat: interrupted while reading the message; it was not sent"
+        assert not any("reading your message" in line for line in shown)
+
+        # /resume (a file read from disk) shows what it does until the result line
+        t.type("/reset")
+        t.keys("Enter")
+        t.wait_for(lambda s: "new conversation" in s, 30, "/reset")
+        t.type("/resume")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: re.search(r"^resumed \d+ tokens", s, re.M), 60, "/resume")
+        raw = log.read_bytes()
+        assert raw.rindex(b"reading the conversation from disk ...") < raw.rindex(b"resumed ")
+        assert not any("reading the conversation" in line for line in lines_of(screen))
+        t.keys("C-d")
+        t.wait_for(lambda s: "EXITED 0" in s, 60, "a clean exit")
+    finally:
+        t.close()
