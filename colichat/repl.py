@@ -1,21 +1,33 @@
 """The interactive terminal: a prompt_toolkit session with history, Tab completion of commands,
-Esc-Enter or a \"\"\" block for multi-line input, streaming answers, Ctrl-C to stop an answer.
+multi-line input (Esc-Enter, or a \"\"\" block), streaming answers, Ctrl-C to stop an answer.
+
+Multi-line input is one prompt_toolkit buffer: Enter inside an open \"\"\" block inserts a newline,
+so a block is one entry in the history (Up recalls it whole) and its lines show a `... ` prompt.
+While an answer streams the terminal does not echo: keys typed then wait in the terminal's input
+queue and become the start of the next prompt (type-ahead, as in a shell).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import signal
+import sys
 
 from prompt_toolkit import PromptSession
+from prompt_toolkit.application.current import get_app
 from prompt_toolkit.completion import Completer, Completion
+from prompt_toolkit.filters import Condition
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from .commands import Message, completions
+from .commands import completions
 from .paths import paths
 
 PROMPT = "> "
 CONTINUATION = "... "
+FENCE = '"""'
 
 
 class SlashCompleter(Completer):
@@ -29,12 +41,38 @@ class SlashCompleter(Completer):
             yield Completion(option, start_position=-len(text))
 
 
+def open_block(text: str) -> bool:
+    """Whether `text` is a \"\"\" block still waiting for its closing \"\"\" line."""
+    lines = text.split("\n")
+    return lines[0].strip() == FENCE and (len(lines) == 1 or lines[-1].strip() != FENCE)
+
+
 def _bindings() -> KeyBindings:
     kb = KeyBindings()
+    in_block = Condition(lambda: open_block(get_app().current_buffer.text))
 
     @kb.add("escape", "enter")
     def _newline(event):
         event.current_buffer.insert_text("\n")
+
+    @kb.add("enter", filter=in_block)
+    def _block_newline(event):
+        event.current_buffer.insert_text("\n")
+
+    @kb.add("c-d", filter=in_block)
+    def _end_block(event):
+        """Ctrl-D in a block ends it (the closing line is added, so the history holds a whole block)."""
+        buf = event.current_buffer
+        buf.text = buf.text.rstrip("\n") + "\n" + FENCE
+        buf.validate_and_handle()
+
+    @kb.add("c-c")
+    def _interrupt(event):
+        """Ctrl-C at the prompt drops the line, which stays on screen marked `^C` (as in a shell)."""
+        buf = event.current_buffer
+        buf.text += "^C"
+        buf.cursor_position = len(buf.text)
+        event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
 
     return kb
 
@@ -49,39 +87,73 @@ def _history():
         return InMemoryHistory()
 
 
+def _continuation(width, line_number, wrap_count):
+    return CONTINUATION
+
+
+def make_session() -> PromptSession:
+    return PromptSession(history=_history(), completer=SlashCompleter(), key_bindings=_bindings(),
+                         complete_while_typing=False, prompt_continuation=_continuation)
+
+
 def read_input(session: PromptSession) -> str:
-    """One input: a line, an Esc-Enter multi-line text, or the lines between two \"\"\" lines."""
+    """One input: a line, an Esc-Enter multi-line text, or a \"\"\" block (as a Message, even if
+    it starts with "/"; an empty block is the empty input)."""
     text = session.prompt(PROMPT)
-    if text.strip() != '"""':
+    if text.split("\n", 1)[0].strip() != FENCE:
         return text
-    lines = []
-    while True:
-        line = session.prompt(CONTINUATION)
-        if line.strip() == '"""':
-            return Message("\n".join(lines))  # a message even if it starts with "/"
-        lines.append(line)
+    from .cli import read_inputs  # the one parser of \"\"\" blocks (pipe mode reads them too)
+
+    inputs = list(read_inputs(io.StringIO(text + "\n")))
+    return inputs[0] if inputs else ""
+
+
+@contextlib.contextmanager
+def keys_wait():
+    """No echo and no line editing on the terminal while an answer streams: typed keys wait in the
+    input queue for the next prompt. Ctrl-C still raises SIGINT."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        old = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    new = list(old)
+    new[3] &= ~(termios.ECHO | termios.ICANON)
+    new[6] = list(old[6])
+    new[6][termios.VMIN], new[6][termios.VTIME] = 1, 0
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, new)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            termios.tcsetattr(fd, termios.TCSANOW, old)  # TCSANOW: the typed-ahead keys stay queued
 
 
 def run(app) -> int:
     """The REPL loop until Ctrl-D or /quit."""
-    session = PromptSession(history=_history(), completer=SlashCompleter(), key_bindings=_bindings(),
-                            complete_while_typing=False)
-    app.say('Type a message, /help for commands, Esc-Enter for a newline, Ctrl-D to quit.')
+    session = make_session()
+    app.say(f'Type a message, /help for commands, Esc-Enter or a {FENCE} line for several lines, Ctrl-D to quit.')
 
     def on_sigint(signum, frame):
-        app.conv.stop_requested = True  # ends the answer after the current token
+        if not app.conv.stop_requested:
+            with contextlib.suppress(OSError):
+                os.write(sys.stdout.fileno(), b"^C")  # the terminal does not echo it while keys wait
+        app.interrupted()  # the answer ends after the current token and shows nothing more
 
     while not app.quitting:
         try:
             text = read_input(session)
         except KeyboardInterrupt:
-            app.say("(input cleared; Ctrl-D or /quit exits)")
             continue
         except EOFError:
             break
         old = signal.signal(signal.SIGINT, on_sigint)
         try:
-            app.handle(text)
+            with keys_wait():
+                app.handle(text)
         except KeyboardInterrupt:
             app.say("(interrupted)")
         finally:

@@ -118,10 +118,10 @@ def test_interactive_session(tmux_chat):
     screen = t.wait_for(lambda s: "user> /not a command" in s, 10, "the block as a message in /history")
     assert "user> Say yes.\nOnly yes." in screen
 
-    # Ctrl-C at the prompt clears the line; Ctrl-D quits cleanly
+    # Ctrl-C at the prompt drops the line (it stays on screen marked ^C, as in a shell); Ctrl-D quits cleanly
     t.type("some text")
     t.keys("C-c")
-    t.wait_for(lambda s: "input cleared" in s, 10, "the Ctrl-C hint")
+    screen = t.wait_for(lambda s: s.rstrip().endswith("> some text^C\n>"), 10, "the dropped line and a new prompt")
     t.keys("C-d")
     t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
 
@@ -187,5 +187,88 @@ def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home,
         assert not any("reading the conversation" in line for line in lines_of(screen))
         t.keys("C-d")
         t.wait_for(lambda s: "EXITED 0" in s, 60, "a clean exit")
+    finally:
+        t.close()
+
+
+# ---- keys while an answer streams, multi-line input --------------------------------------------------
+
+
+def answer_after(screen: str, question: str) -> list[str]:
+    """The screen lines between the last `> question` line and the footer that follows it."""
+    shown = screen.splitlines()
+    start = max(i for i, line in enumerate(shown) if line.rstrip() == f"> {question}")
+    end = next(i for i in range(start + 1, len(shown)) if FOOTER.search(shown[i]))
+    return shown[start + 1:end]
+
+
+def streaming(screen: str, question: str) -> bool:
+    """Whether the answer to `question` has started to show (a few words, the status line aside)."""
+    if f"> {question}" not in screen:
+        return False
+    after = [line for line in screen.split(f"> {question}", 1)[1].splitlines() if "reading your message" not in line]
+    return len(" ".join(after).split()) > 3
+
+
+def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_path):
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 40", tmp_path / "raw.log")
+    try:
+        t.wait_for(lambda s: "Type a message" in s, 300, "the prompt")
+
+        # type-ahead: keys typed during the answer are not echoed into it; they are the next prompt's text
+        question = "Write a long story about a dragon who lived in a castle."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: streaming(s, question), 120, "the answer to stream")
+        t.type("next question")
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith("> next question"),
+                            300, "the footer and the typed-ahead text at the prompt")
+        assert "next question" not in "\n".join(answer_after(screen, question))
+        t.keys("C-u")  # drop it
+        t.wait_for(lambda s: s.rstrip().endswith(">"), 10, "an empty prompt")
+
+        # Ctrl-C while streaming: ^C, then nothing more of the answer; the footer on its own line
+        question = "Tell me a long story about a brave knight."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: streaming(s, question), 120, "the answer to stream")
+        t.keys("C-c")
+        screen = t.wait_for(lambda s: "interrupted;" in s and s.rstrip().endswith(">"), 120, "the interrupted footer")
+        shown = answer_after(screen, question)
+        assert shown[-1].endswith("^C") and screen.count("^C") == 1
+
+        # a """ block: `... ` on its lines; Ctrl-D inside it ends the block (sent, not quit)
+        t.type('"""')
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("..."), 10, "the block's continuation prompt")
+        t.type("Say yes.")
+        t.keys("Enter")
+        t.type("Only yes.")
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 3 and s.rstrip().endswith(">"), 120,
+                            "the block's answer")
+        assert '> """\n... Say yes.\n... Only yes.\n... """\n' in screen
+
+        # Up recalls the whole block as one entry; Enter sends it again
+        t.keys("Up")
+        t.wait_for(lambda s: s.rstrip().endswith('> """\n... Say yes.\n... Only yes.\n... """'), 10,
+                   "the block recalled whole")
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 4 and s.rstrip().endswith(">"), 120, "the second answer")
+        t.type("/history")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: "assistant> " in s.split("/history")[-1] and s.rstrip().endswith(">"), 10,
+                            "/history")
+        assert screen.split("> /history")[-1].count("user> Say yes.\nOnly yes.\n") == 2
+
+        # an empty block ended with Ctrl-D sends nothing; Ctrl-D on an empty prompt quits
+        t.type('"""')
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("..."), 10, "the block prompt")
+        t.keys("C-d")
+        t.wait_for(lambda s: s.rstrip().endswith('... """\n>'), 10, "a new prompt")
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: "EXITED 0" in s, 60, "a clean exit")
+        assert len(FOOTER.findall(screen)) == 4
     finally:
         t.close()
