@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from .engine import Model, Sampler, SamplerSettings
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
+from .units import format_size
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
@@ -193,7 +194,7 @@ class Conversation:
         if self.session and self.session.name == name:
             raise ChatError(f"session {name} is the current conversation: /reset first, then /delete {name}")
         freed = self.store.delete(self.ident, name)
-        return f"deleted session {name} ({freed / 1e6:.1f} MB)"
+        return f"deleted session {name} ({format_size(freed)})"
 
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
@@ -407,10 +408,10 @@ class Conversation:
     def stats_lines(self) -> list[str]:
         cache = self.model.cache
         lines = [f"context: {self.n_tokens} of {self.model.n_ctx} tokens, {self.exchanges()} exchange(s)",
-                 f"KV cache: {cache.kv_bytes_per_token:,} bytes/token, "
-                 f"{self.n_tokens * cache.record_bytes / 1e6:.2f} MB in use"]
+                 f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
+                 f"{format_size(self.n_tokens * cache.record_bytes)} in use"]
         if self.session:
-            lines.append(f"session {self.session.name}: {self.disk_bytes() / 1e6:.2f} MB on disk")
+            lines.append(f"session {self.session.name}: {format_size(self.disk_bytes())} on disk")
         else:
             lines.append("session: not saved yet" if self.store else "session: saving is off (--no-save)")
         s = self.last_stats

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from .engine import ModelError, SamplerSettings, load
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
 from .persist import SessionError
+from .wrap import WordWrap
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "slow, for checking against llama.cpp)")
     p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
+    p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
     return p.parse_args(argv)
@@ -105,6 +108,8 @@ class App:
         self.output_closed = False  # stdout's reader went away (broken pipe)
         self.status = status or StatusLine()
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
+        self.wrap = WordWrap(_columns) if interactive else None  # the REPL wraps answers at word boundaries
+        self.dim = sys.stderr.isatty()  # the footer is dim, apart from the answer
 
     def say(self, line: str) -> None:
         self.status.clear()
@@ -114,6 +119,8 @@ class App:
         if self.output_closed or self.hushed:
             return
         self.status.clear()
+        if self.wrap:
+            text = self.wrap.feed(text)
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -129,7 +136,15 @@ class App:
                 pass
 
     def interrupted(self) -> None:
-        """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of it."""
+        """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of
+        it. The terminal shows `^C` after the last word received (it does not echo while an answer
+        streams)."""
+        if not self.hushed:
+            shown = (self.wrap.flush() if self.wrap else "") + "^C"
+            if self.wrap:
+                self.wrap.col += 2
+            with contextlib.suppress(OSError, ValueError):
+                os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
         self.conv.stop_requested = True
         self.hushed = True
 
@@ -138,10 +153,17 @@ class App:
 
     def answer(self, text: str) -> None:
         self.status.show("reading your message ...")
-        _, stats = self.conv.ask(text, on_text=self.out, on_progress=self._prefill_progress)
-        self.hushed = False
-        self.out("\n")
-        self.say(self.conv.footer(stats))
+        try:
+            _, stats = self.conv.ask(text, on_text=self.out, on_progress=self._prefill_progress)
+        finally:
+            self.hushed = False
+            if self.wrap:
+                self.out(self.wrap.flush() + "\n" if self.wrap.col or self.wrap.word else "")
+                self.wrap.reset()
+        if not self.wrap:
+            self.out("\n")
+        footer = self.conv.footer(stats)
+        self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
@@ -165,6 +187,13 @@ class App:
             self.say(f"colichat: {e}")
         finally:
             self.status.clear()
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (OSError, ValueError):
+        return 80
 
 
 BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
@@ -217,6 +246,15 @@ def pipe_mode(app: App, inputs=None) -> int:
     return 1 if app.errors else 0
 
 
+def model_title(name: str, path: str) -> str:
+    """The model in a few words: its general.name when that is short, else the file's name."""
+    file = os.path.basename(path)
+    stem = file[:-5] if file.lower().endswith(".gguf") else file
+    if name and name != file and len(name.split()) <= 4 and len(name) <= 40:
+        return name
+    return stem
+
+
 def load_model(args, say, status: StatusLine):
     path = args.model or default_model_path()
     t0 = time.perf_counter()
@@ -231,7 +269,9 @@ def load_model(args, say, status: StatusLine):
                  expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics)
     status.clear()
     cfg = model.cfg
-    say(f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}, loaded in {time.perf_counter() - t0:.1f} s")
+    where = f" from {path}" if args.verbose else ""
+    say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
+        f"loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
     if model.numerics != "fast":
         say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp)")

@@ -272,3 +272,65 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
         assert len(FOOTER.findall(screen)) == 4
     finally:
         t.close()
+
+
+# ---- display -------------------------------------------------------------------------------------
+
+
+def raw_lines(t: Tmux, escapes: bool = False) -> list[str]:
+    """The screen's lines as the terminal shows them (not joined where the terminal wrapped)."""
+    out = subprocess.run(["tmux", "capture-pane", "-p", *(["-e"] if escapes else []), "-S", "-200", "-t", t.name],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def shown_answer(t: Tmux, question: str) -> list[str]:
+    shown = raw_lines(t)
+    start = max(i for i, line in enumerate(shown) if line.rstrip() == f"> {question}")
+    end = next(i for i in range(start + 1, len(shown)) if shown[i].startswith("["))
+    return [line.rstrip() for line in shown[start + 1:end]]
+
+
+def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tmp_path):
+    from cli_helpers import saved_answers
+
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 70 --session w", tmp_path / "raw.log")
+    try:
+        subprocess.run(["tmux", "resize-window", "-t", t.name, "-x", "50", "-y", "60"], check=True)
+        t.wait_for(lambda s: "Type a message" in s, 300, "the prompt")
+
+        # the answer breaks at spaces, never inside a word, within the 50 columns
+        question = "Describe a dragon."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), 300, "the answer")
+        answer = saved_answers(colichat_home, "w")[0]
+        shown = shown_answer(t, question)
+        assert " ".join(shown).split() == answer.split()
+        assert all(len(line) <= 50 for line in shown) and len(shown) > answer.count("\n") + 1
+
+        # the footer is dim, on its own line
+        footer = next(line for line in raw_lines(t, escapes=True) if "tokens, " in line and "tok/s" in line)
+        assert footer.startswith("\x1b[2m[")
+
+        # after a resize, new text wraps to the new width
+        subprocess.run(["tmux", "resize-window", "-t", t.name, "-x", "90", "-y", "60"], check=True)
+        question = "Describe a castle."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 2 and s.rstrip().endswith(">"), 300, "the second answer")
+        answer = saved_answers(colichat_home, "w")[1]
+        shown = shown_answer(t, question)
+        assert " ".join(shown).split() == answer.split()
+        assert all(len(line) <= 90 for line in shown) and max(len(line) for line in shown) > 50
+
+        # Esc-Enter: the next line of the message shows the continuation prompt
+        t.type("Say yes.")
+        t.keys("Escape", "Enter")
+        t.type("Only yes.")
+        t.wait_for(lambda s: s.rstrip().endswith("> Say yes.\n... Only yes."), 10, "the continuation prompt")
+        t.keys("C-c")
+        t.keys("C-d")
+        t.wait_for(lambda s: "EXITED 0" in s, 60, "a clean exit")
+    finally:
+        t.close()

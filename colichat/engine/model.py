@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..units import format_size
 from .attention import gqa_attention, mla_absorbed, mla_naive, prefer_naive
 from .cache import KVCache
 from .ffn import ExpertCache, Routing, moe, route, swiglu
@@ -201,7 +202,7 @@ class MemoryEstimate:
         s = f"weights {mib(self.dense)}"
         if self.experts_f32:
             s += f" + expert cache <= {mib(self.experts)} (all experts as f32: {mib(self.experts_f32)})"
-        s += f" + KV {self.kv_per_token:,} B/token x {self.n_ctx} = {mib(self.kv_per_token * self.n_ctx)}"
+        s += f" + KV {format_size(self.kv_per_token)}/token x {self.n_ctx:,} = {mib(self.kv_per_token * self.n_ctx)}"
         return s + f"; total <= {mib(self.total)}"
 
 

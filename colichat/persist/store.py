@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..paths import Paths, paths  # noqa: F401  (re-exported)
+from ..units import format_size
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
@@ -194,12 +195,12 @@ class SessionInfo:
     path: Path  # the .coli_kv file
 
     def describe(self, now: float | None = None) -> str:
-        """'NAME: 4 turns, 812 tokens, 1.2 MB, 3 h ago' for listings and the start-up notice."""
+        """'NAME: 4 turns, 812 tokens, 1.2 MiB, 3 h ago' for listings and the start-up notice."""
         age = max(0.0, (time.time() if now is None else now) - self.last_used)
         for unit, secs in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
             if age >= secs or unit == "s":
                 break
-        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {self.size / 1e6:.1f} MB, "
+        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {format_size(self.size)}, "
                 f"{int(age // secs)} {unit} ago")
 
 
