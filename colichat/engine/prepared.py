@@ -1,7 +1,7 @@
 """Prepared models: the dequantized weights of a GGUF cached on disk and memory-mapped on later starts.
 
-The first start of a model parses its metadata with gguf-py (over a second for a large vocabulary)
-and dequantizes its dense weights (seconds). Both results are kept in the cache directory:
+The first start of a model parses its metadata (gguf_file.py) and dequantizes its dense weights
+(seconds). Both results are kept in the cache directory:
 
     <cache_dir>/<key>/meta.json     config, tokenizer keys, array index, GGUF tensor locations
     <cache_dir>/<key>/weights.f32   the dense float32 arrays back to back, 64-byte aligned
