@@ -82,10 +82,7 @@ class StatusLine:
     def show(self, text: str) -> None:
         if not self.tty:
             return
-        try:
-            width = os.get_terminal_size(self.stream.fileno()).columns
-        except (OSError, ValueError):
-            width = 80
+        width = _columns(self.stream)
         self.stream.write("\r\033[K" + text[: max(1, width - 1)])
         self.stream.flush()
         self.shown = True
@@ -189,9 +186,10 @@ class App:
             self.status.clear()
 
 
-def _columns() -> int:
+def _columns(stream=None) -> int:
+    """The terminal's width (80 where it is unknown: not a terminal, or one that reports 0)."""
     try:
-        return os.get_terminal_size(sys.stdout.fileno()).columns
+        return os.get_terminal_size((stream or sys.stdout).fileno()).columns or 80
     except (OSError, ValueError):
         return 80
 
@@ -262,7 +260,8 @@ def load_model(args, say, status: StatusLine):
     status.show(f"loading {name} ...")  # the first start of a model reads its metadata for seconds
 
     def progress(done, total):
-        status.show(f"loading {name}: layer {done}/{total}")
+        more = ", keeping the weights for the next start ..." if done == total else ""
+        status.show(f"loading {name}: layer {done}/{total}{more}")
 
     notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",

@@ -129,10 +129,10 @@ def test_interactive_session(tmux_chat):
 # ---- feedback on every wait -------------------------------------------------------------------------
 
 
-def gated_chat(home, args: str, log) -> Tmux:
+def gated_chat(home, args: str, log, module: str = "colichat.cli") -> Tmux:
     """colichat in tmux, started only once everything it writes is recorded to `log` (the raw bytes,
     escapes included, in order: what a transient status line showed stays there after it is cleared)."""
-    t = Tmux(f"read _; COLICHAT_HOME={home} {sys.executable} -m colichat.cli {args}; echo EXITED $?; sleep 600")
+    t = Tmux(f"read _; COLICHAT_HOME={home} {sys.executable} -m {module} {args}; echo EXITED $?; sleep 600")
     subprocess.run(["tmux", "pipe-pane", "-t", t.name, "-o", f"cat >> {log}"], check=True)
     t.keys("Enter")
     return t
@@ -144,15 +144,17 @@ def lines_of(screen: str) -> list[str]:
 
 def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home, tmp_path):
     log = tmp_path / "raw.log"
-    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log)
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log, module="colichat.launch")
     try:
-        # the first start of a model (metadata read, weights dequantized): a loading line at once,
-        # replaced by the banner
+        # the first start of a model (imports, metadata read, weights dequantized and kept): a line
+        # at once, then the loading progress, replaced by the banner
         screen = t.wait_for(lambda s: "Type a message" in s, 300, "the prompt")
         raw = log.read_bytes()
+        assert raw.lstrip().startswith(b"starting colichat ...")
         assert b"loading SmolLM2-135M-Instruct.Q4_1.gguf ..." in raw
         assert raw.index(b"loading SmolLM2") < raw.index(b"(llama, 30 layers)")
-        assert b": layer 30/30" in raw
+        assert b": layer 30/30, keeping the weights for the next start ..." in raw
+        assert not any(line.startswith("starting") for line in lines_of(screen))
         assert not any(line.startswith("loading") for line in lines_of(screen))
 
         # a short message: its token count shows until the answer starts, then is gone
