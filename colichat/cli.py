@@ -138,7 +138,7 @@ class App:
         streams)."""
         if not self.hushed:
             shown = (self.wrap.flush() if self.wrap else "") + "^C"
-            if self.wrap:
+            if self.wrap and not self.status.shown:  # (on a status line, ^C goes with it)
                 self.wrap.col += 2
             with contextlib.suppress(OSError, ValueError):
                 os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
