@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import signal
 import sys
 
@@ -22,22 +21,26 @@ from prompt_toolkit.filters import Condition
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
+from . import inputs
 from .commands import completions
 from .paths import paths
 
 PROMPT = "> "
 CONTINUATION = "... "
-FENCE = '"""'
+FENCE = inputs.FENCE
 
 
 class SlashCompleter(Completer):
-    """Completes command names (and /set keys) from the command table."""
+    """Completes what commands.completions offers: command names, /set keys, session names."""
+
+    def __init__(self, app=None):
+        self.app = app
 
     def get_completions(self, document, complete_event):
         text = document.text_before_cursor
         if not text.startswith("/"):
             return
-        for option in completions(text):
+        for option in completions(text, self.app):
             yield Completion(option, start_position=-len(text))
 
 
@@ -91,8 +94,8 @@ def _continuation(width, line_number, wrap_count):
     return CONTINUATION
 
 
-def make_session() -> PromptSession:
-    return PromptSession(history=_history(), completer=SlashCompleter(), key_bindings=_bindings(),
+def make_session(app) -> PromptSession:
+    return PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
                          complete_while_typing=False, prompt_continuation=_continuation)
 
 
@@ -102,10 +105,8 @@ def read_input(session: PromptSession) -> str:
     text = session.prompt(PROMPT)
     if text.split("\n", 1)[0].strip() != FENCE:
         return text
-    from .cli import read_inputs  # the one parser of \"\"\" blocks (pipe mode reads them too)
-
-    inputs = list(read_inputs(io.StringIO(text + "\n")))
-    return inputs[0] if inputs else ""
+    found = list(inputs.inputs_of(io.StringIO(text)))  # the one reader of \"\"\" blocks
+    return found[0] if found else ""
 
 
 @contextlib.contextmanager
@@ -134,14 +135,11 @@ def keys_wait():
 
 def run(app) -> int:
     """The REPL loop until Ctrl-D or /quit."""
-    session = make_session()
+    session = make_session(app)
     app.say(f'Type a message, /help for commands, Esc-Enter or a {FENCE} line for several lines, Ctrl-D to quit.')
 
     def on_sigint(signum, frame):
-        if not app.conv.stop_requested:
-            with contextlib.suppress(OSError):
-                os.write(sys.stdout.fileno(), b"^C")  # the terminal does not echo it while keys wait
-        app.interrupted()  # the answer ends after the current token and shows nothing more
+        app.interrupted()  # ^C shown; the answer ends after the current token and shows nothing more
 
     while not app.quitting:
         try:
