@@ -111,8 +111,8 @@ def read_input(session: PromptSession) -> str:
 
 @contextlib.contextmanager
 def keys_wait():
-    """No echo and no line editing on the terminal while an answer streams: typed keys wait in the
-    input queue for the next prompt. Ctrl-C still raises SIGINT."""
+    """No echo and no line editing on the terminal outside prompt_toolkit's prompts (while an answer
+    streams): typed keys wait in the input queue for the next prompt. Ctrl-C still raises SIGINT."""
     try:
         import termios
 
@@ -141,19 +141,19 @@ def run(app) -> int:
     def on_sigint(signum, frame):
         app.interrupted()  # ^C shown; the answer ends after the current token and shows nothing more
 
-    while not app.quitting:
-        try:
-            text = read_input(session)
-        except KeyboardInterrupt:
-            continue
-        except EOFError:
-            break
-        old = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            with keys_wait():
+    with keys_wait():  # also between prompts: a key typed as a prompt ends is never echoed out of place
+        while not app.quitting:
+            try:
+                text = read_input(session)  # prompt_toolkit's own terminal mode while it reads
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                break
+            old = signal.signal(signal.SIGINT, on_sigint)
+            try:
                 app.handle(text)
-        except KeyboardInterrupt:
-            app.say("(interrupted)")
-        finally:
-            signal.signal(signal.SIGINT, old)
+            except KeyboardInterrupt:
+                app.say("(interrupted)")
+            finally:
+                signal.signal(signal.SIGINT, old)
     return 0
