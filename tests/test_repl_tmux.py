@@ -87,7 +87,7 @@ def test_interactive_session(tmux_chat):
     # Ctrl-C at the prompt drops the line (it stays on screen marked ^C, as in a shell); Ctrl-D quits cleanly
     t.type("some text")
     t.keys("C-c")
-    screen = t.wait_for(lambda s: s.rstrip().endswith("> some text^C\n>"), 10, "the dropped line and a new prompt")
+    t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> some text^C\n>"), 10, "the dropped line and a new prompt")
     t.keys("C-d")
     t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
 
