@@ -183,3 +183,21 @@ def test_blocks_are_read_the_same_way_everywhere():
             raise EOFError from None
 
     assert read_input(prompt) == "first\nsecond"
+
+
+def test_system_given_with_resume_waits_for_the_next_conversation(model, tmp_path):
+    """--resume --system X: the saved conversation was read with its own system prompt; X is kept
+    for the next conversation instead of re-reading the whole history."""
+    model.reset()
+    store = Store(tmp_path / "s")
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4, system="Old."), session_name="sy", store=store)
+    conv.ask("hello")
+    conv.close()
+    model.reset()
+    again = Conversation(model, Settings(system="New.", temperature=0.5), store=store, pinned={"system", "temperature"})
+    again.resume("sy")
+    assert again.settings.system == "Old." and again.options()["system (next)"] == "New."
+    assert again.settings.temperature == 0.5 and again.settings.max_tokens == 4
+    again.reset()
+    assert again.settings.system == "New."
+    again.close()
