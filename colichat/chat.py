@@ -21,6 +21,7 @@ from .engine import Model, Sampler
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, SessionExists, Store, Turn, check_name, model_identity, slug
 from .settings import BY_NAME, Settings, damaged_settings, saved_values
+from .units import format_size
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
@@ -220,7 +221,7 @@ class Conversation:
         if self.session and self.session.name == name:
             raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
         freed = self.store.delete(self.ident, name)
-        return f"deleted session {name} ({freed / 1e6:.1f} MB)"
+        return f"deleted session {name} ({format_size(freed)})"
 
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
@@ -349,6 +350,8 @@ class Conversation:
         """Long prompts (past 512 tokens) go in steps of 256: progress can be shown, and a stop
         request drops the message instead of waiting for the whole prompt."""
         step = 256 if len(ids) > 512 else len(ids)
+        if on_progress:
+            on_progress(0, len(ids))
         for i in range(0, len(ids), step):
             logits = self.model.prefill(ids[i : i + step], all_logits=False)[-1]
             if on_progress and step < len(ids):
@@ -508,10 +511,10 @@ class Conversation:
     def stats_lines(self) -> list[str]:
         cache = self.model.cache
         lines = [f"context: {self.n_tokens} of {self.model.n_ctx} tokens, {self.exchanges()} exchange(s)",
-                 f"KV cache: {cache.kv_bytes_per_token:,} bytes/token, "
-                 f"{self.n_tokens * cache.record_bytes / 1e6:.2f} MB in use"]
+                 f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
+                 f"{format_size(self.n_tokens * cache.record_bytes)} in use"]
         if self.session:
-            lines.append(f"session {self.session.name}: {self.disk_bytes() / 1e6:.2f} MB on disk")
+            lines.append(f"session {self.session.name}: {format_size(self.disk_bytes())} on disk")
         else:
             lines.append("session: not saved yet" if self.store else "session: saving is off (--no-save)")
         s = self.last_stats

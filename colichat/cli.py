@@ -17,6 +17,7 @@ def _interrupt_at_start(signum, frame):
 _interrupt_at_start.seen, _sigint = False, signal.signal(signal.SIGINT, _interrupt_at_start)
 try:
     import argparse
+    import contextlib
     import os
     import stat
     import sys
@@ -33,6 +34,7 @@ try:
     from .persist import SessionError, Store, check_name
     from .sessions import before_load, export_saved, listing
     from .settings import TABLE, SettingError, Settings
+    from .wrap import WordWrap
 except BaseException:
     if not _interrupt_at_start.seen:
         raise
@@ -66,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit")
     p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
+    p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
     return p.parse_args(argv)
@@ -85,22 +88,55 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+class StatusLine:
+    """One transient line on a terminal's stderr (progress, "reading ..."): shown in place and
+    cleared before anything else is printed, so it never runs into the next message. It is cut
+    to the terminal's width (a wrapped line could not be cleared). Off a terminal it shows nothing."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if not self.tty:
+            return
+        width = _columns(self.stream)
+        self.stream.write("\r\033[K" + text[: max(1, width - 1)])
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
+
+
 class App:
     """What commands act on: the conversation, and the two output streams."""
 
-    def __init__(self, conv: Conversation, interactive: bool):
+    def __init__(self, conv: Conversation, interactive: bool, status: StatusLine | None = None):
         self.conv = conv
         self.interactive = interactive
         self.quitting = False
         self.errors = 0
         self.output_closed = False  # stdout's reader went away (broken pipe)
+        self.status = status or StatusLine()
+        self.hushed = False  # Ctrl-C: the rest of the answer is not shown
+        self.wrap = WordWrap(_columns) if interactive else None  # the REPL wraps answers at word boundaries
+        self.dim = sys.stderr.isatty()  # the footer is dim, apart from the answer
 
     def say(self, line: str) -> None:
+        self.status.clear()
         say(line)
 
     def out(self, text: str) -> None:
-        if self.output_closed:
+        if self.output_closed or self.hushed:
             return
+        self.status.clear()
+        if self.wrap:
+            text = self.wrap.feed(text)
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -114,6 +150,19 @@ class App:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # a quiet flush at exit
             except (OSError, ValueError):
                 pass
+
+    def interrupted(self) -> None:
+        """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of
+        it. The terminal shows `^C` after the last word received (it does not echo while an answer
+        streams)."""
+        if not self.hushed:
+            shown = (self.wrap.flush() if self.wrap else "") + "^C"
+            if self.wrap and not self.status.shown:  # (on a status line, ^C goes with it)
+                self.wrap.col += 2
+            with contextlib.suppress(OSError, ValueError):
+                os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
+        self.conv.stop_requested = True
+        self.hushed = True
 
     def quit(self) -> None:
         self.quitting = True
@@ -135,24 +184,38 @@ class App:
             self.answer(word)
 
     def answer(self, text: str) -> None:
-        _, stats = self.conv.ask(text, on_text=self.out, on_progress=self.prefill_progress(), on_note=self.say)
-        self.out("\n")
-        self.say(self.conv.footer(stats))
+        self.status.show("reading your message ...")
+        try:
+            _, stats = self.conv.ask(text, on_text=self.out, on_progress=self._prefill_progress,
+                                      on_note=self.say)
+        finally:
+            self.hushed = False
+            if self.wrap:
+                self.out(self.wrap.flush() + "\n" if self.wrap.col or self.wrap.word else "")
+                self.wrap.reset()
+        if not self.wrap:
+            self.out("\n")
+        footer = self.conv.footer(stats)
+        self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
     def prefill_progress(self):
-        """The callback that shows how far a long prefill is (on a terminal), or None."""
-        return self._prefill_progress if sys.stderr.isatty() else None
+        """The callback that shows how far a prefill is (a status line, on a terminal)."""
+        return self._prefill_progress
 
     def _prefill_progress(self, done: int, total: int) -> None:
-        sys.stderr.write(f"\rprefill {done}/{total} tokens" + ("\n" if done == total else ""))
-        sys.stderr.flush()
+        if done == 0:
+            self.status.show(f"reading your message ({total:,} tokens) ...")
+        else:
+            self.status.show(f"reading your message: {done:,}/{total:,} tokens ...")
 
     def handle(self, line: str) -> None:
         """One input: a command or a message. Errors print one line and count."""
+        self.hushed = False
         try:
             if is_command(line):
+                self.status.show(BUSY.get(line.split(maxsplit=1)[0].lower(), "working ..."))
                 dispatch(self, line)
             elif is_quit_word(line):
                 self.quit_or_send(line)
@@ -161,6 +224,19 @@ class App:
         except (ChatError, SessionError, ModelError, SettingError, ValueError) as e:
             self.errors += 1
             self.say(f"colichat: {e}")
+        finally:
+            self.status.clear()
+
+
+def _columns(stream=None) -> int:
+    """The terminal's width (80 where it is unknown: not a terminal, or one that reports 0)."""
+    try:
+        return os.get_terminal_size((stream or sys.stdout).fileno()).columns or 80
+    except (OSError, ValueError):
+        return 80
+
+
+BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
 
 
 
@@ -252,23 +328,33 @@ def saving_mode(args, problem: str | None) -> bool:
     return True
 
 
-def load_model(args, say):
+def model_title(name: str, path: str) -> str:
+    """The model in a few words: its general.name when that is short, else the file's name."""
+    file = os.path.basename(path)
+    stem = file[:-5] if file.lower().endswith(".gguf") else file
+    if name and name != file and len(name.split()) <= 4 and len(name) <= 40:
+        return name
+    return stem
+
+
+def load_model(args, say, status: StatusLine):
     path = args.model or default_model_path()
     t0 = time.perf_counter()
-    tty = sys.stderr.isatty()
+    name = os.path.basename(path)
+    status.show(f"loading {name} ...")  # the first start of a model reads its metadata for seconds
 
     def progress(done, total):
-        if tty:
-            sys.stderr.write(f"\rloading {os.path.basename(path)}: layer {done}/{total}")
-            sys.stderr.flush()
+        more = ", keeping the weights for the next start ..." if done == total else ""
+        status.show(f"loading {name}: layer {done}/{total}{more}")
 
     notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
                  expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics)
-    if tty:
-        sys.stderr.write("\r\033[K")
+    status.clear()
     cfg = model.cfg
-    say(f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}, loaded in {time.perf_counter() - t0:.1f} s")
+    where = f" from {path}" if args.verbose else ""
+    say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
+        f"loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
     if model.numerics != "fast":
         say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp)")
@@ -301,6 +387,12 @@ def interrupted() -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    status = StatusLine()
+
+    def say(line):  # a status line that replaces the progress shown, if any
+        status.clear()
+        print(line, file=sys.stderr, flush=True)
+
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
     try:
@@ -317,17 +409,19 @@ def main(argv=None) -> int:
             args.resume = before_load(Store(), args.model, args.session, args.resume)
         read_only = saving_mode(args, problem)
         interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
-        model = load_model(args, say)
+        model = load_model(args, say, status)
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
                             save_new=interactive or args.session is not None or args.resume, read_only=read_only)
     except (ModelError, DefaultModelMissing, SessionError, SettingError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
+        status.clear()
         return interrupted()
-    app = App(conv, interactive)
+    app = App(conv, interactive, status)
     try:
         if args.resume:
+            status.show(BUSY["/resume"])
             say(conv.resume(args.session))
         else:
             if args.session is not None and not args.no_save:

@@ -1,7 +1,7 @@
 """Prepared models: the dequantized weights of a GGUF cached on disk and memory-mapped on later starts.
 
-The first start of a model parses its metadata with gguf-py (over a second for a large vocabulary)
-and dequantizes its dense weights (seconds). Both results are kept in the cache directory:
+The first start of a model parses its metadata (gguf_file.py) and dequantizes its dense weights
+(seconds). Both results are kept in the cache directory:
 
     <cache_dir>/<key>/meta.json     a SHA-256 line of the JSON below it, then the JSON: config,
                                     tokenizer keys, array index (offset, shape, CRC-32s), GGUF tensor locations

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..engine.gguf_header import read_header
 from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
+from ..units import format_size
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
@@ -177,7 +178,7 @@ class SessionInfo:
 
 
     def describe(self, now: float | None = None) -> str:
-        """'NAME: 4 turns, 812 tokens, 1.2 MB, 3 h ago' for listings and the start-up notice."""
+        """'NAME: 4 turns, 812 tokens, 1.2 MiB, 3 h ago' for listings and the start-up notice."""
         if self.damage:
             return damaged_text(self.name, self.damage)
         age = max(0.0, (time.time() if now is None else now) - self.last_used)
@@ -185,7 +186,7 @@ class SessionInfo:
             if age >= secs or unit == "s":
                 break
         first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
-        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {self.size / 1e6:.1f} MB, "
+        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {format_size(self.size)}, "
                 f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else ""))
 
 
