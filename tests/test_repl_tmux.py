@@ -99,7 +99,8 @@ def test_interactive_session(tmux_chat):
     # Ctrl-C at the prompt drops the line (it stays on screen marked ^C, as in a shell); Ctrl-D quits cleanly
     t.type("some text")
     t.keys("C-c")
-    t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> some text^C\n>"), SCREEN_WAIT, "the dropped line and a new prompt")
+    t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> some text^C\n>"), SCREEN_WAIT,
+               "the dropped line and a new prompt")
     t.keys("C-d")
     t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
 
@@ -213,7 +214,8 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
         t.keys("Enter")
         t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
         t.keys("C-c")
-        screen = t.wait_for(lambda s: "interrupted;" in s and s.rstrip().endswith(">"), MODEL_WAIT, "the interrupted footer")
+        screen = t.wait_for(lambda s: "interrupted;" in s and s.rstrip().endswith(">"), MODEL_WAIT,
+                            "the interrupted footer")
         shown = answer_after(screen, question)
         assert shown[-1].endswith("^C") and screen.count("^C") == 1
 
