@@ -1,4 +1,4 @@
-"""A conversation: turns, the chat template, the generate loop, and the persistence calls.
+"""A conversation: turns, the chat template, text in and out of the generation loop, and the persistence calls.
 
 Each exchange is two turns over consecutive cache records:
   user turn      [first, last): the template text between the previous answer and this answer
@@ -18,10 +18,12 @@ import time
 from dataclasses import dataclass, field
 
 from .engine import Model, Sampler, SamplerSettings
+from .engine.generate import Generation
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
+REPEAT_WINDOW = 64  # the cached tokens the repeat penalty sees
 
 
 class ChatError(Exception):
@@ -327,28 +329,25 @@ class Conversation:
     def _generate(self, logits, stats: TurnStats, on_text) -> tuple[str, TurnStats]:
         stream = self.tok.stream()
         pieces: list[str] = []
-        cache = self.model.cache
         t0 = time.perf_counter()
-        stats.stopped = "length"
-        for _ in range(self.settings.max_tokens):
-            if self.stop_requested:
-                stats.stopped = "interrupt"
-                break
-            recent = cache.tokens[max(0, cache.length - 64) : cache.length]
-            tid = self.sampler(logits, recent)
-            if tid in self.tok.eog_ids:
-                stats.stopped = "eog"
-                break
-            if cache.room() < 2:
-                stats.stopped = "context"
-                break
-            logits = self.model.decode(tid)  # the token is in the cache before it is shown
-            stats.generated += 1
-            piece = stream.push(tid)
-            if piece:
-                pieces.append(piece)
-                if on_text:
-                    on_text(piece)
+        gen = Generation(self.model, logits, self.sampler, self.tok.eog_ids, self.settings.max_tokens,
+                         recent=REPEAT_WINDOW)
+        stats.stopped = "interrupt"
+        tokens = iter(gen)
+        try:
+            while not self.stop_requested or stats.generated == self.settings.max_tokens:
+                tok = next(tokens, None)  # the token is in the cache before it is shown
+                if tok is None:
+                    stats.stopped = gen.stopped
+                    break
+                stats.generated += 1
+                piece = stream.push(tok.id)
+                if piece:
+                    pieces.append(piece)
+                    if on_text:
+                        on_text(piece)
+        finally:
+            tokens.close()  # a stop inside a batched pass drops the tokens not shown
         tail = stream.flush()
         if tail:
             pieces.append(tail)
