@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 
 from .engine import Model, Sampler, SamplerSettings
 from .engine.generate import Generation
+from .engine.ops import SMALL_BATCH
+from .engine.speculative import PromptLookup
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 REPEAT_WINDOW = 64  # the cached tokens the repeat penalty sees
+DEFAULT_DRAFT = 0  # prompt-lookup drafts checked per pass (0 = no speculative decoding)
 
 
 class ChatError(Exception):
@@ -39,6 +42,8 @@ class TurnStats:
     stopped: str = "eog"  # eog | length | interrupt | context
     saved: bool | None = None  # None: saving is off
     save_error: str | None = None
+    drafted: int = 0  # speculative decoding: drafts checked, and kept
+    accepted: int = 0
 
     @property
     def prefill_tps(self) -> float:
@@ -54,6 +59,12 @@ class Settings:
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     max_tokens: int = 512
     system: str | None = None
+    draft: int = DEFAULT_DRAFT
+
+
+def check_draft(n: int) -> None:
+    if not 0 <= n < SMALL_BATCH:
+        raise ChatError(f"draft must be between 0 (off) and {SMALL_BATCH - 1}")
 
 
 class Conversation:
@@ -80,6 +91,7 @@ class Conversation:
         self.session = None  # persist.Session once created or resumed
         self.session_name = session_name
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
+        self.drafts = PromptLookup()
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -97,6 +109,7 @@ class Conversation:
         s = self.settings.sampler
         return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                 "repeat_penalty": s.repeat_penalty, "seed": s.seed, "max_tokens": self.settings.max_tokens,
+                "draft": self.settings.draft,
                 "system": self.settings.system or "",
                 **({"system (next)": self.pending_system or ""} if self.pending_system is not False else {})}
 
@@ -105,6 +118,10 @@ class Conversation:
             if value < 1:
                 raise ChatError("max_tokens must be at least 1")
             self.settings.max_tokens = value
+        elif key == "draft":
+            check_draft(value)
+            self.settings.draft = value
+            return f"draft = {value}"
         elif key == "system":
             if self.turns:  # the conversation so far was read with the old one
                 self.pending_system = value or None
@@ -174,7 +191,7 @@ class Conversation:
             raise ChatError(f"already in session {name}")
         new = self.store.open(self.ident, name, self.layout)
         try:
-            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
+            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN + self._draft())
         except BaseException:
             new.close()
             if self.model.cache.length != (self.turns[-1].last if self.turns else 0):
@@ -292,7 +309,7 @@ class Conversation:
         stats = TurnStats()
         ids, start = self._prompt_ids(user_text)
         room = self.model.n_ctx - start
-        if len(ids) + 1 >= room:
+        if len(ids) + 1 + self._draft() >= room:  # the first answer token and one pass of drafts
             raise ChatError(
                 f"the message needs {len(ids)} tokens but only {room} of the context of "
                 f"{self.model.n_ctx} are left: /rewind, /reset, or restart with a larger --ctx"
@@ -314,6 +331,11 @@ class Conversation:
         self.last_stats = stats
         return answer, stats
 
+    def _draft(self) -> int:
+        """Drafts per pass: llama.cpp numerics compute a batch differently from single tokens, so they
+        decode one token at a time (speculation relies on a pass giving decode's exact rows)."""
+        return self.settings.draft if self.model.numerics == "fast" else 0
+
     def _prefill(self, ids: list[int], on_progress):
         """Long prompts (past 512 tokens) go in steps of 256: progress can be shown, and a stop
         request drops the message instead of waiting for the whole prompt."""
@@ -331,7 +353,7 @@ class Conversation:
         pieces: list[str] = []
         t0 = time.perf_counter()
         gen = Generation(self.model, logits, self.sampler, self.tok.eog_ids, self.settings.max_tokens,
-                         recent=REPEAT_WINDOW)
+                         drafts=self.drafts, draft=self._draft(), recent=REPEAT_WINDOW)
         stats.stopped = "interrupt"
         tokens = iter(gen)
         try:
@@ -354,6 +376,7 @@ class Conversation:
             if on_text:
                 on_text(tail)
         stats.decode_s = time.perf_counter() - t0
+        stats.drafted, stats.accepted = gen.n_drafted, gen.n_accepted
         return "".join(pieces), stats
 
     # --- history edits ----------------------------------------------------------------------------
@@ -398,7 +421,9 @@ class Conversation:
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")
-        return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
+        drafts = (f", drafts {stats.accepted}/{stats.drafted} accepted ({100 * stats.accepted / stats.drafted:.0f}%)"
+                  if stats.drafted else "")
+        return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s{drafts}, prefill {stats.prompt_tokens} "
                 f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}; {saved}]")
 
     def stats_lines(self) -> list[str]:

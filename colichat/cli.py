@@ -14,6 +14,7 @@ from . import __version__
 from .chat import ChatError, Conversation, Settings
 from .commands import Message, dispatch, is_command
 from .engine import ModelError, SamplerSettings, load
+from .engine.ops import SMALL_BATCH
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
 from .persist import SessionError
@@ -37,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="random seed: the same seed gives the same answers")
     p.add_argument("--max-tokens", type=int, metavar="N", help="the longest answer (default 512)")
     p.add_argument("--system", metavar="TEXT", help="system prompt for new conversations")
+    p.add_argument("--draft", type=int, metavar="N",
+                   help="speculative decoding: check up to N tokens guessed from the conversation per step "
+                   "(0 = off; same answers, faster when the answer repeats earlier text)")
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default: half of the memory left "
                    "after the weights and the context, at least 512)")
@@ -59,6 +63,10 @@ def settings_from(args) -> Settings:
             s = s.with_(**{key: value})
     s.validate()
     out = Settings(sampler=s, system=args.system)
+    if args.draft is not None:
+        if not 0 <= args.draft < SMALL_BATCH:
+            raise ValueError(f"--draft must be between 0 (off) and {SMALL_BATCH - 1}")
+        out.draft = args.draft
     if args.max_tokens is not None:
         if args.max_tokens < 1:
             raise ValueError("--max-tokens must be at least 1")

@@ -22,6 +22,7 @@ SETTABLE = {
     "seed": (int, "random seed (same seed, same answers)"),
     "max_tokens": (int, "the longest answer, in tokens"),
     "system": (str, "the system prompt (applies to new conversations: /reset)"),
+    "draft": (int, "speculative decoding: tokens guessed from the conversation per step (0 = off)"),
 }
 
 

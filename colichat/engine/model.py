@@ -16,7 +16,7 @@ from .attention import gqa_attention, mla_absorbed, mla_naive, prefer_naive
 from .cache import KVCache
 from .ffn import ExpertCache, Routing, moe, route, swiglu
 from .gguf import ModelConfig, ModelError, Tensors
-from .ops import rms_norm
+from .ops import linear, rms_norm
 from .rope import RopeParams, rope_norm, rope_rotations
 
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
@@ -332,13 +332,13 @@ class Model:
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
-        return h @ self.output.T  # (T, V)
+        return linear(h, self.output)  # (T, V)
 
     def _llama_layer(self, l: int, x: np.ndarray, pos0: int) -> np.ndarray:
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t, h, g, e = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
         u = rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
-        qkv = u @ w[b + "attn_qkv"].T  # (T, (H+2G)E)
+        qkv = linear(u, w[b + "attn_qkv"])  # (T, (H+2G)E)
         if b + "attn_qkv.bias" in w:
             qkv += w[b + "attn_qkv.bias"]
         rot = self.rot[pos0 : pos0 + t]  # (T, I)
@@ -349,7 +349,7 @@ class Model:
         kc[pos0:n] = k.reshape(t, g * e)
         vc[pos0:n] = qkv[:, (h + g) * e :]
         o = gqa_attention(q, kc[:n].reshape(n, g, e), vc[:n].reshape(n, g, e), pos0, self.kq_scale)
-        x = x + o @ w[b + "attn_output"].T  # (T, D)
+        x = x + linear(o, w[b + "attn_output"])  # (T, D)
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)
         return x + swiglu(u, w[b + "ffn_gate_up"], w[b + "ffn_down"])
 
@@ -360,10 +360,10 @@ class Model:
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t, h, c, dn, k = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_head
         u = rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
-        z = u @ w[b + "attn_in"].T  # (T, Q+C+R) or (T, H*K+C+R)
+        z = linear(u, w[b + "attn_in"])  # (T, Q+C+R) or (T, H*K+C+R)
         nq = z.shape[1] - c - cfg.rope_dim
         if cfg.q_lora_rank:
-            q = rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps) @ w[b + "attn_q_b"].T  # (T, H*K)
+            q = linear(rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps), w[b + "attn_q_b"])  # (T, H*K)
         else:
             q = z[:, :nq]  # (T, H*K)
         q = q.reshape(t, h, k)  # (T, H, K): per head [nope (Dn) | rope (R)]
@@ -382,7 +382,7 @@ class Model:
         # decode and short chunks: absorbed; long prefill chunks: decompressed (faster there)
         form = mla_naive if prefer_naive(t, n, h, c, dn, cfg.v_head_dim) else mla_absorbed
         o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, pos0, self.kq_scale, q_scale)  # (T, H*Dv)
-        x = x + o @ w[b + "attn_output"].T  # (T, D)
+        x = x + linear(o, w[b + "attn_output"])  # (T, D)
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)  # (T, D)
         if l < cfg.n_dense:
             return x + swiglu(u, w[b + "ffn_gate_up"], w[b + "ffn_down"])
