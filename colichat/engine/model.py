@@ -18,6 +18,7 @@ from .ffn import ExpertCache, Routing, moe, route, swiglu
 from .gguf import ModelConfig, ModelError, Tensors
 from .ops import linear, rms_norm
 from .rope import RopeParams, rope_norm, rope_rotations
+from .threads import ThreadPolicy
 
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
 DEFAULT_EXPERT_CACHE_MIB = 4096  # dequantized routed experts kept (LRU) when nobody says (load() sizes it from memory)
@@ -258,6 +259,7 @@ class Model:
         self.rot = rope_rotations(rope, n_ctx, weights.get("rope_freqs"))  # (N, I) complex64
         self.output = weights.get("output", weights["token_embd"])  # (V, D)
         self.numerics = numerics
+        self.threads = ThreadPolicy()
         if numerics == "llama.cpp":
             if tensors is None:
                 raise ValueError("llama.cpp numerics read the weights as stored: the Model needs its Tensors")
@@ -288,14 +290,15 @@ class Model:
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         out = []
-        for start in range(0, ids.size, PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
-            last = start + chunk.size == ids.size
-            x = self._forward(chunk)  # (T, D)
-            if all_logits:
-                out.append(self._logits(x))
-            elif last:
-                out.append(self._logits(x[-1:]))
+        with self.threads.limit(ids.size):
+            for start in range(0, ids.size, PREFILL_CHUNK):
+                chunk = ids[start : start + PREFILL_CHUNK]
+                last = start + chunk.size == ids.size
+                x = self._forward(chunk)  # (T, D)
+                if all_logits:
+                    out.append(self._logits(x))
+                elif last:
+                    out.append(self._logits(x[-1:]))
         return np.concatenate(out) if len(out) > 1 else out[0]
 
     def decode(self, token_id: int) -> np.ndarray:
