@@ -263,7 +263,7 @@ def roofline_terms(model) -> dict:
     other = sum(a.nbytes for k, a in w.items() if k not in ("token_embd", "output"))
     weight_bytes = other + model.output.nbytes + 4 * cfg.n_embd
     layer_params = sum(a.size for k, a in w.items() if k.startswith("blk.") and a.ndim >= 2)
-    if cfg.is_mla:
+    if model.cache.kind == "mla":
         d_qk, d_v = cfg.qk_nope + cfg.rope_dim, cfg.v_head_dim
     else:
         d_qk = d_v = cfg.head_dim

@@ -13,11 +13,12 @@ from gguf_factory import DS2Spec, write_deepseek2
 from test_mla_naive import engine, naive_logits
 
 import colichat.engine.attention as attention
+import colichat.engine.deepseek2 as deepseek2_mod
 import colichat.engine.model as model_mod
 from colichat.engine import load
+from colichat.engine.deepseek2 import mla_rope
 from colichat.engine.ffn import Routing, route
 from colichat.engine.gguf import ModelError, Tensors, load_config, open_gguf
-from colichat.engine.model import mla_rope
 
 F32_MODELS = ["ds-v3", "ds-v2-lite", "ds-dense"]
 
@@ -104,7 +105,7 @@ def test_absorbed_and_decompressed_prefill_agree(models, monkeypatch, name):
     m = tiny(models, name)
     out = {}
     for naive in (False, True):
-        monkeypatch.setattr(model_mod, "prefer_naive", lambda *a, naive=naive: naive)
+        monkeypatch.setattr(deepseek2_mod, "prefer_naive", lambda *a, naive=naive: naive)
         m.reset()
         out[naive] = (np.concatenate([m.prefill(ids[:90]), m.prefill(ids[90:])]), m.cache.records[:200].copy())
     assert np.abs(out[True][0] - out[False][0]).max() < 1e-4
@@ -296,18 +297,16 @@ def test_expert_cache_is_bounded_and_exact(tmp_path):
 def test_expert_cache_default_follows_available_memory(tmp_path, monkeypatch):
     """Not told a size, load() gives routed experts half of what MemAvailable leaves after the dense
     weights and the KV cache, at least 512 MiB; with no /proc/meminfo, model.py's fixed default."""
-    import colichat.engine as engine_pkg
-
-    assert engine_pkg.auto_expert_cache_mib(None, 1 << 30) is None
-    assert engine_pkg.auto_expert_cache_mib(10 << 30, 2 << 30) == 4096.0
-    assert engine_pkg.auto_expert_cache_mib(3 << 30, 2 << 30) == 512.0  # the floor
+    assert model_mod.auto_expert_cache_mib(None, 1 << 30) is None
+    assert model_mod.auto_expert_cache_mib(10 << 30, 2 << 30) == 4096.0
+    assert model_mod.auto_expert_cache_mib(3 << 30, 2 << 30) == 512.0  # the floor
     path = str(write_deepseek2(tmp_path / "m.gguf", DS2Spec(n_expert=16, qtype="Q8_0", n_embd=64, n_ff_exp=32)))
-    monkeypatch.setattr(engine_pkg, "available_memory", lambda: 8 << 30)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: 8 << 30)
     m = load(path, n_ctx=128)
     committed = m.weight_bytes + m.cache.record_bytes * 128
     assert m.experts.capacity == int(((8 << 30) - committed) / 2)
     assert load(path, n_ctx=128, expert_cache=1).experts.capacity == 1 << 20  # an explicit size wins
-    monkeypatch.setattr(engine_pkg, "available_memory", lambda: None)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: None)
     assert load(path, n_ctx=128).experts.capacity == model_mod.DEFAULT_EXPERT_CACHE_MIB << 20
 
 

@@ -2,12 +2,23 @@
 
     model = load("model.gguf")          # Model with .prefill(ids), .decode(id), .cache, .tokenizer
     tok = load_tokenizer("model.gguf")  # works on vocabulary-only files too
+
+The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
+
+Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
+  T new tokens of a forward   N cache rows (tokens 0..N-1, new ones included)   P RoPE positions
+  L layers   D model width (n_embd)   V vocabulary   F FFN hidden width   A, B cache widths (cache.py)
+  H query heads   G KV heads (GQA)   J = H / G query heads per KV head   E head size (GQA)
+  I rotated pairs (RoPE dims / 2)
+  MLA: Q q_lora_rank, C kv_lora_rank, R qk_rope, Dn qk_nope, K = Dn + R (query head), Dv v head
+  MoE: X routed experts, U experts used per token, Y expert groups, M tokens routed to one expert
+  a matmul x (T, Z) @ W.T (Z, O): Z the summed axis, O the outputs
 """
 
 from __future__ import annotations
 
 from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
-from .model import Model, prepare_weights
+from .model import Model, available_memory, prepare_weights
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
@@ -28,7 +39,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
     progress: optional callback(done, total) while weights are prepared.
     cache_dir: where dequantized weights are kept between runs (prepared.py); None: not kept.
-    expert_cache: MiB of dequantized routed experts kept (MoE models; default: auto_expert_cache_mib).
+    expert_cache: MiB of dequantized routed experts kept (MoE models; default: model.auto_expert_cache_mib).
     on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
     numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic bit for bit (slow).
     """
@@ -60,24 +71,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 size = sum(a.nbytes for a in weights.values()) >> 20
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
-    if expert_cache is None and cfg.n_expert and cfg.n_dense < cfg.n_layer:
-        kv_bytes = (4 + 4 * cfg.n_layer * sum(cfg.kv_widths)) * n_ctx
-        expert_cache = auto_expert_cache_mib(available_memory(), sum(a.nbytes for a in weights.values()) + kv_bytes)
-    kwargs = {} if expert_cache is None else {"expert_cache": expert_cache}
-    return Model(cfg, weights, tokenizer, n_ctx, tensors, numerics=numerics, **kwargs)
-
-
-EXPERT_CACHE_SHARE = 0.5  # of the memory left after the dense weights and the KV cache
-EXPERT_CACHE_MIN_MIB = 512
-
-
-def auto_expert_cache_mib(available: int | None, committed: int) -> float | None:
-    """The default bound of the routed-expert cache: half of what MemAvailable leaves after the
-    dense weights and the KV cache (`committed` bytes), at least EXPERT_CACHE_MIN_MIB. None (the
-    fixed default of model.py) where the available memory is unknown."""
-    if available is None:
-        return None
-    return max(EXPERT_CACHE_MIN_MIB, EXPERT_CACHE_SHARE * (available - committed) / (1 << 20))
+    return Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics)
 
 
 def dense_f32_bytes(tensors: Tensors) -> int:
@@ -90,18 +84,6 @@ def dense_f32_bytes(tensors: Tensors) -> int:
                 n *= d
             total += 4 * n
     return total
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_memory(path: str, need: int) -> None:

@@ -1,7 +1,5 @@
-"""Attention over the cache. Axis letters: T new tokens, N cached tokens (including the new ones),
-H query heads, G KV heads (GQA), Q = H / G queries per KV head, E head size;
-MLA: C latent (kv_lora_rank), R rope part (qk_rope), Dn nope part (qk_nope), Dv value head size.
-"""
+"""Attention over the cache: GQA (llama) and MLA (deepseek2, absorbed and decompressed forms).
+Axis letters: engine/__init__.py (tb below: the queries of one block, m: the keys it sees)."""
 
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ DECODE_BLOCK_MIN = 256  # cached tokens from which one decode query is faster as
 
 
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
-    """Grouped-query attention; query head h uses KV head h // Q (ggml broadcast, HF repeat_kv).
+    """Grouped-query attention; query head h uses KV head h // J (ggml broadcast, HF repeat_kv).
 
     q: (T, H, E) roped queries at positions pos0..pos0+T-1;
     k, v: (N, G, E) cache views (rows 0..N-1, N = pos0 + T, new rows already written).
@@ -45,16 +43,16 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
                                for i in range(t)])
     if t == 1 and n > DECODE_BLOCK_MIN:
         return _gqa_decode(q[0], k.reshape(n, g * e), v.reshape(n, g * e), g, scale)
-    qg = q.reshape(t, g, qpk, e).transpose(1, 2, 0, 3).reshape(g, qpk * t, e)  # (G, Q*T, E)
-    s = np.matmul(qg, k.transpose(1, 2, 0))  # (G, Q*T, N)
+    qg = q.reshape(t, g, qpk, e).transpose(1, 2, 0, 3).reshape(g, qpk * t, e)  # (G, J*T, E)
+    s = np.matmul(qg, k.transpose(1, 2, 0))  # (G, J*T, N)
     s *= np.float32(scale)
     if t > 1:
         s = s.reshape(g, qpk, t, n)
         s += causal_mask(pos0, t, n)  # (T, N) broadcast
         s = s.reshape(g, qpk * t, n)
     softmax(s)
-    o = np.matmul(s, v.transpose(1, 0, 2))  # (G, Q*T, E)
-    o = o.reshape(g, qpk, t, e).transpose(2, 0, 1, 3)  # (T, G, Q, E)
+    o = np.matmul(s, v.transpose(1, 0, 2))  # (G, J*T, E)
+    o = o.reshape(g, qpk, t, e).transpose(2, 0, 1, 3)  # (T, G, J, E)
     return o.reshape(t, h * e)
 
 
@@ -68,12 +66,12 @@ def _gqa_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: int, scale: floa
     """
     h, e = q.shape
     qpk = h // g
-    qb = np.zeros((g, e, g, qpk), dtype=np.float32)  # (G, E, G, Q) -> (G*E, H)
+    qb = np.zeros((g, e, g, qpk), dtype=np.float32)  # (G, E, G, J) -> (G*E, H)
     idx = np.arange(g)
-    qb[idx, :, idx, :] = q.reshape(g, qpk, e).transpose(0, 2, 1) * np.float32(scale)  # (G, E, Q)
+    qb[idx, :, idx, :] = q.reshape(g, qpk, e).transpose(0, 2, 1) * np.float32(scale)  # (G, E, J)
     s = np.ascontiguousarray((k @ qb.reshape(g * e, h)).T)  # (H, N)
     softmax(s)
-    o = (s @ v).reshape(g, qpk, g, e)  # (G, Q, G, E): keep the blocks where both G agree
+    o = (s @ v).reshape(g, qpk, g, e)  # (G, J, G, E): keep the blocks where both G agree
     return o[idx, :, idx, :].reshape(1, h * e)
 
 

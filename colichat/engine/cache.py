@@ -2,11 +2,11 @@
 
 A record is: int32 token id, then for every layer `A` floats then `B` floats (no padding):
   MLA (deepseek2): A = c, the normalized latent (kv_lora_rank); B = k_pe, the roped shared key (qk_rope).
-  GQA (llama):     A = K, roped keys (n_head_kv * head_dim);     B = V (n_head_kv * head_dim).
+  GQA (llama):     A = roped keys (n_head_kv * head_dim);     B = values (n_head_kv * head_dim).
 This is exactly the COLIKV1 record, so persistence moves whole records with one read or write
 (`records`), and the engine reads per-layer strided views (`a[l]`, `b[l]`) without copies.
 
-Axis letters: N cache rows (tokens), L layers, A/B the widths above.
+Axis letters: engine/__init__.py (N cache rows, L layers, A/B the widths above).
 """
 
 from __future__ import annotations

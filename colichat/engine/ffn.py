@@ -1,8 +1,7 @@
 """Feed-forward blocks: SwiGLU, and the deepseek2 mixture of experts (routing, routed experts kept
 quantized and dequantized per expert into a bounded LRU cache, shared experts).
 
-Axis letters: T tokens, D model width, F hidden width, E routed experts, K experts used per token,
-G expert groups, M tokens routed to one expert.
+Axis letters: engine/__init__.py (T, D, F; X routed experts, U used per token, Y expert groups).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarr
 class Routing:
     """How a deepseek2 router picks experts (from the GGUF keys; mla-spec section 5.5)."""
 
-    n_used: int             # K
+    n_used: int             # U
     gating: int = 1         # 1 softmax, 2 sigmoid
     norm: bool = False      # expert_weights_norm
     scale: float = 0.0      # expert_weights_scale: applied only if not 0 or 1 (newer llama.cpp)
@@ -40,10 +39,10 @@ class Routing:
 def route(
     x: np.ndarray, w_router: np.ndarray, bias: np.ndarray | None, r: Routing
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Pick K experts per token: ids (T, K) and their weights (T, K), all in float32."""
-    logits = linear(x.astype(np.float32, copy=False), w_router)  # (T, E)
+    """Pick U experts per token: ids (T, U) and their weights (T, U), all in float32."""
+    logits = linear(x.astype(np.float32, copy=False), w_router)  # (T, X)
     if r.gating == 2:
-        probs = 1.0 / (1.0 + np.exp(-logits))  # (T, E)
+        probs = 1.0 / (1.0 + np.exp(-logits))  # (T, X)
     else:
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
@@ -51,21 +50,21 @@ def route(
 
 
 def select_experts(probs: np.ndarray, bias: np.ndarray | None, r: Routing) -> tuple[np.ndarray, np.ndarray]:
-    """From the router probabilities (T, E): the K experts (T, K), best first, and their weights.
+    """From the router probabilities (T, X): the U experts (T, U), best first, and their weights.
 
     The selection bias (exp_probs_b) only chooses; weights come from the unbiased probabilities.
     As llama.cpp: the weights' sum is taken in double (ggml_sum_rows), then clamped and divided.
     """
-    sel = (probs + bias).astype(np.float32) if bias is not None else probs.copy()  # (T, E)
-    t, e = sel.shape
+    sel = (probs + bias).astype(np.float32) if bias is not None else probs.copy()  # (T, X)
+    t, x = sel.shape
     if r.n_group > 1:
-        grouped = sel.reshape(t, r.n_group, e // r.n_group)  # (T, G, E/G)
+        grouped = sel.reshape(t, r.n_group, x // r.n_group)  # (T, Y, X/Y)
         top2 = np.sort(grouped, axis=2)[:, :, -2:]
-        score = (top2[:, :, 0] + top2[:, :, 1]).astype(np.float32)  # (T, G) top-2 sum per group
-        drop = np.argsort(-score, axis=1, kind="stable")[:, r.n_group_used :]  # (T, G - used)
+        score = (top2[:, :, 0] + top2[:, :, 1]).astype(np.float32)  # (T, Y) top-2 sum per group
+        drop = np.argsort(-score, axis=1, kind="stable")[:, r.n_group_used :]  # (T, Y - used)
         np.put_along_axis(grouped, drop[:, :, None], -np.inf, axis=1)
-    ids = np.argsort(-sel, axis=1, kind="stable")[:, : r.n_used]  # (T, K)
-    w = np.take_along_axis(probs, ids, axis=1).astype(np.float32)  # (T, K)
+    ids = np.argsort(-sel, axis=1, kind="stable")[:, : r.n_used]  # (T, U)
+    w = np.take_along_axis(probs, ids, axis=1).astype(np.float32)  # (T, U)
     if r.norm:
         total = np.cumsum(w.astype(np.float64), axis=1)[:, -1:].astype(np.float32)  # (T, 1)
         w = (w / np.maximum(total, np.float32(NORM_MIN))).astype(np.float32)
@@ -117,13 +116,13 @@ class ExpertCache:
 
 
 def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: ExpertCache) -> np.ndarray:
-    """sum_k w[t, k] * expert_{ids[t, k]}(x[t]); tokens grouped by expert (a loop over experts hit only).
+    """sum_u w[t, u] * expert_{ids[t, u]}(x[t]); tokens grouped by expert (a loop over experts hit only).
 
-    x: (T, D); ids, w: (T, K). Returns (T, D).
+    x: (T, D); ids, w: (T, U). Returns (T, D).
     """
     t, k = ids.shape
-    flat = ids.reshape(-1)  # (T*K,)
-    order = np.argsort(flat, kind="stable")  # (T*K,) assignments sorted by expert
+    flat = ids.reshape(-1)  # (T*U,)
+    order = np.argsort(flat, kind="stable")  # (T*U,) assignments sorted by expert
     hit, starts = np.unique(flat[order], return_index=True)
     ends = np.append(starts[1:], flat.size)
     out = np.zeros_like(x)  # (T, D)

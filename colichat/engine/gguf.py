@@ -15,7 +15,6 @@ import numpy as np
 
 from . import dequant
 
-ARCHITECTURES = ("llama", "deepseek2")
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
     "minicpm3": "MLA with LongRoPE (not implemented)",
@@ -38,16 +37,16 @@ class ModelConfig:
     arch: str
     name: str
     n_layer: int          # L
-    n_embd: int           # d
+    n_embd: int           # D
     n_head: int           # H
-    n_head_kv: int        # GQA KV heads (llama); informational for MLA
-    n_ff: int             # dense FFN width f
+    n_head_kv: int        # G: GQA KV heads (llama); informational for MLA
+    n_ff: int             # F: dense FFN width
     n_vocab: int          # V
     n_ctx_train: int
     rms_eps: float
     # attention head sizes
-    head_dim: int         # llama: q/k/v head size
-    rope_dim: int         # n_rot (deepseek2: d_r)
+    head_dim: int         # E: llama q/k/v head size
+    rope_dim: int         # n_rot = 2I (deepseek2: R)
     rope_base: float
     rope_scaling: str     # "none" | "linear" | "yarn"
     rope_factor: float    # scaling factor (1.0 = none)
@@ -56,35 +55,29 @@ class ModelConfig:
     rope_attn_factor: float
     tied_output: bool     # no output.weight: logits use token_embd
     # MLA (deepseek2); zero for llama
-    q_lora_rank: int = 0      # r_q (0: attn_q, "lite")
-    kv_lora_rank: int = 0     # r_kv
-    qk_nope: int = 0          # d_n
-    qk_head: int = 0          # d_qk = d_n + d_r
-    v_head_dim: int = 0       # d_v
+    q_lora_rank: int = 0      # Q (0: attn_q, "lite")
+    kv_lora_rank: int = 0     # C
+    qk_nope: int = 0          # Dn
+    qk_head: int = 0          # K = Dn + R
+    v_head_dim: int = 0       # Dv
     mla_split: bool = False   # attn_k_b/attn_v_b present (else legacy attn_kv_b)
     n_dense: int = 0          # leading dense layers
-    n_expert: int = 0         # E
-    n_expert_used: int = 0    # k
-    n_expert_shared: int = 0  # S
-    n_ff_exp: int = 0         # f_e
+    n_expert: int = 0         # X
+    n_expert_used: int = 0    # U
+    n_expert_shared: int = 0  # shared experts
+    n_ff_exp: int = 0         # F of one routed expert
     expert_weights_scale: float = 0.0
     expert_weights_norm: bool = False
     expert_gating: int = 1    # 1 softmax, 2 sigmoid
-    n_group: int = 0
+    n_group: int = 0          # Y
     n_group_used: int = 0
     attn_temp_scale: float = 0.0  # Mistral-Large-3 query temperature tuning (0 = off)
     attn_temp_length: int = 0
 
     @property
-    def is_mla(self) -> bool:
-        return self.arch == "deepseek2"
-
-    @property
-    def kv_widths(self) -> tuple[int, int]:
-        """Floats per token per layer in the cache: (c, k_pe) for MLA, (K, V) for GQA."""
-        if self.is_mla:
-            return self.kv_lora_rank, self.rope_dim
-        return self.n_head_kv * self.head_dim, self.n_head_kv * self.head_dim
+    def output_weight(self) -> str:
+        """The weight the logits multiply by: "output", or "token_embd" when tied (no output.weight)."""
+        return "token_embd" if self.tied_output else "output"
 
 
 def open_gguf(path: str):
@@ -245,7 +238,11 @@ class Tensors:
 
 
 def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
-    """The one place metadata becomes a config. Defaults are llama.cpp's (docs: mla-spec section 1)."""
+    """The one place metadata becomes a config: the keys every architecture has, read here, then
+    the architecture module's config() (model.ARCHITECTURES). Defaults are llama.cpp's (docs:
+    mla-spec section 1)."""
+    from .model import ARCHITECTURES
+
     arch = field(reader, "general.architecture", required=True)
     if arch in KNOWN_UNSUPPORTED:
         raise ModelError(
@@ -299,52 +296,4 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
         tied_output=not tensors.has("output.weight"),
     )
-    if arch == "llama":
-        if rope_dim != key_length:
-            raise ModelError(f"{path}: rope.dimension_count {rope_dim} != head size {key_length}")
-        return ModelConfig(**common)
-
-    # deepseek2: head sizes from the *_mla keys when present (MLA-split files), else the legacy keys.
-    if int(key("nextn_predict_layers", 0) or 0) or any(".nextn." in n for n in tensors.by_name):
-        raise ModelError(
-            f"{path}: architecture '{arch}' with MTP (nextn) layers is not supported; "
-            "use a file converted without them"
-        )
-    d_qk = int(key("attention.key_length_mla", 0) or key_length)
-    d_v = int(key("attention.value_length_mla", 0) or key("attention.value_length", n_embd // n_head))
-    if d_qk <= rope_dim:
-        raise ModelError(f"{path}: key length {d_qk} leaves no room for the rope part ({rope_dim})")
-    mla_split = tensors.has("blk.0.attn_k_b.weight") and tensors.has("blk.0.attn_v_b.weight")
-    if not mla_split and not tensors.has("blk.0.attn_kv_b.weight"):
-        raise ModelError(f"{path}: missing tensor 'blk.0.attn_k_b.weight' (or legacy 'attn_kv_b')")
-    # "lite" (no q compression) is decided by the tensors present, never by the layer count.
-    lite = tensors.has("blk.0.attn_q.weight")
-    if not lite and not tensors.has("blk.0.attn_q_a.weight"):
-        raise ModelError(f"{path}: missing tensor 'blk.0.attn_q_a.weight' (or 'attn_q')")
-    q_lora = 0 if lite else int(key("attention.q_lora_rank", 0) or tensors.shape("blk.0.attn_q_a.weight")[0])
-    gating = int(key("expert_gating_func", 0) or 0)
-    if gating == 0:  # absent: softmax (DeepSeek V2/V2.5), except GLM-4.7-Lite files (sigmoid)
-        gating = 2 if n_layer in (47, 48) and n_vocab == 154880 else 1
-    if gating not in (1, 2):
-        raise ModelError(f"{path}: expert gating function {gating} is not supported (1 softmax, 2 sigmoid)")
-    return ModelConfig(
-        **common,
-        q_lora_rank=q_lora,
-        kv_lora_rank=int(key("attention.kv_lora_rank", required=True)),
-        qk_nope=d_qk - rope_dim,
-        qk_head=d_qk,
-        v_head_dim=d_v,
-        mla_split=mla_split,
-        n_dense=int(key("leading_dense_block_count", 0)),
-        n_expert=int(key("expert_count", 0)),
-        n_expert_used=int(key("expert_used_count", 0)),
-        n_expert_shared=int(key("expert_shared_count", 0)),
-        n_ff_exp=int(key("expert_feed_forward_length", 0)),
-        expert_weights_scale=float(key("expert_weights_scale", 0.0)),
-        expert_weights_norm=bool(key("expert_weights_norm", False)),
-        expert_gating=gating,
-        n_group=int(key("expert_group_count", 0)),
-        n_group_used=int(key("expert_group_used_count", 0)),
-        attn_temp_scale=float(key("attention.temperature_scale", 0.0)),
-        attn_temp_length=int(key("attention.temperature_length", 0)),
-    )
+    return ARCHITECTURES[arch].config(key, common, tensors)

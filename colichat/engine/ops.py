@@ -9,7 +9,7 @@ MATVEC_BLOCK = 256 << 10  # bytes of a weight block kept in L2 while every row o
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T: x (T, K), w (N, K) -> (T, N).
+    """x @ w.T: x (T, Z), w (O, Z) -> (T, O).
 
     For 2 <= T <= SMALL_BATCH, row i is bit for bit linear(x[i:i+1], w) (a matrix-vector product),
     so a verify pass of speculative decoding writes the same cache rows and logits as decoding its
@@ -21,15 +21,15 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     t = x.shape[0]
     if t == 1 or t > SMALL_BATCH:
         return x @ w.T
-    n, k = w.shape
-    blk = max(8, MATVEC_BLOCK // (4 * k) // 8 * 8)  # weight rows per block
-    nb = n // blk
-    out = np.empty((t, n), dtype=np.result_type(x, w))  # (T, N)
-    xc = np.ascontiguousarray(x)[None, :, :, None]  # (1, T, K, 1): a column per row
+    o, z = w.shape
+    blk = max(8, MATVEC_BLOCK // (4 * z) // 8 * 8)  # weight rows (outputs) per block
+    nb = o // blk
+    out = np.empty((t, o), dtype=np.result_type(x, w))  # (T, O)
+    xc = np.ascontiguousarray(x)[None, :, :, None]  # (1, T, Z, 1): a column per row
     if nb:
-        wb = w[: nb * blk].reshape(nb, 1, blk, k)  # (B, 1, blk, K)
-        out[:, : nb * blk] = np.matmul(wb, xc)[..., 0].transpose(1, 0, 2).reshape(t, nb * blk)  # (B, T, blk)
-    for i in range(t) if nb * blk < n else ():
+        wb = w[: nb * blk].reshape(nb, 1, blk, z)  # (blocks, 1, blk, Z)
+        out[:, : nb * blk] = np.matmul(wb, xc)[..., 0].transpose(1, 0, 2).reshape(t, nb * blk)  # (blocks, T, blk)
+    for i in range(t) if nb * blk < o else ():
         out[i, nb * blk :] = w[nb * blk :] @ xc[0, i, :, 0]
     return out
 

@@ -1,6 +1,6 @@
 """Rotary position embeddings as llama.cpp computes them: NORM pairing (adjacent pairs) and YaRN.
 
-Axis letters: P positions, I rotated pairs (n_dims / 2), T tokens, H heads.
+Axis letters: engine/__init__.py (P positions, I rotated pairs = n_dims / 2, T tokens, H heads).
 
 deepseek2, llama (on GGUF weights) rotate adjacent pairs (x[2i], x[2i+1]) ("NORM"); the angle of
 pair i at position p is p * base^(-2i/n_dims) / ff_i, blended by YaRN between interpolation

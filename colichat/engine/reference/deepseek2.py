@@ -1,36 +1,45 @@
-"""deepseek2 with llama.cpp's arithmetic: the same block as Model._mla_layer, computed with the ops
-of ggml_ops.py in the order llama.cpp's graph runs them (`load(..., numerics="llama.cpp")`).
+"""deepseek2 with llama.cpp's arithmetic: the same block as deepseek2.Forward.layer, computed with
+the ops of ggml_ops.py in the order llama.cpp's graph runs them (`load(..., numerics="llama.cpp")`).
 
 It reads the weights as the GGUF stores them (Q8_0 blocks or F32), fills the same latent cache
 (c, k_pe) as the fast path, and reproduces llama.cpp's logits bit for bit
 (tests/test_llama_cpp_numerics.py). Scope: split attn_k_b/attn_v_b files whose matmul weights are
-of ggml_ops.KINDS. Axis letters as in model.py.
+of ggml_ops.KINDS. Axis letters: engine/__init__.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..cache import KVCache
+from ..deepseek2 import mla_rope, routing
+from ..ffn import select_experts
+from ..gguf import ModelConfig, ModelError, Tensors
+from ..ops import causal_mask
 from . import ggml_ops as G
-from .ffn import select_experts
-from .gguf import ModelConfig, ModelError, Tensors
 
 F32 = np.float32
 
 
-class GgmlMLA:
-    """The deepseek2 forward of one Model in llama.cpp's arithmetic."""
+class Forward:
+    """The deepseek2 blocks of one Model in llama.cpp's arithmetic (same interface as deepseek2.Forward)."""
 
-    def __init__(self, cfg: ModelConfig, tensors: Tensors, weights: dict, rope, kq_scale: float, routing, n_ctx: int):
+    experts = None  # routed experts are read from the GGUF at each use
+
+    def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
+                 expert_cache_mib: float | None = None):
+        if tensors is None:
+            raise ValueError("llama.cpp numerics read the weights as stored: the Model needs its Tensors")
         if not cfg.mla_split:
             raise ModelError(f"{cfg.path}: llama.cpp numerics need split attn_k_b/attn_v_b tensors")
         if cfg.attn_temp_scale:
             raise ModelError(f"{cfg.path}: llama.cpp numerics do not cover attention temperature scaling")
-        self.cfg, self.t, self.w, self.routing = cfg, tensors, weights, routing
+        rope, kq_scale = mla_rope(cfg)
+        self.cfg, self.t, self.w, self.routing = cfg, tensors, weights, routing(cfg)
         self.kq_scale = F32(kq_scale)
-        self.cos, self.sin = G.rope_cache(rope, n_ctx, weights.get("rope_freqs"))  # (N, R/2) each
+        self.cos, self.sin = G.rope_cache(rope, n_ctx, weights.get("rope_freqs"))  # (P, I) each
         self.mats: dict = {}
-        self.output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
+        self.output = cfg.output_weight + ".weight"
         G.require_kinds(tensors, [  # now, not at the first prompt: every matmul weight (not the router)
             name for name in tensors.by_name
             if name == self.output or (len(tensors.shape(name)) > 1 and name != "token_embd.weight"
@@ -50,7 +59,7 @@ class GgmlMLA:
         h = G.rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
         return self._mat(self.output)(h)  # (T, V)
 
-    def layer(self, model, l: int, x: np.ndarray, pos0: int) -> np.ndarray:
+    def layer(self, l: int, x: np.ndarray, pos0: int, cache: KVCache) -> np.ndarray:
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t, h, c, dn = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope
         n = pos0 + t
@@ -64,10 +73,10 @@ class GgmlMLA:
         kv_a = self._mat(b + "attn_kv_a_mqa.weight")(u)  # (T, C+R)
         cos, sin = self.cos[pos0:n], self.sin[pos0:n]
         q_pe = G.rope_norm(q[:, :, dn:], cos, sin)  # (T, H, R)
-        model.cache.a[l][pos0:n] = G.rms_norm(kv_a[:, :c], w[b + "attn_kv_a_norm"], cfg.rms_eps)
-        model.cache.b[l][pos0:n] = G.rope_norm(kv_a[:, c:], cos, sin)
-        kv = np.ascontiguousarray(model.cache.records["kv"][:n, l])  # (N, C+R)
-        mask = np.where(np.arange(n)[None, :] <= np.arange(pos0, n)[:, None], F32(0), F32(-np.inf))  # (T, N)
+        cache.a[l][pos0:n] = G.rms_norm(kv_a[:, :c], w[b + "attn_kv_a_norm"], cfg.rms_eps)
+        cache.b[l][pos0:n] = G.rope_norm(kv_a[:, c:], cos, sin)
+        kv = np.ascontiguousarray(cache.records["kv"][:n, l])  # (N, C+R)
+        mask = causal_mask(pos0, t, n)  # (T, N)
         heads = []
         for i in range(h):
             q_nope = np.ascontiguousarray(q[:, i, :dn])  # a permuted view in llama.cpp's graph
@@ -99,8 +108,8 @@ class GgmlMLA:
         t = u.shape[0]
         logits = G.matmul_f32(u, self.w[b + "ffn_gate_inp"])  # (T, X)
         probs = G.sigmoid(logits) if r.gating == 2 else G.soft_max(logits)
-        ids, wts = select_experts(probs, self.w.get(b + "exp_probs_b"), r)  # (T, K) each, best first
-        ys = np.zeros((t, r.n_used, u.shape[1]), dtype=F32)  # (T, K, D)
+        ids, wts = select_experts(probs, self.w.get(b + "exp_probs_b"), r)  # (T, U) each, best first
+        ys = np.zeros((t, r.n_used, u.shape[1]), dtype=F32)  # (T, U, D)
         for e in np.unique(ids).tolist():
             rows, k = np.nonzero(ids == e)
             ys[rows, k] = (self._expert(u[rows], b, e) * wts[rows, k][:, None]).astype(F32)

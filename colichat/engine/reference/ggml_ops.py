@@ -23,7 +23,7 @@ are llama.cpp's, bit for bit (tests/test_llama_cpp_numerics.py):
   rotation compiled with the first product of each line fused (fma).
 
 Slow (every matmul is a loop of lane sums and emulated fmas): meant for checking the model against
-llama.cpp, not for chatting with large models. Shapes: T tokens, N outputs, K inputs.
+llama.cpp, not for chatting with large models. Axis letters: engine/__init__.py (a matmul: Z summed, O outputs).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import math
 
 import numpy as np
 
-from .gguf import ModelError
-from .rope import RopeParams, yarn_corr_dims
+from ..gguf import ModelError
+from ..rope import RopeParams, yarn_corr_dims
 
 F32, F64 = np.float32, np.float64
 LANES = 16  # AVX-512 float lanes (tinyBLAS KN, ggml_vec_dot_f32 EPR)
@@ -87,10 +87,10 @@ def expf(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """quantize_row_q8_0 / q8_1 on rows of x (T, K): int8 values (T, K/32, 32), fp16 scales d as
-    f32 (T, K/32), and q8_1's block sums s = fp16(d * sum q) with d before its rounding (T, K/32)."""
+    """quantize_row_q8_0 / q8_1 on rows of x (T, Z): int8 values (T, Z/32, 32), fp16 scales d as
+    f32 (T, Z/32), and q8_1's block sums s = fp16(d * sum q) with d before its rounding (T, Z/32)."""
     b = np.ascontiguousarray(x, dtype=F32).reshape(x.shape[0], -1, 32)
-    amax = np.abs(b).max(axis=-1, keepdims=True)  # (T, K/32, 1)
+    amax = np.abs(b).max(axis=-1, keepdims=True)  # (T, Z/32, 1)
     with np.errstate(divide="ignore"):
         inv = np.where(amax != 0, F32(127) / amax, F32(0)).astype(F32)
     q = np.rint((b * inv).astype(F32)).astype(np.int8)  # round half to even (_mm256_round_ps)
@@ -100,8 +100,8 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class GgmlWeight:
-    """A matmul weight as the GGUF stores it, multiplied as ggml does (x (T, K) -> (T, N)):
-    F32 (f (N, K)), Q8_0 (q int8 (N, K/32, 32), d (N, K/32)) or Q4_1 (q 0..15, d, and minimums m)."""
+    """A matmul weight as the GGUF stores it, multiplied as ggml does (x (T, Z) -> (T, O)):
+    F32 (f (O, Z)), Q8_0 (q int8 (O, Z/32, 32), d (O, Z/32)) or Q4_1 (q 0..15, d, and minimums m)."""
 
     def __init__(self, kind: str, q=None, d=None, m=None, f=None):
         self.kind, self.q, self.d, self.m, self.f = kind, q, d, m, f
@@ -137,7 +137,7 @@ def read_weight(t, name: str, expert: int | None = None, head: int | None = None
     data = t.require(name).data
     data = data if expert is None else data[expert]
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[kind])  # (blocks, bytes)
-    shape = t.shape(name)[0 if expert is None else 1:-1] + (-1,)  # (..., N, K/32)
+    shape = t.shape(name)[0 if expert is None else 1:-1] + (-1,)  # (..., O, Z/32)
     d = blocks[:, 0:2].copy().view(np.float16).astype(F32).reshape(shape)
     m = None
     if kind == "Q8_0":  # fp16 d, 32 int8
@@ -152,22 +152,22 @@ def read_weight(t, name: str, expert: int | None = None, head: int | None = None
 
 
 def matmul_blocks(x: np.ndarray, w: GgmlWeight, rows: int = 16) -> np.ndarray:
-    """x (T, K) times a Q8_0 or Q4_1 weight -> (T, N), as ggml_vec_dot_q8_0_q8_0 / q4_1_q8_1 sum
+    """x (T, Z) times a Q8_0 or Q4_1 weight -> (T, O), as ggml_vec_dot_q8_0_q8_0 / q4_1_q8_1 sum
     it: activations quantized per 32 (Q8_0, or Q8_1 with s = d * sum q); per block 8 lanes of 4
     integer products, scaled by d_w * d_x and accumulated with fma over the blocks; hsum. Q4_1
     adds the sum over blocks of m_w * s_x (fma), after the hsum."""
     xq, xd, xs = quantize_q8_0(x)
     t, nb = xd.shape
     n = w.q.shape[0]
-    wl = w.q.reshape(n, nb, 8, 4).transpose(1, 2, 3, 0).astype(F32)  # (nb, 8, 4, N)
+    wl = w.q.reshape(n, nb, 8, 4).transpose(1, 2, 3, 0).astype(F32)  # (nb, 8, 4, O)
     out = np.empty((t, n), dtype=F32)
     for i0 in range(0, t, rows):
         xl = xq[i0:i0 + rows].reshape(-1, nb, 8, 4).transpose(1, 2, 0, 3).astype(F32)  # (nb, 8, t, 4)
-        acc = np.zeros((xl.shape[2], n, 8), dtype=F32)  # (t, N, 8)
-        summs = np.zeros((xl.shape[2], n), dtype=F32)  # (t, N)
+        acc = np.zeros((xl.shape[2], n, 8), dtype=F32)  # (t, O, 8)
+        summs = np.zeros((xl.shape[2], n), dtype=F32)  # (t, O)
         for blk in range(nb):
-            lanes = np.matmul(xl[blk], wl[blk]).transpose(1, 2, 0)  # (t, N, 8), exact: |sum| < 2^24
-            dd = (w.d[None, :, blk] * xd[i0:i0 + rows, blk, None]).astype(F32)  # (t, N)
+            lanes = np.matmul(xl[blk], wl[blk]).transpose(1, 2, 0)  # (t, O, 8), exact: |sum| < 2^24
+            dd = (w.d[None, :, blk] * xd[i0:i0 + rows, blk, None]).astype(F32)  # (t, O)
             acc = fma(dd[..., None], lanes, acc)
             if w.m is not None:
                 summs = fma(w.m[None, :, blk], xs[i0:i0 + rows, blk, None], summs)
@@ -176,14 +176,14 @@ def matmul_blocks(x: np.ndarray, w: GgmlWeight, rows: int = 16) -> np.ndarray:
 
 
 def vec_dot_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """ggml_vec_dot_f32 for every row pair: x (T, K), w (N, K) -> (T, N). Four accumulators of 16
+    """ggml_vec_dot_f32 for every row pair: x (T, Z), w (O, Z) -> (T, O). Four accumulators of 16
     lanes over 64-wide steps (fma), combined (a0 + a2) + (a1 + a3), hsum; then a scalar tail."""
     x = np.asarray(x, F32)
     w = np.asarray(w, F32)
     k = x.shape[1]
     step = 4 * LANES
     body = k - k % step
-    acc = [np.zeros((x.shape[0], w.shape[0], LANES), dtype=F32) for _ in range(4)]  # 4 x (T, N, 16)
+    acc = [np.zeros((x.shape[0], w.shape[0], LANES), dtype=F32) for _ in range(4)]  # 4 x (T, O, 16)
     for l0 in range(0, body, step):
         for j in range(4):
             s = slice(l0 + j * LANES, l0 + (j + 1) * LANES)
@@ -195,22 +195,22 @@ def vec_dot_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def matmul_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """ggml_mul_mat of contiguous f32 operands: x (T, K) times w (N, K) -> (T, N). tinyBLAS (16
-    lanes accumulated with fma along K, then hsum) when T >= 2 and K is a multiple of 16, else
+    """ggml_mul_mat of contiguous f32 operands: x (T, Z) times w (O, Z) -> (T, O). tinyBLAS (16
+    lanes accumulated with fma along Z, then hsum) when T >= 2 and Z is a multiple of 16, else
     ggml_vec_dot_f32 (tinyBLAS refuses a single column)."""
     x = np.asarray(x, F32)
     w = np.asarray(w, F32)
     k = x.shape[1]
     if x.shape[0] < 2 or k % LANES:
         return vec_dot_f32(x, w)
-    acc = np.zeros((x.shape[0], w.shape[0], LANES), dtype=F32)  # (T, N, 16)
+    acc = np.zeros((x.shape[0], w.shape[0], LANES), dtype=F32)  # (T, O, 16)
     for l0 in range(0, k, LANES):
         acc = fma(x[:, None, l0:l0 + LANES], w[None, :, l0:l0 + LANES], acc)
     return hsum(acc)
 
 
 def attention_head(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, scale) -> np.ndarray:
-    """One head of llama.cpp's attention (flash attention off, f32 cache): q (T, K), keys (N, K),
+    """One head of llama.cpp's attention (flash attention off, f32 cache): q (T, Z), keys (N, Z),
     values (N, C), mask (T, N) of 0 / -inf -> (T, C).
 
     KQ: q is a permuted (non-contiguous) view in llama.cpp's graph, so ggml_vec_dot_f32 runs, not
