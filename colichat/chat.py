@@ -26,7 +26,7 @@ from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_i
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 REPEAT_WINDOW = 64  # the cached tokens the repeat penalty sees
-DEFAULT_DRAFT = 0  # prompt-lookup drafts checked per pass (0 = no speculative decoding)
+DEFAULT_DRAFT = 8  # at most this many prompt-lookup drafts checked per pass (0 = no speculative decoding)
 
 
 class ChatError(Exception):

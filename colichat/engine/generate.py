@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .speculative import accept
+from .speculative import AcceptanceRate, accept, draft_size
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Generation:
                  drafts=None, draft: int = 0, recent: int = 64):
         """logits: (V,) after the last cached token; stop_ids: tokens that end the answer (never fed);
         drafts: a draft source (`propose(history, k) -> list[int]`) or None; draft: at most this many
-        drafts per pass; recent: how many cached tokens the sampler's repeat penalty sees."""
+        drafts per pass (fewer while drafts are being rejected: speculative.draft_size); recent: how
+        many cached tokens the sampler's repeat penalty sees."""
         self.model, self.logits, self.sampler = model, logits, sampler
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.max_tokens, self.drafts, self.draft, self.recent = max_tokens, drafts, draft, recent
@@ -42,6 +43,7 @@ class Generation:
         self.generated = 0
         self.n_drafted = 0   # drafts checked by verify passes
         self.n_accepted = 0  # drafts kept
+        self.rate = AcceptanceRate()
 
     def _window(self, end: int) -> np.ndarray:
         return self.model.cache.tokens[max(0, end - self.recent) : end]
@@ -62,8 +64,10 @@ class Generation:
                     self.stopped = "context"
                     return
                 k = min(self.draft, self.max_tokens - self.generated - 1, cache.room() - 2)
-                guess = self._propose(n, tid, k) if k > 0 and self.drafts is not None else []
+                k = draft_size(self.rate.value, k) if k > 0 and self.drafts is not None else 0
+                guess = self._propose(n, tid, k) if k > 0 else []
                 if not guess:
+                    self.rate.plain_step()
                     logits = model.decode(tid)
                     self.generated += 1
                     shown = cache.length
@@ -78,6 +82,7 @@ class Generation:
                         break
                     kept += 1
                 cache.truncate(n + 1 + kept)  # rejected drafts' rows are dead
+                self.rate.checked(kept, kept < len(guess))
                 logits = rows[kept]
                 self.n_drafted += len(guess)
                 self.n_accepted += kept

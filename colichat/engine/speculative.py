@@ -16,6 +16,37 @@ import numpy as np
 
 NGRAM_MAX = 4  # prompt lookup: the longest suffix looked for in the history
 NGRAM_MIN = 2  # and the shortest (single tokens match too often to be worth a check)
+ROW_COST = 0.3  # a verify pass's cost per drafted token, in decode steps (measured: BENCHMARKS.md)
+RATE_PRIOR = 0.6  # the acceptance rate assumed at the start of an answer
+RATE_STEP = 0.25  # weight of each checked draft in the running acceptance rate
+RATE_RECOVER = 0.05  # per plain decode step, the rate drifts back toward the prior (to try again)
+
+
+def draft_size(rate: float, k_max: int, row_cost: float = ROW_COST) -> int:
+    """How many drafts to check: the k <= k_max that maximizes the expected tokens per unit of time,
+    (1 + r + ... + r^k) / (1 + row_cost k) with r the acceptance rate; 0 if no k beats plain decoding."""
+    best, best_k, tokens = 1.0, 0, 1.0
+    for k in range(1, k_max + 1):
+        tokens += rate**k
+        if tokens / (1 + row_cost * k) > best:
+            best, best_k = tokens / (1 + row_cost * k), k
+    return best_k
+
+
+class AcceptanceRate:
+    """A running estimate of how often drafts are kept: each checked draft moves it by RATE_STEP;
+    every plain step moves it back toward RATE_PRIOR, so that a stretch of rejected drafts pauses
+    drafting (ordinary chat is not slowed down) and later text that repeats is still caught."""
+
+    def __init__(self):
+        self.value = RATE_PRIOR
+
+    def checked(self, kept: int, rejected: bool) -> None:
+        for ok in [True] * kept + [False] * rejected:
+            self.value += RATE_STEP * (float(ok) - self.value)
+
+    def plain_step(self) -> None:
+        self.value += RATE_RECOVER * (RATE_PRIOR - self.value)
 
 
 def accept(sampler, logits: np.ndarray, recent, draft: int) -> tuple[bool, int]:
