@@ -199,3 +199,19 @@ def test_draft_setting_is_checked():
     assert conv.set_option("draft", 3) == "draft = 3" and conv.options()["draft"] == 3
     with pytest.raises(ChatError, match="draft must be between 0"):
         conv.set_option("draft", 99)
+
+
+def test_drafts_that_keep_failing_are_paused():
+    """Drafts that are always rejected cost a verify row each: after a few, drafting pauses (plain
+    decoding), and it is tried again now and then; the tokens are those of plain decoding."""
+    model = load(str(TINY / "llama.gguf"), n_ctx=256)
+    model.reset()
+    prompt = [1, 5, 9, 5, 12]
+    first = model.prefill(prompt, all_logits=False)[-1]
+    greedy = Sampler(SamplerSettings(temperature=0))
+    ref = [t.id for t in Generation(model, first, greedy, (), 100)]
+    never = next(i for i in range(model.cfg.n_vocab) if i not in ref)  # a token greedy never picks here
+    model.cache.truncate(len(prompt))
+    gen = Generation(model, first, greedy, (), 100, drafts=FixedDrafts([never] * 8), draft=8)
+    assert [t.id for t in gen] == ref
+    assert gen.n_accepted == 0 and 3 <= gen.n_drafted <= 20
