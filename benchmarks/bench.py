@@ -3,6 +3,7 @@
     make bench                                    # both models, histories of 512, 2048 and 4096 tokens
     make bench ARGS="--quick"                     # 512 and 2048 only, fewer repetitions
     make bench ARGS="--skip-deepseek --publish"   # --publish also writes benchmarks/results.json, resume.png
+    make bench ARGS="--speculative-only"          # speculative decoding and threads only (speculative.py)
 
 Everything is measured in one run on one machine and compared side by side; nothing here is asserted.
 Two models: the default one (SmolLM2-135M, llama) and a random deepseek2 GGUF with DeepSeek-V2-Lite's
@@ -37,6 +38,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 OUT = HERE / "out"
 sys.path.insert(0, str(REPO / "tests"))  # gguf_factory writes the deepseek2 model
+sys.path.insert(0, str(HERE))
+import speculative  # noqa: E402  (benchmarks/speculative.py: drafts, verify passes, threads)
 
 GEN_TOKENS = 64  # a turn: tokens generated, records appended
 SHORT_CTX = 64  # "short context" for decode
@@ -707,6 +710,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-deepseek", action="store_true", help="only the default model")
     p.add_argument("--ff", type=int, default=2816, help="dense FFN width of the deepseek2 model (default 2816)")
     p.add_argument("--no-starts", action="store_true", help="skip the program start measurements")
+    p.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and threads")
+    p.add_argument("--speculative-only", action="store_true",
+                   help="only speculative decoding and threads (benchmarks/speculative.py)")
     p.add_argument("--publish", action="store_true",
                    help="also write benchmarks/results.json and benchmarks/resume.png (the committed copies)")
     return p.parse_args(argv)
@@ -714,6 +720,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.speculative_only:
+        flags = ["--quick"] * args.quick + ["--skip-deepseek"] * args.skip_deepseek
+        return speculative.main(flags + ["--ff", str(args.ff)])
     lengths = [512, 2048] if args.quick else [512, 2048, 4096]
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="colichat-bench-"))
@@ -736,6 +745,8 @@ def main(argv=None) -> int:
             if not args.no_starts:
                 m["starts"] = measure_starts(path if kind else None, root / "home", kind or "default", lengths)
             results["models"].append(m)
+        if not args.no_speculative:
+            results["speculative"] = speculative.run([(m[0], m[1]) for m in models], args.quick)
         say("machine limits again")
         end = machine_limits(args.quick)
     finally:
@@ -753,6 +764,8 @@ def main(argv=None) -> int:
         shutil.copy(OUT / "bench.json", HERE / "results.json")
         shutil.copy(OUT / "resume.png", HERE / "resume.png")
     print(report(results, markdown=False))
+    if "speculative" in results:
+        print(speculative.report(results["speculative"]))
     print(f"run time {results['run_s']:.0f} s; wrote {OUT / 'bench.json'}, bench.md, resume.png"
           + (" and benchmarks/results.json, resume.png" if args.publish else ""))
     return 0
