@@ -26,7 +26,7 @@ from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_i
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 REPEAT_WINDOW = 64  # the cached tokens the repeat penalty sees
-DEFAULT_DRAFT = 8  # at most this many prompt-lookup drafts checked per pass (0 = no speculative decoding)
+DEFAULT_DRAFT = 4  # at most this many prompt-lookup drafts checked per pass (0 = no speculative decoding)
 
 
 class ChatError(Exception):
@@ -423,8 +423,8 @@ class Conversation:
                 "context": ", context full"}.get(stats.stopped, "")
         drafts = (f", drafts {stats.accepted}/{stats.drafted} accepted ({100 * stats.accepted / stats.drafted:.0f}%)"
                   if stats.drafted else "")
-        return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s{drafts}, prefill {stats.prompt_tokens} "
-                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}; {saved}]")
+        return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
+                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}{drafts}; {saved}]")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache
