@@ -3,14 +3,19 @@
     make bench                                    # both models, histories of 512, 2048 and 4096 tokens
     make bench ARGS="--quick"                     # 512 and 2048 only, fewer repetitions
     make bench ARGS="--skip-deepseek --publish"   # --publish also writes benchmarks/results.json, resume.png
+    make bench ARGS="--plm"                       # also decode/prefill of a PLM-1.8B-shaped model (~9 GiB RAM)
+    make bench ARGS="--dsa"                       # only: sparse attention (DeepSeek-V3.2-shaped) vs dense
     make bench ARGS="--speculative-only"          # speculative decoding and threads only (speculative.py)
 
 Everything is measured in one run on one machine and compared side by side; nothing here is asserted.
 Two models: the default one (SmolLM2-135M, llama) and a random deepseek2 GGUF with DeepSeek-V2-Lite's
 attention (27 layers, hidden 2048, 16 heads, kv_lora 512, qk_rope 64, qk_nope 128, v 128, no q_lora),
 a dense SwiGLU FFN in every layer (width --ff, default 2816) and a 102400-token vocabulary, written
-once as Q8_0 to benchmarks/out/ (git-ignored). Sessions, weight caches and histories live in a
-temporary COLICHAT_HOME that is removed at the end.
+once as Q8_0 to benchmarks/out/ (git-ignored). With --plm (or --plm-only) a third model, PLM-1.8B's
+layout and sizes (tests/gguf_factory.PLM_1_8B: plm, 32 layers, hidden 2048, 16 heads, kv_lora 512,
+squared-ReLU FFN 8192, vocabulary 151936, 6.8 GiB as f32), is measured for decode and prefill against
+the rooflines only. Sessions, weight caches and histories live in a temporary COLICHAT_HOME that is
+removed at the end.
 
 Timings of one repetition are taken with time.perf_counter; where a figure is repeated the best
 repetition is reported (the machine may be shared: the best one is the least disturbed), and the
@@ -97,7 +102,7 @@ def fresh_cache(model) -> None:
     from colichat.engine.cache import KVCache
 
     c = model.cache
-    model.cache = KVCache(c.kind, c.n_layer, c.a_width, c.b_width, c.capacity)
+    model.cache = KVCache(c.kind, c.n_layer, c.a_width, c.b_width, c.capacity, c.index_hd, c.n_index_layers)
 
 
 # --- the machine --------------------------------------------------------------------------------------
@@ -246,6 +251,19 @@ def deepseek_gguf(n_ff: int) -> Path:
         say(f"writing {path.name} (random Q8_0 weights)")
         tmp = path.with_suffix(".tmp.gguf")
         write_deepseek2(tmp, V2_LITE_DENSE, n_ff=n_ff)
+        os.replace(tmp, path)
+    return path
+
+
+def plm_gguf() -> Path:
+    """The PLM-1.8B-shaped GGUF, written once under benchmarks/out/."""
+    from gguf_factory import PLM_1_8B, write_deepseek2
+
+    path = OUT / "plm-1.8b.gguf"
+    if not path.exists():
+        say(f"writing {path.name} (random Q8_0 weights)")
+        tmp = path.with_suffix(".tmp.gguf")
+        write_deepseek2(tmp, PLM_1_8B)
         os.replace(tmp, path)
     return path
 
@@ -462,6 +480,24 @@ def bench_model(label: str, path: Path, lengths: list[int], quick: bool, gen_rep
     return out
 
 
+def bench_rates_only(label: str, path: Path, quick: bool, decode_tokens: int = 8) -> dict:
+    """Decode and prefill against the rooflines only (no histories, sessions or program starts): for a
+    model too big to re-prefill long histories of in a benchmark run."""
+    from colichat.engine import load
+
+    say(f"{label}: loading {path.name}")
+    load_s, model = timed(load, str(path), n_ctx=PREFILL_TOKENS + HEAD_ROOM)
+    cfg = model.cfg
+    say(f"{label}: prefill and decode rates, machine limits around them")
+    out = {"label": label, "path": str(path), "arch": cfg.arch, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+           "n_vocab": cfg.n_vocab, "n_ff": cfg.n_ff, "weight_bytes": int(model.weight_bytes),
+           "record_bytes": int(model.cache.record_bytes), "load_in_process_s": load_s,
+           "roofline_terms": roofline_terms(model), "lengths": [],
+           "rates": measure_rates(model, decode_tokens, 1, quick)}
+    del model
+    return out
+
+
 # Runs one command and reports its wall time and peak RSS. The go-between keeps the bench's own memory out
 # of the figure: on Linux a child's ru_maxrss starts at its parent's RSS (the address space it was forked
 # with counts until exec), and this small process is the parent instead of the bench with a model loaded.
@@ -519,13 +555,15 @@ def derive(model: dict, avx512: dict | None) -> dict:
         return {"ctx": ctx, "tok_s": 1 / s_per_token, "roofline_tok_s": 1 / roof, "fraction": roof / s_per_token,
                 "others_cpu": others_cpu}
 
-    longest = max(model["lengths"], key=lambda r: r["tokens"])
     t, seconds = rates["prefill_tokens"], rates["prefill_s"]
     roof_prefill = prefill_flops(terms, t) / (gflops * 1e9)
+    out = {"decode_short": decode_frac(rates["decode_ctx"], rates["decode_s_per_token"], rates["others_cpu"])}
+    if model["lengths"]:
+        longest = max(model["lengths"], key=lambda r: r["tokens"])
+        out["decode_long"] = decode_frac(longest["tokens"], longest["decode_s_per_token"],
+                                         longest["others_cpu"]["prefill_decode"])
     return {
-        "decode_short": decode_frac(rates["decode_ctx"], rates["decode_s_per_token"], rates["others_cpu"]),
-        "decode_long": decode_frac(longest["tokens"], longest["decode_s_per_token"],
-                                   longest["others_cpu"]["prefill_decode"]),
+        **out,
         "prefill": {"tokens": t, "tok_s": t / seconds, "roofline_tok_s": t / roof_prefill,
                     "fraction": roof_prefill / seconds, "gflops": prefill_flops(terms, t) / seconds / 1e9,
                     "others_cpu": rates["others_cpu"],
@@ -551,11 +589,12 @@ def targets(results: dict) -> list[dict]:
             frac = r2k["resume_read_gbps"] / r2k["seq_read_gbps"]
             add(f"{lab}: resume read >= 1/2 of sequential read (2048)",
                 f"{r2k['resume_read_gbps']:.2f} of {r2k['seq_read_gbps']:.2f} GB/s ({frac:.0%})", frac >= 0.5)
-        worst = max(m["lengths"], key=lambda r: r["append_s"] / r["generate_turn_s"])
-        share = worst["append_s"] / worst["generate_turn_s"]
-        add(f"{lab}: append a turn < 5% of generating it",
-            f"worst {share:.1%} at {worst['tokens']} ({worst['append_s'] * 1e3:.1f} ms vs "
-            f"{worst['generate_turn_s']:.2f} s)", share < 0.05)
+        if m["lengths"]:
+            worst = max(m["lengths"], key=lambda r: r["append_s"] / r["generate_turn_s"])
+            share = worst["append_s"] / worst["generate_turn_s"]
+            add(f"{lab}: append a turn < 5% of generating it",
+                f"worst {share:.1%} at {worst['tokens']} ({worst['append_s'] * 1e3:.1f} ms vs "
+                f"{worst['generate_turn_s']:.2f} s)", share < 0.05)
         d = m["derived"]
         add(f"{lab}: decode >= 70% of matvec roofline (ctx {d['decode_short']['ctx']})",
             f"{d['decode_short']['fraction']:.0%} ({d['decode_short']['tok_s']:.1f} of "
@@ -635,6 +674,8 @@ def report(results: dict, markdown: bool) -> str:
     for m in results["models"]:
         d = m["derived"]
         for key, what in (("decode_short", "decode"), ("decode_long", "decode"), ("prefill", "prefill")):
+            if key not in d:
+                continue
             x = d[key]
             ctx = f"ctx {x['ctx']}" if "ctx" in x else f"{x['tokens']} tokens"
             rows.append([m["label"], f"{what} {ctx}", f"{x['tok_s']:.1f}", f"{x['roofline_tok_s']:.1f}",
@@ -682,7 +723,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m, color in zip(results["models"], ("tab:blue", "tab:red"), strict=False):
+    for m, color in zip([m for m in results["models"] if m["lengths"]], ("tab:blue", "tab:red"), strict=False):
         n = [r["tokens"] for r in m["lengths"]]
         ax.plot(n, [r["reprefill"]["total_s"] for r in m["lengths"]], "o--", color=color,
                 label=f"{m['label']}: re-prefill + 1 decode")
@@ -701,6 +742,128 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# --- sparse attention (DSA) ----------------------------------------------------------------------------
+
+# DeepSeek-V3.2's attention and indexer (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk_rope 64,
+# qk_nope 128, v 128; indexer 64 heads of 128, top_k 2048; YaRN factor 40 from 4096) in 2 layers with a
+# dense FFN of 2048 and a 4096-token vocabulary (the real model: 61 layers, MoE, 129,280 tokens).
+V32_SHAPED = dict(
+    arch="deepseek32", n_layer=2, n_embd=7168, n_head=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128,
+    qk_rope=64, v_head=128, n_ff=2048, n_dense=2, n_vocab=4096, context_length=163840, yarn_factor=40.0,
+    yarn_orig_ctx=4096, yarn_log_mul=0.1, index_heads=64, index_dim=128, index_top_k=2048, qtype="Q8_0",
+    raw_quant=True,
+)
+DSA_CONTEXTS = (512, 4096)
+V32_REAL = dict(n_layer=61, kv_lora=512, qk_rope=64, index_hd=128)
+
+
+def dsa_gguf() -> Path:
+    from gguf_factory import DS2Spec, write_deepseek2
+
+    path = OUT / "v32-shaped-2layers.gguf"
+    if not path.exists():
+        say(f"writing {path.name} (random Q8_0 weights)")
+        tmp = path.with_suffix(".tmp.gguf")
+        write_deepseek2(tmp, DS2Spec(**V32_SHAPED))
+        os.replace(tmp, path)
+    return path
+
+
+def attention_only(n_ctx: int, reps: int) -> dict:
+    """One decode query of one V3.2-shaped layer, attention alone (random arrays): dense absorbed MLA
+    over n_ctx latent rows vs indexer scores over n_ctx Ic rows + top-2048 + absorbed MLA over the
+    2048 gathered rows. Seconds, best of reps."""
+    from colichat.engine import indexer as I
+    from colichat.engine.attention import mla_absorbed
+
+    rng = np.random.default_rng(0)
+    h, c, r, dn, dv, hi, di, k = 128, 512, 64, 128, 128, 64, 128, 2048
+    kv = rng.standard_normal((n_ctx, c + r), dtype=np.float32)
+    ic = rng.standard_normal((n_ctx, di), dtype=np.float32)
+    k_b = rng.standard_normal((h, c, dn), dtype=np.float32) / 20
+    v_b = rng.standard_normal((h, dv, c), dtype=np.float32) / 20
+    q_nope, q_pe = rng.standard_normal((1, h, dn), dtype=np.float32), rng.standard_normal((1, h, r), dtype=np.float32)
+    qi, w = rng.standard_normal((1, hi, di), dtype=np.float32), rng.standard_normal((1, hi), dtype=np.float32)
+
+    def dense():
+        return mla_absorbed(q_nope, q_pe, kv, k_b, v_b, n_ctx - 1, 0.1)
+
+    def sparse():
+        idx = I.top_k_positions(I.indexer_scores(qi, w, ic, n_ctx - 1)[0], k)
+        return mla_absorbed(q_nope, q_pe, kv[idx], k_b, v_b, idx.size - 1, 0.1)
+
+    dense(), sparse()  # warm up; then alternate, so both see the same load
+    times = [(timed(dense)[0], timed(sparse)[0]) for _ in range(reps)]
+    return {"ctx": n_ctx, "dense_s": min(t[0] for t in times), "sparse_s": min(t[1] for t in times)}
+
+
+def bench_dsa(quick: bool) -> dict:
+    """Decode tok/s of the V3.2-shaped model at each context, with its indexer and with it off (the same
+    model attending densely to every cached key), and the KV bytes per token with Ic. The cache rows
+    before the decoded token (c, k_pe, Ic) are random: what decode costs does not depend on their values,
+    and a real 4096-token prefill of this model takes minutes."""
+    from colichat.engine import load
+
+    path = dsa_gguf()
+    sgemm_before = measure_sgemm(reps=4)
+    say("sparse attention: loading the V3.2-shaped model")
+    model = load(str(path), n_ctx=max(DSA_CONTEXTS) + 16)
+    cfg, cache = model.cfg, model.cache
+    n = max(DSA_CONTEXTS)
+    rng = np.random.default_rng(3)
+    cache.tokens[:n] = history_ids(model, n, seed=3)
+    cache.records["kv"][:n] = rng.standard_normal(cache.records["kv"][:n].shape, dtype=np.float32)
+    cache.records["ic"][:n] = rng.standard_normal(cache.records["ic"][:n].shape, dtype=np.float32)
+    reps = 3 if quick else 6
+    rows = []
+    for ctx in DSA_CONTEXTS:
+        say(f"sparse attention: decode at {ctx} tokens of context")
+        times = {"sparse": [], "dense": []}
+        with OtherLoad() as load_share:
+            for i in range(reps + 1):  # the two alternate, so both see the same load; rep 0 warms up
+                for mode in ("sparse", "dense"):
+                    model.fwd.sparse = mode == "sparse"
+                    cache.set_length(ctx)
+                    times[mode].append(timed(model.decode, int(cache.tokens[i]))[0])
+        row = {"ctx": ctx, "others_cpu": load_share.share}
+        for mode, ts in times.items():
+            row[mode] = {"s_per_token": min(ts[1:]), "median_s": float(np.median(ts[1:])), "tok_s": 1.0 / min(ts[1:])}
+        rows.append(row)
+    model.fwd.sparse = True
+    say("sparse attention: attention alone, one layer")
+    alone = [attention_only(n, 3 if quick else 5) for n in (4096, 16384, 65536)]
+    real = V32_REAL
+    return {
+        "spec": {k: v for k, v in V32_SHAPED.items() if k not in ("qtype", "raw_quant")},
+        "weight_bytes": model.weight_bytes,
+        "kv_bytes_per_token": model.cache.record_bytes,
+        "kv_bytes_per_token_without_ic": 4 + 4 * cfg.n_layer * (cfg.kv_lora_rank + cfg.rope_dim),
+        "real_v32_record_bytes": 4 + 4 * real["n_layer"] * (real["kv_lora"] + real["qk_rope"] + real["index_hd"]),
+        "real_v3_record_bytes": 4 + 4 * real["n_layer"] * (real["kv_lora"] + real["qk_rope"]),
+        "decode": rows,
+        "attention_alone": alone,
+        "sgemm_gflops": {"before": sgemm_before, "after": measure_sgemm(reps=4)},
+    }
+
+
+def dsa_report(d: dict, markdown: bool) -> str:
+    rows = [[r["ctx"], f"{r['sparse']['tok_s']:.2f}", f"{r['dense']['tok_s']:.2f}",
+             f"{r['dense']['s_per_token'] / r['sparse']['s_per_token']:.2f}x", f"{r['others_cpu']:.0%}"]
+            for r in d["decode"]]
+    out = [table(["context", "decode tok/s, indexer (top_k 2048)", "decode tok/s, indexer off (dense)",
+                  "speedup", "others' CPU"], rows, markdown)]
+    rows = [[a["ctx"], f"{a['sparse_s'] * 1e3:.2f}", f"{a['dense_s'] * 1e3:.2f}",
+             f"{a['dense_s'] / a['sparse_s']:.2f}x"] for a in d["attention_alone"]]
+    out.append(table(["context", "indexer + top-k + attention over 2048 keys, ms", "dense attention, ms",
+                      "ratio"], rows, markdown))
+    out.append(f"KV bytes per token (record): {d['kv_bytes_per_token']:,} with Ic for this 2-layer model "
+               f"({d['kv_bytes_per_token_without_ic']:,} without); DeepSeek-V3.2 (61 layers): "
+               f"{d['real_v32_record_bytes']:,} with Ic vs {d['real_v3_record_bytes']:,} for V3. "
+               f"f32 weights: {d['weight_bytes'] / 2**30:.2f} GiB. sgemm 2048^2 before/after: "
+               f"{d['sgemm_gflops']['before']:.0f}/{d['sgemm_gflops']['after']:.0f} GFLOP/s.")
+    return "\n\n".join(out) + "\n"
+
+
 # --- main ---------------------------------------------------------------------------------------------
 
 
@@ -713,6 +876,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and threads")
     p.add_argument("--speculative-only", action="store_true",
                    help="only speculative decoding and threads (benchmarks/speculative.py)")
+    p.add_argument("--plm", action="store_true",
+                   help="also decode/prefill rates of a PLM-1.8B-shaped model (needs about 9 GiB of memory)")
+    p.add_argument("--plm-only", action="store_true", help="only the machine limits and the PLM-1.8B-shaped rates")
+    p.add_argument("--dsa", action="store_true",
+                   help="only the sparse-attention comparison (DeepSeek-V3.2-shaped model, indexer on vs off)")
     p.add_argument("--publish", action="store_true",
                    help="also write benchmarks/results.json and benchmarks/resume.png (the committed copies)")
     return p.parse_args(argv)
@@ -723,8 +891,20 @@ def main(argv=None) -> int:
     if args.speculative_only:
         flags = ["--quick"] * args.quick + ["--skip-deepseek"] * args.skip_deepseek
         return speculative.main(flags + ["--ff", str(args.ff)])
+    if args.plm_only and args.publish:
+        sys.exit("--publish replaces the published results of a full run; run --plm-only without it")
     lengths = [512, 2048] if args.quick else [512, 2048, 4096]
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.dsa:
+        t0 = time.perf_counter()
+        d = bench_dsa(args.quick)
+        d.update(machine=machine_info(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"), code=code_version(),
+                 run_s=time.perf_counter() - t0)
+        (OUT / "dsa.json").write_text(json.dumps(d, indent=1))
+        (OUT / "dsa.md").write_text(dsa_report(d, markdown=True))
+        print(dsa_report(d, markdown=False))
+        print(f"run time {d['run_s']:.0f} s; wrote {OUT / 'dsa.json'}, dsa.md")
+        return 0
     root = Path(tempfile.mkdtemp(prefix="colichat-bench-"))
     os.environ["COLICHAT_HOME"] = str(root / "home")  # sessions and weight caches of the in-process runs
     from colichat.models import default_model_path
@@ -737,8 +917,9 @@ def main(argv=None) -> int:
         start = machine_limits(args.quick)
         avx512 = sgemm_avx512_kernels()
         # (label, GGUF, --model for the start measurement, tokens decoded per timing, prefill repetitions)
-        models = [("SmolLM2-135M", Path(default_model_path()), None, 64, 1 if args.quick else 2)]
-        if not args.skip_deepseek:
+        models = [] if args.plm_only else [("SmolLM2-135M", Path(default_model_path()), None, 64,
+                                             1 if args.quick else 2)]
+        if not (args.skip_deepseek or args.plm_only):
             models.append((f"V2-Lite-shaped (FFN {args.ff})", deepseek_gguf(args.ff), "deepseek", 4, 1))
         for label, path, kind, gen_reps, prefill_reps in models:
             m = bench_model(label, path, lengths, args.quick, gen_reps, prefill_reps)
@@ -747,6 +928,8 @@ def main(argv=None) -> int:
             results["models"].append(m)
         if not args.no_speculative:
             results["speculative"] = speculative.run([(m[0], m[1]) for m in models], args.quick)
+        if args.plm or args.plm_only:
+            results["models"].append(bench_rates_only("PLM-1.8B-shaped", plm_gguf(), args.quick))
         say("machine limits again")
         end = machine_limits(args.quick)
     finally:
@@ -759,7 +942,8 @@ def main(argv=None) -> int:
 
     (OUT / "bench.json").write_text(json.dumps(results, indent=1))
     (OUT / "bench.md").write_text(report(results, markdown=True))
-    plot(results, OUT / "resume.png")
+    if any(m["lengths"] for m in results["models"]):
+        plot(results, OUT / "resume.png")
     if args.publish:
         shutil.copy(OUT / "bench.json", HERE / "results.json")
         shutil.copy(OUT / "resume.png", HERE / "resume.png")

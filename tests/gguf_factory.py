@@ -6,7 +6,9 @@
 
 `DS2Spec` holds every option (sizes, q_lora or `attn_q`, split `attn_k_b`/`attn_v_b` or legacy
 `attn_kv_b`, leading dense layers, experts/groups/gating/bias/norm/scale, shared experts, YaRN,
-tied output, quant type, vocabulary size, architecture name); `write_deepseek2(path, spec)` writes it.
+tied output, quant type, vocabulary size, architecture name, SwiGLU or squared-ReLU dense FFN, the
+lightning indexer of deepseek32 / glm-dsa, MTP blocks); `write_deepseek2(path, spec)` writes it.
+`PLM_1_8B` is PLM-1.8B's layout (architecture `plm`).
 
 Weights are a pure function of (spec.seed, tensor name[, expert]): two files that differ only in
 layout (split vs legacy, F32 vs Q8_0, tied or not) carry the same underlying values, so their logits
@@ -93,6 +95,12 @@ class DS2Spec:
     extra_tensors: dict = field(default_factory=dict)   # {name: numpy shape} more F32 tensors
     shards: int = 1               # > 1: a split model, PATH-0000N-of-0000M.gguf (gguf-split naming)
     merged_gate_up: bool = False  # ffn_gate_up_exps (E, 2F, D) instead of ffn_gate_exps + ffn_up_exps
+    relu2_ffn: bool = False       # dense layers: ffn_up -> relu^2 -> ffn_down, no ffn_gate (plm)
+    index_heads: int = 0          # > 0 (with arch deepseek32 / glm-dsa): the lightning indexer's Hi
+    index_dim: int = 64           # Di
+    index_top_k: int = 8          # K
+    index_types: tuple = ()       # glm-dsa attention.indexer.types (empty: not written; all full)
+    n_nextn: int = 0              # MTP blocks after the trunk (block_count counts them)
 
     @property
     def qk_head(self) -> int:
@@ -105,6 +113,14 @@ V2_LITE_DENSE = DS2Spec(
     n_layer=27, n_embd=2048, n_head=16, q_lora_rank=0, kv_lora_rank=512, qk_nope=128, qk_rope=64,
     v_head=128, n_ff=10944, n_dense=27, n_vocab=102400, context_length=163840, yarn_factor=40.0,
     yarn_orig_ctx=4096, yarn_log_mul=0.0707, qtype="Q8_0", raw_quant=True,
+)
+
+# PLM-1.8B's layout (architecture plm: no q compression, legacy attn_kv_b, squared-ReLU FFN, output
+# tied to token_embd) and sizes: 1.8 GiB as Q8_0 (random blocks), 6.8 GiB once loaded (f32).
+PLM_1_8B = DS2Spec(
+    arch="plm", n_layer=32, n_embd=2048, n_head=16, q_lora_rank=0, kv_lora_rank=512, qk_nope=128,
+    qk_rope=64, v_head=128, n_ff=8192, n_dense=32, n_vocab=151936, split=False, tied_output=True,
+    relu2_ffn=True, context_length=4096, qtype="Q8_0", raw_quant=True,
 )
 
 
@@ -209,9 +225,19 @@ def tensor_shapes(spec: DS2Spec) -> list[tuple[str, tuple]]:
     out = [("token_embd.weight", (v, d)), ("output_norm.weight", (d,))]
     if not spec.tied_output:
         out.append(("output.weight", (v, d)))
-    for l in range(spec.n_layer):
+    for l in range(spec.n_layer + spec.n_nextn):
         b = f"blk.{l}."
         out.append((b + "attn_norm.weight", (d,)))
+        full = not spec.index_types or spec.index_types[l] if l < spec.n_layer else False
+        if spec.index_heads and full:
+            hi, di = spec.index_heads, spec.index_dim
+            out += [(b + "indexer.k_norm.weight", (di,)), (b + "indexer.k_norm.bias", (di,)),
+                    (b + "indexer.proj.weight", (hi, d)), (b + "indexer.attn_k.weight", (di, d)),
+                    (b + "indexer.attn_q_b.weight", (hi * di, spec.q_lora_rank or d))]
+        if l >= spec.n_layer:
+            out += [(b + "nextn.eh_proj.weight", (d, 2 * d)), (b + "nextn.enorm.weight", (d,)),
+                    (b + "nextn.hnorm.weight", (d,)), (b + "nextn.shared_head_norm.weight", (d,)),
+                    (b + "nextn.shared_head_head.weight", (v, d))]
         if spec.q_lora_rank:
             rq = spec.q_lora_rank
             out += [(b + "attn_q_a.weight", (rq, d)), (b + "attn_q_a_norm.weight", (rq,))]
@@ -226,8 +252,9 @@ def tensor_shapes(spec: DS2Spec) -> list[tuple[str, tuple]]:
         out += [(b + "attn_output.weight", (d, h * dv)), (b + "ffn_norm.weight", (d,))]
         if l < spec.n_dense:
             f = spec.n_ff
-            out += [(b + "ffn_gate.weight", (f, d)), (b + "ffn_up.weight", (f, d))]
-            out.append((b + "ffn_down.weight", (d, f)))
+            if not spec.relu2_ffn:
+                out.append((b + "ffn_gate.weight", (f, d)))
+            out += [(b + "ffn_up.weight", (f, d)), (b + "ffn_down.weight", (d, f))]
             continue
         e, fe = spec.n_expert, spec.n_ff_exp
         out.append((b + "ffn_gate_inp.weight", (e, d)))
@@ -309,7 +336,7 @@ def metadata(spec: DS2Spec) -> list[tuple[str, object, gguf.GGUFValueType]]:
         ("tokenizer.ggml.eos_token_id", 257, T.UINT32),
         ("tokenizer.ggml.add_bos_token", True, T.BOOL),
         ("tokenizer.chat_template", CHAT_TEMPLATE, T.STRING),
-        (f"{a}.block_count", spec.n_layer, T.UINT32),
+        (f"{a}.block_count", spec.n_layer + spec.n_nextn, T.UINT32),
         (f"{a}.context_length", spec.context_length, T.UINT32),
         (f"{a}.embedding_length", spec.n_embd, T.UINT32),
         (f"{a}.feed_forward_length", spec.n_ff, T.UINT32),
@@ -358,6 +385,16 @@ def metadata(spec: DS2Spec) -> list[tuple[str, object, gguf.GGUFValueType]]:
             (f"{a}.rope.scaling.original_context_length", spec.yarn_orig_ctx, T.UINT32),
             (f"{a}.rope.scaling.yarn_log_multiplier", spec.yarn_log_mul, T.FLOAT32),
         ]
+    if spec.n_nextn:
+        kv.append((f"{a}.nextn_predict_layers", spec.n_nextn, T.UINT32))
+    if spec.index_heads:
+        kv += [
+            (f"{a}.attention.indexer.head_count", spec.index_heads, T.UINT32),
+            (f"{a}.attention.indexer.key_length", spec.index_dim, T.UINT32),
+            (f"{a}.attention.indexer.top_k", spec.index_top_k, T.UINT32),
+        ]
+        if spec.index_types:
+            kv.append((f"{a}.attention.indexer.types", [int(v) for v in spec.index_types], T.ARRAY))
     for key, val in spec.extra_keys.items():
         kv.append((key, val, gguf.GGUFValueType.get_type(val)))
     return kv

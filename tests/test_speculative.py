@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from colichat.chat import ChatError, Conversation, Settings
+from colichat.chat import Conversation
 from colichat.engine import Sampler, SamplerSettings, load
 from colichat.engine.generate import Generation
 from colichat.engine.speculative import PromptLookup, accept
 from colichat.persist import Store
+from colichat.settings import SettingError, Settings
 
 TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3"]
 
@@ -58,7 +59,7 @@ def converse(model, home, draft: int, max_tokens: int = 40) -> tuple[list[str], 
     """Four exchanges with a /rewind and a /resume in between: the answers, the saved cache file and
     the drafts accepted. Messages repeat text so that prompt lookup finds something to draft."""
     store = Store(home)
-    settings = Settings(SamplerSettings(temperature=0), max_tokens=max_tokens, draft=draft)
+    settings = Settings(temperature=0, max_tokens=max_tokens, draft=draft)
     model.reset()
     conv = Conversation(model, settings, store=store, session_name="s")
     answers, accepted = [], 0
@@ -99,7 +100,7 @@ def test_smollm2_echo_answer_is_the_same_with_drafts(default_model, tmp_path):
     runs = {}
     for draft in (0, 6):
         store = Store(tmp_path / str(draft))
-        settings = Settings(SamplerSettings(temperature=0), max_tokens=60, draft=draft)
+        settings = Settings(temperature=0, max_tokens=60, draft=draft)
         default_model.reset()
         conv = Conversation(default_model, settings, store=store, session_name="s")
         a1, s1 = conv.ask(f"Repeat this text exactly: {paragraph}")
@@ -196,8 +197,9 @@ def test_stopping_inside_a_pass_keeps_only_the_tokens_shown(tmp_path):
 def test_draft_setting_is_checked():
     model = load(str(TINY / "llama.gguf"), n_ctx=64)
     conv = Conversation(model, Settings(), save=False)
-    assert conv.set_option("draft", 3) == "draft = 3" and conv.options()["draft"] == 3
-    with pytest.raises(ChatError, match="draft must be between 0"):
+    conv.set_option("draft", 3)
+    assert conv.options()["draft"] == 3
+    with pytest.raises(SettingError, match="draft must be between 0"):
         conv.set_option("draft", 99)
 
 

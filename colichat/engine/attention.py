@@ -84,16 +84,20 @@ def mla_absorbed(
     pos0: int,
     scale: float,
     q_scale: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
 ) -> np.ndarray:
     """MLA in the absorbed form (mla-spec 5.4): one shared 'MQA' key [c | k_pe] per cached token.
 
     q_nope: (T, H, Dn); q_pe: (T, H, R) roped, for positions pos0..pos0+T-1;
     kv: (N, C+R) cache rows [c | k_pe] (a strided view is fine), N = pos0 + T, new rows written;
     k_b: (H, C, Dn) (attn_k_b); v_b: (H, Dv, C) (attn_v_b); scale: kq_scale (uses d_qk, not C+R);
-    q_scale: optional (T,) query temperature. Returns (T, H * Dv).
+    q_scale: optional (T,) query temperature; mask: optional (T, N) additive float32 mask used
+    instead of the causal one (0 kept, -inf dropped): the keys sparse attention selected, which
+    never include later positions.
+    Returns (T, H * Dv).
     """
     if 1 < q_nope.shape[0] <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
-        return _mla_per_query(mla_absorbed, q_nope, q_pe, kv, k_b, v_b, pos0, scale, q_scale)
+        return _mla_per_query(mla_absorbed, q_nope, q_pe, kv, k_b, v_b, pos0, scale, q_scale, mask)
     t, h, _ = q_nope.shape
     n, cr = kv.shape
     c = k_b.shape[1]
@@ -108,9 +112,9 @@ def mla_absorbed(
     for i0, i1 in _query_blocks(t, h, n):
         m = pos0 + i1  # keys past the block's last query are masked anyway: leave them out
         s = qh[i0:i1].reshape((i1 - i0) * h, cr) @ kv[:m].T  # (tb*H, m)
-        if t > 1:
+        if t > 1 or mask is not None:
             s3 = s.reshape(i1 - i0, h, m)
-            s3 += causal_mask(pos0 + i0, i1 - i0, m)[:, None, :]
+            s3 += (causal_mask(pos0 + i0, i1 - i0, m) if mask is None else mask[i0:i1, :m])[:, None, :]
         z = _exp_rows(s)  # (tb*H, 1) row sums; s now holds unnormalized probabilities
         lat[i0:i1] = ((s @ kv[:m, :c]) / z).reshape(i1 - i0, h, c)  # (tb, H, C)
     o = np.matmul(lat.transpose(1, 0, 2), v_b.transpose(0, 2, 1))  # (H, T, Dv)
@@ -126,12 +130,13 @@ def mla_naive(
     pos0: int,
     scale: float,
     q_scale: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
 ) -> np.ndarray:
     """MLA in the decompressed multi-head form (mla-spec 5.3): every cached latent is expanded to
     per-head k_nope = W_UK c and v = W_UV c. Same arguments and result as mla_absorbed; cheaper
     than it for long query chunks (see prefer_naive), much dearer for decode."""
     if 1 < q_nope.shape[0] <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
-        return _mla_per_query(mla_naive, q_nope, q_pe, kv, k_b, v_b, pos0, scale, q_scale)
+        return _mla_per_query(mla_naive, q_nope, q_pe, kv, k_b, v_b, pos0, scale, q_scale, mask)
     t, h, _ = q_nope.shape
     n, cr = kv.shape
     c = k_b.shape[1]
@@ -146,18 +151,18 @@ def mla_naive(
         m = pos0 + i1  # keys past the block's last query are masked anyway: leave them out
         s = np.matmul(qn[:, i0:i1], k[:, :m].transpose(0, 2, 1))  # (H, tb, m)
         s += (qr[:, i0:i1].reshape(-1, cr - c) @ kv[:m, c:].T).reshape(h, i1 - i0, m)  # rope part
-        if t > 1:
-            s += causal_mask(pos0 + i0, i1 - i0, m)
+        if t > 1 or mask is not None:
+            s += causal_mask(pos0 + i0, i1 - i0, m) if mask is None else mask[i0:i1, :m]
         z = _exp_rows(s)  # (H, tb, 1)
         out[:, i0:i1] = np.matmul(s, v[:, :m]) / z  # (H, tb, Dv)
     return out.transpose(1, 0, 2).reshape(t, -1)  # (T, H*Dv)
 
 
-def _mla_per_query(form, q_nope, q_pe, kv, k_b, v_b, pos0: int, scale: float, q_scale) -> np.ndarray:
+def _mla_per_query(form, q_nope, q_pe, kv, k_b, v_b, pos0: int, scale: float, q_scale, mask) -> np.ndarray:
     """The MLA form run for each query alone over the keys it sees: (T, H * Dv)."""
     return np.concatenate([
         form(q_nope[i : i + 1], q_pe[i : i + 1], kv[: pos0 + i + 1], k_b, v_b, pos0 + i, scale,
-             None if q_scale is None else q_scale[i : i + 1])
+             None if q_scale is None else q_scale[i : i + 1], None if mask is None else mask[i : i + 1, : pos0 + i + 1])
         for i in range(q_nope.shape[0])
     ])
 

@@ -3,8 +3,9 @@ latent attention (MLA) over a compressed cache, YaRN kq_scale, dense then mixtur
 Math: docs/mla-spec.md. Axis letters: engine/__init__.py. The cache rows per layer are the
 normalized latent c (C) then the roped shared key k_pe (R): the COLIKV1 record.
 
-Architectures derived from deepseek2 import what they share from here (config_fields, prepare_layer,
-mla_rope, routing, Forward and its attention/ffn methods) rather than copying it.
+Architectures derived from deepseek2 (plm, minicpm3) import what they share from here (config_fields,
+prepare_attention, prepare_layer, mla_rope, routing, Forward and its attention/ffn/rope members)
+rather than copying it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .attention import mla_absorbed, mla_naive, prefer_naive
 from .cache import KVCache
 from .ffn import ExpertCache, Routing, moe, route, swiglu
 from .gguf import ModelConfig, ModelError, Tensors
+from .mtp import prepare_block
 from .ops import linear, rms_norm
 from .rope import RopeParams, rope_norm, rope_rotations
 
@@ -24,13 +26,8 @@ CACHE_KIND = "mla"
 
 
 def config(key, common: dict, tensors: Tensors) -> ModelConfig:
-    """The deepseek2 keys (defaults are llama.cpp's; mla-spec section 1). MTP (nextn) blocks are refused."""
-    path, arch = common["path"], common["arch"]
-    if int(key("nextn_predict_layers", 0) or 0) or any(".nextn." in n for n in tensors.by_name):
-        raise ModelError(
-            f"{path}: architecture '{arch}' with MTP (nextn) layers is not supported; "
-            "use a file converted without them"
-        )
+    """The deepseek2 keys (defaults are llama.cpp's; mla-spec section 1). MTP (nextn) blocks after
+    the trunk (common["n_nextn"]) are prepared and kept for drafting (mtp.py)."""
     return ModelConfig(**common, **config_fields(key, common, tensors))
 
 
@@ -99,16 +96,33 @@ def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray
     w["output_norm"] = get("output_norm.weight", (d,))
     if not cfg.tied_output:
         w["output"] = get("output.weight", (cfg.n_vocab, d))  # (V, D)
-    for l in range(cfg.n_layer):
+    for l in range(cfg.n_layer + cfg.n_nextn):  # the trunk, then the MTP blocks (blk.{n_layer}..)
         prepare_layer(cfg, t, l, w, get)
+        if l >= cfg.n_layer:
+            prepare_block(cfg, t, l, get, w)
         if progress:
-            progress(l + 1, cfg.n_layer)
+            progress(l + 1, cfg.n_layer + cfg.n_nextn)
     return w
 
 
 def prepare_layer(cfg: ModelConfig, t: Tensors, l: int, w: dict, get) -> None:
-    """One block's dense weights into w: fuse q_a|kv_a_mqa (or q|kv_a_mqa) into attn_in, split
-    legacy attn_kv_b into attn_k_b/attn_v_b, fuse gate|up; check the routed experts of MoE layers."""
+    """One block's dense weights into w: the attention's (prepare_attention), gate|up fused for a
+    dense layer; the routed experts of MoE layers are checked."""
+    d, b = cfg.n_embd, f"blk.{l}."
+    prepare_attention(cfg, l, w, get)
+    w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
+    if l < cfg.n_dense:
+        f = cfg.n_ff
+        gate, up = get(b + "ffn_gate.weight", (f, d)), get(b + "ffn_up.weight", (f, d))
+        w[b + "ffn_gate_up"] = np.concatenate([gate, up])  # (2F, D)
+        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f))  # (D, F)
+    else:
+        _prepare_moe(cfg, t, b, w, get)
+
+
+def prepare_attention(cfg: ModelConfig, l: int, w: dict, get) -> None:
+    """One block's attention weights into w: fuse q_a|kv_a_mqa (or q|kv_a_mqa) into attn_in, split
+    legacy attn_kv_b into attn_k_b/attn_v_b. get(name, shape) returns the checked f32 tensor."""
     d, h, c, r = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.rope_dim
     dn, dv, k, rq = cfg.qk_nope, cfg.v_head_dim, cfg.qk_head, cfg.q_lora_rank
     b = f"blk.{l}."
@@ -131,14 +145,6 @@ def prepare_layer(cfg: ModelConfig, t: Tensors, l: int, w: dict, get) -> None:
         w[b + "attn_k_b"] = np.ascontiguousarray(w3[:, :dn].transpose(0, 2, 1))  # (H, C, Dn)
         w[b + "attn_v_b"] = np.ascontiguousarray(w3[:, dn:])  # (H, Dv, C)
     w[b + "attn_output"] = get(b + "attn_output.weight", (d, h * dv))  # (D, H*Dv)
-    w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
-    if l < cfg.n_dense:
-        f = cfg.n_ff
-        gate, up = get(b + "ffn_gate.weight", (f, d)), get(b + "ffn_up.weight", (f, d))
-        w[b + "ffn_gate_up"] = np.concatenate([gate, up])  # (2F, D)
-        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f))  # (D, F)
-    else:
-        _prepare_moe(cfg, t, b, w, get)
 
 
 def _prepare_moe(cfg: ModelConfig, t: Tensors, b: str, w: dict, get) -> None:
@@ -203,13 +209,16 @@ def routing(cfg: ModelConfig) -> Routing:
 
 
 def moe_layers(cfg: ModelConfig) -> list[int]:
-    """The layers with routed experts: all but the leading dense ones."""
-    return [l for l in range(cfg.n_layer) if l >= cfg.n_dense]
+    """The layers with routed experts: all but the leading dense ones (MTP blocks included)."""
+    return [l for l in range(cfg.n_layer + cfg.n_nextn) if l >= cfg.n_dense]
 
 
 class Forward:
     """The deepseek2 blocks of one Model (float32, BLAS): rope table, kq_scale, routing, and the
-    routed-expert cache (dequantized on demand from `tensors`, bounded by expert_cache_mib)."""
+    routed-expert cache (dequantized on demand from `tensors`, bounded by expert_cache_mib).
+    `rope` rotates the rope parts (NORM pairs; a derived architecture may pair them otherwise)."""
+
+    rope = staticmethod(rope_norm)  # (x (T, ..., R), rot (T, I)) -> rotated x
 
     def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
                  expert_cache_mib: float | None = None):
@@ -232,41 +241,54 @@ class Forward:
         h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
         return linear(h, self.w[self.cfg.output_weight])  # (T, V)
 
-    def layer(self, l: int, x: np.ndarray, pos0: int, cache: KVCache) -> np.ndarray:
-        """One block (mla-spec 5.2-5.5): MLA over the latent cache, then the FFN."""
-        x = x + self.attention(l, x, pos0, cache)  # (T, D)
+    def layer(self, l: int, x: np.ndarray, pos0: int, cache: KVCache, slot: int | None = None) -> np.ndarray:
+        """One block (mla-spec 5.2-5.5): MLA over the latent cache, then the FFN. slot: the cache
+        layer to use when it is not l (an MTP block's own cache, mtp.py)."""
+        x = x + self.attention(l, x, pos0, cache, slot)  # (T, D)
         u = rms_norm(x, self.w[f"blk.{l}.ffn_norm"], self.cfg.rms_eps)  # (T, D)
         return x + self.ffn(l, u)
 
-    def attention(self, l: int, x: np.ndarray, pos0: int, cache: KVCache) -> np.ndarray:
-        """MLA (absorbed form, or the decompressed one for long prefill chunks); writes the cache
-        rows pos0..pos0+T-1 of layer l. x: (T, D) -> (T, D), before the residual add."""
+    def attention(self, l: int, x: np.ndarray, pos0: int, cache: KVCache, slot: int | None = None) -> np.ndarray:
+        """MLA (absorbed form, or the decompressed one for long prefill chunks) over the keys
+        select_keys leaves; writes the cache rows pos0..pos0+T-1 of layer l (or of `slot`).
+        x: (T, D) -> (T, D), before the residual add."""
+        slot = l if slot is None else slot
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t, h, c, dn, k = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_head
         u = rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
         z = linear(u, w[b + "attn_in"])  # (T, Q+C+R) or (T, H*K+C+R)
         nq = z.shape[1] - c - cfg.rope_dim
+        qr = None
         if cfg.q_lora_rank:
-            q = linear(rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps), w[b + "attn_q_b"])  # (T, H*K)
+            qr = rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps)  # (T, Q) normed q latent
+            q = linear(qr, w[b + "attn_q_b"])  # (T, H*K)
         else:
             q = z[:, :nq]  # (T, H*K)
         q = q.reshape(t, h, k)  # (T, H, K): per head [nope (Dn) | rope (R)]
         rot = self.rot[pos0 : pos0 + t]  # (T, I)
-        q_pe = rope_norm(q[:, :, dn:], rot)  # (T, H, R)
+        q_pe = self.rope(q[:, :, dn:], rot)  # (T, H, R)
         n = pos0 + t
-        cache.a[l][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c (T, C)
-        cache.b[l][pos0:n] = rope_norm(z[:, nq + c :], rot)  # k_pe (T, R)
+        cache.a[slot][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c (T, C)
+        cache.b[slot][pos0:n] = self.rope(z[:, nq + c :], rot)  # k_pe (T, R)
         q_scale = None
         if cfg.attn_temp_scale:  # Mistral-Large-3: 1 + tau * ln(floor(p / length) + 1) per query
             p = np.arange(pos0, n, dtype=np.float64)
             q_scale = (1.0 + cfg.attn_temp_scale * np.log(np.floor(p / cfg.attn_temp_length) + 1.0))
             q_scale = q_scale.astype(np.float32)  # (T,)
-        kv = cache.records["kv"][:n, l]  # (N, C+R) view of the cache rows [c | k_pe]
+        kv = cache.records["kv"][:n, slot]  # (N, C+R) view of the cache rows [c | k_pe]
+        kv, qpos, mask = self.select_keys(l, u, qr, pos0, cache, kv)
         k_b, v_b = w[b + "attn_k_b"], w[b + "attn_v_b"]  # (H, C, Dn), (H, Dv, C)
         # decode and short chunks: absorbed; long prefill chunks: decompressed (faster there)
-        form = mla_naive if prefer_naive(t, n, h, c, dn, cfg.v_head_dim) else mla_absorbed
-        o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, pos0, self.kq_scale, q_scale)  # (T, H*Dv)
+        form = mla_naive if prefer_naive(t, kv.shape[0], h, c, dn, cfg.v_head_dim) else mla_absorbed
+        o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, qpos, self.kq_scale, q_scale, mask)  # (T, H*Dv)
         return linear(o, w[b + "attn_output"])  # (T, D)
+
+    def select_keys(self, l: int, u: np.ndarray, qr: np.ndarray | None, pos0: int, cache: KVCache,
+                    kv: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:
+        """The keys layer l's queries attend to, as (kv rows, position of the first query in them,
+        additive (T, N) mask or None for causal): every cached one here. Sparse attention (dsa.py)
+        overrides this. u: (T, D) attn_norm output; qr: (T, Q) normed q latent (None without q_lora)."""
+        return kv, pos0, None
 
     def ffn(self, l: int, u: np.ndarray) -> np.ndarray:
         """A dense SwiGLU (leading layers) or routed + shared experts. u: (T, D) normed -> (T, D)."""

@@ -17,11 +17,11 @@ from . import dequant
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
-    "minicpm3": "MLA with LongRoPE (not implemented)",
-    "plm": "MLA with ReLU^2 FFN (not implemented)",
-    "deepseek32": "MLA with a sparse-attention indexer (not implemented)",
-    "glm-dsa": "MLA with a sparse-attention indexer (not implemented)",
     "deepseek2-ocr": "vision encoder (not implemented)",
+    "deepseek4": "DeepSeek-V4: compressed attention with its own indexer, hyper-connections (not implemented)",
+    "glm5-next": "GLM-5.3-Flash: hybrid linear attention (KDA) + MLA with a k-pool indexer (not implemented)",
+    "kimi-k3": "hybrid linear attention (KDA) + MLA (not implemented)",
+    "kimi-linear": "hybrid linear attention (KDA) + MLA (not implemented)",
 }
 
 
@@ -73,11 +73,27 @@ class ModelConfig:
     n_group_used: int = 0
     attn_temp_scale: float = 0.0  # Mistral-Large-3 query temperature tuning (0 = off)
     attn_temp_length: int = 0
+    n_nextn: int = 0          # MTP (NextN) blocks after the trunk: blk.{n_layer}.. (never in the cache)
+    # sparse-attention MLA (deepseek32, glm-dsa): the lightning indexer; zero without one
+    index_n_head: int = 0     # Hi
+    index_head_dim: int = 0   # Di
+    index_top_k: int = 0      # K keys attended per query
+    index_types: tuple = ()   # per layer: 1 full indexer (owns Ic rows), 0 shared (reuses a selection)
+    index_neox: bool = False  # indexer rope pairing: NEOX (deepseek32) or NORM (glm-dsa)
+    index_eps: float = 0.0    # LayerNorm eps of the indexer key
+
+    def __post_init__(self):
+        object.__setattr__(self, "index_types", tuple(int(v) for v in self.index_types))  # JSON gives a list
 
     @property
     def output_weight(self) -> str:
         """The weight the logits multiply by: "output", or "token_embd" when tied (no output.weight)."""
         return "token_embd" if self.tied_output else "output"
+
+    @property
+    def n_index_layers(self) -> int:
+        """Layers that own a full indexer: the nic of the cache record (0 without DSA)."""
+        return sum(self.index_types)
 
 
 def open_gguf(path: str):
@@ -254,14 +270,18 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
             f"{path}: architecture '{arch}' is not supported; colichat runs: {', '.join(ARCHITECTURES)}"
         )
 
-    def key(k, default=None, required=False):
-        return _scalar(field(reader, f"{arch}.{k}", default, required))
+    def key(k, default=None, required=False, raw=False):  # raw: an array key as stored (not collapsed)
+        v = field(reader, f"{arch}.{k}", default, required)
+        return v if raw else _scalar(v)
 
     n_embd = int(key("embedding_length", required=True))
     n_head = int(key("attention.head_count", required=True))
     n_head_kv = int(key("attention.head_count_kv", n_head))
     key_length = int(key("attention.key_length", n_embd // n_head))
-    n_layer = int(key("block_count", required=True))
+    n_nextn = int(key("nextn_predict_layers", 0) or 0)
+    n_layer = int(key("block_count", required=True)) - n_nextn
+    if n_layer <= 0 or n_nextn < 0:
+        raise ModelError(f"{path}: nextn_predict_layers {n_nextn} leaves no trunk layers")
     tokens = field(reader, "tokenizer.ggml.tokens")
     n_vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
     if n_vocab == 0:
@@ -295,5 +315,11 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)),
         rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
         tied_output=not tensors.has("output.weight"),
+        n_nextn=n_nextn,
     )
+    if n_nextn and not all(tensors.has(f"blk.{n_layer + m}.nextn.eh_proj.weight") for m in range(n_nextn)):
+        raise ModelError(f"{path}: nextn_predict_layers is {n_nextn} but 'blk.{n_layer}.nextn.eh_proj.weight' "
+                         "is missing")
+    if not n_nextn and any(".nextn." in n for n in tensors.by_name):
+        raise ModelError(f"{path}: has MTP (nextn) tensors but no '{arch}.nextn_predict_layers' key")
     return ARCHITECTURES[arch].config(key, common, tensors)

@@ -1,7 +1,7 @@
 """The model: token ids in, logits out, the cache grows. What every architecture shares lives here;
 what differs lives in one module per architecture, found through ARCHITECTURES.
 
-An architecture module (llama.py, deepseek2.py) holds:
+An architecture module (llama.py, deepseek2.py; dsa.py, plm.py and minicpm3.py derive from deepseek2) holds:
 
     CACHE_KIND = "mla" | "gqa"              # the KVCache kind (and session file format) of its rows
     config(key, common, tensors) -> ModelConfig
@@ -32,15 +32,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import deepseek2, llama
+from . import deepseek2, dsa, llama, minicpm3, plm
 from .cache import KVCache
 from .gguf import ModelConfig, ModelError, Tensors
+from .ops import rms_norm
 from .threads import ThreadPolicy
 
 # GGUF general.architecture -> the module that runs it.
 ARCHITECTURES = {
     "llama": llama,
     "deepseek2": deepseek2,
+    "plm": plm,
+    "minicpm3": minicpm3,
+    "deepseek32": dsa,
+    "glm-dsa": dsa,
 }
 
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
@@ -149,7 +154,8 @@ class Model:
         self.n_ctx = n_ctx
         mod = architecture(cfg)
         a, b = mod.cache_widths(cfg)
-        self.cache = KVCache(mod.CACHE_KIND, cfg.n_layer, a, b, n_ctx)
+        self.cache = KVCache(mod.CACHE_KIND, cfg.n_layer, a, b, n_ctx,  # + Ic rows of sparse attention
+                             cfg.index_head_dim if cfg.n_index_layers else 0, cfg.n_index_layers)
         forward = forward_class(mod, numerics)
         if expert_cache is None and cfg.n_expert:
             committed = self.weight_bytes + self.cache.record_bytes * n_ctx
@@ -163,8 +169,10 @@ class Model:
 
     # --- public API -------------------------------------------------------------------------------
 
-    def prefill(self, ids, all_logits: bool = True) -> np.ndarray:
-        """Run new tokens after the cache; logits (T, V) for every new token, or (1, V) for the last."""
+    def prefill(self, ids, all_logits: bool = True, hidden: bool = False):
+        """Run new tokens after the cache; logits (T, V) for every new token, or (1, V) for the last.
+        hidden=True: (logits, h) with h (T, D) the output_norm'd hidden states of every new token
+        (what an MTP block takes, mtp.py)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -174,17 +182,20 @@ class Model:
             )
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
-        out = []
+        out, hs = [], []
         with self.threads.limit(ids.size):
             for start in range(0, ids.size, PREFILL_CHUNK):
                 chunk = ids[start : start + PREFILL_CHUNK]
                 last = start + chunk.size == ids.size
                 x = self._forward(chunk)  # (T, D)
+                if hidden:
+                    hs.append(rms_norm(x, self.w["output_norm"], self.cfg.rms_eps))  # (T, D)
                 if all_logits:
                     out.append(self.fwd.logits(x))
                 elif last:
                     out.append(self.fwd.logits(x[-1:]))
-        return np.concatenate(out) if len(out) > 1 else out[0]
+        logits = np.concatenate(out) if len(out) > 1 else out[0]
+        return (logits, np.concatenate(hs)) if hidden else logits
 
     def decode(self, token_id: int) -> np.ndarray:
         """One token after the cache: logits (V,)."""

@@ -2,7 +2,8 @@
 
     magic (8 bytes)  b"COLIKV1\\0" (MLA) or b"COLIGQA\\0" (GQA)
     8 x int32 LE     n_layers, A width, B width, index_hd, n_index_layers, vocab, nrec, 0
-    nrec records     int32 token id, then per layer A f32 then B f32 (MLA: c, k_pe; GQA: K, V)
+    nrec records     int32 token id, then per layer A f32 then B f32 (MLA: c, k_pe; GQA: K, V),
+                     then index_hd f32 for each of the n_index_layers indexer layers (DSA: Ic)
 
 A record is byte-for-byte the in-memory record of `colichat.engine.cache.KVCache`, so records move
 between the file and the cache with one write (`cache.raw(first, last)`) or a few large reads
@@ -51,7 +52,8 @@ class CacheLayout:
 
     @classmethod
     def from_cache(cls, cache, vocab: int) -> CacheLayout:
-        return cls(cache.kind, cache.n_layer, cache.a_width, cache.b_width, int(vocab))
+        return cls(cache.kind, cache.n_layer, cache.a_width, cache.b_width, int(vocab),
+                   cache.index_hd, cache.n_index_layers)
 
     @property
     def record_bytes(self) -> int:

@@ -1,0 +1,170 @@
+"""Sparse-attention MLA: deepseek32 (DeepSeek-V3.2) and glm-dsa (GLM-5.x). docs/dsa-mtp-spec.md.
+
+Everything is deepseek2 (MLA, MoE, YaRN kq_scale) except that a layer's attention for query p
+uses only the K keys the lightning indexer (indexer.py) selects. deepseek32: every layer owns a
+full indexer (NEOX rope in the indexer); glm-dsa: the `indexer.types` layers do (1 = full), and
+each other ("shared") layer reuses the selection of the nearest earlier full layer (NORM rope).
+The cache record gains Ic, one indexer key per token for each full layer (cache.py).
+
+The architecture module (model.ARCHITECTURES) for both: config, cache_widths, prepare and
+Forward, built from deepseek2's pieces; Forward overrides only deepseek2.Forward.select_keys.
+
+Axis letters: engine/__init__.py; Hi indexer heads, Di indexer head size (indexer.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import deepseek2
+from . import indexer as I
+from .gguf import ModelConfig, ModelError, Tensors
+
+CACHE_KIND = deepseek2.CACHE_KIND
+cache_widths = deepseek2.cache_widths
+
+GLM_LONG_CONTEXT = 1048576  # glm-dsa files without indexer.types: all full below this context
+
+
+def glm_5_2_types(n_layer: int) -> tuple[int, ...]:
+    """GLM-5.2's default pattern: layers 0 and 1 full, then every fourth from 2 (2, 6, ..., 74)."""
+    return tuple(1 if l < 2 or (l - 2) % 4 == 0 else 0 for l in range(n_layer))
+
+
+def config(key, common: dict, tensors: Tensors) -> ModelConfig:
+    """deepseek2's keys plus the indexer's (dsa-mtp-spec, Metadata). glm-dsa routes with sigmoid
+    when expert_gating_func is absent."""
+    arch = common["arch"]
+    gating = {} if arch != "glm-dsa" or key("expert_gating_func", 0) else {"expert_gating": 2}
+    cfg = ModelConfig(**common, **{**deepseek2.config_fields(key, common, tensors), **gating},
+                      **config_fields(key, arch, common["n_layer"], common["n_ctx_train"], common["path"]))
+    check_config(cfg, common["path"])
+    return cfg
+
+
+def config_fields(key, arch: str, n_layer: int, n_ctx_train: int, path: str) -> dict:
+    """The indexer fields of ModelConfig from `{arch}.attention.indexer.*`. key(name, default,
+    required, raw) reads "{arch}.{name}" (raw=True: an array as stored)."""
+    hi = int(key("attention.indexer.head_count", required=True))
+    di = int(key("attention.indexer.key_length", required=True))
+    top_k = int(key("attention.indexer.top_k", required=True))
+    if arch == "deepseek32":
+        types = (1,) * n_layer
+        eps = float(key("attention.layer_norm_epsilon", 1e-6))
+    else:
+        raw = key("attention.indexer.types", None, raw=True)
+        if raw is not None:
+            types = tuple(int(v) for v in (raw if isinstance(raw, list) else [raw] * n_layer))
+        elif n_ctx_train < GLM_LONG_CONTEXT:
+            types = (1,) * n_layer
+        else:
+            types = glm_5_2_types(n_layer)
+        eps = float(key("attention.layer_norm_epsilon", 0.0))  # llama.cpp leaves it 0 for glm-dsa
+    if len(types) < n_layer or any(v not in (0, 1) for v in types[:n_layer]):
+        raise ModelError(f"{path}: attention.indexer.types must hold 0/1 for each of the {n_layer} layers")
+    types = types[:n_layer]
+    if not types or types[0] != 1:
+        raise ModelError(f"{path}: the first layer must own a full indexer (attention.indexer.types)")
+    if min(hi, di, top_k) <= 0:
+        raise ModelError(f"{path}: indexer head_count {hi}, key_length {di}, top_k {top_k} must be positive")
+    return dict(index_n_head=hi, index_head_dim=di, index_top_k=top_k, index_types=types,
+                index_neox=arch == "deepseek32", index_eps=eps)
+
+
+def check_config(cfg, path: str) -> None:
+    if not cfg.q_lora_rank:
+        raise ModelError(f"{path}: sparse-attention MLA needs the q latent (attn_q_a), not attn_q")
+    if cfg.index_head_dim < cfg.rope_dim:
+        raise ModelError(f"{path}: indexer key_length {cfg.index_head_dim} < rope dims {cfg.rope_dim}")
+
+
+def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
+    """deepseek2's weights (MTP blocks included) plus each full layer's indexer weights."""
+    w = deepseek2.prepare(cfg, t, progress)
+
+    def get(name: str, shape: tuple) -> np.ndarray:
+        return t.f32(t.check(name, shape))
+
+    for l in range(cfg.n_layer):
+        prepare_indexer(cfg, l, get, w)
+    return w
+
+
+def prepare_indexer(cfg: ModelConfig, l: int, get, w: dict) -> None:
+    """The indexer weights of a full-indexer layer l (shapes checked), into w."""
+    if not cfg.index_types[l]:
+        return
+    b, d, hi, di = f"blk.{l}.", cfg.n_embd, cfg.index_n_head, cfg.index_head_dim
+    w[b + "indexer.attn_q_b"] = get(b + "indexer.attn_q_b.weight", (hi * di, cfg.q_lora_rank))  # (Hi*Di, Q)
+    w[b + "indexer.attn_k"] = get(b + "indexer.attn_k.weight", (di, d))  # (Di, D)
+    w[b + "indexer.k_norm"] = get(b + "indexer.k_norm.weight", (di,))
+    w[b + "indexer.k_norm.bias"] = get(b + "indexer.k_norm.bias", (di,))
+    w[b + "indexer.proj"] = get(b + "indexer.proj.weight", (hi, d))  # (Hi, D)
+
+
+def index_slots(cfg) -> list[int]:
+    """Per layer: its Ic slot in the record (full layers, in order), or -1 for a shared layer."""
+    out, j = [], 0
+    for full in cfg.index_types:
+        out.append(j if full else -1)
+        j += bool(full)
+    return out
+
+
+class Forward(deepseek2.Forward):
+    """deepseek2's blocks, each query attending to the keys the indexer selects. Within one forward
+    pass a full layer computes the selection (and writes its Ic rows), shared layers reuse it."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
+                 expert_cache_mib: float | None = None):
+        super().__init__(cfg, weights, tensors, n_ctx, expert_cache_mib)
+        self.slots = index_slots(cfg)
+        self.keep: np.ndarray | None = None  # (T, N) bool of the last full layer of this pass
+        self.sparse = True  # False: the indexer off, dense attention over every key (for comparisons)
+
+    def select_keys(self, l, u, qr, pos0, cache, kv):
+        if l >= self.cfg.n_layer or not self.sparse:  # an MTP block attends densely over its own cache
+            return kv, pos0, None
+        return restrict(kv, self.select(l, u, qr, pos0, cache), pos0)
+
+    def select(self, l: int, u: np.ndarray, qr: np.ndarray, pos0: int, cache) -> np.ndarray | None:
+        """(T, N) bool: the keys the queries of layer l attend to, or None when that is every causal
+        key (N <= K). u: (T, D) attn_norm output; qr: (T, Q) normed q latent. A full layer writes
+        the new tokens' Ic rows into the cache first (decode reads the earlier ones from it); a
+        shared layer reuses the last selection."""
+        j = self.slots[l]
+        if j < 0:
+            assert self.keep is None or self.keep.shape[0] == u.shape[0]
+            return self.keep
+        cfg, w, b = self.cfg, self.w, f"blk.{l}."
+        t = u.shape[0]
+        n = pos0 + t
+        rot = self.rot[pos0:n]  # (T, I) the main rope's angles
+        ic = cache.ic[j]  # (N, Di) view of this layer's Ic rows
+        ic[pos0:n] = I.indexer_keys(u, w[b + "indexer.attn_k"], w[b + "indexer.k_norm"],
+                                    w[b + "indexer.k_norm.bias"], cfg.index_eps, rot, cfg.index_neox)
+        if n <= cfg.index_top_k:  # every query keeps all its causal keys: nothing to score
+            self.keep = None
+            return None
+        q = I.indexer_queries(qr, w[b + "indexer.attn_q_b"], cfg.index_n_head, rot, cfg.index_neox)  # (T, Hi, Di)
+        hw = I.indexer_head_weights(u, w[b + "indexer.proj"], cfg.index_head_dim)  # (T, Hi)
+        scores = I.indexer_scores(q, hw, ic[:n], pos0)  # (T, N)
+        self.keep = I.top_k_mask(scores, cfg.index_top_k)
+        return self.keep
+
+
+def restrict(kv: np.ndarray, keep: np.ndarray | None, pos0: int):
+    """The attention inputs for a selection: (kv, pos0, mask) to hand to mla_absorbed/mla_naive.
+
+    One query (decode) past K keys: gather the selected rows (attention then costs K, not N, per
+    head), no mask. Otherwise the additive mask over all rows; keep None: plain causal attention.
+    kv: (N, C+R); keep: (T, N) bool."""
+    if keep is None:
+        return kv, pos0, None
+    t, n = keep.shape
+    if t == 1:
+        idx = np.flatnonzero(keep[0])
+        if idx.size < n:
+            return kv[idx], idx.size - 1, None
+        return kv, pos0, None
+    return kv, pos0, I.selection_mask(keep)
