@@ -21,8 +21,7 @@ from .engine import Model, Sampler
 from .engine.generate import Generation
 from .engine.speculative import PromptLookup
 from .engine.template import chat_template_for
-from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity, slug
-from .persist.session import KV_EXT, SIDECAR_EXT
+from .persist import CacheLayout, SessionError, SessionExists, Store, Turn, check_name, model_identity, slug
 from .settings import BY_NAME, Settings, saved_values
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
@@ -41,6 +40,7 @@ class TurnStats:
     stopped: str = "eog"  # eog | length | interrupt | context
     saved: bool | None = None  # None: saving is off
     save_error: str | None = None
+    save_note: str | None = None  # something the save did that the user should hear of
     drafted: int = 0  # speculative decoding: drafts checked, and kept
     accepted: int = 0
 
@@ -131,12 +131,16 @@ class Conversation:
             return None
         return f"latest saved conversation: {info.describe()} (/resume to continue it)"
 
-    def check_new_session(self, name: str) -> None:
-        """Refuse at start a --session NAME that the first answer could not create (saving is on)."""
-        check_name(name)
-        base = self.store.model_dir(self.ident) / name
-        if any(os.path.lexists(f"{base}{ext}") for ext in (KV_EXT, SIDECAR_EXT)):
-            raise ChatError(f"session {name} already exists: add --resume to continue it, or choose another name")
+    def claim_session(self, name: str) -> None:
+        """Take --session NAME at start (saving is on): it is ours from now on, so a second colichat
+        started with the same name is refused before its first answer. The first answer's save
+        creates the files."""
+        try:
+            self.session = self.store.claim(self.ident, name, self.layout, self.settings.to_dict())
+        except SessionExists:
+            raise ChatError(f"session {name} already exists: add --resume to continue it, "
+                            "or choose another name") from None
+        self.session_name = name
 
     def session_names(self) -> list[str]:
         """This model's saved conversations, newest first (for Tab completion)."""
@@ -222,7 +226,7 @@ class Conversation:
 
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
-        old = self.session.name if self.session else None
+        old = self.session.name if self.session and self.session.on_disk else None
         if self.session:
             self.session.close()
         self.session, self.session_name = None, None
@@ -266,6 +270,8 @@ class Conversation:
                 self.session_name = self.session.name
             self.session.append(self.model.cache, self.turns)
             stats.saved = True
+            stats.save_note = "; ".join(self.session.notes) or None
+            self.session.notes.clear()
         except (SessionError, OSError, ValueError) as e:
             stats.saved = False
             stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -500,9 +506,10 @@ class Conversation:
                 "context": ", context full"}.get(stats.stopped, "")
         drafts = (f", drafts {stats.accepted}/{stats.drafted} accepted ({100 * stats.accepted / stats.drafted:.0f}%)"
                   if stats.drafted else "")
+        note = f"\nnote: {stats.save_note}" if stats.save_note else ""
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
                 f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
-                f"{self.model.n_ctx - self.n_tokens} left{stop}{drafts}; {saved}]")
+                f"{self.model.n_ctx - self.n_tokens} left{stop}{drafts}; {saved}]{note}")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache

@@ -238,7 +238,7 @@ def main(argv=None) -> int:
             say(conv.resume(args.session))
         else:
             if args.session and not args.no_save:
-                conv.check_new_session(args.session)
+                conv.claim_session(args.session)
             hint = conv.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)

@@ -4,6 +4,7 @@ Esc-Enter or a \"\"\" block for multi-line input, streaming answers, Ctrl-C to s
 
 from __future__ import annotations
 
+import os
 import signal
 
 from prompt_toolkit import PromptSession
@@ -13,7 +14,7 @@ from prompt_toolkit.key_binding import KeyBindings
 
 from . import inputs
 from .commands import completions
-from .paths import paths
+from .paths import paths, private_dir, private_file
 
 PROMPT = "> "
 CONTINUATION = "... "
@@ -46,8 +47,8 @@ def _bindings() -> KeyBindings:
 def _history():
     """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails."""
     try:
-        state = paths().state
-        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        state = private_dir(paths().state)
+        os.close(private_file(state / "history", os.O_WRONLY | os.O_CREAT | os.O_APPEND))  # 0600 before use
         return FileHistory(str(state / "history"))
     except OSError:
         return InMemoryHistory()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..paths import private_dir, private_file
 from .gguf import ModelConfig, TensorRecord, Tensors
 
 PREPARED_FORMAT = 1
@@ -94,7 +95,7 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
     try:
         key, real = _identity(path)
         root = Path(cache_dir)
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(root)
         need = sum(a.nbytes for a in weights.values())
         if shutil.disk_usage(root).free < need + FREE_MARGIN:  # never crowd out the sessions' disk
             return (f"not writing the weights cache: {need >> 20} MiB would leave less than "
@@ -104,7 +105,7 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
         return f"cannot write the weights cache ({e.strerror or e})"
     try:
         arrays, off = {}, 0
-        with open(tmp / "weights.f32", "wb") as f:
+        with open(tmp / "weights.f32", "wb", opener=private_file) as f:
             for name, a in weights.items():
                 a = np.ascontiguousarray(a, dtype=np.float32)
                 pad = -off % ALIGN
@@ -127,7 +128,8 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
             "arrays": arrays,
             "tensors": records,
         }
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        with open(tmp / "meta.json", "w", opener=private_file) as f:
+            f.write(json.dumps(meta))
         entry = root / key
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)
