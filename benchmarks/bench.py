@@ -5,6 +5,7 @@
     make bench ARGS="--skip-deepseek --publish"   # --publish also writes benchmarks/results.json, resume.png
     make bench ARGS="--plm"                       # also decode/prefill of a PLM-1.8B-shaped model (~9 GiB RAM)
     make bench ARGS="--dsa"                       # only: sparse attention (DeepSeek-V3.2-shaped) vs dense
+    make bench ARGS="--speculative-only"          # speculative decoding and threads only (speculative.py)
 
 Everything is measured in one run on one machine and compared side by side; nothing here is asserted.
 Two models: the default one (SmolLM2-135M, llama) and a random deepseek2 GGUF with DeepSeek-V2-Lite's
@@ -42,6 +43,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 OUT = HERE / "out"
 sys.path.insert(0, str(REPO / "tests"))  # gguf_factory writes the deepseek2 model
+sys.path.insert(0, str(HERE))
+import speculative  # noqa: E402  (benchmarks/speculative.py: drafts, verify passes, threads)
 
 GEN_TOKENS = 64  # a turn: tokens generated, records appended
 SHORT_CTX = 64  # "short context" for decode
@@ -870,6 +873,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-deepseek", action="store_true", help="only the default model")
     p.add_argument("--ff", type=int, default=2816, help="dense FFN width of the deepseek2 model (default 2816)")
     p.add_argument("--no-starts", action="store_true", help="skip the program start measurements")
+    p.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and threads")
+    p.add_argument("--speculative-only", action="store_true",
+                   help="only speculative decoding and threads (benchmarks/speculative.py)")
     p.add_argument("--plm", action="store_true",
                    help="also decode/prefill rates of a PLM-1.8B-shaped model (needs about 9 GiB of memory)")
     p.add_argument("--plm-only", action="store_true", help="only the machine limits and the PLM-1.8B-shaped rates")
@@ -882,6 +888,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.speculative_only:
+        flags = ["--quick"] * args.quick + ["--skip-deepseek"] * args.skip_deepseek
+        return speculative.main(flags + ["--ff", str(args.ff)])
     if args.plm_only and args.publish:
         sys.exit("--publish replaces the published results of a full run; run --plm-only without it")
     lengths = [512, 2048] if args.quick else [512, 2048, 4096]
@@ -917,6 +926,8 @@ def main(argv=None) -> int:
             if not args.no_starts:
                 m["starts"] = measure_starts(path if kind else None, root / "home", kind or "default", lengths)
             results["models"].append(m)
+        if not args.no_speculative:
+            results["speculative"] = speculative.run([(m[0], m[1]) for m in models], args.quick)
         if args.plm or args.plm_only:
             results["models"].append(bench_rates_only("PLM-1.8B-shaped", plm_gguf(), args.quick))
         say("machine limits again")
@@ -937,6 +948,8 @@ def main(argv=None) -> int:
         shutil.copy(OUT / "bench.json", HERE / "results.json")
         shutil.copy(OUT / "resume.png", HERE / "resume.png")
     print(report(results, markdown=False))
+    if "speculative" in results:
+        print(speculative.report(results["speculative"]))
     print(f"run time {results['run_s']:.0f} s; wrote {OUT / 'bench.json'}, bench.md, resume.png"
           + (" and benchmarks/results.json, resume.png" if args.publish else ""))
     return 0

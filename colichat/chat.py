@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 
 from .engine import Model, Sampler
+from .engine.generate import Generation
+from .engine.speculative import PromptLookup
 from .engine.template import chat_template_for
 from .persist import CacheLayout, SessionError, SessionExists, Store, Turn, check_name, model_identity, slug
 from .settings import BY_NAME, Settings, damaged_settings, saved_values
@@ -40,6 +42,8 @@ class TurnStats:
     saved: bool | None = None  # None: saving is off
     save_error: str | None = None
     save_note: str | None = None  # something the save did that the user should hear of
+    drafted: int = 0  # speculative decoding: drafts checked, and kept
+    accepted: int = 0
 
     @property
     def prefill_tps(self) -> float:
@@ -360,37 +364,40 @@ class Conversation:
                 raise ChatError("interrupted while reading the message; it was not sent")
         return logits
 
+    def _draft(self) -> int:
+        """Drafts per pass: llama.cpp numerics compute a batch differently from single tokens, so they
+        decode one token at a time (speculation relies on a pass giving decode's exact rows)."""
+        return self.settings.draft if self.model.numerics == "fast" else 0
+
     def _generate(self, logits, stats: TurnStats, on_text) -> tuple[str, TurnStats]:
         stream = self.tok.stream()
         pieces: list[str] = []
-        cache = self.model.cache
         t0 = time.perf_counter()
-        stats.stopped = "length"
-        for _ in range(self.settings.max_tokens):
-            if self.stop_requested:
-                stats.stopped = "interrupt"
-                break
-            recent = cache.tokens[max(0, cache.length - self.settings.repeat_last_n) : cache.length]
-            tid = self.sampler(logits, recent)
-            if tid in self.tok.eog_ids:
-                stats.stopped = "eog"
-                break
-            if cache.room() < 2:
-                stats.stopped = "context"
-                break
-            logits = self.model.decode(tid)  # the token is in the cache before it is shown
-            stats.generated += 1
-            piece = stream.push(tid)
-            if piece:
-                pieces.append(piece)
-                if on_text:
-                    on_text(piece)
+        gen = Generation(self.model, logits, self.sampler, self.tok.eog_ids, self.settings.max_tokens,
+                         drafts=PromptLookup(), draft=self._draft(), recent=self.settings.repeat_last_n)
+        stats.stopped = "interrupt"
+        tokens = iter(gen)
+        try:
+            while not self.stop_requested or stats.generated == self.settings.max_tokens:
+                tok = next(tokens, None)  # the token is in the cache before it is shown
+                if tok is None:
+                    stats.stopped = gen.stopped
+                    break
+                stats.generated += 1
+                piece = stream.push(tok.id)
+                if piece:
+                    pieces.append(piece)
+                    if on_text:
+                        on_text(piece)
+        finally:
+            tokens.close()  # a stop inside a batched pass drops the tokens not shown
         tail = stream.flush()
         if tail:
             pieces.append(tail)
             if on_text:
                 on_text(tail)
         stats.decode_s = time.perf_counter() - t0
+        stats.drafted, stats.accepted = gen.n_drafted, gen.n_accepted
         return "".join(pieces), stats
 
     # --- a full context ---------------------------------------------------------------------------
@@ -503,10 +510,12 @@ class Conversation:
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")
+        drafts = (f", drafts {stats.accepted}/{stats.drafted} accepted ({100 * stats.accepted / stats.drafted:.0f}%)"
+                  if stats.drafted else "")
         note = f"\nnote: {stats.save_note}" if stats.save_note else ""
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
                 f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
-                f"{self.model.n_ctx - self.n_tokens} left{stop}; {saved}]{note}")
+                f"{self.model.n_ctx - self.n_tokens} left{stop}{drafts}; {saved}]{note}")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import causal_mask, softmax
+from .ops import SMALL_BATCH, causal_mask, softmax
 
 SCORE_BUDGET = 1 << 25  # floats in one (rows, N) score block: bounds attention scratch to ~128 MiB
 QUERY_BLOCK = 128  # prefill queries per block: later keys of a block are left out (causal)
@@ -38,6 +38,9 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     t, h, e = q.shape
     n, g, _ = k.shape
     qpk = h // g
+    if 1 < t <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
+        return np.concatenate([gqa_attention(q[i : i + 1], k[: pos0 + i + 1], v[: pos0 + i + 1], pos0 + i, scale)
+                               for i in range(t)])
     if t == 1 and n > DECODE_BLOCK_MIN:
         return _gqa_decode(q[0], k.reshape(n, g * e), v.reshape(n, g * e), g, scale)
     qg = q.reshape(t, g, qpk, e).transpose(1, 2, 0, 3).reshape(g, qpk * t, e)  # (G, J*T, E)
@@ -93,6 +96,8 @@ def mla_absorbed(
     never include later positions.
     Returns (T, H * Dv).
     """
+    if 1 < q_nope.shape[0] <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
+        return _mla_per_query(mla_absorbed, q_nope, q_pe, kv, k_b, v_b, pos0, scale, q_scale, mask)
     t, h, _ = q_nope.shape
     n, cr = kv.shape
     c = k_b.shape[1]
@@ -130,6 +135,8 @@ def mla_naive(
     """MLA in the decompressed multi-head form (mla-spec 5.3): every cached latent is expanded to
     per-head k_nope = W_UK c and v = W_UV c. Same arguments and result as mla_absorbed; cheaper
     than it for long query chunks (see prefer_naive), much dearer for decode."""
+    if 1 < q_nope.shape[0] <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
+        return _mla_per_query(mla_naive, q_nope, q_pe, kv, k_b, v_b, pos0, scale, q_scale, mask)
     t, h, _ = q_nope.shape
     n, cr = kv.shape
     c = k_b.shape[1]
@@ -149,6 +156,15 @@ def mla_naive(
         z = _exp_rows(s)  # (H, tb, 1)
         out[:, i0:i1] = np.matmul(s, v[:, :m]) / z  # (H, tb, Dv)
     return out.transpose(1, 0, 2).reshape(t, -1)  # (T, H*Dv)
+
+
+def _mla_per_query(form, q_nope, q_pe, kv, k_b, v_b, pos0: int, scale: float, q_scale, mask) -> np.ndarray:
+    """The MLA form run for each query alone over the keys it sees: (T, H * Dv)."""
+    return np.concatenate([
+        form(q_nope[i : i + 1], q_pe[i : i + 1], kv[: pos0 + i + 1], k_b, v_b, pos0 + i, scale,
+             None if q_scale is None else q_scale[i : i + 1], None if mask is None else mask[i : i + 1, : pos0 + i + 1])
+        for i in range(q_nope.shape[0])
+    ])
 
 
 def prefer_naive(t: int, n: int, h: int, c: int, dn: int, dv: int) -> bool:

@@ -19,7 +19,7 @@ from .cache import KVCache
 from .ffn import ExpertCache, Routing, moe, route, swiglu
 from .gguf import ModelConfig, ModelError, Tensors
 from .mtp import prepare_block
-from .ops import rms_norm
+from .ops import linear, rms_norm
 from .rope import RopeParams, rope_norm, rope_rotations
 
 CACHE_KIND = "mla"
@@ -239,7 +239,7 @@ class Forward:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
-        return h @ self.w[self.cfg.output_weight].T  # (T, V)
+        return linear(h, self.w[self.cfg.output_weight])  # (T, V)
 
     def layer(self, l: int, x: np.ndarray, pos0: int, cache: KVCache, slot: int | None = None) -> np.ndarray:
         """One block (mla-spec 5.2-5.5): MLA over the latent cache, then the FFN. slot: the cache
@@ -256,12 +256,12 @@ class Forward:
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t, h, c, dn, k = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_head
         u = rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
-        z = u @ w[b + "attn_in"].T  # (T, Q+C+R) or (T, H*K+C+R)
+        z = linear(u, w[b + "attn_in"])  # (T, Q+C+R) or (T, H*K+C+R)
         nq = z.shape[1] - c - cfg.rope_dim
         qr = None
         if cfg.q_lora_rank:
             qr = rms_norm(z[:, :nq], w[b + "attn_q_a_norm"], cfg.rms_eps)  # (T, Q) normed q latent
-            q = qr @ w[b + "attn_q_b"].T  # (T, H*K)
+            q = linear(qr, w[b + "attn_q_b"])  # (T, H*K)
         else:
             q = z[:, :nq]  # (T, H*K)
         q = q.reshape(t, h, k)  # (T, H, K): per head [nope (Dn) | rope (R)]
@@ -281,7 +281,7 @@ class Forward:
         # decode and short chunks: absorbed; long prefill chunks: decompressed (faster there)
         form = mla_naive if prefer_naive(t, kv.shape[0], h, c, dn, cfg.v_head_dim) else mla_absorbed
         o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, qpos, self.kq_scale, q_scale, mask)  # (T, H*Dv)
-        return o @ w[b + "attn_output"].T  # (T, D)
+        return linear(o, w[b + "attn_output"])  # (T, D)
 
     def select_keys(self, l: int, u: np.ndarray, qr: np.ndarray | None, pos0: int, cache: KVCache,
                     kv: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:

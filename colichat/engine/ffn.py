@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ops import silu_mul
+from .ops import linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
 
@@ -19,9 +19,9 @@ NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here be
 def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     """W_down (silu(W_gate x) * W_up x). x: (T, D); w_gate_up: (2F, D) = [gate; up]; w_down: (D, F)."""
     f = w_down.shape[1]
-    gu = x @ w_gate_up.T  # (T, 2F)
+    gu = linear(x, w_gate_up)  # (T, 2F)
     h = silu_mul(gu[:, :f], gu[:, f:])  # (T, F)
-    return h @ w_down.T  # (T, D)
+    return linear(h, w_down)  # (T, D)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def route(
     x: np.ndarray, w_router: np.ndarray, bias: np.ndarray | None, r: Routing
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pick U experts per token: ids (T, U) and their weights (T, U), all in float32."""
-    logits = x.astype(np.float32, copy=False) @ w_router.T  # (T, X)
+    logits = linear(x.astype(np.float32, copy=False), w_router)  # (T, X)
     if r.gating == 2:
         probs = 1.0 / (1.0 + np.exp(-logits))  # (T, X)
     else:

@@ -11,7 +11,7 @@ from .attention import gqa_attention
 from .cache import KVCache
 from .ffn import swiglu
 from .gguf import ModelConfig, ModelError, Tensors
-from .ops import rms_norm
+from .ops import linear, rms_norm
 from .rope import RopeParams, rope_norm, rope_rotations
 
 CACHE_KIND = "gqa"
@@ -96,13 +96,13 @@ class Forward:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
-        return h @ self.w[self.cfg.output_weight].T  # (T, V)
+        return linear(h, self.w[self.cfg.output_weight])  # (T, V)
 
     def layer(self, l: int, x: np.ndarray, pos0: int, cache: KVCache) -> np.ndarray:
         cfg, w, b = self.cfg, self.w, f"blk.{l}."
         t, h, g, e = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
         u = rms_norm(x, w[b + "attn_norm"], cfg.rms_eps)  # (T, D)
-        qkv = u @ w[b + "attn_qkv"].T  # (T, (H+2G)E)
+        qkv = linear(u, w[b + "attn_qkv"])  # (T, (H+2G)E)
         if b + "attn_qkv.bias" in w:
             qkv += w[b + "attn_qkv.bias"]
         rot = self.rot[pos0 : pos0 + t]  # (T, I)
@@ -113,6 +113,6 @@ class Forward:
         kc[pos0:n] = k.reshape(t, g * e)
         vc[pos0:n] = qkv[:, (h + g) * e :]
         o = gqa_attention(q, kc[:n].reshape(n, g, e), vc[:n].reshape(n, g, e), pos0, self.kq_scale)  # (T, H*E)
-        x = x + o @ w[b + "attn_output"].T  # (T, D)
+        x = x + linear(o, w[b + "attn_output"])  # (T, D)
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)
         return x + swiglu(u, w[b + "ffn_gate_up"], w[b + "ffn_down"])

@@ -37,6 +37,7 @@ from . import deepseek2, dsa, llama, minicpm3, plm
 from .cache import KVCache
 from .gguf import ModelConfig, ModelError, Tensors
 from .ops import rms_norm
+from .threads import ThreadPolicy
 
 # GGUF general.architecture -> the module that runs it.
 ARCHITECTURES = {
@@ -165,6 +166,7 @@ class Model:
         self.fwd = forward(cfg, weights, tensors, n_ctx, expert_cache)
         self.experts = self.fwd.experts
         self.numerics = numerics
+        self.threads = ThreadPolicy()
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -182,16 +184,17 @@ class Model:
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         out, hs = [], []
-        for start in range(0, ids.size, PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
-            last = start + chunk.size == ids.size
-            x = self._forward(chunk)  # (T, D)
-            if hidden:
-                hs.append(rms_norm(x, self.w["output_norm"], self.cfg.rms_eps))  # (T, D)
-            if all_logits:
-                out.append(self.fwd.logits(x))
-            elif last:
-                out.append(self.fwd.logits(x[-1:]))
+        with self.threads.limit(ids.size):
+            for start in range(0, ids.size, PREFILL_CHUNK):
+                chunk = ids[start : start + PREFILL_CHUNK]
+                last = start + chunk.size == ids.size
+                x = self._forward(chunk)  # (T, D)
+                if hidden:
+                    hs.append(rms_norm(x, self.w["output_norm"], self.cfg.rms_eps))  # (T, D)
+                if all_logits:
+                    out.append(self.fwd.logits(x))
+                elif last:
+                    out.append(self.fwd.logits(x[-1:]))
         logits = np.concatenate(out) if len(out) > 1 else out[0]
         return (logits, np.concatenate(hs)) if hidden else logits
 

@@ -61,6 +61,14 @@ class Sampler:
         self.rng = np.random.default_rng(settings.seed)
 
     def __call__(self, logits: np.ndarray, recent: list[int] | np.ndarray = ()) -> int:
+        cand, p = self.distribution(logits, recent)
+        if self.settings.temperature == 0:
+            return int(cand[0])
+        return int(cand[self.rng.choice(p.size, p=p)])
+
+    def distribution(self, logits: np.ndarray, recent: list[int] | np.ndarray = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution the next token is drawn from, after every filter: candidate ids (best
+        first) and their probabilities (float64, summing to 1). Greedy: the argmax with probability 1."""
         s = self.settings
         x = np.array(logits, dtype=np.float64)  # (V,) working copy
         if s.repeat_penalty != 1.0 and len(recent) and s.repeat_last_n:
@@ -68,7 +76,7 @@ class Sampler:
             v = x[ids]
             x[ids] = np.where(v > 0, v / s.repeat_penalty, v * s.repeat_penalty)
         if s.temperature == 0:
-            return int(np.argmax(x))
+            return np.array([int(np.argmax(x))]), np.ones(1)
         # Candidates sorted by logit, best first; filters cut the tail.
         k = x.size if s.top_k <= 0 else min(s.top_k, x.size)
         cand = np.argpartition(-x, k - 1)[:k] if k < x.size else np.arange(x.size)
@@ -83,4 +91,4 @@ class Sampler:
             keep = min(keep, int(np.searchsorted(np.cumsum(p), s.top_p)) + 1)
         p = p[: max(keep, 1)]
         p /= p.sum()
-        return int(cand[self.rng.choice(p.size, p=p)])
+        return cand[: p.size], p

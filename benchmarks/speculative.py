@@ -1,0 +1,266 @@
+"""Speculative decoding (prompt lookup) and the BLAS thread policy, measured side by side in one run.
+
+    python benchmarks/speculative.py            # SmolLM2 and the V2-Lite-shaped MLA model
+    python benchmarks/speculative.py --quick    # fewer tokens
+(bench.py runs it as part of `make bench`.)
+
+1. Greedy answers to three tasks with draft = 0 (plain decoding) and several draft limits (the number
+   of drafts per pass adapts to the acceptance rate up to the limit: speculative.draft_size): decode
+   tok/s, the speedup over draft 0, the drafts' acceptance rate, and whether the tokens are the same
+   (they must be). Tasks: (a) echo-heavy: correct a 300-word paragraph given in the prompt; edit a
+   function given in the prompt; (b) ordinary chat: a question with nothing to copy. The prompt is the
+   SmolLM2 chat template's rendering, the same token ids for both models (the V2-Lite-shaped model has
+   random weights: its "answers" are whatever it generates).
+2. The verify pass: one pass over k + 1 tokens (k = 1..8) against one decode step, at a 512-token context.
+3. Threads: decode and prefill with 1 and 2 BLAS threads (threadpoolctl), on the machine as it is and
+   with another process holding one core busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+PARAGRAPH = (
+    "Their are many reason why people choose to learn a new language later in life. Some want to travel "
+    "and speak with the people they meet, others need it for there work, and a few simply enjoy the "
+    "challenge of it. Learning a language as an adult is different from learning it as a child. Children "
+    "absorb sounds and grammar without thinking about it, while adults tend to analyse every rule and "
+    "worry about making mistake. However adults have advantages too: they can read, they know how to "
+    "study, and they understand why the language matter to them. The most important thing is to practice "
+    "every day, even if only for ten minutes. Listening to podcasts, watching films with subtitles, and "
+    "speaking with native speakers all help. Many learners find that writing a short diary in the new "
+    "language is usefull, because it forces them to find words for their own daily life. Mistakes is part "
+    "of the process and should not be feared. A teacher or a friend who corrects you gently can make a big "
+    "difference. Apps can help with vocabulary, but they rarely teach you to hold a real conversation. "
+    "After a few months, most learners notice that they understand much more than they can say, which is "
+    "normal. Speaking comes later, with confidence. Reading simple books, then newspapers, then novels, "
+    "builds a rich vocabulary over time. It is also worth learning about the culture, the history and the "
+    "food of the places where the language is spoken, since language and culture are closely linked. In "
+    "the end, the learners who succeed are not the most talented ones but the ones who keep going when "
+    "progress feels slow, and who find a way to make the language part of there everyday life."
+)
+
+CODE = '''def summarize(records):
+    total = 0
+    count = 0
+    smallest = None
+    largest = None
+    for record in records:
+        value = record["value"]
+        total = total + value
+        count = count + 1
+        if smallest is None or value < smallest:
+            smallest = value
+        if largest is None or value > largest:
+            largest = value
+    if count == 0:
+        return None
+    average = total / count
+    return {"total": total, "count": count, "average": average, "smallest": smallest, "largest": largest}
+'''
+
+TASKS = [
+    ("echo: correct a paragraph", "echo",
+     f"Correct the spelling and grammar mistakes in this paragraph and write it out in full:\n\n{PARAGRAPH}"),
+    ("echo: edit code", "echo",
+     f"Rename the variable `value` to `amount` in this Python function and show the whole function:\n\n{CODE}"),
+    ("chat: a question", "chat", "What are three good habits for a healthy life? Explain each one briefly."),
+]
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    from colichat.engine.template import chat_template_for
+
+    return tok.encode_prompt(chat_template_for(tok).render([{"role": "user", "content": text}], True))
+
+
+def answer(model, ids: list[int], draft: int, max_tokens: int) -> dict:
+    """One greedy answer after `ids`: its tokens, decode seconds, drafts checked and kept."""
+    from colichat.engine import Sampler, SamplerSettings
+    from colichat.engine.generate import Generation
+    from colichat.engine.speculative import PromptLookup
+
+    model.reset()
+    logits = model.prefill(ids, all_logits=False)[-1]
+    gen = Generation(model, logits, Sampler(SamplerSettings(temperature=0)), model.tokenizer.eog_ids, max_tokens,
+                     drafts=PromptLookup(), draft=draft)
+    t0 = time.perf_counter()
+    tokens = [t.id for t in gen]
+    dt = time.perf_counter() - t0
+    return {"tokens": tokens, "decode_s": dt, "tps": len(tokens) / dt, "drafted": gen.n_drafted,
+            "accepted": gen.n_accepted}
+
+
+def bench_tasks(model, tok, drafts: list[int], max_tokens: int) -> list[dict]:
+    rows = []
+    for label, kind, text in TASKS:
+        ids = prompt_ids(tok, text)
+        base = None
+        for d in drafts:
+            r = answer(model, ids, d, max_tokens)
+            base = base or r
+            rows.append({"task": label, "kind": kind, "prompt_tokens": len(ids), "draft": d,
+                         "generated": len(r["tokens"]), "tps": r["tps"], "speedup": r["tps"] / base["tps"],
+                         "acceptance": r["accepted"] / r["drafted"] if r["drafted"] else None,
+                         "same_tokens": r["tokens"] == base["tokens"]})
+            say(f"  {label:<28} draft {d}: {r['tps']:.2f} tok/s ({rows[-1]['speedup']:.2f}x), "
+                f"{r['accepted']}/{r['drafted']} drafts kept, same tokens {rows[-1]['same_tokens']}")
+    return rows
+
+
+def bench_verify(model, ctx: int = 512, reps: int = 3) -> list[dict]:
+    """Seconds of one pass over k + 1 tokens after `ctx` cached ones, against one decode step (best of reps)."""
+    rng = np.random.default_rng(5)
+    model.reset()
+    model.prefill(rng.integers(0, model.cfg.n_vocab, ctx), all_logits=False)
+
+    def one(k: int) -> float:
+        ids = rng.integers(0, model.cfg.n_vocab, k + 1)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.prefill(ids, all_logits=True)
+            best = min(best, time.perf_counter() - t0)
+            model.cache.truncate(ctx)
+        return best
+
+    one(0)  # warm-up
+    decode = one(0)
+    rows = [{"k": 0, "s": decode, "vs_decode": 1.0}]
+    for k in range(1, 9):
+        s = one(k)
+        rows.append({"k": k, "s": s, "vs_decode": s / decode})
+    say("  verify pass / decode: " + ", ".join(f"k={r['k']} {r['vs_decode']:.2f}x" for r in rows[1:]))
+    return rows
+
+
+class FixedThreads:
+    """A thread policy that always answers `n` (what the measurement compares)."""
+
+    def __init__(self, policy, n: int):
+        self.controller, self.n = policy.controller, n
+
+    def limit(self, tokens: int):
+        return self.controller.limit(limits=self.n, user_api="blas")
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+def bench_threads(model, decode_tokens: int = 16, prefill_tokens: int = 256) -> list[dict]:
+    """Decode (after 64 cached tokens) and prefill with 1 and 2 BLAS threads and with ThreadPolicy's
+    choice, on the machine as it is and with another process holding one core busy."""
+    from colichat.engine.threads import ThreadPolicy
+
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, model.cfg.n_vocab, prefill_tokens)
+    rows = []
+    for busy in (False, True):
+        stop = multiprocessing.Event()
+        spinner = multiprocessing.Process(target=_spin, args=(stop,), daemon=True) if busy else None
+        if spinner:
+            spinner.start()
+        try:
+            for threads in (1, 2, "policy"):
+                model.threads = ThreadPolicy() if threads == "policy" else FixedThreads(model.threads, threads)
+                model.reset()
+                t0 = time.perf_counter()
+                model.prefill(ids, all_logits=False)
+                prefill = time.perf_counter() - t0
+                model.cache.truncate(64)
+                t0 = time.perf_counter()
+                for t in rng.integers(0, model.cfg.n_vocab, decode_tokens):
+                    model.decode(int(t))
+                decode = (time.perf_counter() - t0) / decode_tokens
+                rows.append({"busy": busy, "threads": threads, "prefill_tps": prefill_tokens / prefill,
+                             "decode_tps": 1 / decode})
+                say(f"  {'busy' if busy else 'as is'}, threads {threads}: prefill {prefill_tokens / prefill:.0f} "
+                    f"tok/s, decode {1 / decode:.2f} tok/s")
+        finally:
+            model.threads = ThreadPolicy()
+            if spinner:
+                stop.set()
+                spinner.join()
+    return rows
+
+
+def run(models: list[tuple[str, Path]], quick: bool = False) -> dict:
+    from colichat.engine import load, load_tokenizer
+    from colichat.models import default_model_path
+
+    tok = load_tokenizer(str(default_model_path()))
+    out = {"models": []}
+    for i, (label, path) in enumerate(models):
+        say(f"speculative decoding: {label}")
+        model = load(str(path), n_ctx=2048)
+        small = model.cfg.n_embd < 1024
+        drafts = [0, 2, 4, 8] if small else [0, 8]
+        max_tokens = (64 if quick else 160) if small else (12 if quick else 24)
+        m = {"label": label, "tasks": bench_tasks(model, tok, drafts, max_tokens), "verify": bench_verify(model)}
+        if i == 0 or not quick:
+            m["threads"] = bench_threads(model, decode_tokens=16 if small else 4, prefill_tokens=256 if small else 64)
+        out["models"].append(m)
+        del model
+    return out
+
+
+def report(res: dict) -> str:
+    lines = []
+    for m in res["models"]:
+        lines += [f"### {m['label']}", "",
+                  "| task | prompt | draft | tokens | tok/s | vs draft 0 | drafts kept | same tokens |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in m["tasks"]:
+            acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+            lines.append(f"| {r['task']} | {r['prompt_tokens']} | {r['draft']} | {r['generated']} | {r['tps']:.2f} | "
+                         f"{r['speedup']:.2f}x | {acc} | {'yes' if r['same_tokens'] else 'NO'} |")
+        lines += ["", "verify pass of k + 1 tokens / one decode step (512 cached tokens): "
+                  + ", ".join(f"k={r['k']}: {r['vs_decode']:.2f}x" for r in m["verify"][1:]), ""]
+        if "threads" in m:
+            lines += ["| machine | BLAS threads | prefill tok/s | decode tok/s |", "|---|---:|---:|---:|"]
+            for r in m["threads"]:
+                lines.append(f"| {'one core busy' if r['busy'] else 'as is'} | {r['threads']} | "
+                             f"{r['prefill_tps']:.0f} | {r['decode_tps']:.2f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--skip-deepseek", action="store_true")
+    p.add_argument("--ff", type=int, default=2816)
+    args = p.parse_args(argv)
+    from bench import OUT, deepseek_gguf
+
+    from colichat.models import default_model_path
+
+    models = [("SmolLM2-135M", Path(default_model_path()))]
+    if not args.skip_deepseek:
+        OUT.mkdir(parents=True, exist_ok=True)
+        models.append((f"V2-Lite-shaped (FFN {args.ff})", deepseek_gguf(args.ff)))
+    res = run(models, args.quick)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "speculative.json").write_text(json.dumps(res, indent=1))
+    print(report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Speculative decoding: where drafts come from, and the rule that keeps or rejects them.
+
+A draft source guesses the next few tokens cheaply; Generation (generate.py) checks all of them in
+one batched pass and keeps the longest prefix `accept` allows. Decode is memory-bound, so the pass
+over 1 + k tokens reads the weights once, as one decode step does.
+
+accept() is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023) for a
+deterministic draft (q is a point mass on d): keep d with probability p(d); otherwise draw from
+normalize(max(p - q, 0)), i.e. p without d. Every token is then distributed exactly as p, and
+with temperature 0 (p a point mass on the argmax) the tokens are those of plain decoding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NGRAM_MAX = 4  # prompt lookup: the longest suffix looked for in the history
+NGRAM_MIN = 2  # and the shortest (single tokens match too often to be worth a check)
+ROW_COST = 0.3  # a verify pass's cost per drafted token, in decode steps (measured: BENCHMARKS.md)
+RATE_PRIOR = 0.6  # the acceptance rate assumed at the start of an answer
+RATE_STEP = 0.25  # weight of each checked draft in the running acceptance rate
+RATE_RECOVER = 0.05  # per plain decode step, the rate drifts back toward the prior (to try again)
+
+
+def draft_size(rate: float, k_max: int, row_cost: float = ROW_COST) -> int:
+    """How many drafts to check: the k <= k_max that maximizes the expected tokens per unit of time,
+    (1 + r + ... + r^k) / (1 + row_cost k) with r the acceptance rate; 0 if no k beats plain decoding."""
+    best, best_k, tokens = 1.0, 0, 1.0
+    for k in range(1, k_max + 1):
+        tokens += rate**k
+        if tokens / (1 + row_cost * k) > best:
+            best, best_k = tokens / (1 + row_cost * k), k
+    return best_k
+
+
+class AcceptanceRate:
+    """A running estimate of how often drafts are kept: each checked draft moves it by RATE_STEP;
+    every plain step moves it back toward RATE_PRIOR, so that a stretch of rejected drafts pauses
+    drafting (ordinary chat is not slowed down) and later text that repeats is still caught."""
+
+    def __init__(self):
+        self.value = RATE_PRIOR
+
+    def checked(self, kept: int, rejected: bool) -> None:
+        for ok in [True] * kept + [False] * rejected:
+            self.value += RATE_STEP * (float(ok) - self.value)
+
+    def plain_step(self) -> None:
+        self.value += RATE_RECOVER * (RATE_PRIOR - self.value)
+
+
+def accept(sampler, logits: np.ndarray, recent, draft: int) -> tuple[bool, int]:
+    """(True, draft) if the draft is kept, else (False, the token to use instead).
+
+    logits: (V,) the model's output before the draft's position; recent: the tokens the repeat
+    penalty sees there. p is the sampler's final distribution (penalty, temperature, top-k/p, min-p)."""
+    cand, p = sampler.distribution(logits, recent)
+    if sampler.settings.temperature == 0:
+        return int(cand[0]) == draft, int(cand[0])
+    hit = np.flatnonzero(cand == draft)
+    pd = float(p[hit[0]]) if hit.size else 0.0
+    if pd > 0.0 and sampler.rng.random() < pd:
+        return True, draft
+    if hit.size:
+        p = p.copy()
+        p[hit[0]] = 0.0
+        p /= p.sum()
+    return False, int(cand[sampler.rng.choice(p.size, p=p)])
+
+
+class PromptLookup:
+    """Drafts by prompt lookup (n-gram matching, as llama.cpp's lookup decoding): find the latest
+    earlier occurrence of the history's last n tokens (n from NGRAM_MAX down to NGRAM_MIN, longest
+    first) and propose the tokens that followed it. Costs no model pass; pays off when the answer
+    repeats text from the conversation (rewriting, code edits, quoting)."""
+
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, history: np.ndarray, k: int) -> list[int]:
+        """Up to k tokens to follow `history` (N,) int token ids."""
+        h = np.asarray(history)
+        n_hist = h.size
+        for n in range(min(self.ngram_max, n_hist - 1), self.ngram_min - 1, -1):
+            tail = h[n_hist - n :]
+            # candidate starts s (s + n < n_hist, so at least one token follows the match)
+            starts = np.flatnonzero(h[: n_hist - n] == tail[0])
+            for j in range(1, n):
+                if not starts.size:
+                    break
+                starts = starts[h[starts + j] == tail[j]]
+            if starts.size:
+                s = int(starts[-1]) + n  # the latest match: its continuation
+                return h[s : s + k].tolist()
+        return []

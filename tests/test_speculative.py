@@ -1,0 +1,219 @@
+"""Speculative decoding: a verify pass computes decode's exact rows, greedy answers and saved sessions
+are the same with and without drafts, and with sampling every token keeps its distribution."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY
+
+from colichat.chat import Conversation
+from colichat.engine import Sampler, SamplerSettings, load
+from colichat.engine.generate import Generation
+from colichat.engine.speculative import PromptLookup, accept
+from colichat.persist import Store
+from colichat.settings import SettingError, Settings
+
+TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3"]
+
+
+@pytest.fixture(scope="module", params=TINY_MODELS)
+def tiny(request):
+    return load(str(TINY / f"{request.param}.gguf"), n_ctx=512)
+
+
+def test_prompt_lookup_continues_the_latest_longest_match():
+    look = PromptLookup(ngram_max=3, ngram_min=2)
+    #                  0  1  2  3  4  5  6  7  8  9 10 11
+    hist = np.array([5, 6, 7, 8, 1, 6, 7, 9, 4, 2, 6, 7])
+    assert look.propose(hist, 3) == [9, 4, 2]  # "6 7" last seen at 5: what followed it
+    hist = np.array([1, 6, 7, 8, 3, 6, 7, 9, 1, 6, 7])
+    assert look.propose(hist, 2) == [8, 3]  # "1 6 7" (longest) beats the later "6 7"
+    assert look.propose(np.array([1, 2, 3, 4]), 4) == []  # nothing repeats
+    assert look.propose(np.array([3, 4, 3, 4]), 5) == [3, 4]  # the continuation runs up to the end
+
+
+def test_a_verify_pass_writes_the_rows_and_logits_decoding_would(tiny):
+    """Tokens fed in passes of 2..9 give the bits of feeding them one at a time (cache and logits)."""
+    rng = np.random.default_rng(1)
+    prompt, toks = rng.integers(0, tiny.cfg.n_vocab, 30).tolist(), rng.integers(0, tiny.cfg.n_vocab, 40).tolist()
+    tiny.reset()
+    tiny.prefill(prompt, all_logits=False)
+    ref = np.stack([tiny.decode(t) for t in toks])
+    ref_rows = bytes(tiny.cache.raw(0, tiny.cache.length))
+    tiny.reset()
+    tiny.prefill(prompt, all_logits=False)
+    got, i = [], 0
+    while i < len(toks):
+        c = int(rng.integers(2, 10))
+        got.append(tiny.prefill(toks[i : i + c]))
+        i += c
+    assert np.array_equal(np.concatenate(got), ref)
+    assert bytes(tiny.cache.raw(0, tiny.cache.length)) == ref_rows
+
+
+def converse(model, home, draft: int, max_tokens: int = 40) -> tuple[list[str], bytes, int]:
+    """Four exchanges with a /rewind and a /resume in between: the answers, the saved cache file and
+    the drafts accepted. Messages repeat text so that prompt lookup finds something to draft."""
+    store = Store(home)
+    settings = Settings(temperature=0, max_tokens=max_tokens, draft=draft)
+    model.reset()
+    conv = Conversation(model, settings, store=store, session_name="s")
+    answers, accepted = [], 0
+
+    def ask(text):
+        nonlocal accepted
+        answer, stats = conv.ask(text)
+        assert stats.saved
+        answers.append(answer)
+        accepted += stats.accepted
+
+    ask("copy this: one two three four five six seven eight nine ten one two three four")
+    ask("again: " + answers[-1] + answers[-1])
+    conv.rewind(1)
+    ask("and now this: " + answers[-1] + " " + answers[-1])
+    conv.close()
+    model.reset()
+    conv = Conversation(model, settings, store=store)
+    conv.resume("s")
+    ask("once more: " + answers[-1] + answers[-1])
+    kv = Path(conv.session.kv_path).read_bytes()
+    conv.close()
+    return answers, kv, accepted
+
+
+def test_greedy_answers_and_saved_sessions_are_the_same_with_drafts(tiny, tmp_path):
+    plain, kv_plain, none = converse(tiny, tmp_path / "plain", draft=0)
+    fast, kv_fast, accepted = converse(tiny, tmp_path / "draft", draft=5)
+    assert none == 0 and accepted > 0  # the drafts were used...
+    assert fast == plain  # ...and changed no token
+    assert kv_fast == kv_plain  # rejected drafts never reached the file
+
+
+@pytest.mark.default_model
+def test_smollm2_echo_answer_is_the_same_with_drafts(default_model, tmp_path):
+    paragraph = ("The quick brown fox jumps over the lazy dog. The dog does not move, and the fox runs "
+                 "into the forest where it finds a small river and drinks from it before the night comes.")
+    runs = {}
+    for draft in (0, 6):
+        store = Store(tmp_path / str(draft))
+        settings = Settings(temperature=0, max_tokens=60, draft=draft)
+        default_model.reset()
+        conv = Conversation(default_model, settings, store=store, session_name="s")
+        a1, s1 = conv.ask(f"Repeat this text exactly: {paragraph}")
+        conv.rewind(1)
+        a2, s2 = conv.ask(f"Copy this paragraph word for word: {paragraph}")
+        runs[draft] = (a1, a2, Path(conv.session.kv_path).read_bytes(), s1.accepted + s2.accepted, s2.drafted)
+        conv.close()
+    assert runs[6][:3] == runs[0][:3]
+    assert runs[6][3] > 20  # most of the echoed paragraph came from drafts
+
+
+class FixedDrafts:
+    """Always the same guesses (a point-mass draft distribution, whatever the history)."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def propose(self, history, k):
+        return self.tokens[:k]
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001 (z = 3.09), Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_with_drafts_keeps_the_distribution():
+    """Three sampled tokens with two fixed drafts checked by `accept`: their joint frequencies over
+    many seeds match the sampler's exact distribution (penalty, temperature, top-k/p, min-p)."""
+    model = load(str(TINY / "llama.gguf"), n_ctx=64)
+    settings = SamplerSettings(temperature=1.3, top_k=3, top_p=0.97, min_p=0.02, repeat_penalty=1.5)
+    prompt = [1, 5, 9, 5, 12]
+    model.reset()
+    first = model.prefill(prompt, all_logits=False)[-1]
+    probe = Sampler(settings)
+    cand, _ = probe.distribution(first, prompt)
+    drafts = FixedDrafts([int(cand[0]), int(cand[1])])  # guesses the sampler often makes
+
+    def exact(prefix, logits):
+        ids, p = probe.distribution(logits, prefix)
+        return dict(zip(ids.tolist(), p.tolist(), strict=True))
+
+    want: dict[tuple, float] = {}
+    for t1, p1 in exact(prompt, first).items():
+        model.cache.truncate(len(prompt))
+        l2 = model.prefill([t1], all_logits=False)[-1]
+        for t2, p2 in exact(prompt + [t1], l2).items():
+            model.cache.truncate(len(prompt) + 1)
+            l3 = model.prefill([t2], all_logits=False)[-1]
+            for t3, p3 in exact(prompt + [t1, t2], l3).items():
+                want[(t1, t2, t3)] = p1 * p2 * p3
+
+    n_runs, counts, drafted, kept = 1500, {}, 0, 0
+    for seed in range(n_runs):
+        model.cache.truncate(len(prompt))
+        gen = Generation(model, first, Sampler(settings.with_(seed=seed)), (), 3, drafts=drafts, draft=2)
+        key = tuple(t.id for t in gen)
+        counts[key] = counts.get(key, 0) + 1
+        drafted, kept = drafted + gen.n_drafted, kept + gen.n_accepted
+        assert model.cache.length == len(prompt) + 3
+    assert 0 < kept < drafted  # both branches of the rule ran
+    assert set(counts) <= set(want)
+    # cells with few expected draws are pooled into one
+    big = [k for k, p in want.items() if p * n_runs >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n_runs - sum(counts.get(k, 0) for k in big)]
+    exp = [want[k] * n_runs for k in big] + [n_runs * (1 - sum(want[k] for k in big))]
+    if exp[-1] < 5:
+        obs, exp = obs[:-2] + [obs[-2] + obs[-1]], exp[:-2] + [exp[-2] + exp[-1]]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
+    assert stat < chi2_critical(len(obs) - 1), (stat, len(obs))
+
+
+def test_accept_greedy_keeps_only_the_argmax():
+    s = Sampler(SamplerSettings(temperature=0))
+    logits = np.array([0.1, 2.0, 0.5], dtype=np.float32)
+    assert accept(s, logits, [], 1) == (True, 1)
+    assert accept(s, logits, [], 2) == (False, 1)
+
+
+def test_stopping_inside_a_pass_keeps_only_the_tokens_shown(tmp_path):
+    model = load(str(TINY / "llama.gguf"), n_ctx=128)
+    model.reset()
+    prompt = [1, 5, 9, 5, 12]
+    first = model.prefill(prompt, all_logits=False)[-1]
+    greedy = Sampler(SamplerSettings(temperature=0))
+    ref = [t.id for t in Generation(model, first, greedy, (), 12)]
+    model.cache.truncate(len(prompt))
+    gen = iter(Generation(model, first, greedy, (), 12, drafts=FixedDrafts(ref[1:]), draft=8))
+    shown = [next(gen).id, next(gen).id]
+    gen.close()
+    assert shown == ref[:2] and model.cache.token_ids() == prompt + ref[:2]
+
+
+def test_draft_setting_is_checked():
+    model = load(str(TINY / "llama.gguf"), n_ctx=64)
+    conv = Conversation(model, Settings(), save=False)
+    conv.set_option("draft", 3)
+    assert conv.options()["draft"] == 3
+    with pytest.raises(SettingError, match="draft must be between 0"):
+        conv.set_option("draft", 99)
+
+
+def test_drafts_that_keep_failing_are_paused():
+    """Drafts that are always rejected cost a verify row each: after a few, drafting pauses (plain
+    decoding), and it is tried again now and then; the tokens are those of plain decoding."""
+    model = load(str(TINY / "llama.gguf"), n_ctx=256)
+    model.reset()
+    prompt = [1, 5, 9, 5, 12]
+    first = model.prefill(prompt, all_logits=False)[-1]
+    greedy = Sampler(SamplerSettings(temperature=0))
+    ref = [t.id for t in Generation(model, first, greedy, (), 100)]
+    never = next(i for i in range(model.cfg.n_vocab) if i not in ref)  # a token greedy never picks here
+    model.cache.truncate(len(prompt))
+    gen = Generation(model, first, greedy, (), 100, drafts=FixedDrafts([never] * 8), draft=8)
+    assert [t.id for t in gen] == ref
+    assert gen.n_accepted == 0 and 3 <= gen.n_drafted <= 20
