@@ -17,12 +17,12 @@ from colichat.engine.speculative import PromptLookup, accept
 from colichat.persist import Store
 from colichat.settings import SettingError, Settings
 
-TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3"]
+TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3", "plm", "minicpm3"]
 
 
 @pytest.fixture(scope="module", params=TINY_MODELS)
 def tiny(request):
-    return load(str(TINY / f"{request.param}.gguf"), n_ctx=512)
+    return load(str(TINY / f"{request.param}.gguf"), n_ctx=1024)
 
 
 def test_prompt_lookup_continues_the_latest_longest_match():
@@ -217,3 +217,14 @@ def test_drafts_that_keep_failing_are_paused():
     gen = Generation(model, first, greedy, (), 100, drafts=FixedDrafts([never] * 8), draft=8)
     assert [t.id for t in gen] == ref
     assert gen.n_accepted == 0 and 3 <= gen.n_drafted <= 20
+
+
+@pytest.mark.parametrize("name", ["ds-v32", "glm-dsa"])
+def test_sparse_attention_models_answer_without_drafts(name):
+    """The indexer's scores of a batch round differently from one token's: no drafting, so the
+    answer is plain decoding's."""
+    model = load(str(TINY / f"{name}.gguf"), n_ctx=256)
+    assert not model.exact_passes
+    conv = Conversation(model, Settings(temperature=0, max_tokens=8, draft=4), save=False)
+    _, stats = conv.ask("copy this: one two three one two three")
+    assert stats.accepted == 0 and conv._draft() == 0

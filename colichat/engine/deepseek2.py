@@ -219,6 +219,7 @@ class Forward:
     `rope` rotates the rope parts (NORM pairs; a derived architecture may pair them otherwise)."""
 
     rope = staticmethod(rope_norm)  # (x (T, ..., R), rot (T, I)) -> rotated x
+    exact_passes = True  # a pass of 2-16 tokens gives decode's rows bit for bit (ops.linear)
 
     def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
                  expert_cache_mib: float | None = None):

@@ -113,7 +113,12 @@ def index_slots(cfg) -> list[int]:
 
 class Forward(deepseek2.Forward):
     """deepseek2's blocks, each query attending to the keys the indexer selects. Within one forward
-    pass a full layer computes the selection (and writes its Ic rows), shared layers reuse it."""
+    pass a full layer computes the selection (and writes its Ic rows), shared layers reuse it.
+
+    A batch's indexer scores round differently from one token's, so a pass is not decode's rows
+    bit for bit: speculative drafting is off for these architectures."""
+
+    exact_passes = False
 
     def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
                  expert_cache_mib: float | None = None):

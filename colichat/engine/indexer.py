@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ops import linear
+
 SCORE_BUDGET = 1 << 24  # floats of one (rows * Hi, N) block of per-head products
 
 
@@ -61,7 +63,7 @@ def indexer_keys(x: np.ndarray, attn_k: np.ndarray, k_norm: np.ndarray, k_norm_b
                  eps: float, rot: np.ndarray, neox: bool) -> np.ndarray:
     """The Ic rows of new tokens: RoPE(LayerNorm(attn_k x)). x: (T, D) attn_norm output;
     attn_k: (Di, D). Returns (T, Di)."""
-    k = layer_norm(x @ attn_k.T, k_norm, k_norm_b, eps)  # (T, Di)
+    k = layer_norm(linear(x, attn_k), k_norm, k_norm_b, eps)  # (T, Di)
     return rope_prefix(k, rot, neox)
 
 
@@ -69,13 +71,13 @@ def indexer_queries(qr: np.ndarray, attn_q_b: np.ndarray, n_head: int, rot: np.n
                     neox: bool) -> np.ndarray:
     """q_I per head: qr (T, Q) normed q latent, attn_q_b (Hi*Di, Q). Returns (T, Hi, Di)."""
     t = qr.shape[0]
-    q = (qr @ attn_q_b.T).reshape(t, n_head, -1)  # (T, Hi, Di)
+    q = linear(qr, attn_q_b).reshape(t, n_head, -1)  # (T, Hi, Di)
     return rope_prefix(q, rot, neox)
 
 
 def indexer_head_weights(x: np.ndarray, proj: np.ndarray, head_dim: int) -> np.ndarray:
     """w = (proj x) / sqrt(Di * Hi): x (T, D) attn_norm output, proj (Hi, D). Returns (T, Hi)."""
-    w = x @ proj.T  # (T, Hi)
+    w = linear(x, proj)  # (T, Hi)
     w *= np.float32(1.0 / np.sqrt(head_dim * proj.shape[0]))
     return w
 

@@ -87,6 +87,7 @@ class Forward:
     """The llama blocks of one Model (float32, BLAS)."""
 
     experts = None  # no routed experts
+    exact_passes = True  # a pass of 2-16 tokens gives decode's rows bit for bit (ops.linear)
 
     def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
                  expert_cache_mib: float | None = None):

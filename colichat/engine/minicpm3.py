@@ -23,7 +23,7 @@ import numpy as np
 from . import deepseek2, plm
 from .cache import KVCache
 from .gguf import ModelConfig, ModelError, Tensors
-from .ops import rms_norm
+from .ops import linear, rms_norm
 from .rope import rope_neox, rope_rotations
 
 CACHE_KIND = deepseek2.CACHE_KIND
@@ -72,4 +72,4 @@ class Forward(deepseek2.Forward):
     def logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
         h *= np.float32(DIM_MODEL_BASE / self.cfg.n_embd)
-        return h @ self.w[self.cfg.output_weight].T  # (T, V)
+        return linear(h, self.w[self.cfg.output_weight])  # (T, V)

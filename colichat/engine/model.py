@@ -166,6 +166,8 @@ class Model:
         self.fwd = forward(cfg, weights, tensors, n_ctx, expert_cache)
         self.experts = self.fwd.experts
         self.numerics = numerics
+        # speculative decoding needs a pass of a few tokens to give decode's exact rows
+        self.exact_passes = numerics == "fast" and getattr(self.fwd, "exact_passes", False)
         self.threads = ThreadPolicy()
 
     # --- public API -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import deepseek2
 from .gguf import ModelConfig, Tensors
+from .ops import linear
 from .rope import RopeParams, rope_rotations
 
 CACHE_KIND = deepseek2.CACHE_KIND
@@ -58,10 +59,10 @@ def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray
 
 def relu2_ffn(u: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     """W_down relu(W_up u)^2. u: (T, D); w_up: (F, D); w_down: (D, F)."""
-    h = u @ w_up.T  # (T, F)
+    h = linear(u, w_up)  # (T, F)
     np.maximum(h, 0.0, out=h)
     h *= h
-    return h @ w_down.T  # (T, D)
+    return linear(h, w_down)  # (T, D)
 
 
 class Forward(deepseek2.Forward):
