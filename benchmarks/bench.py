@@ -3,14 +3,18 @@
     make bench                                    # both models, histories of 512, 2048 and 4096 tokens
     make bench ARGS="--quick"                     # 512 and 2048 only, fewer repetitions
     make bench ARGS="--skip-deepseek --publish"   # --publish also writes benchmarks/results.json, resume.png
+    make bench ARGS="--plm"                       # also decode/prefill of a PLM-1.8B-shaped model (~9 GiB RAM)
     make bench ARGS="--dsa"                       # only: sparse attention (DeepSeek-V3.2-shaped) vs dense
 
 Everything is measured in one run on one machine and compared side by side; nothing here is asserted.
 Two models: the default one (SmolLM2-135M, llama) and a random deepseek2 GGUF with DeepSeek-V2-Lite's
 attention (27 layers, hidden 2048, 16 heads, kv_lora 512, qk_rope 64, qk_nope 128, v 128, no q_lora),
 a dense SwiGLU FFN in every layer (width --ff, default 2816) and a 102400-token vocabulary, written
-once as Q8_0 to benchmarks/out/ (git-ignored). Sessions, weight caches and histories live in a
-temporary COLICHAT_HOME that is removed at the end.
+once as Q8_0 to benchmarks/out/ (git-ignored). With --plm (or --plm-only) a third model, PLM-1.8B's
+layout and sizes (tests/gguf_factory.PLM_1_8B: plm, 32 layers, hidden 2048, 16 heads, kv_lora 512,
+squared-ReLU FFN 8192, vocabulary 151936, 6.8 GiB as f32), is measured for decode and prefill against
+the rooflines only. Sessions, weight caches and histories live in a temporary COLICHAT_HOME that is
+removed at the end.
 
 Timings of one repetition are taken with time.perf_counter; where a figure is repeated the best
 repetition is reported (the machine may be shared: the best one is the least disturbed), and the
@@ -248,6 +252,19 @@ def deepseek_gguf(n_ff: int) -> Path:
     return path
 
 
+def plm_gguf() -> Path:
+    """The PLM-1.8B-shaped GGUF, written once under benchmarks/out/."""
+    from gguf_factory import PLM_1_8B, write_deepseek2
+
+    path = OUT / "plm-1.8b.gguf"
+    if not path.exists():
+        say(f"writing {path.name} (random Q8_0 weights)")
+        tmp = path.with_suffix(".tmp.gguf")
+        write_deepseek2(tmp, PLM_1_8B)
+        os.replace(tmp, path)
+    return path
+
+
 def roofline_terms(model) -> dict:
     """What one token costs at least: bytes read by decode, FLOPs of prefill (see BENCHMARKS.md).
 
@@ -460,6 +477,24 @@ def bench_model(label: str, path: Path, lengths: list[int], quick: bool, gen_rep
     return out
 
 
+def bench_rates_only(label: str, path: Path, quick: bool, decode_tokens: int = 8) -> dict:
+    """Decode and prefill against the rooflines only (no histories, sessions or program starts): for a
+    model too big to re-prefill long histories of in a benchmark run."""
+    from colichat.engine import load
+
+    say(f"{label}: loading {path.name}")
+    load_s, model = timed(load, str(path), n_ctx=PREFILL_TOKENS + HEAD_ROOM)
+    cfg = model.cfg
+    say(f"{label}: prefill and decode rates, machine limits around them")
+    out = {"label": label, "path": str(path), "arch": cfg.arch, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+           "n_vocab": cfg.n_vocab, "n_ff": cfg.n_ff, "weight_bytes": int(model.weight_bytes),
+           "record_bytes": int(model.cache.record_bytes), "load_in_process_s": load_s,
+           "roofline_terms": roofline_terms(model), "lengths": [],
+           "rates": measure_rates(model, decode_tokens, 1, quick)}
+    del model
+    return out
+
+
 # Runs one command and reports its wall time and peak RSS. The go-between keeps the bench's own memory out
 # of the figure: on Linux a child's ru_maxrss starts at its parent's RSS (the address space it was forked
 # with counts until exec), and this small process is the parent instead of the bench with a model loaded.
@@ -517,13 +552,15 @@ def derive(model: dict, avx512: dict | None) -> dict:
         return {"ctx": ctx, "tok_s": 1 / s_per_token, "roofline_tok_s": 1 / roof, "fraction": roof / s_per_token,
                 "others_cpu": others_cpu}
 
-    longest = max(model["lengths"], key=lambda r: r["tokens"])
     t, seconds = rates["prefill_tokens"], rates["prefill_s"]
     roof_prefill = prefill_flops(terms, t) / (gflops * 1e9)
+    out = {"decode_short": decode_frac(rates["decode_ctx"], rates["decode_s_per_token"], rates["others_cpu"])}
+    if model["lengths"]:
+        longest = max(model["lengths"], key=lambda r: r["tokens"])
+        out["decode_long"] = decode_frac(longest["tokens"], longest["decode_s_per_token"],
+                                         longest["others_cpu"]["prefill_decode"])
     return {
-        "decode_short": decode_frac(rates["decode_ctx"], rates["decode_s_per_token"], rates["others_cpu"]),
-        "decode_long": decode_frac(longest["tokens"], longest["decode_s_per_token"],
-                                   longest["others_cpu"]["prefill_decode"]),
+        **out,
         "prefill": {"tokens": t, "tok_s": t / seconds, "roofline_tok_s": t / roof_prefill,
                     "fraction": roof_prefill / seconds, "gflops": prefill_flops(terms, t) / seconds / 1e9,
                     "others_cpu": rates["others_cpu"],
@@ -549,11 +586,12 @@ def targets(results: dict) -> list[dict]:
             frac = r2k["resume_read_gbps"] / r2k["seq_read_gbps"]
             add(f"{lab}: resume read >= 1/2 of sequential read (2048)",
                 f"{r2k['resume_read_gbps']:.2f} of {r2k['seq_read_gbps']:.2f} GB/s ({frac:.0%})", frac >= 0.5)
-        worst = max(m["lengths"], key=lambda r: r["append_s"] / r["generate_turn_s"])
-        share = worst["append_s"] / worst["generate_turn_s"]
-        add(f"{lab}: append a turn < 5% of generating it",
-            f"worst {share:.1%} at {worst['tokens']} ({worst['append_s'] * 1e3:.1f} ms vs "
-            f"{worst['generate_turn_s']:.2f} s)", share < 0.05)
+        if m["lengths"]:
+            worst = max(m["lengths"], key=lambda r: r["append_s"] / r["generate_turn_s"])
+            share = worst["append_s"] / worst["generate_turn_s"]
+            add(f"{lab}: append a turn < 5% of generating it",
+                f"worst {share:.1%} at {worst['tokens']} ({worst['append_s'] * 1e3:.1f} ms vs "
+                f"{worst['generate_turn_s']:.2f} s)", share < 0.05)
         d = m["derived"]
         add(f"{lab}: decode >= 70% of matvec roofline (ctx {d['decode_short']['ctx']})",
             f"{d['decode_short']['fraction']:.0%} ({d['decode_short']['tok_s']:.1f} of "
@@ -633,6 +671,8 @@ def report(results: dict, markdown: bool) -> str:
     for m in results["models"]:
         d = m["derived"]
         for key, what in (("decode_short", "decode"), ("decode_long", "decode"), ("prefill", "prefill")):
+            if key not in d:
+                continue
             x = d[key]
             ctx = f"ctx {x['ctx']}" if "ctx" in x else f"{x['tokens']} tokens"
             rows.append([m["label"], f"{what} {ctx}", f"{x['tok_s']:.1f}", f"{x['roofline_tok_s']:.1f}",
@@ -680,7 +720,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m, color in zip(results["models"], ("tab:blue", "tab:red"), strict=False):
+    for m, color in zip([m for m in results["models"] if m["lengths"]], ("tab:blue", "tab:red"), strict=False):
         n = [r["tokens"] for r in m["lengths"]]
         ax.plot(n, [r["reprefill"]["total_s"] for r in m["lengths"]], "o--", color=color,
                 label=f"{m['label']}: re-prefill + 1 decode")
@@ -830,6 +870,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-deepseek", action="store_true", help="only the default model")
     p.add_argument("--ff", type=int, default=2816, help="dense FFN width of the deepseek2 model (default 2816)")
     p.add_argument("--no-starts", action="store_true", help="skip the program start measurements")
+    p.add_argument("--plm", action="store_true",
+                   help="also decode/prefill rates of a PLM-1.8B-shaped model (needs about 9 GiB of memory)")
+    p.add_argument("--plm-only", action="store_true", help="only the machine limits and the PLM-1.8B-shaped rates")
     p.add_argument("--dsa", action="store_true",
                    help="only the sparse-attention comparison (DeepSeek-V3.2-shaped model, indexer on vs off)")
     p.add_argument("--publish", action="store_true",
@@ -839,6 +882,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plm_only and args.publish:
+        sys.exit("--publish replaces the published results of a full run; run --plm-only without it")
     lengths = [512, 2048] if args.quick else [512, 2048, 4096]
     OUT.mkdir(parents=True, exist_ok=True)
     if args.dsa:
@@ -863,14 +908,17 @@ def main(argv=None) -> int:
         start = machine_limits(args.quick)
         avx512 = sgemm_avx512_kernels()
         # (label, GGUF, --model for the start measurement, tokens decoded per timing, prefill repetitions)
-        models = [("SmolLM2-135M", Path(default_model_path()), None, 64, 1 if args.quick else 2)]
-        if not args.skip_deepseek:
+        models = [] if args.plm_only else [("SmolLM2-135M", Path(default_model_path()), None, 64,
+                                             1 if args.quick else 2)]
+        if not (args.skip_deepseek or args.plm_only):
             models.append((f"V2-Lite-shaped (FFN {args.ff})", deepseek_gguf(args.ff), "deepseek", 4, 1))
         for label, path, kind, gen_reps, prefill_reps in models:
             m = bench_model(label, path, lengths, args.quick, gen_reps, prefill_reps)
             if not args.no_starts:
                 m["starts"] = measure_starts(path if kind else None, root / "home", kind or "default", lengths)
             results["models"].append(m)
+        if args.plm or args.plm_only:
+            results["models"].append(bench_rates_only("PLM-1.8B-shaped", plm_gguf(), args.quick))
         say("machine limits again")
         end = machine_limits(args.quick)
     finally:
@@ -883,7 +931,8 @@ def main(argv=None) -> int:
 
     (OUT / "bench.json").write_text(json.dumps(results, indent=1))
     (OUT / "bench.md").write_text(report(results, markdown=True))
-    plot(results, OUT / "resume.png")
+    if any(m["lengths"] for m in results["models"]):
+        plot(results, OUT / "resume.png")
     if args.publish:
         shutil.copy(OUT / "bench.json", HERE / "results.json")
         shutil.copy(OUT / "resume.png", HERE / "resume.png")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .engine import Model, Sampler, SamplerSettings
+from .engine import Model, Sampler
 from .engine.template import chat_template_for
-from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity
+from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity, slug
+from .persist.session import KV_EXT, SIDECAR_EXT
+from .settings import BY_NAME, Settings, saved_values
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
@@ -47,27 +49,23 @@ class TurnStats:
         return self.generated / self.decode_s if self.decode_s > 0 else 0.0
 
 
-@dataclass
-class Settings:
-    sampler: SamplerSettings = field(default_factory=SamplerSettings)
-    max_tokens: int = 512
-    system: str | None = None
-
-
 class Conversation:
     """Owns the model's cache, the turns and the session they are saved into.
 
     With saving on, the session file is created at the first answer (named --session NAME, else
-    a time-based name), so starting colichat and quitting leaves nothing behind.
+    from the first message), so starting colichat and quitting leaves nothing behind. With
+    `save_new` off (one-shot and piped runs without --session), a new conversation is saved only
+    by /save NAME; a resumed one is still saved after every answer.
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
-                 store: Store | None = None):
+                 store: Store | None = None, pinned=frozenset(), save_new: bool = True):
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
         self.settings = settings
-        self.sampler = Sampler(settings.sampler)
+        self.pinned = frozenset(pinned)  # settings given on the command line: a resumed session keeps them
+        self.sampler = Sampler(settings.sampler())
         self.turns: list[Turn] = []
         self.stop_requested = False
         self.last_stats: TurnStats | None = None
@@ -77,6 +75,7 @@ class Conversation:
         self.layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
         self.session = None  # persist.Session once created or resumed
         self.session_name = session_name
+        self.save_new = save_new
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
 
     # --- state ------------------------------------------------------------------------------------
@@ -92,49 +91,31 @@ class Conversation:
         return msgs + [{"role": t.role, "content": t.text} for t in turns if t.role in ("user", "assistant")]
 
     def options(self) -> dict:
-        s = self.settings.sampler
-        return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                "repeat_penalty": s.repeat_penalty, "seed": s.seed, "max_tokens": self.settings.max_tokens,
-                "system": self.settings.system or "",
-                **({"system (next)": self.pending_system or ""} if self.pending_system is not False else {})}
+        """Every setting's value (and the system prompt waiting for the next conversation)."""
+        return {**self.settings.to_dict(),
+                **({"system (next)": self.pending_system} if self.pending_system is not False else {})}
 
     def set_option(self, key: str, value) -> str:
-        if key == "max_tokens":
-            if value < 1:
-                raise ChatError("max_tokens must be at least 1")
-            self.settings.max_tokens = value
-        elif key == "system":
-            if self.turns:  # the conversation so far was read with the old one
-                self.pending_system = value or None
-                return "system prompt set for the next conversation (/reset starts one)"
-            self.settings.system = value or None
-        else:
-            new = self.settings.sampler.with_(**{key: value})
-            try:
-                new.validate()
-            except ValueError as e:
-                raise ChatError(str(e)) from None
-            self.settings.sampler = new
-            self.sampler = Sampler(new)
+        """Change one setting (a name of settings.TABLE; SettingError for a value it cannot take)."""
+        row = BY_NAME[key]
+        row.validate(value)
+        if key == "system" and self.turns:  # the conversation so far was read with the old one
+            self.pending_system = value
+            return "system prompt set for the next conversation (/new starts one)"
+        self.settings = self.settings.with_(**{key: value})
+        self.sampler = Sampler(self.settings.sampler())
         self._save_settings()
-        return f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
+        return f"{key} = {row.show(value)}"
 
-    def _settings_dict(self) -> dict:
-        return {**self.settings.sampler.to_dict(), "max_tokens": self.settings.max_tokens,
-                "system": self.settings.system}
-
-    def _apply_settings_dict(self, d: dict) -> None:
-        fields = {k: d[k] for k in SamplerSettings.__dataclass_fields__ if k in d}
-        try:
-            sampler = self.settings.sampler.with_(**fields)
-            sampler.validate()
-        except (TypeError, ValueError):
-            return  # a damaged settings record: keep the current settings
-        self.settings.sampler, self.sampler = sampler, Sampler(sampler)
-        if isinstance(d.get("max_tokens"), int) and d["max_tokens"] > 0:
-            self.settings.max_tokens = d["max_tokens"]
-        if d.get("system") is None or isinstance(d.get("system"), str):
-            self.settings.system = d.get("system")
+    def _apply_saved_settings(self, d) -> None:
+        """Take a resumed session's saved settings, except those given on the command line."""
+        saved = saved_values(d)
+        if "system" in self.pinned and self.turns and saved.get("system") != self.settings.system:
+            # --system on a resumed conversation: it was read with the saved one; the new one waits
+            self.pending_system = self.settings.system
+            self.settings = self.settings.with_(system=saved.get("system"))
+        self.settings = self.settings.with_(**{k: v for k, v in saved.items() if k not in self.pinned})
+        self.sampler = Sampler(self.settings.sampler())
 
     # --- sessions ---------------------------------------------------------------------------------
 
@@ -150,8 +131,46 @@ class Conversation:
         """Refuse at start a --session NAME that the first answer could not create (saving is on)."""
         check_name(name)
         base = self.store.model_dir(self.ident) / name
-        if any(os.path.lexists(f"{base}{ext}") for ext in (".coli_kv", ".json")):
+        if any(os.path.lexists(f"{base}{ext}") for ext in (KV_EXT, SIDECAR_EXT)):
             raise ChatError(f"session {name} already exists: add --resume to continue it, or choose another name")
+
+    def session_names(self) -> list[str]:
+        """This model's saved conversations, newest first (for Tab completion)."""
+        return [i.name for i in self.store.list(self.ident)] if self.store else []
+
+    def rename(self, new: str) -> str:
+        """Give the current conversation another name (its files are renamed, nothing is rewritten)."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing to rename")
+        if not self.session:
+            raise ChatError("this conversation is not saved yet: /save NAME saves it under that name")
+        old = self.session.name
+        self.store.rename(self.session, new)
+        self.session_name = new
+        return f"renamed session {old} to {new}"
+
+    def save_as(self, name: str) -> str:
+        """Write the conversation from the cache into a new session NAME (no forward pass). An
+        unsaved conversation goes on in it; a saved one goes on in its own, NAME is a copy."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing can be saved")
+        if not self.turns:
+            raise ChatError("nothing to save yet: the conversation is empty")
+        copy = self.store.create(self.ident, self.layout, check_name(name), self.settings.to_dict())
+        try:
+            copy.append(self.model.cache, self.turns)
+        except BaseException:
+            copy.close()
+            try:
+                self.store.delete(self.ident, name)  # a partial copy: the conversation is still in memory
+            except SessionError:
+                pass
+            raise
+        if self.session is None:
+            self.session, self.session_name = copy, name
+            return f"saved to session {name}; the conversation goes on in it"
+        copy.close()
+        return f"saved a copy as session {name} (the conversation goes on in {self.session.name})"
 
     def list_sessions(self) -> list[str]:
         if not self.store:
@@ -182,7 +201,9 @@ class Conversation:
             self.session.close()
         self.session, self.session_name = new, name
         self.turns = list(res.turns)
-        self._apply_settings_dict(res.sampler or {})
+        self._apply_saved_settings(res.sampler)
+        if self.pinned:
+            self._save_settings()  # the options given now are the session's settings from now on
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
         return "\n".join(lines)
 
@@ -191,7 +212,7 @@ class Conversation:
         if not self.store:
             raise ChatError("saving is off (--no-save): no sessions")
         if self.session and self.session.name == name:
-            raise ChatError(f"session {name} is the current conversation: /reset first, then /delete {name}")
+            raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
         freed = self.store.delete(self.ident, name)
         return f"deleted session {name} ({freed / 1e6:.1f} MB)"
 
@@ -203,7 +224,8 @@ class Conversation:
         self.session, self.session_name = None, None
         self.clear()
         if self.pending_system is not False:
-            self.settings.system, self.pending_system = self.pending_system, False
+            self.settings, self.pending_system = self.settings.with_(system=self.pending_system), False
+            self._save_settings()
         return f"new conversation (session {old} is saved; /resume {old} reopens it)" if old else "new conversation"
 
     def clear(self) -> None:
@@ -230,10 +252,13 @@ class Conversation:
         """Append the unsaved turns; a failure is reported and the conversation goes on in memory."""
         if not self.store:
             return
+        if self.session is None and not self.save_new:
+            return
         try:
             if self.session is None:
+                first = next((t.text for t in self.turns if t.role == "user"), "")
                 self.session = self.store.create(self.ident, self.layout, self.session_name,
-                                                 self._settings_dict())
+                                                 self.settings.to_dict(), stem=slug(first))
                 self.session_name = self.session.name
             self.session.append(self.model.cache, self.turns)
             stats.saved = True
@@ -244,7 +269,7 @@ class Conversation:
     def _save_settings(self) -> None:
         if self.session:
             try:
-                self.session.save_sampler(self._settings_dict())
+                self.session.save_sampler(self.settings.to_dict())
             except (SessionError, OSError):
                 pass  # saved again with the next answer
 
@@ -278,7 +303,7 @@ class Conversation:
 
     # --- one exchange -----------------------------------------------------------------------------
 
-    def ask(self, user_text: str, on_text=None, on_progress=None) -> tuple[str, TurnStats]:
+    def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None) -> tuple[str, TurnStats]:
         """Append the user's message, generate the answer (streamed through on_text), save both turns.
 
         `stop_requested` (set from a signal handler) ends the answer after the current token;
@@ -291,10 +316,10 @@ class Conversation:
         ids, start = self._prompt_ids(user_text)
         room = self.model.n_ctx - start
         if len(ids) + 1 >= room:
-            raise ChatError(
-                f"the message needs {len(ids)} tokens but only {room} of the context of "
-                f"{self.model.n_ctx} are left: /rewind, /reset, or restart with a larger --ctx"
-            )
+            raise ChatError(self._no_room(len(ids), room))
+        if on_note and room - len(ids) < min(self.settings.max_tokens, 256):
+            on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut "
+                    f"({self._ways_out()})")
         if start < self.n_tokens:
             self._rebase(start)
         first = self.n_tokens
@@ -334,7 +359,7 @@ class Conversation:
             if self.stop_requested:
                 stats.stopped = "interrupt"
                 break
-            recent = cache.tokens[max(0, cache.length - 64) : cache.length]
+            recent = cache.tokens[max(0, cache.length - self.settings.repeat_last_n) : cache.length]
             tid = self.sampler(logits, recent)
             if tid in self.tok.eog_ids:
                 stats.stopped = "eog"
@@ -356,6 +381,72 @@ class Conversation:
                 on_text(tail)
         stats.decode_s = time.perf_counter() - t0
         return "".join(pieces), stats
+
+    # --- a full context ---------------------------------------------------------------------------
+
+    def _ways_out(self) -> str:
+        """What frees context: the commands, and a larger --ctx only when the model allows one."""
+        ways = ["/rewind N drops the last exchanges", "/new starts a new conversation"]
+        if self.exchanges() > 1:
+            ways.append("/forget N continues in a new one without the N oldest exchanges")
+        if self.model.n_ctx < self.model.cfg.n_ctx_train:
+            ways.append(f"or restart with a larger --ctx (this model takes up to {self.model.cfg.n_ctx_train})")
+        return "; ".join(ways)
+
+    def _no_room(self, needs: int, room: int) -> str:
+        n_ctx, most = self.model.n_ctx, self.model.cfg.n_ctx_train
+        if needs + 1 >= n_ctx:  # not even a new conversation would hold it
+            more = f" or restart with a larger --ctx (this model takes up to {most})" if n_ctx < most else ""
+            return f"the message needs {needs} tokens, more than the whole context of {n_ctx}: shorten it{more}"
+        return (f"the message needs {needs} tokens but only {room} of the context of {n_ctx} are left; "
+                f"it was not sent: {self._ways_out()}")
+
+    def forget(self, n: int | None = None, on_progress=None) -> str:
+        """Continue in a new conversation without the n oldest exchanges (default: enough that what
+        remains fills at most half the context): the rest is read again (prefilled) from its text;
+        the current conversation stays saved as it is."""
+        starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
+        if any(t.role not in ("user", "assistant") for t in self.turns):
+            raise ChatError("this conversation began as an imported cache, which cannot be read again: /new")
+        if not starts:
+            raise ChatError("nothing to forget: the conversation is empty")
+        if n is None:
+            half = self.model.n_ctx // 2
+            n = next(k for k in range(1, len(starts) + 1)
+                     if k == len(starts) or self.n_tokens - self.turns[starts[k]].first <= half)
+        if not 1 <= n <= len(starts):
+            raise ChatError(f"/forget takes 1 to {len(starts)} exchange(s)")
+        kept = self.turns[starts[n]:] if n < len(starts) else []
+        old = self.session.name if self.session else None
+        self.reset()
+        try:
+            for t in kept:
+                if t.role == "user":
+                    ids, start = self._prompt_ids(t.text)
+                    if start < self.n_tokens:
+                        self._rebase(start)
+                else:
+                    ids = self.tok.encode(t.text, special=True)
+                first = self.n_tokens
+                if first + len(ids) + 1 >= self.model.n_ctx:
+                    raise ChatError("what remains does not fit in the context: /forget more exchanges")
+                if ids:
+                    self._prefill(ids, on_progress)
+                self.turns.append(Turn(t.role, t.text, first, self.n_tokens))
+        except BaseException:
+            if self.turns and self.turns[-1].role == "user":
+                self.turns.pop()  # an exchange is kept whole or not at all
+            self.model.cache.truncate(self.turns[-1].last if self.turns else 0)
+            raise
+        finally:
+            stats = TurnStats()
+            if self.turns:
+                self._save(stats)
+        where = {None: "not saved", True: f"saved as {self.session_name}",
+                 False: f"NOT saved: {stats.save_error}"}[stats.saved]
+        return (f"new conversation without the {n} oldest exchange(s)"
+                + (f" of {old} (still saved as it was)" if old else "")
+                + f": {self.exchanges()} exchange(s), {self.n_tokens} tokens read again; {where}")
 
     # --- history edits ----------------------------------------------------------------------------
 
@@ -395,12 +486,14 @@ class Conversation:
     # --- reporting --------------------------------------------------------------------------------
 
     def footer(self, stats: TurnStats) -> str:
-        saved = {None: "not saved (--no-save)", True: f"saved to {self.session_name}",
+        unsaved = "not saved (--no-save)" if not self.store else "not saved (/save NAME keeps it)"
+        saved = {None: unsaved, True: f"saved to {self.session_name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
-                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}{stop}; {saved}]")
+                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
+                f"{self.model.n_ctx - self.n_tokens} left{stop}; {saved}]")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache

@@ -11,12 +11,15 @@ import sys
 import time
 
 from . import __version__
-from .chat import ChatError, Conversation, Settings
-from .commands import Message, dispatch, is_command
-from .engine import ModelError, SamplerSettings, load
+from .chat import ChatError, Conversation
+from .commands import dispatch, is_command, is_quit_word
+from .engine import ModelError, load
+from .inputs import inputs_of
 from .models import DefaultModelMissing, default_model_path
 from .paths import paths
-from .persist import SessionError
+from .persist import SessionError, Store
+from .sessions import before_load, export_saved, listing
+from .settings import TABLE, SettingError, Settings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -26,44 +29,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         "as its KV cache and reopens instantly with /resume.",
     )
     p.add_argument("--model", metavar="PATH", help="a GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--session", metavar="NAME", help="name of the conversation to save into (or resume)")
+    p.add_argument("--session", metavar="NAME", help="name of the conversation: a new one, or the saved one "
+                   "of that name, reopened")
     p.add_argument("--resume", action="store_true", help="resume the latest (or --session) conversation")
     p.add_argument("--ctx", type=int, metavar="N", help="context size in tokens (default: model's, max 8192)")
-    p.add_argument("--temperature", type=float, metavar="T", help="0 means greedy (default 0.7)")
-    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens (0 = off; default 40)")
-    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1 = off; default 0.95)")
-    p.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P x the best (0 = off; default 0.05)")
-    p.add_argument("--repeat-penalty", type=float, metavar="R", help="penalty on recent tokens (1 = off, the default)")
-    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same answers")
-    p.add_argument("--max-tokens", type=int, metavar="N", help="the longest answer (default 512)")
-    p.add_argument("--system", metavar="TEXT", help="system prompt for new conversations")
+    for row in TABLE:  # the chat settings: read as text here, checked by settings_from
+        p.add_argument(row.option, metavar=row.metavar, help=f"{row.help} (default {row.show(row.default)})")
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default: half of the memory left "
                    "after the weights and the context, at least 512)")
     p.add_argument("--numerics", choices=["fast", "llama.cpp"], default="fast",
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp)")
-    p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk")
+    p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk (one-shot -p "
+                   "and piped runs are saved only with --session NAME or --resume)")
+    p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit")
+    p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
     return p.parse_args(argv)
 
 
-def settings_from(args) -> Settings:
-    s = SamplerSettings()
-    for opt, key in [("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
-                     ("min_p", "min_p"), ("repeat_penalty", "repeat_penalty"), ("seed", "seed")]:
-        value = getattr(args, opt)
-        if value is not None:
-            s = s.with_(**{key: value})
-    s.validate()
-    out = Settings(sampler=s, system=args.system)
-    if args.max_tokens is not None:
-        if args.max_tokens < 1:
-            raise ValueError("--max-tokens must be at least 1")
-        out.max_tokens = args.max_tokens
-    return out
+def settings_from(args) -> tuple[Settings, frozenset]:
+    """The settings the options give (the defaults for the others), and the names of those given."""
+    given = {row.name: row.parse(getattr(args, row.name), row.option) for row in TABLE
+             if getattr(args, row.name) is not None}
+    return Settings(**given), frozenset(given)
+
+
+def say(line: str) -> None:
+    """A status line: to stderr, so that stdout holds only the model's text."""
+    print(line, file=sys.stderr, flush=True)
 
 
 class App:
@@ -77,7 +74,7 @@ class App:
         self.output_closed = False  # stdout's reader went away (broken pipe)
 
     def say(self, line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+        say(line)
 
     def out(self, text: str) -> None:
         if self.output_closed:
@@ -99,13 +96,32 @@ class App:
     def quit(self) -> None:
         self.quitting = True
 
+    def quit_or_send(self, line: str) -> None:
+        """`exit` alone on a line: ask whether /quit was meant; only a "no" sends it to the model."""
+        word = line.strip()
+        if not self.interactive:
+            raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
+        from prompt_toolkit.shortcuts import confirm
+
+        try:
+            meant_quit = confirm(f"Did you mean /quit? (n sends '{word}' to the model)")
+        except (KeyboardInterrupt, EOFError):
+            return
+        if meant_quit:
+            self.quit()
+        else:
+            self.answer(word)
+
     def answer(self, text: str) -> None:
-        progress = self._prefill_progress if sys.stderr.isatty() else None
-        _, stats = self.conv.ask(text, on_text=self.out, on_progress=progress)
+        _, stats = self.conv.ask(text, on_text=self.out, on_progress=self.prefill_progress(), on_note=self.say)
         self.out("\n")
         self.say(self.conv.footer(stats))
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
+
+    def prefill_progress(self):
+        """The callback that shows how far a long prefill is (on a terminal), or None."""
+        return self._prefill_progress if sys.stderr.isatty() else None
 
     def _prefill_progress(self, done: int, total: int) -> None:
         sys.stderr.write(f"\rprefill {done}/{total} tokens" + ("\n" if done == total else ""))
@@ -116,34 +132,15 @@ class App:
         try:
             if is_command(line):
                 dispatch(self, line)
+            elif is_quit_word(line):
+                self.quit_or_send(line)
             elif line.strip():
                 self.answer(line)
-        except (ChatError, SessionError, ModelError, ValueError) as e:
+        except (ChatError, SessionError, ModelError, SettingError, ValueError) as e:
             self.errors += 1
             self.say(f"colichat: {e}")
 
 
-
-
-def read_inputs(stream):
-    """Lines of stdin as inputs; a block between two lines of `\"\"\"` is one input (a Message)."""
-    block = None
-    for raw in stream:
-        line = raw.rstrip("\n")
-        if block is not None:
-            if line.strip() == '"""':
-                yield Message("\n".join(block))
-                block = None
-            else:
-                block.append(line)
-        elif line.strip() == '"""':
-            block = []
-        elif line.strip().startswith('"""') and line.strip().endswith('"""') and len(line.strip()) > 6:
-            yield Message(line.strip()[3:-3])
-        else:
-            yield line
-    if block:
-        yield Message("\n".join(block))
 
 
 def pipe_mode(app: App, inputs=None) -> int:
@@ -159,7 +156,7 @@ def pipe_mode(app: App, inputs=None) -> int:
 
     old = signal.signal(signal.SIGINT, on_sigint)
     try:
-        for line in read_inputs(sys.stdin) if inputs is None else inputs:
+        for line in inputs_of(sys.stdin) if inputs is None else inputs:
             app.handle(line)
             if interrupted:
                 return 130
@@ -197,26 +194,44 @@ def load_model(args, say):
     return model
 
 
+def from_the_shell(args) -> int:
+    """--sessions and --export NAME: read the saved conversations, print to stdout, no model loaded."""
+    store = Store()
+    if args.sessions:
+        rows = listing(store)
+        print("\n".join(rows) if rows else "no saved conversations", flush=True)
+        return 0
+    try:
+        model = args.model or default_model_path()
+    except DefaultModelMissing:
+        model = None
+    sys.stdout.write(export_saved(store, model, args.export))
+    sys.stdout.flush()
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-
-    def say(line):
-        print(line, file=sys.stderr, flush=True)
-
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
     try:
         if args.prompt is not None and not args.prompt.strip():
             raise ValueError("-p/--prompt needs a message")
-        settings = settings_from(args)
+        settings, given = settings_from(args)
+        if args.sessions or args.export is not None:
+            return from_the_shell(args)
+        args.model = args.model or default_model_path()
+        if not args.no_save:  # what --session and --resume mean, known before the model loads
+            args.resume = before_load(Store(), args.model, args.session, args.resume)
+        interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
         model = load_model(args, say)
-        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session)
-    except (ModelError, DefaultModelMissing, SessionError, ValueError) as e:
+        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
+                            save_new=interactive or args.session is not None or args.resume)
+    except (ModelError, DefaultModelMissing, SessionError, SettingError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
         return 130
-    interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
     app = App(conv, interactive)
     try:
         if args.resume:

@@ -6,23 +6,16 @@ A handler gets the App (see cli.py: `.conv` the Conversation, `.say(line)` statu
 
 from __future__ import annotations
 
-import shlex
+import difflib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from .chat import ChatError
-
-SETTABLE = {
-    # key: (type, what it means)
-    "temperature": (float, "0 = greedy; higher = more random"),
-    "top_k": (int, "keep the k most likely tokens (0 = off)"),
-    "top_p": (float, "keep the smallest set with this total probability (1 = off)"),
-    "min_p": (float, "drop tokens below this fraction of the best one (0 = off)"),
-    "repeat_penalty": (float, "penalize recently used tokens (1 = off)"),
-    "seed": (int, "random seed (same seed, same answers)"),
-    "max_tokens": (int, "the longest answer, in tokens"),
-    "system": (str, "the system prompt (applies to new conversations: /reset)"),
-}
+from .inputs import Message
+from .sessions import markdown
+from .settings import BY_NAME as SETTINGS
+from .settings import TABLE, key_of, printable
 
 
 @dataclass(frozen=True)
@@ -31,6 +24,12 @@ class Command:
     args: str
     summary: str
     run: Callable
+    aliases: tuple[str, ...] = ()  # other names it answers to (habits from other chat programs)
+
+    @property
+    def title(self) -> str:
+        """'/new (/clear, /reset)' for the help."""
+        return self.name + (f" ({', '.join(self.aliases)})" if self.aliases else "")
 
 
 def _int_arg(arg: str, default: int, what: str) -> int:
@@ -39,22 +38,21 @@ def _int_arg(arg: str, default: int, what: str) -> int:
     try:
         return int(arg)
     except ValueError:
-        raise ChatError(f"{what} takes a whole number, not '{arg.strip()}'") from None
+        raise ChatError(f"{what} takes a whole number, not '{printable(arg.strip())}'") from None
 
 
 def cmd_help(app, arg: str) -> None:
     name = arg.strip().lstrip("/")
     if name:
-        cmd = BY_NAME.get("/" + name)
-        if cmd is None:
-            raise ChatError(f"unknown command '/{name}': /help lists them")
-        app.say(f"/{name} {cmd.args}".rstrip() + f"  {cmd.summary}")
+        cmd = find_command("/" + name)
+        app.say(f"{cmd.title} {cmd.args}".rstrip() + f"  {cmd.summary}")
         if cmd.name == "/set":
-            for key, (_, meaning) in SETTABLE.items():
-                app.say(f"  {key:<15}{meaning}")
+            for row in TABLE:
+                app.say(f"  {row.name:<15}{row.help}")
         return
     for cmd in COMMANDS:
-        app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{cmd.summary}")
+        app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{cmd.summary}"
+                + (f" (also {', '.join(cmd.aliases)})" if cmd.aliases else ""))
     app.say('Multi-line input: Esc then Enter for a newline, or a block between """ lines.')
 
 
@@ -78,6 +76,38 @@ def cmd_delete(app, arg: str) -> None:
     app.say(app.conv.delete_session(name))
 
 
+def cmd_rename(app, arg: str) -> None:
+    if not arg.strip():
+        raise ChatError("/rename needs the new name of this conversation")
+    app.say(app.conv.rename(arg.strip()))
+
+
+def cmd_save(app, arg: str) -> None:
+    if not arg.strip():
+        raise ChatError("/save needs a name for the copy (/rename renames this conversation)")
+    app.say(app.conv.save_as(arg.strip()))
+
+
+def cmd_export(app, arg: str) -> None:
+    """/export [FILE]: the conversation as Markdown, in FILE (default NAME.md here); never overwrites."""
+    conv = app.conv
+    if not conv.turns:
+        raise ChatError("nothing to export yet: the conversation is empty")
+    title = conv.session_name or "conversation"
+    path = os.path.expanduser(arg.strip() or f"{title}.md")
+    text = markdown(title, conv.model.cfg.name, [(t.role, t.text) for t in conv.turns], conv.settings.system)
+    try:
+        with open(path, "x", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(text)
+    except FileExistsError:
+        raise ChatError(f"{printable(path)} already exists: give /export another file name") from None
+    except ValueError:  # a NUL in the name
+        raise ChatError(f"cannot write '{printable(path)}': not a file name") from None
+    except OSError as e:
+        raise ChatError(f"cannot write {printable(path)}: {e.strerror or type(e).__name__}") from None
+    app.say(f"exported {len(conv.turns)} turns to {printable(path, 200)}")
+
+
 def cmd_reset(app, arg: str) -> None:
     app.say(app.conv.reset())
 
@@ -89,6 +119,11 @@ def cmd_rewind(app, arg: str) -> None:
         preview = t.text.strip().replace("\n", " ")
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
     app.say(f"rewound {n} exchange(s); {app.conv.n_tokens} tokens in context")
+
+
+def cmd_forget(app, arg: str) -> None:
+    n = _int_arg(arg, 0, "/forget") if arg.strip() else None
+    app.say(app.conv.forget(n, on_progress=app.prefill_progress()))
 
 
 def cmd_regen(app, arg: str) -> None:
@@ -107,23 +142,23 @@ def cmd_history(app, arg: str) -> None:
 
 
 def cmd_set(app, arg: str) -> None:
-    key, _, value = arg.strip().partition(" ")
-    key, value = key.strip().lower().replace("-", "_"), value.strip()
-    if key not in SETTABLE:
-        raise ChatError(f"cannot set '{key}': one of {', '.join(SETTABLE)}")
-    kind = SETTABLE[key][0]
-    if not value and kind is not str:
-        raise ChatError(f"/set {key} needs a value")
-    try:
-        parsed = kind(value) if kind is not str else (shlex.split(value)[0] if value[:1] in "'\"" else value)
-    except ValueError:
-        raise ChatError(f"{key} takes a {'whole number' if kind is int else 'number'}, not '{value}'") from None
-    app.say(app.conv.set_option(key, parsed))
+    """/set KEY VALUE: the rest of the line is the value (one pair of enclosing quotes is removed);
+    /set KEY alone shows the current value."""
+    parts = arg.strip().split(None, 1)
+    if not parts:
+        raise ChatError("/set needs a setting and a value: /set KEY VALUE (/help set lists them)")
+    key = key_of(parts[0])
+    row = SETTINGS[key]
+    if len(parts) == 1:
+        app.say(f"{key} = {row.show(app.conv.options()[key])}")
+        return
+    app.say(app.conv.set_option(key, row.parse(parts[1])))
 
 
 def cmd_show(app, arg: str) -> None:
+    """The settings as /set takes them."""
     for key, value in app.conv.options().items():
-        app.say(f"{key:<15}{value!r}" if isinstance(value, str) else f"{key:<15}{value}")
+        app.say(f"{key:<15}{SETTINGS[key.split()[0]].show(value)}")
 
 
 def cmd_stats(app, arg: str) -> None:
@@ -139,38 +174,68 @@ COMMANDS = [
     Command("/help", "[CMD]", "list the commands, or explain one", cmd_help),
     Command("/resume", "[NAME]", "reopen a saved conversation (the latest by default), no re-prefill", cmd_resume),
     Command("/sessions", "", "list saved conversations of this model", cmd_sessions),
-    Command("/reset", "", "start a new empty conversation (the current one stays saved)", cmd_reset),
+    Command("/new", "", "start a new empty conversation (the current one stays saved)", cmd_reset,
+            ("/clear", "/reset")),
+    Command("/rename", "NEW", "give this conversation another name", cmd_rename),
+    Command("/save", "NAME", "keep a copy of this conversation as NAME (written from memory, no re-prefill)",
+            cmd_save),
+    Command("/export", "[FILE]", "write the conversation as Markdown (default NAME.md here)", cmd_export),
     Command("/delete", "NAME", "delete a saved conversation of this model (not the current one)", cmd_delete),
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
+    Command("/forget", "[N]", "continue in a new conversation without the N oldest exchanges (default: enough "
+            "to free half the context); the current one stays saved", cmd_forget),
     Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen),
     Command("/history", "", "show the conversation so far", cmd_history),
     Command("/set", "KEY VALUE", "change a setting (/help set lists them)", cmd_set),
     Command("/show", "", "show the settings", cmd_show),
     Command("/stats", "", "context used, bytes on disk, last speeds", cmd_stats),
-    Command("/quit", "", "save and exit (Ctrl-D works too)", cmd_quit),
+    Command("/quit", "", "save and exit (Ctrl-D works too)", cmd_quit, ("/exit", "/bye", "/q")),
 ]
-BY_NAME = {c.name: c for c in COMMANDS}
+BY_NAME = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
+QUIT_WORDS = ("exit", "quit", "bye")  # alone on a line: meant as /quit, not as a message
 
 
-class Message(str):
-    """An input from a `\"\"\"` block: a message even if it starts with `/`."""
+def find_command(name: str) -> Command:
+    """The command called `name` (or an alias), or a ChatError suggesting the nearest one."""
+    cmd = BY_NAME.get(name.lower())
+    if cmd is not None:
+        return cmd
+    near = difflib.get_close_matches(name.lower(), list(BY_NAME), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    raise ChatError(f"unknown command '{printable(name)}': {hint}/help lists the commands")
 
 
 def is_command(line: str) -> bool:
     return line.startswith("/") and not isinstance(line, Message)
 
 
+def is_quit_word(line: str) -> bool:
+    """`exit` or `quit` typed alone: almost surely meant for colichat, not for the model."""
+    return not isinstance(line, Message) and line.strip().lower().rstrip(".!") in QUIT_WORDS
+
+
 def dispatch(app, line: str) -> None:
     """Run one command line; ChatError carries the one-line message for a bad one."""
-    name, _, arg = line.strip().partition(" ")
-    cmd = BY_NAME.get(name.lower())
-    if cmd is None:
-        raise ChatError(f"unknown command '{name}': /help lists the commands")
-    cmd.run(app, arg)
+    name, arg = (line.strip().split(None, 1) + [""])[:2]
+    find_command(name).run(app, arg)
 
 
-def completions(text: str) -> list[str]:
-    """Command names that start with what was typed (for Tab), or settable keys after /set."""
-    if text.startswith("/set ") and " " not in text[5:]:
-        return ["/set " + k for k in SETTABLE if k.startswith(text[5:])]
+NAME_ARGS = ("/resume", "/delete")  # commands whose argument is a saved conversation's name
+
+
+def completions(text: str, app=None) -> list[str]:
+    """What Tab offers for the text before the cursor: command names, settable keys after /set,
+    saved conversations' names after /resume and /delete (with `app`, the running program)."""
+    name, sep, rest = text.partition(" ")
+    if sep and " " not in rest.lstrip():
+        head, word = text[: len(text) - len(rest.lstrip())], rest.lstrip()
+        if name.lower() == "/set":
+            return [head + k for k in SETTINGS if k.startswith(word.lower())]
+        if name.lower() in NAME_ARGS and app is not None:
+            try:
+                names = app.conv.session_names()
+            except OSError:
+                names = []
+            return [head + n for n in names if n.startswith(word)]
+        return []
     return [c.name for c in COMMANDS if c.name.startswith(text.lower())]

@@ -11,7 +11,8 @@ from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from .commands import Message, completions
+from . import inputs
+from .commands import completions
 from .paths import paths
 
 PROMPT = "> "
@@ -19,13 +20,16 @@ CONTINUATION = "... "
 
 
 class SlashCompleter(Completer):
-    """Completes command names (and /set keys) from the command table."""
+    """Completes what commands.completions offers: command names, /set keys, session names."""
+
+    def __init__(self, app=None):
+        self.app = app
 
     def get_completions(self, document, complete_event):
         text = document.text_before_cursor
         if not text.startswith("/"):
             return
-        for option in completions(text):
+        for option in completions(text, self.app):
             yield Completion(option, start_position=-len(text))
 
 
@@ -50,21 +54,13 @@ def _history():
 
 
 def read_input(session: PromptSession) -> str:
-    """One input: a line, an Esc-Enter multi-line text, or the lines between two \"\"\" lines."""
-    text = session.prompt(PROMPT)
-    if text.strip() != '"""':
-        return text
-    lines = []
-    while True:
-        line = session.prompt(CONTINUATION)
-        if line.strip() == '"""':
-            return Message("\n".join(lines))  # a message even if it starts with "/"
-        lines.append(line)
+    """One input: a line, an Esc-Enter multi-line text, or a \"\"\" block (inputs.read_input)."""
+    return inputs.read_input(lambda in_block: session.prompt(CONTINUATION if in_block else PROMPT))
 
 
 def run(app) -> int:
     """The REPL loop until Ctrl-D or /quit."""
-    session = PromptSession(history=_history(), completer=SlashCompleter(), key_bindings=_bindings(),
+    session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
                             complete_while_typing=False)
     app.say('Type a message, /help for commands, Esc-Enter for a newline, Ctrl-D to quit.')
 

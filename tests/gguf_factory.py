@@ -6,8 +6,9 @@
 
 `DS2Spec` holds every option (sizes, q_lora or `attn_q`, split `attn_k_b`/`attn_v_b` or legacy
 `attn_kv_b`, leading dense layers, experts/groups/gating/bias/norm/scale, shared experts, YaRN,
-tied output, quant type, vocabulary size, architecture name, the lightning indexer of deepseek32 /
-glm-dsa, MTP blocks); `write_deepseek2(path, spec)` writes it.
+tied output, quant type, vocabulary size, architecture name, SwiGLU or squared-ReLU dense FFN, the
+lightning indexer of deepseek32 / glm-dsa, MTP blocks); `write_deepseek2(path, spec)` writes it.
+`PLM_1_8B` is PLM-1.8B's layout (architecture `plm`).
 
 Weights are a pure function of (spec.seed, tensor name[, expert]): two files that differ only in
 layout (split vs legacy, F32 vs Q8_0, tied or not) carry the same underlying values, so their logits
@@ -94,6 +95,7 @@ class DS2Spec:
     extra_tensors: dict = field(default_factory=dict)   # {name: numpy shape} more F32 tensors
     shards: int = 1               # > 1: a split model, PATH-0000N-of-0000M.gguf (gguf-split naming)
     merged_gate_up: bool = False  # ffn_gate_up_exps (E, 2F, D) instead of ffn_gate_exps + ffn_up_exps
+    relu2_ffn: bool = False       # dense layers: ffn_up -> relu^2 -> ffn_down, no ffn_gate (plm)
     index_heads: int = 0          # > 0 (with arch deepseek32 / glm-dsa): the lightning indexer's Hi
     index_dim: int = 64           # Di
     index_top_k: int = 8          # K
@@ -111,6 +113,14 @@ V2_LITE_DENSE = DS2Spec(
     n_layer=27, n_embd=2048, n_head=16, q_lora_rank=0, kv_lora_rank=512, qk_nope=128, qk_rope=64,
     v_head=128, n_ff=10944, n_dense=27, n_vocab=102400, context_length=163840, yarn_factor=40.0,
     yarn_orig_ctx=4096, yarn_log_mul=0.0707, qtype="Q8_0", raw_quant=True,
+)
+
+# PLM-1.8B's layout (architecture plm: no q compression, legacy attn_kv_b, squared-ReLU FFN, output
+# tied to token_embd) and sizes: 1.8 GiB as Q8_0 (random blocks), 6.8 GiB once loaded (f32).
+PLM_1_8B = DS2Spec(
+    arch="plm", n_layer=32, n_embd=2048, n_head=16, q_lora_rank=0, kv_lora_rank=512, qk_nope=128,
+    qk_rope=64, v_head=128, n_ff=8192, n_dense=32, n_vocab=151936, split=False, tied_output=True,
+    relu2_ffn=True, context_length=4096, qtype="Q8_0", raw_quant=True,
 )
 
 
@@ -242,8 +252,9 @@ def tensor_shapes(spec: DS2Spec) -> list[tuple[str, tuple]]:
         out += [(b + "attn_output.weight", (d, h * dv)), (b + "ffn_norm.weight", (d,))]
         if l < spec.n_dense:
             f = spec.n_ff
-            out += [(b + "ffn_gate.weight", (f, d)), (b + "ffn_up.weight", (f, d))]
-            out.append((b + "ffn_down.weight", (d, f)))
+            if not spec.relu2_ffn:
+                out.append((b + "ffn_gate.weight", (f, d)))
+            out += [(b + "ffn_up.weight", (f, d)), (b + "ffn_down.weight", (d, f))]
             continue
         e, fe = spec.n_expert, spec.n_ff_exp
         out.append((b + "ffn_gate_inp.weight", (e, d)))

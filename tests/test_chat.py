@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY
 
 from colichat.chat import ChatError, Conversation, Settings
-from colichat.engine import SamplerSettings, load
+from colichat.engine import load
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def model():
 
 def test_stop_during_a_long_prompt_drops_the_message(model):
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=4), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
     conv.ask("hello")
     before = (model.cache.length, list(conv.turns))
 
@@ -32,7 +32,7 @@ def test_stop_during_a_long_prompt_drops_the_message(model):
 
 def test_stop_during_the_answer_keeps_what_was_said(model):
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=50), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=50), save=False)
     pieces = []
 
     def on_text(piece):
@@ -58,7 +58,7 @@ def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt
     from colichat.engine.template import ChatTemplate
 
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=6), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=6), save=False)
     conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
     conv.ask("hello")
     conv.ask("and again")
@@ -71,7 +71,7 @@ def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt
 
 def test_system_prompt_change_waits_for_the_next_conversation(model):
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=4), save=False)
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
     conv.ask("hello")
     rows = model.cache.length
     assert "next conversation" in conv.set_option("system", "Be brief.")
@@ -86,7 +86,7 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
     from colichat.engine.template import ChatTemplate
 
     model.reset()
-    conv = Conversation(model, Settings(SamplerSettings(temperature=0), max_tokens=6), session_name="rw")
+    conv = Conversation(model, Settings(temperature=0, max_tokens=6), session_name="rw")
     conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
     conv.ask("hello")
     _, stats = conv.ask("and again")
@@ -94,11 +94,36 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
     records, turns = model.cache.records[: model.cache.length].copy(), list(conv.turns)
     conv.close()
     model.reset()
-    again = Conversation(model, Settings(SamplerSettings(temperature=0)))
+    again = Conversation(model, Settings(temperature=0))
     again.resume("rw")
     def rows(ts):
         return [(t.role, t.text, t.first, t.last) for t in ts]
 
     assert rows(again.turns) == rows(turns)
     assert model.cache.records[: model.cache.length].tobytes() == records.tobytes()
+    again.close()
+
+
+@pytest.mark.parametrize("name", ["plm", "minicpm3"])
+def test_mla_models_rewind_reset_and_resume(colichat_home, name):
+    """The deepseek2-derived models in a conversation: /rewind then the same question gives the
+    same answer and the same cache; /reset then the first question answers as a fresh conversation;
+    the saved session resumes with the cache to the byte."""
+    m = load(str(TINY / f"{name}.gguf"), n_ctx=256)
+    conv = Conversation(m, Settings(temperature=0, max_tokens=8), session_name="s")
+    first, _ = conv.ask("hello")
+    rows1 = m.cache.records[: m.cache.length].tobytes()
+    second, _ = conv.ask("and again")
+    rows2 = m.cache.records[: m.cache.length].tobytes()
+    conv.rewind(1)
+    assert m.cache.records[: m.cache.length].tobytes() == rows1 and conv.exchanges() == 1
+    assert conv.ask("and again")[0] == second
+    assert m.cache.records[: m.cache.length].tobytes() == rows2
+    conv.reset()
+    assert m.cache.length == 0 and conv.ask("hello")[0] == first
+    assert m.cache.records[: m.cache.length].tobytes() == rows1
+    conv.close()
+    again = Conversation(m, Settings(temperature=0))
+    again.resume("s")  # the session of the first two exchanges, kept by /reset
+    assert again.exchanges() == 2 and m.cache.records[: m.cache.length].tobytes() == rows2
     again.close()

@@ -110,16 +110,18 @@ def test_resume_by_name_continues_byte_for_byte(tiny_ref, colichat_home):
 
 def test_resume_without_a_name_takes_the_latest(tiny_ref, colichat_home):
     ref = tiny_ref[2]
-    old = chat(colichat_home, TINY_ARGS, lines("Something else entirely.")).ok()
-    [old_name] = session_names(old)
-    b = chat(colichat_home, TINY_ARGS, lines(Q[0], Q[1])).ok()
+    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines("Something else entirely.")).ok()
+    b = chat(colichat_home, [*TINY_ARGS, "--session", "b"], lines(Q[0], Q[1])).ok()
     # On start it says there is a saved conversation, and does not load it.
-    assert f"latest saved conversation: {old_name}: 2 turns, " in b.err
+    assert 'latest saved conversation: old: 2 turns, ' in b.err
     assert b.out == answers_bytes(ref[:2])
-    b_name = session_names(b)[0]
-    assert b_name != old_name
+    # Piped and one-shot runs without --session are not saved, so they never become the latest.
+    unsaved = chat(colichat_home, TINY_ARGS, lines("Not kept.")).ok()
+    assert unsaved.footers()[0].endswith("; not saved (/save NAME keeps it)]")
+    chat(colichat_home, [*TINY_ARGS, "-p", "Not kept either."]).ok()
+    assert sorted(p.stem for p in session_files(colichat_home) if p.suffix == ".json") == ["b", "old"]
     c = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[2])).ok()
-    assert c.resumed() == (last_context(b), 4, b_name)
+    assert c.resumed() == (last_context(b), 4, "b")
     assert c.out == answers_bytes(ref[2:])
 
 
@@ -131,7 +133,7 @@ def test_reset_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
     assert "new conversation (session first is saved; /resume first reopens it)" in err
     names = session_names(run)
     assert names[0] == names[2] == "first" and names[1] != "first"
-    listed = [line for line in err if line.endswith(" ago")]
+    listed = [line for line in err if line.startswith(("* ", "  ")) and " ago" in line]
     assert len(listed) == 2
     assert any(line.startswith(f"* {names[1]}: 2 turns, ") for line in listed)
     assert any(line.startswith("  first: 2 turns, ") for line in listed)
@@ -293,9 +295,48 @@ def test_delete_removes_another_session_but_not_the_current_one(colichat_home):
     err = run.err.splitlines()
     assert any("session new is the current conversation" in line for line in err)
     assert any(line.startswith("deleted session old (") for line in err)
-    listed = [line for line in err if line.endswith(" ago")]
+    listed = [line for line in err if line.startswith(("* ", "  ")) and " ago" in line]
     assert len(listed) == 1 and listed[0].startswith("* new: ")
     assert any("no session named old" in line for line in err)
     assert "Traceback" not in run.err
     assert sorted(p.name for p in session_files(colichat_home) if not p.name.endswith(".lock")) == [
         "new.coli_kv", "new.json"]
+
+
+def test_options_on_the_command_line_win_over_the_saved_settings(colichat_home):
+    args = ["--model", TINY_LLAMA, "--session", "opt"]
+    chat(colichat_home, [*args, "--temperature", "0", "--max-tokens", "8", "--top-k", "5"],
+         lines("/set seed 7", Q[0])).ok()
+    run = chat(colichat_home, [*args, "--resume", "--temperature", "0.9"], lines("/show")).ok()
+    shown = dict(line.split(None, 1) for line in run.err.splitlines() if line.split(None, 1)[0] in
+                 ("temperature", "max_tokens", "top_k", "seed"))
+    assert shown == {"temperature": "0.9", "max_tokens": "8", "top_k": "5", "seed": "7"}, shown
+    # The option given now is the session's setting from now on; the others stay as saved.
+    again = chat(colichat_home, [*args, "--resume"], lines("/show")).ok()
+    assert "temperature    0.9" in again.err.splitlines() and "top_k          5" in again.err.splitlines()
+
+
+@pytest.mark.parametrize("word", ["/bye", "/exit", "/q", "/QUIT"])
+def test_quit_aliases(word, colichat_home):
+    run = chat(colichat_home, TINY_ARGS, lines(word, "not answered")).ok()
+    assert run.out == b"" and run.footers() == []
+
+
+def test_new_and_clear_start_a_new_conversation(tiny_ref, colichat_home):
+    ref = tiny_ref[2]
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "n"], lines(Q[0], "/new", Q[0], "/clear", Q[0])).ok()
+    assert run.out == answers_bytes([ref[0]] * 3)  # each time the answer of a fresh conversation
+    names = session_names(run)
+    assert len(set(names)) == 3 and names[0] == "n"
+    assert sum(line.startswith("new conversation (session ") for line in run.err.splitlines()) == 2
+
+
+def test_exit_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "x"], lines("exit", "quit", "/hlep", "/sesions", Q[0])).failed()
+    assert run.errors() == [
+        "colichat: 'exit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
+        "colichat: 'quit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
+        "colichat: unknown command '/hlep': did you mean /help? /help lists the commands",
+        "colichat: unknown command '/sesions': did you mean /sessions? /help lists the commands",
+    ]
+    assert saved_users(colichat_home, "x") == [Q[0]]

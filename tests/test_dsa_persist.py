@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY
 
 from colichat.chat import Conversation, Settings
-from colichat.engine import SamplerSettings, load
+from colichat.engine import load
 from colichat.engine.mtp import MTPBlock
 from colichat.persist import CacheLayout, SessionError, Store, Turn, model_identity
 
@@ -94,7 +94,7 @@ def test_a_file_of_another_indexer_shape_is_refused_with_one_line(glm, colichat_
 
 def test_rewind_reset_and_resume(glm, colichat_home):
     glm.reset()
-    conv = Conversation(glm, Settings(SamplerSettings(temperature=0), max_tokens=8), session_name="talk")
+    conv = Conversation(glm, Settings(temperature=0, max_tokens=8), session_name="talk")
     conv.ask("hello there")
     after1 = glm.cache.records[: glm.cache.length].copy()
     conv.ask("and a second question, longer than top_k")
@@ -109,7 +109,7 @@ def test_rewind_reset_and_resume(glm, colichat_home):
     assert glm.cache.records[: glm.cache.length].tobytes() == after2.tobytes()
     conv.rewind(1)  # on disk too: a fresh resume sees the first exchange only
     conv.close()
-    again = Conversation(glm, Settings(SamplerSettings(temperature=0)))
+    again = Conversation(glm, Settings(temperature=0))
     glm.reset()
     again.resume("talk")
     assert glm.cache.records[: glm.cache.length].tobytes() == after1.tobytes()

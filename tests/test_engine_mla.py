@@ -1,5 +1,6 @@
-"""The deepseek2 engine: agreement with llama.cpp on the tiny reference models, chunking, file
-variants (split/legacy, q_lora/lite, quant types), routing rules, expert cache, refusals, bad files.
+"""The MLA engine (deepseek2, and plm and minicpm3 on its pieces): agreement with llama.cpp on the
+tiny reference models, chunking, file variants (split/legacy, q_lora/lite, quant types), routing
+rules, expert cache, refusals, bad files.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
-from test_mla_naive import engine, naive_logits
+from mla_naive import engine, naive_logits
 
 import colichat.engine.attention as attention
 import colichat.engine.deepseek2 as deepseek2_mod
@@ -20,7 +21,10 @@ from colichat.engine.deepseek2 import mla_rope
 from colichat.engine.ffn import Routing, route
 from colichat.engine.gguf import ModelError, Tensors, load_config, open_gguf
 
-F32_MODELS = ["ds-v3", "ds-v2-lite", "ds-dense"]
+F32_MODELS = ["ds-v3", "ds-v2-lite", "ds-dense", "plm", "minicpm3"]
+# The context size llama.cpp made a reference with, where it matters: minicpm3's LongRoPE factors
+# are the short ones up to the original context (256), the long ones past it.
+REF_CTX = {("minicpm3", "ref"): 256, ("minicpm3", "long.ref"): 1024}
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +32,10 @@ def models():
     return {}
 
 
-def tiny(models, name):
-    if name not in models:
-        models[name] = load(str(TINY / f"{name}.gguf"), n_ctx=512)
-    m = models[name]
+def tiny(models, name, n_ctx=512):
+    if (name, n_ctx) not in models:
+        models[name, n_ctx] = load(str(TINY / f"{name}.gguf"), n_ctx=n_ctx)
+    m = models[name, n_ctx]
     m.reset()
     return m
 
@@ -43,9 +47,11 @@ def tiny(models, name):
 @pytest.mark.parametrize("name", F32_MODELS)
 def test_tiny_f32_matches_llama_cpp(models, name, case):
     """f32 files: an exact f32 implementation is ~1e-5 from llama.cpp; the long case (320 tokens)
-    runs ds-v3 past its YaRN original context (256)."""
+    runs ds-v3 past its YaRN original context (256). plm: legacy attn_kv_b without q_lora,
+    squared-ReLU FFN, tied output; minicpm3: q_lora, LongRoPE (short factors at context 256, long
+    ones at 1024), NEOX RoPE, scaled embeddings, residuals and logits."""
     ref = np.load(TINY / f"{name}.{case}.npz")
-    logits = tiny(models, name).prefill(ref["tokens_0"])
+    logits = tiny(models, name, REF_CTX.get((name, case), 512)).prefill(ref["tokens_0"])
     assert logits.shape == ref["logits_0"].shape
     assert np.abs(logits - ref["logits_0"]).max() < 2e-3
     assert np.array_equal(logits.argmax(1), ref["logits_0"].argmax(1))
@@ -73,9 +79,10 @@ def test_tiny_q8_0_matches_llama_cpp(models, case):
 # --- chunking, cache -----------------------------------------------------------------------------------
 
 
-def test_one_chunk_equals_chunks_equals_decode(models, monkeypatch):
-    ids = np.load(TINY / "ds-v3.long.ref.npz")["tokens_0"][:120]
-    m = tiny(models, "ds-v3")
+@pytest.mark.parametrize("name", ["ds-v3", "plm", "minicpm3"])
+def test_one_chunk_equals_chunks_equals_decode(models, monkeypatch, name):
+    ids = np.load(TINY / f"{name}.long.ref.npz")["tokens_0"][:120]
+    m = tiny(models, name)
     whole = m.prefill(ids)
     whole_kv = m.cache.records[: ids.size].copy()
     m.reset()
@@ -97,7 +104,7 @@ def test_one_chunk_equals_chunks_equals_decode(models, monkeypatch):
     assert np.abs(m.prefill(ids) - whole).max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["ds-v3", "ds-v2-lite"])
+@pytest.mark.parametrize("name", ["ds-v3", "ds-v2-lite", "plm", "minicpm3"])
 def test_absorbed_and_decompressed_prefill_agree(models, monkeypatch, name):
     """Prefill picks the decompressed form for long chunks, the absorbed one otherwise: forcing
     either gives the same logits and the same cache (c and k_pe are computed before attention)."""
@@ -117,21 +124,49 @@ def test_absorbed_and_decompressed_prefill_agree(models, monkeypatch, name):
     assert not attention.prefer_naive(512, 8192, 128, 512, 128, 128)  # V3: too big to decompress
 
 
-def test_truncate_then_continue(models):
-    ids = np.load(TINY / "ds-v2-lite.ref.npz")["tokens_0"]
-    m = tiny(models, "ds-v2-lite")
+@pytest.mark.parametrize("name", ["ds-v2-lite", "plm", "minicpm3"])
+def test_truncate_then_continue(models, name):
+    ids = np.load(TINY / f"{name}.ref.npz")["tokens_0"]
+    m = tiny(models, name)
     full = m.prefill(ids)
     m.cache.truncate(25)
     assert np.abs(m.prefill(ids[25:]) - full[25:]).max() < 1e-4
     assert m.prefill([int(ids[0])], all_logits=False).shape == (1, m.cfg.n_vocab)
 
 
-def test_cache_layout_is_c_then_k_pe(models):
-    m = tiny(models, "ds-v3")
+@pytest.mark.parametrize("name", ["ds-v3", "plm", "minicpm3"])
+def test_cache_layout_is_c_then_k_pe(models, name):
+    m = tiny(models, name)
     cfg = m.cfg
     assert m.cache.kind == "mla"
     assert (m.cache.a_width, m.cache.b_width) == (cfg.kv_lora_rank, cfg.rope_dim)
     assert m.cache.kv_bytes_per_token == 4 * cfg.n_layer * (cfg.kv_lora_rank + cfg.rope_dim)
+
+
+def test_minicpm3_rope_factors_follow_the_context_size(models):
+    """llama.cpp takes rope_factors_long for every position once the context size exceeds the
+    original context (256), whatever the position: the first 40 tokens differ between 256 and 257."""
+    ids = np.load(TINY / "minicpm3.ref.npz")["tokens_0"]
+    short, long = tiny(models, "minicpm3", 256), tiny(models, "minicpm3", 257)
+    assert not short.fwd.long_factors and long.fwd.long_factors
+    assert np.abs(short.prefill(ids) - long.prefill(ids)).max() > 1e-3
+    a = tiny(models, "minicpm3", 257).prefill(ids[:8])
+    assert np.array_equal(a, tiny(models, "minicpm3", 1024).prefill(ids[:8]))
+
+
+@pytest.mark.parametrize("name", ["plm", "minicpm3"])
+def test_llama_cpp_numerics_refused_in_one_line(name):
+    with pytest.raises(ModelError, match=f"llama.cpp numerics do not cover {name} models"):
+        load(str(TINY / f"{name}.gguf"), n_ctx=64, numerics="llama.cpp")
+
+
+def test_plm_and_minicpm3_layouts(models):
+    plm, cpm = tiny(models, "plm").cfg, tiny(models, "minicpm3").cfg
+    assert tiny(models, "plm").cache.kind == tiny(models, "minicpm3").cache.kind == "mla"
+    assert (plm.q_lora_rank, plm.mla_split, plm.tied_output, plm.n_dense, plm.n_expert) == (0, False, True, 3, 0)
+    assert (cpm.q_lora_rank, cpm.mla_split, cpm.tied_output, cpm.n_dense, cpm.rope_orig_ctx) == (96, False, False, 3,
+                                                                                                  256)
+    assert tiny(models, "plm").output is tiny(models, "plm").w["token_embd"]
 
 
 # --- file variants -------------------------------------------------------------------------------------
@@ -320,7 +355,7 @@ def test_memory_estimate_dense_model(models):
 # --- refusals and bad files -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["minicpm3", "plm", "deepseek2-ocr", "deepseek4", "glm5-next", "kimi-k3"])
+@pytest.mark.parametrize("arch", ["deepseek2-ocr", "deepseek4", "glm5-next", "kimi-k3", "grok"])
 def test_unsupported_mla_architectures_are_refused(tmp_path, arch):
     path = write_deepseek2(tmp_path / f"{arch}.gguf", DS2Spec(arch=arch))
     with pytest.raises(ModelError) as e:

@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-from test_persist_common import IDENT, OTHER_IDENT, build, layout_of, make_cache, plan, snapshot
+from persist_helpers import IDENT, OTHER_IDENT, build, layout_of, make_cache, plan, snapshot
 
 import colichat.persist.kvfile as kvfile
 from colichat.persist import SessionError, Store

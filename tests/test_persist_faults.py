@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from test_persist_common import IDENT, TESTS, build, expected_records, fill_turn, layout_of, make_cache, plan
+from persist_helpers import IDENT, TESTS, build, expected_records, fill_turn, layout_of, make_cache, plan
 
 from colichat.persist import SessionError, Store, Turn
 
@@ -28,7 +28,7 @@ EXPECTED = expected_records("mla", MAX_TURNS + 1)
 CHILD = """
 import os, random, signal, sys
 sys.path.insert(0, {tests!r})
-from test_persist_common import IDENT, fill_turn, layout_of, make_cache, plan
+from persist_helpers import IDENT, fill_turn, layout_of, make_cache, plan
 from colichat.persist import SessionError, Store
 
 mode, kill_at, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -145,7 +145,7 @@ FSIZE_CHILD = """
 import os, resource, signal, sys
 sys.path.insert(0, {tests!r})
 import numpy as np
-from test_persist_common import IDENT, build, layout_of, make_cache
+from persist_helpers import IDENT, build, layout_of, make_cache
 from colichat.persist import SessionError, Store, Turn
 
 big_text = sys.argv[1] == "sidecar"

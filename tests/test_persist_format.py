@@ -10,7 +10,7 @@ from datetime import datetime
 
 import numpy as np
 import pytest
-from test_persist_common import IDENT, VOCAB, build, layout_of, make_cache, plan
+from persist_helpers import IDENT, VOCAB, build, layout_of, make_cache, plan
 
 from colichat.engine.cache import KVCache
 from colichat.persist import CacheLayout, SessionError, Store, Turn

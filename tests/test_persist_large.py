@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from test_persist_common import IDENT, VOCAB
+from persist_helpers import IDENT, VOCAB
 
 from colichat.engine.cache import KVCache
 from colichat.persist import CacheLayout, Store, Turn

@@ -7,12 +7,15 @@ exchange 3. Its cache and its exchange-3 logits must equal the reference's to th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 from conftest import TINY
+
+from colichat.persist.kvfile import read_header
 
 N_CTX = 256
 N_GEN = 4
@@ -52,7 +55,11 @@ def main(phase, path, out):
             turns += new
             if i == 1:
                 after2 = model.cache.records[: model.cache.length].copy()
-        np.savez(out, records=model.cache.records[: model.cache.length], after2=after2, logits=logits)
+        cfg = model.cfg
+        layout = (cfg.n_layer, cfg.kv_lora_rank, cfg.rope_dim) if cfg.kv_lora_rank else (
+            cfg.n_layer, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim)
+        np.savez(out, records=model.cache.records[: model.cache.length], after2=after2, logits=logits,
+                 layout=layout)
     elif phase == "save":
         turns = []
         with Store().create(ident, layout, name="resume", sampler={{"temperature": 0}}) as sess:
@@ -81,7 +88,8 @@ def run(phase: str, model_path, out) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.mark.parametrize("model", ["llama.gguf", "ds-v3.gguf", "ds-v32.gguf", "glm-dsa.gguf"])
+@pytest.mark.parametrize("model", ["llama.gguf", "ds-v3.gguf", "ds-v32.gguf", "glm-dsa.gguf", "plm.gguf",
+                                   "minicpm3.gguf"])
 def test_resume_in_a_new_process_is_bit_identical(colichat_home, tmp_path, model):
     path = TINY / model
     run("reference", path, tmp_path / "ref.npz")
@@ -100,3 +108,11 @@ def test_resume_in_a_new_process_is_bit_identical(colichat_home, tmp_path, model
         assert np.array_equal(got["records"]["ic"], ref["records"]["ic"])
     assert got["logits"].shape == ref["logits"].shape
     assert np.array_equal(got["logits"], ref["logits"])  # exchange-3 logits, to the bit
+    [kv_path] = colichat_home.rglob("resume.coli_kv")  # its header: the latent layout for MLA models
+    fd = os.open(kv_path, os.O_RDONLY)
+    try:
+        header, _ = read_header(fd, str(kv_path))
+    finally:
+        os.close(fd)
+    assert header.magic == (b"COLIGQA\0" if model == "llama.gguf" else b"COLIKV1\0")
+    assert (header.n_layer, header.a_width, header.b_width, header.nrec) == (*ref["layout"], len(ref["records"]))

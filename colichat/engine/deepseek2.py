@@ -3,8 +3,9 @@ latent attention (MLA) over a compressed cache, YaRN kq_scale, dense then mixtur
 Math: docs/mla-spec.md. Axis letters: engine/__init__.py. The cache rows per layer are the
 normalized latent c (C) then the roped shared key k_pe (R): the COLIKV1 record.
 
-Architectures derived from deepseek2 import what they share from here (config_fields, prepare_layer,
-mla_rope, routing, Forward and its attention/ffn methods) rather than copying it.
+Architectures derived from deepseek2 (plm, minicpm3) import what they share from here (config_fields,
+prepare_attention, prepare_layer, mla_rope, routing, Forward and its attention/ffn/rope members)
+rather than copying it.
 """
 
 from __future__ import annotations
@@ -105,8 +106,23 @@ def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray
 
 
 def prepare_layer(cfg: ModelConfig, t: Tensors, l: int, w: dict, get) -> None:
-    """One block's dense weights into w: fuse q_a|kv_a_mqa (or q|kv_a_mqa) into attn_in, split
-    legacy attn_kv_b into attn_k_b/attn_v_b, fuse gate|up; check the routed experts of MoE layers."""
+    """One block's dense weights into w: the attention's (prepare_attention), gate|up fused for a
+    dense layer; the routed experts of MoE layers are checked."""
+    d, b = cfg.n_embd, f"blk.{l}."
+    prepare_attention(cfg, l, w, get)
+    w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
+    if l < cfg.n_dense:
+        f = cfg.n_ff
+        gate, up = get(b + "ffn_gate.weight", (f, d)), get(b + "ffn_up.weight", (f, d))
+        w[b + "ffn_gate_up"] = np.concatenate([gate, up])  # (2F, D)
+        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f))  # (D, F)
+    else:
+        _prepare_moe(cfg, t, b, w, get)
+
+
+def prepare_attention(cfg: ModelConfig, l: int, w: dict, get) -> None:
+    """One block's attention weights into w: fuse q_a|kv_a_mqa (or q|kv_a_mqa) into attn_in, split
+    legacy attn_kv_b into attn_k_b/attn_v_b. get(name, shape) returns the checked f32 tensor."""
     d, h, c, r = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.rope_dim
     dn, dv, k, rq = cfg.qk_nope, cfg.v_head_dim, cfg.qk_head, cfg.q_lora_rank
     b = f"blk.{l}."
@@ -129,14 +145,6 @@ def prepare_layer(cfg: ModelConfig, t: Tensors, l: int, w: dict, get) -> None:
         w[b + "attn_k_b"] = np.ascontiguousarray(w3[:, :dn].transpose(0, 2, 1))  # (H, C, Dn)
         w[b + "attn_v_b"] = np.ascontiguousarray(w3[:, dn:])  # (H, Dv, C)
     w[b + "attn_output"] = get(b + "attn_output.weight", (d, h * dv))  # (D, H*Dv)
-    w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
-    if l < cfg.n_dense:
-        f = cfg.n_ff
-        gate, up = get(b + "ffn_gate.weight", (f, d)), get(b + "ffn_up.weight", (f, d))
-        w[b + "ffn_gate_up"] = np.concatenate([gate, up])  # (2F, D)
-        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f))  # (D, F)
-    else:
-        _prepare_moe(cfg, t, b, w, get)
 
 
 def _prepare_moe(cfg: ModelConfig, t: Tensors, b: str, w: dict, get) -> None:
@@ -207,7 +215,10 @@ def moe_layers(cfg: ModelConfig) -> list[int]:
 
 class Forward:
     """The deepseek2 blocks of one Model (float32, BLAS): rope table, kq_scale, routing, and the
-    routed-expert cache (dequantized on demand from `tensors`, bounded by expert_cache_mib)."""
+    routed-expert cache (dequantized on demand from `tensors`, bounded by expert_cache_mib).
+    `rope` rotates the rope parts (NORM pairs; a derived architecture may pair them otherwise)."""
+
+    rope = staticmethod(rope_norm)  # (x (T, ..., R), rot (T, I)) -> rotated x
 
     def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
                  expert_cache_mib: float | None = None):
@@ -255,10 +266,10 @@ class Forward:
             q = z[:, :nq]  # (T, H*K)
         q = q.reshape(t, h, k)  # (T, H, K): per head [nope (Dn) | rope (R)]
         rot = self.rot[pos0 : pos0 + t]  # (T, I)
-        q_pe = rope_norm(q[:, :, dn:], rot)  # (T, H, R)
+        q_pe = self.rope(q[:, :, dn:], rot)  # (T, H, R)
         n = pos0 + t
         cache.a[slot][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c (T, C)
-        cache.b[slot][pos0:n] = rope_norm(z[:, nq + c :], rot)  # k_pe (T, R)
+        cache.b[slot][pos0:n] = self.rope(z[:, nq + c :], rot)  # k_pe (T, R)
         q_scale = None
         if cfg.attn_temp_scale:  # Mistral-Large-3: 1 + tau * ln(floor(p / length) + 1) per query
             p = np.arange(pos0, n, dtype=np.float64)

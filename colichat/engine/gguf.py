@@ -17,8 +17,6 @@ from . import dequant
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
-    "minicpm3": "MLA with LongRoPE (not implemented)",
-    "plm": "MLA with ReLU^2 FFN (not implemented)",
     "deepseek2-ocr": "vision encoder (not implemented)",
     "deepseek4": "DeepSeek-V4: compressed attention with its own indexer, hyper-connections (not implemented)",
     "glm5-next": "GLM-5.3-Flash: hybrid linear attention (KDA) + MLA with a k-pool indexer (not implemented)",

@@ -1,7 +1,7 @@
 """The model: token ids in, logits out, the cache grows. What every architecture shares lives here;
 what differs lives in one module per architecture, found through ARCHITECTURES.
 
-An architecture module (llama.py, deepseek2.py, dsa.py) holds:
+An architecture module (llama.py, deepseek2.py; dsa.py, plm.py and minicpm3.py derive from deepseek2) holds:
 
     CACHE_KIND = "mla" | "gqa"              # the KVCache kind (and session file format) of its rows
     config(key, common, tensors) -> ModelConfig
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import deepseek2, dsa, llama
+from . import deepseek2, dsa, llama, minicpm3, plm
 from .cache import KVCache
 from .gguf import ModelConfig, ModelError, Tensors
 from .ops import rms_norm
@@ -41,6 +41,8 @@ from .ops import rms_norm
 ARCHITECTURES = {
     "llama": llama,
     "deepseek2": deepseek2,
+    "plm": plm,
+    "minicpm3": minicpm3,
     "deepseek32": dsa,
     "glm-dsa": dsa,
 }

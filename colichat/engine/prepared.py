@@ -122,7 +122,8 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
             "format": PREPARED_FORMAT,
             "gguf": real,
             "config": dataclasses.asdict(cfg),
-            "tokenizer": {k: v for k, v in tokenizer_meta.items() if k.startswith("tokenizer.")},
+            "tokenizer": {k: v for k, v in tokenizer_meta.items()
+                          if k.startswith("tokenizer.") or k == "general.name"},
             "arrays": arrays,
             "tensors": records,
         }

@@ -1,10 +1,12 @@
-"""Rotary position embeddings as llama.cpp computes them: NORM pairing (adjacent pairs) and YaRN.
+"""Rotary position embeddings as llama.cpp computes them: NORM and NEOX pairing, YaRN, frequency factors.
 
 Axis letters: engine/__init__.py (P positions, I rotated pairs = n_dims / 2, T tokens, H heads).
 
-deepseek2, llama (on GGUF weights) rotate adjacent pairs (x[2i], x[2i+1]) ("NORM"); the angle of
-pair i at position p is p * base^(-2i/n_dims) / ff_i, blended by YaRN between interpolation
-(freq_scale * theta) and extrapolation (theta) with a ramp over the correction dims.
+deepseek2, plm, llama (on GGUF weights) rotate adjacent pairs (x[2i], x[2i+1]) ("NORM"), minicpm3
+the pairs (x[i], x[i + n_dims/2]) ("NEOX"); the angle of pair i at position p is
+p * base^(-2i/n_dims) / ff_i (ff: per-pair frequency factors, e.g. LongRoPE's), blended by YaRN
+between interpolation (freq_scale * theta) and extrapolation (theta) with a ramp over the
+correction dims.
 """
 
 from __future__ import annotations
@@ -73,3 +75,16 @@ def rope_norm(x: np.ndarray, rot: np.ndarray) -> np.ndarray:
     shape = x.shape
     xc = np.ascontiguousarray(x).view(np.complex64).reshape(shape[0], -1, shape[-1] // 2)  # (T, *, I)
     return (xc * rot[:, None, :]).view(np.float32).reshape(shape)
+
+
+def rope_neox(x: np.ndarray, rot: np.ndarray) -> np.ndarray:
+    """Rotate the pairs (x[i], x[i + I]) of the last axis ("NEOX", as llama.cpp's minicpm3):
+    (a cos - b sin, a sin + b cos). x: (T, ..., 2I); rot: (T, I) for x's positions."""
+    i = x.shape[-1] // 2
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (i,)
+    cos, sin = rot.real.reshape(shape), rot.imag.reshape(shape)
+    a, b = x[..., :i], x[..., i:]
+    out = np.empty(x.shape, dtype=np.float32)
+    out[..., :i] = a * cos - b * sin
+    out[..., i:] = a * sin + b * cos
+    return out

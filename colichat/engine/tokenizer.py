@@ -1,5 +1,8 @@
 """Byte-level BPE tokenizer read from GGUF metadata, token-for-token compatible with llama.cpp.
 
+`load_tokenizer` picks the tokenizer by `tokenizer.ggml.model`: "gpt2" is this module's BPE,
+"llama" is SentencePiece (spm.py, which shares the vocabulary, special-token and decoding parts).
+
 Encoding (docs: mla-spec section 10.2) runs in four stages, each mirroring llama.cpp:
 
 1. Special-token partition: CONTROL/UNKNOWN tokens (only when `special=True`) and USER_DEFINED
@@ -26,9 +29,9 @@ import codecs
 import heapq
 import mmap
 import os
-import struct
 
 from .gguf import ModelError, field, open_gguf
+from .gguf_header import read_header
 from .pretokenizer import PRE_TYPES, SURROGATE, PreTokenizer
 
 # tokenizer.ggml.token_type values
@@ -66,59 +69,11 @@ _CHAR_TO_BYTE = {c: bytes([b]) for b, c in enumerate(_BYTE_TO_CHAR)}
 
 
 def _read_metadata(path: str) -> dict:
-    """The `tokenizer.*` and `general.*` keys of a little-endian GGUF v2/v3 file, read directly.
-
-    gguf-py's reader builds numpy views for every string of the token and merge arrays, which
-    takes seconds for large vocabularies; this walks the key/value section once (~25 ms for
-    SmolLM2). Anything unexpected raises, and the caller falls back to gguf-py.
-    """
-    import numpy as np
-
-    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-               12: "<d"}
-    u64 = struct.Struct("<Q").unpack_from
+    """The `tokenizer.*` and `general.*` keys of a GGUF file, read by gguf_header (~25 ms for
+    SmolLM2, where gguf-py takes seconds). Anything unexpected raises, and the caller falls back
+    to gguf-py."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError("not a little-endian GGUF v2/v3 file")
-        off, out = 24, {}
-        for _ in range(n_kv):
-            (n,) = u64(buf, off)
-            key = buf[off + 8:off + 8 + n].decode("utf-8")
-            (vtype,) = struct.unpack_from("<I", buf, off + 8 + n)
-            off += 12 + n
-            keep = key.startswith(("tokenizer.", "general."))
-            if vtype == 8:
-                (n,) = u64(buf, off)
-                if keep:
-                    out[key] = buf[off + 8:off + 8 + n].decode("utf-8", "replace")
-                off += 8 + n
-            elif vtype == 9:
-                itype, count = struct.unpack_from("<IQ", buf, off)
-                off += 12
-                if itype == 8:
-                    values = []
-                    for _ in range(count):
-                        (n,) = u64(buf, off)
-                        if keep:
-                            values.append(buf[off + 8:off + 8 + n].decode("utf-8", "replace"))
-                        off += 8 + n
-                elif itype in scalars:
-                    dtype = np.dtype(scalars[itype])
-                    values = np.frombuffer(buf, dtype, count, off).tolist() if keep else None
-                    off += dtype.itemsize * count
-                else:
-                    raise ValueError(f"unsupported array type {itype}")
-                if keep:
-                    out[key] = values
-            elif vtype in scalars:
-                (value,) = struct.unpack_from(scalars[vtype], buf, off)
-                off += struct.calcsize(scalars[vtype])
-                if keep:
-                    out[key] = value
-            else:
-                raise ValueError(f"unsupported value type {vtype}")
-        return out
+        return read_header(buf, lambda key: key.startswith(("tokenizer.", "general.")), tensors=False).kv
 
 
 def _metadata(path_or_reader) -> tuple[dict, str]:
@@ -139,17 +94,16 @@ def _metadata(path_or_reader) -> tuple[dict, str]:
 
 
 class Tokenizer:
-    """A GGUF byte-level BPE vocabulary. Build with `load_tokenizer`."""
+    """A GGUF byte-level BPE vocabulary. Build with `load_tokenizer` (or `tokenizer_from_metadata`).
+
+    The vocabulary, special-token and decoding parts are shared with the SentencePiece tokenizer
+    (spm.py), which subclasses this one and replaces the merging and the text form of tokens.
+    """
 
     def __init__(self, meta: dict, where: str = "model"):
-        self.meta = meta  # the GGUF keys it was built from (kept for the prepared-model cache)
         model = meta.get("tokenizer.ggml.model")
-        if model is None:
-            raise ModelError(f"{where}: no tokenizer in this GGUF (missing 'tokenizer.ggml.model')")
         if model != "gpt2":
-            kind = " (SentencePiece)" if model == "llama" else ""
-            raise ModelError(f"{where}: tokenizer model '{model}'{kind} is not supported; colichat reads "
-                             "byte-level BPE ('gpt2') vocabularies")
+            raise ModelError(f"{where}: tokenizer model '{model}' is not byte-level BPE")
         self.pre = meta.get("tokenizer.ggml.pre") or "default"
         if self.pre not in PRE_TYPES:
             raise ModelError(f"{where}: pre-tokenizer '{self.pre}' is not supported (colichat knows "
@@ -157,7 +111,16 @@ class Tokenizer:
                              "kimi-k2 and their aliases)")
         exprs, self._ignore_merges, add_bos = PRE_TYPES[self.pre]
         self._pre = PreTokenizer(exprs)
+        self._read_vocab(meta, where)
+        merges = meta.get("tokenizer.ggml.merges") or []
+        # rank by the merge string "left right" itself (byte-level tokens hold no spaces);
+        # the first occurrence of a duplicate merge keeps its rank
+        self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1), strict=True))
+        self._read_specials(meta, 11, 11, add_bos)  # 11: llama.cpp's default BOS/EOS for BPE
 
+    def _read_vocab(self, meta: dict, where: str) -> None:
+        """Token texts and types (llama.cpp's llama_vocab::load, the part every model type shares)."""
+        self.meta = meta  # the GGUF keys it was built from (kept for the prepared-model cache)
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ModelError(f"{where}: missing GGUF key 'tokenizer.ggml.tokens'")
@@ -169,28 +132,28 @@ class Tokenizer:
         if types is not None and len(types) < n:
             raise ModelError(f"{where}: {len(types)} token types for {n} tokens")
         self._type = list(types[:n]) if types is not None else [NORMAL] * n
-        merges = meta.get("tokenizer.ggml.merges") or []
-        # rank by the merge string "left right" itself (byte-level tokens hold no spaces);
-        # the first occurrence of a duplicate merge keeps its rank
-        self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1), strict=True))
 
-        def special_id(key, default):
-            v = meta.get(f"tokenizer.ggml.{key}")
-            if v is not None and 0 <= int(v) < n:
-                return int(v)
-            return default if default is not None and 0 <= default < n else None
+    def _special_id(self, key: str, default: int | None) -> int | None:
+        """A special token id from its key; out-of-range ids fall back to the (in-range) default."""
+        v = self.meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and 0 <= int(v) < self.n_vocab:
+            return int(v)
+        return default if default is not None and 0 <= default < self.n_vocab else None
+
+    def _read_specials(self, meta: dict, bos_default: int, eos_default: int, add_bos: bool) -> None:
+        """BOS/EOS/EOG ids, the special-token partition list (llama.cpp's defaults per model type)."""
 
         def detect(key, texts):
             """A special token from its key, else (like llama.cpp) found by its text and made CONTROL."""
-            i = special_id(key, None)
+            i = self._special_id(key, None)
             found = [self._ids[t] for t in texts if t in self._ids]
             if i is None and found:
                 i = min(found)
                 self._type[i] = CONTROL
             return i
 
-        self.bos_id = special_id("bos_token_id", 11)  # 11: llama.cpp's default for BPE vocabularies
-        self.eos_id = special_id("eos_token_id", 11)
+        self.bos_id = self._special_id("bos_token_id", bos_default)
+        self.eos_id = self._special_id("eos_token_id", eos_default)
         self.eot_id = detect("eot_token_id", EOT_TEXTS)
         self.eom_id = detect("eom_token_id", EOM_TEXTS)
         fim = [detect(f"fim_{k}_token_id", texts)
@@ -208,10 +171,17 @@ class Tokenizer:
                 self._type[i] = CONTROL
         self.eog_ids = frozenset(eog)
 
-        # Special tokens for the partition, longest (in bytes) first.
+        # Special tokens for the partition, longest (in bytes) first. llama.cpp strips the
+        # whitespace after every special token of Phi-3 models (chosen by the model's name),
+        # except <unk>, <s> and <|endoftext|>.
         special = [i for i, t in enumerate(self._type) if t in (CONTROL, USER_DEFINED, UNKNOWN)]
         special.sort(key=lambda i: -len(self._text[i].encode("utf-8")))
-        self._special = [(self._text[i], i, self._type[i] == USER_DEFINED) for i in special]
+        name = str(meta.get("general.name") or "").lower()
+        rstrip = set()
+        if "phi-3" in name or "phi3" in name:
+            rstrip = set(special) | {self._ids.get("</s>")}
+            rstrip -= {self._ids.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")}
+        self._special = [(self._text[i], i, self._type[i] == USER_DEFINED, i in rstrip) for i in special]
 
         self.bos_text = self._text[self.bos_id] if self.bos_id is not None else ""
         self.eos_text = self._text[self.eos_id] if self.eos_id is not None else ""
@@ -248,7 +218,7 @@ class Tokenizer:
         token, longest first, cut every occurrence out of every remaining text fragment."""
         frags: list = [text] if text else []
         chars = set(text)
-        for tok, tid, user_defined in self._special:
+        for tok, tid, user_defined, rstrip in self._special:
             if not (special or user_defined) or tok[0] not in chars or tok not in text:
                 continue
             out = []
@@ -260,6 +230,8 @@ class Tokenizer:
                 for k, part in enumerate(parts):
                     if k:
                         out.append(tid)
+                        if rstrip:  # the whitespace after the token (C isspace) goes with it
+                            part = part.lstrip(" \t\n\v\f\r")
                     if part:
                         out.append(part)
             frags = out
@@ -386,7 +358,23 @@ class TokenStream:
         return out
 
 
+def tokenizer_from_metadata(meta: dict, where: str = "model") -> Tokenizer:
+    """The tokenizer the GGUF keys `meta` describe, by `tokenizer.ggml.model`: byte-level BPE
+    ("gpt2") or SentencePiece ("llama")."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        raise ModelError(f"{where}: no tokenizer in this GGUF (missing 'tokenizer.ggml.model')")
+    if model == "gpt2":
+        return Tokenizer(meta, where)
+    if model == "llama":
+        from .spm import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(meta, where)
+    raise ModelError(f"{where}: tokenizer model '{model}' is not supported; colichat reads byte-level "
+                     "BPE ('gpt2') and SentencePiece ('llama') vocabularies")
+
+
 def load_tokenizer(path_or_reader) -> Tokenizer:
     """The tokenizer of a GGUF file: a path (metadata read directly, fast) or an open GGUFReader."""
     meta, where = _metadata(path_or_reader)
-    return Tokenizer(meta, where)
+    return tokenizer_from_metadata(meta, where)

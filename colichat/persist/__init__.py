@@ -15,9 +15,9 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
 
 from .kvfile import CacheLayout, SessionError
 from .session import LoadResult, Session, Turn
-from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, weights_fingerprint
+from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, slug, weights_fingerprint
 
 __all__ = [
     "CacheLayout", "LoadResult", "Paths", "Session", "SessionError", "SessionInfo", "Store", "Turn",
-    "check_name", "model_identity", "paths", "weights_fingerprint",
+    "check_name", "model_identity", "paths", "slug", "weights_fingerprint",
 ]

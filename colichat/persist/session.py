@@ -50,6 +50,7 @@ from .kvfile import (
 )
 
 FORMAT_VERSION = 1
+KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
 MAX_SIDECAR_BYTES = 256 << 20
 
 
@@ -144,8 +145,8 @@ class Session:
         self.name = name
         self.ident = dict(ident)
         self.layout = layout
-        self.kv_path = os.path.join(self.directory, name + ".coli_kv")
-        self.json_path = os.path.join(self.directory, name + ".json")
+        self.kv_path = os.path.join(self.directory, name + KV_EXT)
+        self.json_path = os.path.join(self.directory, name + SIDECAR_EXT)
         self._lock_fd = lock_fd
         self._kv_fd: int | None = None
         self.turns: list[Turn] = []  # what is on disk and valid
@@ -163,7 +164,7 @@ class Session:
                sampler: dict | None = None) -> Session:
         """A new empty session. FileExistsError if NAME already exists (the store picks names)."""
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + ".coli_kv", "session file") or lstat_regular(base + ".json", "sidecar"):
+        if lstat_regular(base + KV_EXT, "session file") or lstat_regular(base + SIDECAR_EXT, "sidecar"):
             raise FileExistsError(errno.EEXIST, "session exists", name)
         s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
         try:
@@ -189,9 +190,9 @@ class Session:
     def open(cls, directory, name: str, ident: dict, layout: CacheLayout) -> Session:
         """An existing session, locked for writing; `load` it before saving to it."""
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + ".coli_kv", "session file") is None:
+        if lstat_regular(base + KV_EXT, "session file") is None:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
-        lstat_regular(base + ".json", "sidecar")
+        lstat_regular(base + SIDECAR_EXT, "sidecar")
         s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
         try:
             s._kv_fd = open_file(s.kv_path, "session file", os.O_RDWR)
@@ -255,8 +256,8 @@ class Session:
             n = self._verify(cache, turns, crcs, warnings)
         else:
             n = self._check_tokens(cache, n, warnings)
-            warnings.append(f"no sidecar {self.name}.json: loaded the {n} records as one imported turn "
-                            "(no weights fingerprint to check)" if n else f"no sidecar {self.name}.json")
+            warnings.append(f"no sidecar {self.name}{SIDECAR_EXT}: loaded the {n} records as one imported turn "
+                            "(no weights fingerprint to check)" if n else f"no sidecar {self.name}{SIDECAR_EXT}")
             if n:
                 text = self._imported_text(cache.tokens[:n].tolist(), detokenize, warnings)
                 turns, crcs = [Turn("imported", text, 0, n)], [turn_crc(cache, Turn('imported', '', 0, n))]

@@ -7,6 +7,8 @@
     sess = store.open(ident, name, layout)     # existing session, locked (then sess.load(...))
     store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None
     store.latest(ident) -> SessionInfo | None
+    store.rename(sess, new)                    # an open session under another name
+    store.dirs_for(fingerprint) -> [Path]      # a model's session directories, before it loads
 
 Layout on disk: <data>/sessions/<model dir>/NAME.{coli_kv,json,lock}, where the model dir is the
 sanitized model name plus 12 hex digits of the weights fingerprint, so two fine-tunes of one base
@@ -21,10 +23,12 @@ import os
 import re
 import struct
 import time
+import unicodedata
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ..engine.gguf_header import read_header
 from ..paths import Paths, paths  # noqa: F401  (re-exported)
 from .kvfile import (
     HEADER,
@@ -36,66 +40,25 @@ from .kvfile import (
     lstat_regular,
     oserror_text,
 )
-from .session import Session, _lock, _unlock
+from .session import KV_EXT, SIDECAR_EXT, Session, _lock, _unlock
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
-KV_EXT = ".coli_kv"
 
 
 # ---- model identity ---------------------------------------------------------------------------
 
-_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
 TENSOR_SAMPLES, TENSOR_SAMPLE = 256, 4096  # a 4 KiB sample from the middle of up to 256 tensors
 SPREAD_SAMPLES, SPREAD_SAMPLE = 16, 65536  # plus 16 x 64 KiB spread evenly over the data region
-
-
-def _skip_value(buf: bytes, pos: int, typ: int) -> int:
-    if typ in _SCALAR_SIZE:
-        return pos + _SCALAR_SIZE[typ]
-    if typ == 8:  # string: u64 length + bytes
-        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
-    if typ == 9:  # array: u32 type, u64 count, values
-        sub, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if sub in _SCALAR_SIZE:
-            return pos + count * _SCALAR_SIZE[sub]
-        for _ in range(count):
-            pos = _skip_value(buf, pos, sub)
-            if pos > len(buf):
-                raise struct.error("short")
-        return pos
-    raise ValueError(f"unknown GGUF value type {typ}")
 
 
 def _gguf_layout(buf: bytes) -> tuple[int, list[int]]:
     """(data region offset, sorted tensor offsets within it) from the start of a GGUF v2/v3 file.
 
     struct.error: `buf` is too short to hold the whole header; ValueError: not a GGUF we can walk."""
-    if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] < 2:
-        raise ValueError("not GGUF v2+")
-    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-    if n_tensors > 1 << 24 or n_kv > 1 << 24:
-        raise ValueError("implausible counts")
-    pos, alignment = 24, 32
-    for _ in range(n_kv):
-        klen = struct.unpack_from("<Q", buf, pos)[0]
-        key = buf[pos + 8 : pos + 8 + klen]
-        pos += 8 + klen
-        typ = struct.unpack_from("<I", buf, pos)[0]
-        if key == b"general.alignment" and typ == 4:
-            alignment = struct.unpack_from("<I", buf, pos + 4)[0] or 32
-        pos = _skip_value(buf, pos + 4, typ)
-    offsets = []
-    for _ in range(n_tensors):
-        nlen = struct.unpack_from("<Q", buf, pos)[0]
-        n_dims = struct.unpack_from("<I", buf, pos + 8 + nlen)[0]
-        pos += 8 + nlen + 4 + 8 * n_dims + 4
-        offsets.append(struct.unpack_from("<Q", buf, pos)[0])
-        pos += 8
-    data_start = -(-pos // alignment) * alignment
-    if data_start > len(buf):
+    head = read_header(buf)
+    if head.data_start > len(buf):
         raise struct.error("short")
-    return data_start, sorted(offsets)
+    return head.data_start, sorted(t.offset for t in head.tensors)
 
 
 def _read_at(f, offset: int, n: int) -> bytes:
@@ -169,9 +132,22 @@ def check_name(name) -> str:
     return name
 
 
-def auto_name(taken) -> str:
-    """A fresh name from the local time, e.g. 20250301-142233 (then -2, -3, ... if taken)."""
-    base = time.strftime("%Y%m%d-%H%M%S")
+def slug(text: str, limit: int = 32) -> str:
+    """A readable name from a message: its first words as lowercase ASCII joined by '-', at most
+    `limit` characters ("What is the capital of France?" -> what-is-the-capital-of-france); "" for
+    a message without letters or digits."""
+    words = re.findall(r"[a-z0-9]+", unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower())
+    name = words[0][:limit] if words else ""
+    for w in words[1:]:
+        if len(name) + 1 + len(w) > limit:
+            break
+        name += "-" + w
+    return name
+
+
+def auto_name(taken, stem: str | None = None) -> str:
+    """A fresh name: `stem` (else the local time, e.g. 20250301-142233), then -2, -3, ... if taken."""
+    base = stem or time.strftime("%Y%m%d-%H%M%S")
     name, k = base, 1
     while name in taken:
         k += 1
@@ -192,6 +168,8 @@ class SessionInfo:
     size: int  # bytes on disk (KV file + sidecar)
     last_used: float  # epoch seconds (sidecar "updated", else the KV file's mtime)
     path: Path  # the .coli_kv file
+    first: str = ""  # the first user message's first line
+
 
     def describe(self, now: float | None = None) -> str:
         """'NAME: 4 turns, 812 tokens, 1.2 MB, 3 h ago' for listings and the start-up notice."""
@@ -199,8 +177,9 @@ class SessionInfo:
         for unit, secs in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
             if age >= secs or unit == "s":
                 break
+        first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
         return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {self.size / 1e6:.1f} MB, "
-                f"{int(age // secs)} {unit} ago")
+                f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else ""))
 
 
 def _session_info(directory: Path, name: str) -> SessionInfo | None:
@@ -214,11 +193,11 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
             raw = f.read(HEADER_SIZE)
         if len(raw) < HEADER_SIZE or raw[:8] not in KIND_OF_MAGIC:
             return None
-        tokens, turns, model = HEADER.unpack(raw)[7], 0, directory.name
+        tokens, turns, model, first = HEADER.unpack(raw)[7], 0, directory.name, ""
         last_used, size = st.st_mtime, st.st_size
     except OSError:
         return None
-    side = directory / (name + ".json")
+    side = directory / (name + SIDECAR_EXT)
     try:
         if not side.is_symlink() and side.is_file():
             size += side.stat().st_size
@@ -226,10 +205,12 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
             turns = len(doc["turns"])
             tokens = int(doc["turns"][-1]["last"]) if turns else 0
             model = str(doc["model"].get("name") or model)
+            first = next((str(t["text"]) for t in doc["turns"] if t["role"] == "user"), "")
+            first = next((x.strip() for x in first.splitlines() if x.strip()), "")
             last_used = datetime.fromisoformat(doc["updated"]).timestamp()
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
         pass  # a damaged sidecar: list what the header says; loading reports the damage
-    return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv)
+    return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv, first)
 
 
 class Store:
@@ -240,8 +221,9 @@ class Store:
         return self.root / model_dirname(ident)
 
     def create(self, ident: dict, layout: CacheLayout, name: str | None = None,
-               sampler: dict | None = None) -> Session:
-        """A new empty session (locked); `name=None` picks a fresh time-based name."""
+               sampler: dict | None = None, stem: str | None = None) -> Session:
+        """A new empty session (locked); `name=None` picks a fresh name from `stem` (a slug of the
+        first message), else from the time."""
         directory = self._make_dir(self.model_dir(ident))
         if name is not None:
             try:
@@ -250,9 +232,9 @@ class Store:
                 raise SessionError(f"session {name} already exists; resume it with /resume {name} "
                                    "or choose another name") from None
         while True:
-            taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, ".json")}
+            taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, SIDECAR_EXT)}
             try:
-                return Session.create(directory, auto_name(taken), ident, layout, sampler)
+                return Session.create(directory, auto_name(taken, stem), ident, layout, sampler)
             except FileExistsError:
                 continue  # another colichat took the same name just now
 
@@ -279,7 +261,7 @@ class Store:
         fd = _lock(base + ".lock", name)
         freed = 0
         try:
-            for path in (base + ".json", base + KV_EXT):
+            for path in (base + SIDECAR_EXT, base + KV_EXT):
                 try:
                     freed += os.lstat(path).st_size
                     os.unlink(path)
@@ -291,6 +273,47 @@ class Store:
         finally:
             _unlock(fd)
         return freed
+
+    def rename(self, sess: Session, new: str) -> None:
+        """Give an open session another name. Both files are linked under the new name before the
+        old names go, so a crash in between leaves the conversation under both names, never none."""
+        check_name(new)
+        base, old = os.path.join(sess.directory, new), os.path.join(sess.directory, sess.name)
+        fd = _lock(base + ".lock", new)
+        try:
+            if lstat_regular(base + KV_EXT, "session file") or lstat_regular(base + SIDECAR_EXT, "sidecar"):
+                raise SessionError(f"session {new} already exists: choose another name")
+            exts = [ext for ext in (KV_EXT, SIDECAR_EXT) if os.path.lexists(old + ext)]
+            done: list[str] = []
+            try:
+                for ext in exts:
+                    os.link(old + ext, base + ext)
+                    done.append(base + ext)
+                fsync_dir(sess.directory)
+            except OSError as e:
+                for path in done:
+                    os.unlink(path)
+                raise SessionError(f"cannot rename session {sess.name}: {oserror_text(e)}") from None
+            try:
+                for ext in reversed(exts):
+                    os.unlink(old + ext)
+                fsync_dir(sess.directory)
+            except OSError:
+                pass  # the old name stays as a second copy; /delete removes it
+        except BaseException:
+            _unlock(fd)
+            raise
+        _unlock(sess._lock_fd)
+        sess._lock_fd, sess.name = fd, new
+        sess.kv_path, sess.json_path = base + KV_EXT, base + SIDECAR_EXT
+
+    def dirs_for(self, fingerprint: str) -> list[Path]:
+        """The session directories of the model with this weights fingerprint (found before it loads)."""
+        try:
+            return [p for p in self.root.iterdir() if p.name.endswith("-" + fingerprint[:12]) and p.is_dir()
+                    and not p.is_symlink()]
+        except OSError:
+            return []
 
     def list(self, ident: dict | None = None) -> list[SessionInfo]:
         """Sessions of one model (or all), newest first. Never raises on damaged entries."""

@@ -1,4 +1,4 @@
-"""Helpers shared by the persist tests (imported by them and by their child processes), and paths().
+"""Helpers shared by the persist tests (imported by them and by their child processes).
 
 Caches here are filled from a deterministic generator seeded by turn index, so a test (or a child
 process) can always say which records a session should hold for its first m turns.
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from colichat.engine.cache import KVCache
-from colichat.persist import CacheLayout, Turn, paths
+from colichat.persist import CacheLayout, Turn
 
 TESTS = Path(__file__).resolve().parent
 VOCAB = 1000
@@ -76,16 +76,3 @@ def snapshot(directory) -> dict:
             st = os.lstat(p)
             out[p.name] = (p.read_bytes() if p.is_file() and not p.is_symlink() else None, st.st_mtime_ns)
     return out
-
-
-def test_paths_follow_colichat_home(colichat_home, monkeypatch):
-    p = paths()
-    h = colichat_home
-    assert (p.data, p.state, p.cache) == (h / "data", h / "state", h / "cache")
-    monkeypatch.delenv("COLICHAT_HOME")
-    import platformdirs
-
-    p = paths()
-    assert p.data == Path(platformdirs.user_data_dir("colichat"))
-    assert p.state == Path(platformdirs.user_state_dir("colichat"))
-    assert p.cache == Path(platformdirs.user_cache_dir("colichat"))

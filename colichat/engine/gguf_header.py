@@ -1,0 +1,130 @@
+"""The header of a GGUF file, walked directly: metadata keys and tensor infos, without gguf-py.
+
+    head = read_header(buf, keep=lambda key: key.startswith("tokenizer."))
+    head.kv            # {key: value} for the kept keys (arrays as lists, strings as str)
+    head.tensors       # [TensorInfo(name, shape (ggml order), ggml_type, offset)], offsets in the data region
+    head.data_start    # where the data region begins (aligned to general.alignment)
+
+gguf-py's reader builds numpy views for every string of the token and merge arrays and for every
+tensor, which takes seconds for large vocabularies; the tokenizer (metadata of a path) and the
+session store (a model's weights fingerprint) only need a few keys and the tensor offsets. Layout
+(little-endian GGUF v2/v3): magic "GGUF", u32 version, u64 n_tensors, u64 n_kv; n_kv times
+(string key, u32 value type, value); n_tensors times (string name, u32 n_dims, u64 dims[n_dims],
+u32 type, u64 offset); padding to the alignment; the data. A string is a u64 length and UTF-8
+bytes; an array a u32 element type, a u64 count and the elements.
+
+`buf` may be shorter than the file (the store reads the first MiB, then more): struct.error means
+it ends inside the header (the padding before the data region is not checked); ValueError means
+it is not a GGUF this reader walks.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+STRING, ARRAY = 8, 9
+# value type -> struct/numpy code of the scalar types (u8 i8 u16 i16 u32 i32 f32 bool u64 i64 f64)
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRUCTS = {t: struct.Struct("<" + c) for t, c in SCALARS.items()}
+_DTYPES = {t: np.dtype("<" + c) for t, c in SCALARS.items()}
+_U64 = struct.Struct("<Q").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+DEFAULT_ALIGNMENT = 32
+MAX_COUNT = 1 << 24  # more keys or tensors than this: not a file we walk
+
+
+class TensorInfo(NamedTuple):
+    name: str
+    shape: tuple  # ggml order (ne)
+    ggml_type: int
+    offset: int   # within the data region
+
+
+class Header(NamedTuple):
+    version: int
+    kv: dict
+    tensors: list
+    data_start: int
+
+
+def _string(buf, pos: int) -> tuple[int, int]:
+    """(start, end) of the string at pos; struct.error when buf ends before it does."""
+    (n,) = _U64(buf, pos)
+    end = pos + 8 + n
+    if end > len(buf):
+        raise struct.error("buffer ends inside a string")
+    return pos + 8, end
+
+
+def _value(buf, pos: int, vtype: int, keep: bool):
+    """(value or None when not kept, position after it)."""
+    scalar = _STRUCTS.get(vtype)
+    if scalar is not None:
+        return (scalar.unpack_from(buf, pos)[0] if keep else None), pos + scalar.size
+    if vtype == STRING:
+        a, b = _string(buf, pos)
+        return (buf[a:b].decode("utf-8", "replace") if keep else None), b
+    if vtype == ARRAY:
+        etype, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        dtype = _DTYPES.get(etype)
+        if dtype is not None:
+            end = pos + dtype.itemsize * count
+            if end > len(buf):
+                raise struct.error("buffer ends inside an array")
+            return (np.frombuffer(buf, dtype, count, pos).tolist() if keep else None), end
+        if etype == STRING:  # the token and merge lists: the hot loop of a tokenizer's start
+            values, u64, n_buf = [], _U64, len(buf)
+            for _ in range(count):
+                (n,) = u64(buf, pos)
+                if keep:
+                    values.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", "replace"))
+                pos += 8 + n
+            if pos > n_buf:
+                raise struct.error("buffer ends inside an array")
+            return (values if keep else None), pos
+        if etype == ARRAY:  # arrays of arrays: walked, never kept
+            for _ in range(count):
+                _, pos = _value(buf, pos, ARRAY, False)
+            return None, pos
+        raise ValueError(f"unknown GGUF array element type {etype}")
+    raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: bool = True) -> Header:
+    """Walk the header at the start of `buf` (bytes or an mmap), keeping the keys `keep` accepts
+    (general.alignment is always read). With tensors=False it stops after the metadata."""
+    if len(buf) < 24:
+        raise struct.error("buffer shorter than the GGUF preamble")
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError("not a little-endian GGUF v2/v3 file")
+    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
+        raise ValueError("implausible key or tensor count")
+    pos, kv, alignment = 24, {}, DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        a, pos = _string(buf, pos)
+        key = buf[a:pos].decode("utf-8", "replace")
+        (vtype,) = _U32(buf, pos)
+        is_alignment = key == "general.alignment" and vtype == 4
+        kept = keep(key)
+        value, pos = _value(buf, pos + 4, vtype, is_alignment or kept)
+        if is_alignment:
+            alignment = value or DEFAULT_ALIGNMENT
+        if kept and value is not None:
+            kv[key] = value
+    infos = []
+    if tensors:
+        for _ in range(n_tensors):
+            a, pos = _string(buf, pos)
+            name = buf[a:pos].decode("utf-8", "replace")
+            (n_dims,) = _U32(buf, pos)
+            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            pos += 4 + 8 * n_dims
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            infos.append(TensorInfo(name, shape, ggml_type, offset))
+    return Header(version, kv, infos, -(-pos // alignment) * alignment)

@@ -1,0 +1,171 @@
+"""The chat settings: one table (name, type, default, help, rule) that the command-line options,
+/set, /show, the session's sidecar and the help texts all read.
+
+    s = Settings(temperature=0)             # the others take their defaults
+    s.max_tokens, s.sampler()               # a value; the engine's SamplerSettings
+    row = BY_NAME["seed"]; row.parse("none")   # None; SettingError with one line for bad text
+    row.show(value)                         # the value as a user types it (/show, then /set KEY VALUE)
+    s.to_dict() / saved_values(d)           # the sidecar's "sampler" object, and back (bad keys skipped)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from .engine import SamplerSettings
+
+
+class SettingError(Exception):
+    """A value a setting cannot take; the message is one line naming the setting."""
+
+
+def printable(text: str, limit: int = 60) -> str:
+    """`text` for an error line: control and line-break characters escaped, long text cut."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: type  # int, float or str
+    default: object
+    help: str
+    check: Callable[[object], bool] = lambda v: True
+    rule: str = ""  # what check requires, said when it fails ("must be >= 0")
+    optional: bool = False  # `none` unsets it (the value None)
+    metavar: str = "N"
+
+    @property
+    def option(self) -> str:
+        """The command-line option, e.g. --top-k."""
+        return "--" + self.name.replace("_", "-")
+
+    def parse(self, text: str, label: str | None = None):
+        """The value for what the user typed: numbers as Python reads them, `none` for an optional
+        setting, text as is (one pair of enclosing quotes removed). `label` names it in errors."""
+        label = label or self.name
+        t = text.strip()
+        if self.kind is str:
+            if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+                t = t[1:-1]
+            return None if self.optional and (not t or t.lower() == "none") else t
+        if self.optional and t.lower() == "none":
+            return None
+        if not t:
+            raise SettingError(f"{label} needs a value")
+        try:
+            value = self.kind(t)
+        except ValueError:
+            what = "a whole number" if self.kind is int else "a number"
+            raise SettingError(f"{label} takes {what}{' or none' if self.optional else ''}, "
+                               f"not '{printable(t)}'") from None
+        self.validate(value, label)
+        return value
+
+    def validate(self, value, label: str | None = None) -> None:
+        if value is None and self.optional:
+            return
+        if self.kind is float and not math.isfinite(value):
+            raise SettingError(f"{label or self.name} must be a finite number")
+        if not self.check(value):
+            raise SettingError(f"{label or self.name} {self.rule}")
+
+    def show(self, value) -> str:
+        """The value as the user would type it: `none`, a number, the text itself."""
+        return "none" if value is None else str(value) if self.kind is str else repr(value)
+
+
+TABLE: tuple[Setting, ...] = (
+    Setting("temperature", float, 0.7, "0 = greedy; higher = more random",
+            lambda v: v >= 0, "must be >= 0 (0 means greedy)", metavar="T"),
+    Setting("top_k", int, 40, "keep the K most likely tokens (0 = off)",
+            lambda v: v >= 0, "must be >= 0 (0 means off)", metavar="K"),
+    Setting("top_p", float, 0.95, "keep the smallest set of tokens with this total probability (1 = off)",
+            lambda v: 0 < v <= 1, "must be in (0, 1]", metavar="P"),
+    Setting("min_p", float, 0.05, "drop tokens below this fraction of the best one's probability (0 = off)",
+            lambda v: 0 <= v < 1, "must be in [0, 1)", metavar="P"),
+    # 1.1 over 256 tokens: the default model stops looping on everyday prompts (models.md, benchmarks/loops.py)
+    Setting("repeat_penalty", float, 1.1, "penalize the tokens of the repeat window (1 = off)",
+            lambda v: v > 0, "must be > 0 (1 means off)", metavar="R"),
+    Setting("repeat_last_n", int, 256, "the repeat window: how many recent tokens repeat_penalty looks at",
+            lambda v: v >= 0, "must be >= 0"),
+    Setting("seed", int, None, "random seed: the same seed gives the same answers (none = a fresh one)",
+            lambda v: v >= 0, "must be >= 0", optional=True),
+    Setting("max_tokens", int, 512, "the longest answer, in tokens",
+            lambda v: v >= 1, "must be at least 1"),
+    Setting("system", str, None, "the system prompt (none = no system prompt); a new one applies from "
+            "the next conversation when this one has started", optional=True, metavar="TEXT"),
+)
+BY_NAME = {row.name: row for row in TABLE}
+SAMPLER_KEYS = tuple(SamplerSettings.__dataclass_fields__)
+
+
+def key_of(text: str) -> str:
+    """A setting's name as typed (`top-k`, `Top_K`) -> its table name, or SettingError."""
+    key = text.strip().lower().replace("-", "_")
+    if key not in BY_NAME:
+        raise SettingError(f"cannot set '{printable(text.strip())}': one of {', '.join(BY_NAME)}")
+    return key
+
+
+class Settings:
+    """A value for every setting of TABLE (the default for those not given). Immutable: `with_`
+    returns a changed copy, checked row by row."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, **values):
+        unknown = set(values) - set(BY_NAME)
+        if unknown:
+            raise TypeError(f"unknown settings {sorted(unknown)}")  # a caller bug
+        for key, value in values.items():
+            if BY_NAME[key].kind is float and isinstance(value, int) and not isinstance(value, bool):
+                values[key] = value = float(value)
+            BY_NAME[key].validate(value)
+        object.__setattr__(self, "_values", {row.name: values.get(row.name, row.default) for row in TABLE})
+
+    def __getattr__(self, name: str):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Settings are immutable: use with_()")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Settings) and self._values == other._values
+
+    def __repr__(self) -> str:
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+
+    def with_(self, **changes) -> Settings:
+        return Settings(**{**self._values, **changes})
+
+    def to_dict(self) -> dict:
+        return dict(self._values)
+
+    def sampler(self) -> SamplerSettings:
+        return SamplerSettings(**{k: self._values[k] for k in SAMPLER_KEYS})
+
+
+def saved_values(d) -> dict:
+    """The usable settings of a sidecar's "sampler" object; a damaged or unknown entry is skipped."""
+    out = {}
+    for key, value in (d.items() if isinstance(d, dict) else ()):
+        row = BY_NAME.get(key)
+        if row is None or isinstance(value, bool):
+            continue
+        if row.kind is float and isinstance(value, int):
+            value = float(value)
+        if not (isinstance(value, row.kind) or (value is None and row.optional)):
+            continue
+        try:
+            row.validate(value)
+        except SettingError:
+            continue
+        out[key] = value
+    return out

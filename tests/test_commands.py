@@ -1,0 +1,203 @@
+"""The slash commands in-process: what /set reads, and that no line typed to any command ends the
+program or prints more than one error line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import TINY
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from colichat.chat import Conversation, Settings
+from colichat.cli import App
+from colichat.commands import COMMANDS
+from colichat.engine import load
+from colichat.persist import Store
+from colichat.settings import TABLE
+
+
+class Recorder(App):
+    """An App whose status lines are kept for the test and whose answers are dropped."""
+
+    def __init__(self, conv):
+        super().__init__(conv, interactive=False)
+        self.lines: list[str] = []
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+
+    def out(self, text: str) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(str(TINY / "llama.gguf"), n_ctx=256)
+
+
+@pytest.fixture
+def app(model, tmp_path):
+    model.reset()
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4), store=Store(tmp_path / "s"))
+    yield Recorder(conv)
+    conv.close()
+
+
+def run(app, line: str) -> list[str]:
+    app.lines.clear()
+    app.handle(line)
+    return list(app.lines)
+
+
+# ---- /set ---------------------------------------------------------------------------------------
+
+
+def test_set_system_takes_the_rest_of_the_line(app):
+    assert run(app, "/set system You are a pirate.") == ["system = You are a pirate."]
+    assert app.conv.settings.system == "You are a pirate."
+    run(app, "/set system 'Don't lie.'")
+    assert app.conv.settings.system == "Don't lie."
+    run(app, '/set system "You are" a pirate')
+    assert app.conv.settings.system == '"You are" a pirate'
+    run(app, '/set system "Be brief."')
+    assert app.conv.settings.system == "Be brief."
+    assert app.errors == 0
+
+
+def test_set_without_a_value_shows_the_current_one(app):
+    assert run(app, "/set system") == ["system = none"]
+    assert run(app, "/set temperature") == ["temperature = 0.0"]
+    assert run(app, "/set top-k") == ["top_k = 40"]
+    assert app.errors == 0 and app.conv.settings.system is None
+
+
+def test_set_errors_are_one_line(app):
+    assert run(app, "/set") == ["colichat: /set needs a setting and a value: /set KEY VALUE (/help set lists them)"]
+    assert run(app, "/set temperature hot") == ["colichat: temperature takes a number, not 'hot'"]
+    assert run(app, "/set temperature\thot\nter") == ["colichat: temperature takes a number, not 'hot\\nter'"]
+    assert run(app, "/set top_p 2") == ["colichat: top_p must be in (0, 1]"]
+    assert app.errors == 4
+
+
+# ---- any line to any command ---------------------------------------------------------------------
+
+TRICKY = ["", " ", "none", "None", "0", "-1", "1", "2", "1e999", "nan", "-0", "99999999999999999999", "0.5",
+          "'", '"', "''", '""', "'a b'", '"a" b', "Don't", "..", "../x", "/", "x" * 80, "\t", "\x00", "\x1b[2J",
+          "\u2028", "\x85", "é", "\ud7ff", "a\nb"]
+words = st.one_of(st.sampled_from(TRICKY), st.text(max_size=12))
+settable = ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens", "system", "colour"]
+lines = st.builds(
+    lambda name, first, rest, sep: f"{name}{sep}{first}{sep}{' '.join(rest)}".rstrip(" "),
+    st.sampled_from([c.name for c in COMMANDS] + ["/", "/frob", "/SET", "/Help"]),
+    st.one_of(st.sampled_from(settable + [c.name[1:] for c in COMMANDS]), words),
+    st.lists(words, max_size=3),
+    st.sampled_from([" ", "\t", "  "]),
+)
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(line=lines)
+def test_any_line_to_any_command_gives_at_most_one_clean_error_line(app, tmp_path, line):
+    if line.lower().startswith("/export"):  # files it writes stay in tmp_path
+        assume(not any(x in line[7:] for x in ("/", "~", "..", "\\")))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # a command that writes a file writes it here
+    try:
+        errors = app.errors
+        said = run(app, line)  # an exception here (a traceback for the user) fails the test
+    finally:
+        os.chdir(cwd)
+        app.quitting = False
+    if app.errors > errors:
+        failed = [x for x in said if x.startswith("colichat: ")]
+        assert len(failed) == 1, said
+        assert len(failed[0].splitlines()) == 1 and failed[0].isprintable(), failed
+
+
+# ---- the settings table ----------------------------------------------------------------------------
+
+
+def test_show_prints_values_as_set_takes_them(app):
+    run(app, "/set seed 7")
+    run(app, "/set system Be brief.")
+    shown = run(app, "/show")
+    assert "seed           7" in shown and "system         Be brief." in shown and "temperature    0.0" in shown
+    assert [line.split()[0] for line in shown] == [row.name for row in TABLE]
+    before = app.conv.settings
+    for line in shown:  # every line typed back after /set changes nothing
+        run(app, "/set " + line)
+    assert app.conv.settings == before and app.errors == 0
+
+
+def test_set_seed_none_unsets_it(app):
+    run(app, "/set seed 3")
+    assert app.conv.settings.seed == 3
+    assert run(app, "/set seed none") == ["seed = none"]
+    assert app.conv.settings.seed is None and "seed           none" in run(app, "/show")
+    run(app, "/set system Be brief.")
+    run(app, "/set system none")
+    assert app.conv.settings.system is None and app.errors == 0
+
+
+def test_the_repeat_window_is_the_setting(model):
+    """The sampler sees the last repeat_last_n tokens of the context, whatever that setting is."""
+    seen = []
+    for window in (0, 64, 100):
+        model.reset()
+        conv = Conversation(model, Settings(temperature=0, max_tokens=3, repeat_last_n=window), save=False)
+        sampler = conv.sampler
+        conv.sampler = lambda logits, recent, w=window, s=sampler: seen.append((w, len(recent))) or s(logits, recent)
+        conv.ask(" ".join(f"word{i}" for i in range(25)))  # well over 100 tokens
+    assert {w: n for w, n in seen} == {0: 0, 64: 64, 100: 100}
+
+
+def test_the_options_are_the_table(colichat_home):
+    from colichat.cli import parse_args, settings_from
+
+    args = parse_args(["--seed", "none", "--top-k", "5", "--system", "Be brief."])
+    settings, given = settings_from(args)
+    assert given == {"seed", "top_k", "system"} and settings.top_k == 5 and settings.system == "Be brief."
+    assert settings.seed is None and settings.temperature == 0.7
+
+
+# ---- inputs: one reader of \"\"\" blocks for the terminal and for pipes --------------------------------
+
+
+def test_blocks_are_read_the_same_way_everywhere():
+    from colichat.inputs import Message, inputs_of, read_input
+
+    got = list(inputs_of(["hello\n", '"""\n', "/not a command\n", "\n", "  x\n", '"""\n', '"""inline"""\n',
+                          "/show\n", '"""\n', "cut at the end\n"]))
+    assert got == ["hello", "/not a command\n\n  x", "inline", "/show", "cut at the end"]
+    assert [type(x) is Message for x in got] == [False, True, True, False, True]
+    # The terminal's reader is the same function: Ctrl-D (EOFError) inside a block ends the block.
+    typed = iter(['"""', "first", "second"])
+
+    def prompt(in_block):
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    assert read_input(prompt) == "first\nsecond"
+
+
+def test_system_given_with_resume_waits_for_the_next_conversation(model, tmp_path):
+    """--resume --system X: the saved conversation was read with its own system prompt; X is kept
+    for the next conversation instead of re-reading the whole history."""
+    model.reset()
+    store = Store(tmp_path / "s")
+    conv = Conversation(model, Settings(temperature=0, max_tokens=4, system="Old."), session_name="sy", store=store)
+    conv.ask("hello")
+    conv.close()
+    model.reset()
+    again = Conversation(model, Settings(system="New.", temperature=0.5), store=store, pinned={"system", "temperature"})
+    again.resume("sy")
+    assert again.settings.system == "Old." and again.options()["system (next)"] == "New."
+    assert again.settings.temperature == 0.5 and again.settings.max_tokens == 4
+    again.reset()
+    assert again.settings.system == "New."
+    again.close()

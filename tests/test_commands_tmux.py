@@ -1,0 +1,63 @@
+"""Commands whose behaviour only a terminal shows (a question asked back, Tab completion), in tmux
+on the tiny model."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import pytest
+from cli_helpers import TINY_ARGS
+from tmux_helpers import Tmux
+
+
+def start(home, *args: str) -> Tmux:
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS, *args])
+    t = Tmux(f"cd {shlex.quote(str(home))} && COLICHAT_HOME={shlex.quote(str(home))} {cmd}; echo EXITED $?; sleep 600")
+    t.wait_for(lambda s: "Type a message" in s, 120, "the prompt")
+    return t
+
+
+@pytest.fixture
+def terminal(colichat_home):
+    opened = []
+    yield lambda *args: opened.append(start(colichat_home, *args)) or opened[-1]
+    for t in opened:
+        t.close()
+
+
+def test_exit_alone_asks_whether_quit_was_meant(terminal):
+    t = terminal("--session", "ex")
+    t.type("exit")
+    t.keys("Enter")
+    t.wait_for(lambda s: "Did you mean /quit?" in s, 30, "the question")
+    t.type("n")
+    t.keys("Enter")
+    t.wait_for(lambda s: "saved to ex]" in s, 60, "the answer to 'exit'")
+    t.type("quit")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.count("Did you mean /quit?") == 2, 30, "the second question")
+    t.type("y")
+    t.keys("Enter")
+    t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
+
+
+def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_home):
+    from cli_helpers import chat, lines
+
+    for name in ("trip-to-rome", "trip-to-oslo", "recipes"):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("hello")).ok()
+    t = terminal()
+    t.type("/resume rec")
+    t.keys("Tab")
+    t.wait_for(lambda s: s.rstrip().endswith("> /resume recipes"), 30, "/resume completed to recipes")
+    t.keys("Enter")
+    t.wait_for(lambda s: "turns from recipes in" in s, 30, "the resume")
+    t.type("/delete trip-to-o")
+    t.keys("Tab")
+    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-oslo"), 30, "/delete completed to trip-to-oslo")
+    t.keys("Enter")
+    t.wait_for(lambda s: "deleted session trip-to-oslo" in s, 30, "the delete")
+    t.type("/delete trip")
+    t.keys("Tab")  # one left that starts so: completed at once
+    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-rome"), 30, "the one trip left")

@@ -1,0 +1,42 @@
+"""A context about to fill up, in pipe mode: the footer says what is left, a message that does not
+fit is refused before anything is answered with what helps, and /forget continues without the
+oldest exchanges."""
+
+from __future__ import annotations
+
+import re
+
+from cli_helpers import TINY_LLAMA, chat, lines, saved_turns, saved_users, session_names
+
+FULL = ["--model", TINY_LLAMA, "--temperature", "0", "--max-tokens", "8"]  # the model's whole context (2048)
+LONG = [" ".join(f"topic{k}-word{i}" for i in range(45)) for k in range(4)]  # ~590 tokens each
+
+
+def test_a_message_that_does_not_fit_is_refused_with_what_helps(colichat_home):
+    run = chat(colichat_home, [*FULL, "--session", "full"], lines(*LONG, "/forget", LONG[3], "/sessions")).failed()
+    contexts = [tuple(map(int, m)) for m in re.findall(r"context (\d+)/2048, (\d+) left", run.err)]
+    assert all(used + left == 2048 for used, left in contexts) and len(contexts) == 4
+    [refusal] = run.errors()
+    assert re.fullmatch(r"colichat: the message needs \d+ tokens but only \d+ of the context of 2048 are left; "
+                        r"it was not sent: /rewind N drops the last exchanges; /new starts a new conversation; "
+                        r"/forget N continues in a new one without the N oldest exchanges", refusal), refusal
+    assert "--ctx" not in run.err  # the model's whole context is in use already
+    # /forget: a new conversation from the exchanges that fill at most half the context, then the message.
+    assert saved_users(colichat_home, "full") == LONG[:3]
+    new = session_names(run)[-1]
+    assert new != "full" and saved_users(colichat_home, new) == LONG[2:4]
+    assert saved_turns(colichat_home, new)[:2] == saved_turns(colichat_home, "full")[4:]
+    [said] = [line for line in run.err.splitlines() if line.startswith("new conversation without")]
+    assert said.startswith("new conversation without the 2 oldest exchange(s) of full (still saved as it was): "
+                           "1 exchange(s), ") and said.endswith(f" tokens read again; saved as {new}")
+    assert contexts[-1][0] < 1024 + 700
+
+
+def test_a_note_before_an_answer_that_may_be_cut(colichat_home):
+    run = chat(colichat_home, ["--model", TINY_LLAMA, "--temperature", "0", "--ctx", "300", "--max-tokens", "250",
+                               "--no-save"], lines(LONG[0][:120])).ok()
+    err = run.err.splitlines()
+    [note] = [i for i, line in enumerate(err) if line.startswith("note: ") and "left for the answer" in line]
+    assert err[note].endswith("(/rewind N drops the last exchanges; /new starts a new conversation; or restart "
+                              "with a larger --ctx (this model takes up to 2048))")
+    assert note < err.index(run.footers()[0])

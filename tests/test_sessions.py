@@ -1,0 +1,122 @@
+"""Finding and managing conversations, in pipe mode: names from the first message, /rename, /save,
+/export, what /sessions and the start notice say, --session NAME reopening, --sessions and --export."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from cli_helpers import (
+    TINY_ARGS,
+    answers_bytes,
+    chat,
+    lines,
+    saved_answers,
+    saved_turns,
+    saved_users,
+    session_files,
+    session_names,
+)
+
+from colichat.persist.store import slug
+
+Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The answers of one uninterrupted greedy conversation of the three questions."""
+    home = tmp_path_factory.mktemp("ref")
+    chat(home, [*TINY_ARGS, "--session", "a"], lines(*Q)).ok()
+    return saved_answers(home, "a")
+
+
+def names_on_disk(home) -> list[str]:
+    return sorted(p.stem for p in session_files(home) if p.suffix == ".coli_kv")
+
+
+def test_slug():
+    assert slug("What is the capital of France?") == "what-is-the-capital-of-france"
+    assert slug("  Écris un poème, s'il te plaît  ") == "ecris-un-poeme-s-il-te-plait"
+    assert slug("a" * 50) == "a" * 32 and slug("?!") == ""
+    assert slug("one two " * 10) == "one-two-one-two-one-two-one-two"
+
+
+def test_a_new_conversation_is_named_from_its_first_message(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "first"],
+               lines(Q[0], "/new", Q[1], "/new", Q[1], "/new", "???")).ok()
+    names = session_names(run)
+    assert names[:3] == ["first", "what-is-two-plus-two", "what-is-two-plus-two-2"]
+    assert re.fullmatch(r"\d{8}-\d{6}", names[3])  # nothing to make a name of: the time
+
+
+def test_rename_and_save_a_copy_without_prefill(ref, colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "a"],
+               lines(Q[0], "/rename greetings", Q[1], "/save copy", "/rename copy", "/stats")).failed()
+    err = run.err.splitlines()
+    assert "renamed session a to greetings" in err
+    assert "saved a copy as session copy (the conversation goes on in greetings)" in err
+    assert run.errors() == ["colichat: session copy already exists: choose another name"]
+    assert [f.rsplit(" ", 1)[1] for f in run.footers()] == ["a]", "greetings]"]
+    assert names_on_disk(colichat_home) == ["copy", "greetings"]
+    assert saved_turns(colichat_home, "copy") == saved_turns(colichat_home, "greetings")
+    kv = {p.stem: p.read_bytes() for p in session_files(colichat_home) if p.suffix == ".coli_kv"}
+    assert kv["copy"] == kv["greetings"]  # the same records: written from the cache
+    # The copy goes on exactly like the uninterrupted conversation.
+    again = chat(colichat_home, [*TINY_ARGS, "--session", "copy"], lines(Q[2])).ok()
+    assert again.resumed()[1:] == (4, "copy") and again.out == answers_bytes(ref[2:])
+
+
+def test_save_keeps_an_unsaved_conversation(ref, colichat_home):
+    run = chat(colichat_home, TINY_ARGS, lines(Q[0], "/rename x", "/save kept", Q[1])).failed()
+    assert run.errors() == ["colichat: this conversation is not saved yet: /save NAME saves it under that name"]
+    assert "saved to session kept; the conversation goes on in it" in run.err.splitlines()
+    assert run.footers()[-1].endswith("; saved to kept]")
+    assert saved_users(colichat_home, "kept") == Q[:2] and saved_answers(colichat_home, "kept") == ref[:2]
+
+
+def test_sessions_and_the_start_notice_show_the_first_line(colichat_home):
+    story = lines('"""', "", "  Tell me a story", "about a cat", '"""')
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], story).ok()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(Q[0], "/sessions")).ok()
+    notice = re.compile(r'latest saved conversation: s: 2 turns, \d+ tokens, \d+\.\d MB, \d+ s ago, '
+                        r'"Tell me a story" \(/resume to continue it\)$', re.M)
+    assert notice.search(run.err), run.err
+    listed = [line for line in run.err.splitlines() if line.startswith(("* ", "  "))]
+    assert len(listed) == 2
+    assert listed[0].startswith("* t: 2 turns, ") and listed[0].endswith(f', "{Q[0]}"')
+    assert listed[1].startswith("  s: 2 turns, ") and listed[1].endswith(', "Tell me a story"')
+
+
+def test_session_name_of_a_saved_conversation_reopens_it(ref, colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[2])).ok()
+    assert run.resumed()[1:] == (4, "s") and run.out == answers_bytes(ref[2:])
+    assert saved_users(colichat_home, "s") == Q
+
+
+def test_export_from_the_chat_and_from_the_shell(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "ex", "--system", "Be brief."],
+               lines(Q[0], Q[1], "/export", "/export", "/export other.md")).failed()
+    assert run.errors() == ["colichat: ex.md already exists: give /export another file name"]
+    answers = saved_answers(colichat_home, "ex")
+    text = (colichat_home / "ex.md").read_text("utf-8")
+    assert text.startswith("# ex\n\nModel: llama.gguf. Exported ")
+    body = text.split("\n", 4)[4]
+    assert body == "".join(f"## {h}\n\n{t.strip()}\n\n" for h, t in [
+        ("System", "Be brief."), ("User", Q[0]), ("Assistant", answers[0]), ("User", Q[1]),
+        ("Assistant", answers[1])])[:-1]
+    assert (colichat_home / "other.md").read_text("utf-8") == text
+    shell = chat(colichat_home, ["--export", "ex"]).ok()
+    assert shell.out.decode().split("\n", 4)[4] == body
+    assert chat(colichat_home, ["--export", "nosuch"]).failed().errors() == [
+        "colichat: no session named nosuch (colichat --sessions lists them)"]
+
+
+def test_sessions_from_the_shell(colichat_home):
+    assert chat(colichat_home, ["--sessions"]).ok().out == b"no saved conversations\n"
+    chat(colichat_home, [*TINY_ARGS, "--session", "one"], lines(Q[0])).ok()
+    chat(colichat_home, [*TINY_ARGS, "--session", "two"], lines(Q[1])).ok()
+    out = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
+    assert re.fullmatch(r"llama\.gguf \(llama\.gguf-[0-9a-f]{12}\):", out[0]), out
+    assert out[1].startswith("  two: 2 turns, ") and out[2].startswith("  one: 2 turns, ") and len(out) == 3

@@ -1,0 +1,46 @@
+"""Drive colichat in tmux as a person would: type keys, read the screen, wait for a state of it.
+
+    t = Tmux("python -m colichat.cli ...; echo EXITED $?; sleep 600")
+    t.type("hello"); t.keys("Enter")
+    screen = t.wait_for(lambda s: "[" in s, 60, "the footer")    # polls, never a fixed sleep
+    t.close()
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+
+
+class Tmux:
+    def __init__(self, command: str, width: int = 160, height: int = 60):
+        if shutil.which("tmux") is None:
+            raise RuntimeError("tmux is not installed (make test installs it)")
+        self.name = f"colichat-{uuid.uuid4().hex[:8]}"
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
+                        command], check=True)
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def type(self, text: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
+
+    def screen(self) -> str:
+        out = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
+                             capture_output=True, text=True, check=True)
+        return out.stdout
+
+    def wait_for(self, predicate, timeout: float = 60.0, what: str = "") -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{self.screen()}")
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
