@@ -29,10 +29,11 @@ chat: $(STAMP)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check colichat tests $(wildcard benchmarks)
 
-# The interactive tests drive the program in tmux, as a person would.
+# The interactive tests drive the program in tmux, as a person would; strace injects I/O faults.
 test: lint
-	command -v tmux >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tmux >/dev/null; }
-	$(BIN)/python -m pytest -q
+	command -v tmux >/dev/null 2>&1 && command -v strace >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq tmux strace >/dev/null; }
+	$(BIN)/python -m pytest -q -rs
 
 bench: venv
 	$(BIN)/python -m pip install -q -e '.[bench]'

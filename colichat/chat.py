@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from .engine import Model, Sampler
 from .engine.template import chat_template_for
-from .persist import CacheLayout, SessionError, Store, Turn, check_name, model_identity, slug
-from .persist.session import KV_EXT, SIDECAR_EXT
-from .settings import BY_NAME, Settings, saved_values
+from .persist import CacheLayout, SessionError, SessionExists, Store, Turn, check_name, model_identity, slug
+from .settings import BY_NAME, Settings, damaged_settings, saved_values
+from .units import format_size
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 
@@ -39,6 +39,7 @@ class TurnStats:
     stopped: str = "eog"  # eog | length | interrupt | context
     saved: bool | None = None  # None: saving is off
     save_error: str | None = None
+    save_note: str | None = None  # something the save did that the user should hear of
 
     @property
     def prefill_tps(self) -> float:
@@ -59,7 +60,7 @@ class Conversation:
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
-                 store: Store | None = None, pinned=frozenset(), save_new: bool = True):
+                 store: Store | None = None, pinned=frozenset(), save_new: bool = True, read_only: bool = False):
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
@@ -77,6 +78,7 @@ class Conversation:
         self.session_name = session_name
         self.save_new = save_new
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
+        self.read_only = read_only  # sessions can be read, not saved (a read-only file system)
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -127,12 +129,16 @@ class Conversation:
             return None
         return f"latest saved conversation: {info.describe()} (/resume to continue it)"
 
-    def check_new_session(self, name: str) -> None:
-        """Refuse at start a --session NAME that the first answer could not create (saving is on)."""
-        check_name(name)
-        base = self.store.model_dir(self.ident) / name
-        if any(os.path.lexists(f"{base}{ext}") for ext in (KV_EXT, SIDECAR_EXT)):
-            raise ChatError(f"session {name} already exists: add --resume to continue it, or choose another name")
+    def claim_session(self, name: str) -> None:
+        """Take --session NAME at start (saving is on): it is ours from now on, so a second colichat
+        started with the same name is refused before its first answer. The first answer's save
+        creates the files."""
+        try:
+            self.session = self.store.claim(self.ident, name, self.layout, self.settings.to_dict())
+        except SessionExists:
+            raise ChatError(f"session {name} already exists: add --resume to continue it, "
+                            "or choose another name") from None
+        self.session_name = name
 
     def session_names(self) -> list[str]:
         """This model's saved conversations, newest first (for Tab completion)."""
@@ -189,7 +195,7 @@ class Conversation:
             name = info.name
         if self.session and self.session.name == name:
             raise ChatError(f"already in session {name}")
-        new = self.store.open(self.ident, name, self.layout)
+        new = self.store.open(self.ident, name, self.layout, read_only=self.read_only)
         try:
             res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
         except BaseException:
@@ -204,7 +210,8 @@ class Conversation:
         self._apply_saved_settings(res.sampler)
         if self.pinned:
             self._save_settings()  # the options given now are the session's settings from now on
-        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings]
+        damaged = damaged_settings(res.sampler)
+        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
         return "\n".join(lines)
 
     def delete_session(self, name: str) -> str:
@@ -214,11 +221,11 @@ class Conversation:
         if self.session and self.session.name == name:
             raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
         freed = self.store.delete(self.ident, name)
-        return f"deleted session {name} ({freed / 1e6:.1f} MB)"
+        return f"deleted session {name} ({format_size(freed)})"
 
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
-        old = self.session.name if self.session else None
+        old = self.session.name if self.session and self.session.on_disk else None
         if self.session:
             self.session.close()
         self.session, self.session_name = None, None
@@ -250,7 +257,7 @@ class Conversation:
 
     def _save(self, stats: TurnStats) -> None:
         """Append the unsaved turns; a failure is reported and the conversation goes on in memory."""
-        if not self.store:
+        if not self.store or self.read_only:
             return
         if self.session is None and not self.save_new:
             return
@@ -262,12 +269,14 @@ class Conversation:
                 self.session_name = self.session.name
             self.session.append(self.model.cache, self.turns)
             stats.saved = True
+            stats.save_note = "; ".join(self.session.notes) or None
+            self.session.notes.clear()
         except (SessionError, OSError, ValueError) as e:
             stats.saved = False
             stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
 
     def _save_settings(self) -> None:
-        if self.session:
+        if self.session and not self.read_only:
             try:
                 self.session.save_sampler(self.settings.to_dict())
             except (SessionError, OSError):
@@ -341,6 +350,8 @@ class Conversation:
         """Long prompts (past 512 tokens) go in steps of 256: progress can be shown, and a stop
         request drops the message instead of waiting for the whole prompt."""
         step = 256 if len(ids) > 512 else len(ids)
+        if on_progress:
+            on_progress(0, len(ids))
         for i in range(0, len(ids), step):
             logits = self.model.prefill(ids[i : i + step], all_logits=False)[-1]
             if on_progress and step < len(ids):
@@ -477,7 +488,7 @@ class Conversation:
     def _cut(self, n: int, kept_turns: int) -> None:
         """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
         self.model.cache.truncate(n)
-        if self.session:
+        if self.session and not self.read_only:
             try:
                 self.session.truncate(kept_turns)
             except SessionError as e:
@@ -486,22 +497,24 @@ class Conversation:
     # --- reporting --------------------------------------------------------------------------------
 
     def footer(self, stats: TurnStats) -> str:
-        unsaved = "not saved (--no-save)" if not self.store else "not saved (/save NAME keeps it)"
+        unsaved = ("not saved (--no-save)" if not self.store else "not saved (read-only)" if self.read_only
+                   else "not saved (/save NAME keeps it)")
         saved = {None: unsaved, True: f"saved to {self.session_name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")
+        note = f"\nnote: {stats.save_note}" if stats.save_note else ""
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
                 f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
-                f"{self.model.n_ctx - self.n_tokens} left{stop}; {saved}]")
+                f"{self.model.n_ctx - self.n_tokens} left{stop}; {saved}]{note}")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache
         lines = [f"context: {self.n_tokens} of {self.model.n_ctx} tokens, {self.exchanges()} exchange(s)",
-                 f"KV cache: {cache.kv_bytes_per_token:,} bytes/token, "
-                 f"{self.n_tokens * cache.record_bytes / 1e6:.2f} MB in use"]
+                 f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
+                 f"{format_size(self.n_tokens * cache.record_bytes)} in use"]
         if self.session:
-            lines.append(f"session {self.session.name}: {self.disk_bytes() / 1e6:.2f} MB on disk")
+            lines.append(f"session {self.session.name}: {format_size(self.disk_bytes())} on disk")
         else:
             lines.append("session: not saved yet" if self.store else "session: saving is off (--no-save)")
         s = self.last_stats

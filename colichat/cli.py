@@ -4,22 +4,44 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 import signal
-import sys
-import time
 
-from . import __version__
-from .chat import ChatError, Conversation
-from .commands import dispatch, is_command, is_quit_word
-from .engine import ModelError, load
-from .inputs import inputs_of
-from .models import DefaultModelMissing, default_model_path
-from .paths import paths
-from .persist import SessionError, Store
-from .sessions import before_load, export_saved, listing
-from .settings import TABLE, SettingError, Settings
+
+def _interrupt_at_start(signum, frame):
+    _interrupt_at_start.seen = True
+    raise KeyboardInterrupt
+
+
+# The imports take most of a start (numpy, jinja2): Ctrl-C there exits 130, quietly. An interrupt
+# inside numpy's C imports becomes an ImportError (or is swallowed), so the handler notes that one came.
+_interrupt_at_start.seen, _sigint = False, signal.signal(signal.SIGINT, _interrupt_at_start)
+try:
+    import argparse
+    import contextlib
+    import os
+    import stat
+    import sys
+    import tempfile
+    import time
+
+    from . import __version__
+    from .chat import ChatError, Conversation
+    from .commands import dispatch, is_command, is_quit_word
+    from .engine import ModelError, load
+    from .inputs import inputs_of
+    from .models import DefaultModelMissing, default_model_path
+    from .paths import paths
+    from .persist import SessionError, Store, check_name
+    from .sessions import before_load, export_saved, listing
+    from .settings import TABLE, SettingError, Settings
+    from .wrap import WordWrap
+except BaseException:
+    if not _interrupt_at_start.seen:
+        raise
+if _interrupt_at_start.seen:  # raised, or swallowed by an import that tolerates failures
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+    raise SystemExit(130)
+signal.signal(signal.SIGINT, _sigint)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit")
     p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
+    p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
     return p.parse_args(argv)
@@ -55,6 +78,8 @@ def settings_from(args) -> tuple[Settings, frozenset]:
     """The settings the options give (the defaults for the others), and the names of those given."""
     given = {row.name: row.parse(getattr(args, row.name), row.option) for row in TABLE
              if getattr(args, row.name) is not None}
+    if args.expert_cache is not None and not 0 <= args.expert_cache < float("inf"):
+        raise ValueError("--expert-cache must be a number of MiB, 0 or more")
     return Settings(**given), frozenset(given)
 
 
@@ -63,22 +88,55 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+class StatusLine:
+    """One transient line on a terminal's stderr (progress, "reading ..."): shown in place and
+    cleared before anything else is printed, so it never runs into the next message. It is cut
+    to the terminal's width (a wrapped line could not be cleared). Off a terminal it shows nothing."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if not self.tty:
+            return
+        width = _columns(self.stream)
+        self.stream.write("\r\033[K" + text[: max(1, width - 1)])
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
+
+
 class App:
     """What commands act on: the conversation, and the two output streams."""
 
-    def __init__(self, conv: Conversation, interactive: bool):
+    def __init__(self, conv: Conversation, interactive: bool, status: StatusLine | None = None):
         self.conv = conv
         self.interactive = interactive
         self.quitting = False
         self.errors = 0
         self.output_closed = False  # stdout's reader went away (broken pipe)
+        self.status = status or StatusLine()
+        self.hushed = False  # Ctrl-C: the rest of the answer is not shown
+        self.wrap = WordWrap(_columns) if interactive else None  # the REPL wraps answers at word boundaries
+        self.dim = sys.stderr.isatty()  # the footer is dim, apart from the answer
 
     def say(self, line: str) -> None:
+        self.status.clear()
         say(line)
 
     def out(self, text: str) -> None:
-        if self.output_closed:
+        if self.output_closed or self.hushed:
             return
+        self.status.clear()
+        if self.wrap:
+            text = self.wrap.feed(text)
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -92,6 +150,19 @@ class App:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # a quiet flush at exit
             except (OSError, ValueError):
                 pass
+
+    def interrupted(self) -> None:
+        """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of
+        it. The terminal shows `^C` after the last word received (it does not echo while an answer
+        streams)."""
+        if not self.hushed:
+            shown = (self.wrap.flush() if self.wrap else "") + "^C"
+            if self.wrap and not self.status.shown:  # (on a status line, ^C goes with it)
+                self.wrap.col += 2
+            with contextlib.suppress(OSError, ValueError):
+                os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
+        self.conv.stop_requested = True
+        self.hushed = True
 
     def quit(self) -> None:
         self.quitting = True
@@ -113,24 +184,38 @@ class App:
             self.answer(word)
 
     def answer(self, text: str) -> None:
-        _, stats = self.conv.ask(text, on_text=self.out, on_progress=self.prefill_progress(), on_note=self.say)
-        self.out("\n")
-        self.say(self.conv.footer(stats))
+        self.status.show("reading your message ...")
+        try:
+            _, stats = self.conv.ask(text, on_text=self.out, on_progress=self._prefill_progress,
+                                      on_note=self.say)
+        finally:
+            self.hushed = False
+            if self.wrap:
+                self.out(self.wrap.flush() + "\n" if self.wrap.col or self.wrap.word else "")
+                self.wrap.reset()
+        if not self.wrap:
+            self.out("\n")
+        footer = self.conv.footer(stats)
+        self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
     def prefill_progress(self):
-        """The callback that shows how far a long prefill is (on a terminal), or None."""
-        return self._prefill_progress if sys.stderr.isatty() else None
+        """The callback that shows how far a prefill is (a status line, on a terminal)."""
+        return self._prefill_progress
 
     def _prefill_progress(self, done: int, total: int) -> None:
-        sys.stderr.write(f"\rprefill {done}/{total} tokens" + ("\n" if done == total else ""))
-        sys.stderr.flush()
+        if done == 0:
+            self.status.show(f"reading your message ({total:,} tokens) ...")
+        else:
+            self.status.show(f"reading your message: {done:,}/{total:,} tokens ...")
 
     def handle(self, line: str) -> None:
         """One input: a command or a message. Errors print one line and count."""
+        self.hushed = False
         try:
             if is_command(line):
+                self.status.show(BUSY.get(line.split(maxsplit=1)[0].lower(), "working ..."))
                 dispatch(self, line)
             elif is_quit_word(line):
                 self.quit_or_send(line)
@@ -139,6 +224,19 @@ class App:
         except (ChatError, SessionError, ModelError, SettingError, ValueError) as e:
             self.errors += 1
             self.say(f"colichat: {e}")
+        finally:
+            self.status.clear()
+
+
+def _columns(stream=None) -> int:
+    """The terminal's width (80 where it is unknown: not a terminal, or one that reports 0)."""
+    try:
+        return os.get_terminal_size((stream or sys.stdout).fileno()).columns or 80
+    except (OSError, ValueError):
+        return 80
+
+
+BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
 
 
 
@@ -164,28 +262,99 @@ def pipe_mode(app: App, inputs=None) -> int:
                 break
     except KeyboardInterrupt:
         return 130
-    finally:
-        signal.signal(signal.SIGINT, old)
+    finally:  # once interrupted, the program is ending: a further Ctrl-C must not cut its exit short
+        signal.signal(signal.SIGINT, signal.SIG_IGN if interrupted else old)
     return 1 if app.errors else 0
 
 
-def load_model(args, say):
+def check_model_file(path: str) -> None:
+    """Refuse a --model that is not a regular file (a FIFO or a device would hang the reads)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # the loader names what is wrong (no such file, permission)
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise ModelError(f"{path}: not a regular file; --model takes a GGUF file")
+
+
+def sessions_dir_problem(root) -> str | None:
+    """Why conversations cannot be saved under `root` (the sessions directory), or None: its deepest
+    existing ancestor must be a directory colichat can read, write and enter."""
+    d = os.path.abspath(root)
+    while not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        return f"{d} is not a directory"
+    if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
+        try:  # access() says no; the error of a real attempt says why (permission, read-only)
+            os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY))
+            with tempfile.TemporaryFile(dir=d):
+                pass
+        except OSError as e:
+            return f"{d}: {e.strerror or e}"
+        return f"{d}: permission denied"
+    return None
+
+
+def _cannot_save(root, problem: str) -> SessionError:
+    hint = "; --resume opens a saved one read-only" if os.access(root, os.R_OK | os.X_OK) else ""
+    return SessionError(f"cannot save conversations in {root} ({problem}); fix that, set COLICHAT_HOME "
+                        f"to a writable directory, or use --no-save{hint}")
+
+
+def check_saving(args) -> str | None:
+    """Refuse at start what would make every save fail (a bad --session name is before_load's): a
+    sessions directory (under COLICHAT_HOME) that is a file or unreadable. Returns why it cannot be
+    written, or None: `saving_mode` decides once it is known whether a saved conversation reopens."""
+    if args.session is not None:
+        check_name(args.session)
+    if args.no_save or not (args.interactive or args.session is not None or args.resume):
+        return None  # nothing will be saved (a piped run saves with --session or --resume only)
+    root = paths().data / "sessions"
+    problem = sessions_dir_problem(root)
+    if problem and not (os.path.isdir(root) and os.access(root, os.R_OK | os.X_OK)):
+        raise _cannot_save(root, problem)
+    return problem
+
+
+def saving_mode(args, problem: str | None) -> bool:
+    """True (read-only) when a saved conversation reopens from a sessions directory that can be read
+    but not written (a read-only file system), saying so; a new conversation there is refused."""
+    if not problem:
+        return False
+    if not args.resume:
+        raise _cannot_save(paths().data / "sessions", problem)
+    say(f"note: {problem}: the conversation opens read-only (you can read and continue it; nothing is saved)")
+    return True
+
+
+def model_title(name: str, path: str) -> str:
+    """The model in a few words: its general.name when that is short, else the file's name."""
+    file = os.path.basename(path)
+    stem = file[:-5] if file.lower().endswith(".gguf") else file
+    if name and name != file and len(name.split()) <= 4 and len(name) <= 40:
+        return name
+    return stem
+
+
+def load_model(args, say, status: StatusLine):
     path = args.model or default_model_path()
     t0 = time.perf_counter()
-    tty = sys.stderr.isatty()
+    name = os.path.basename(path)
+    status.show(f"loading {name} ...")  # the first start of a model reads its metadata for seconds
 
     def progress(done, total):
-        if tty:
-            sys.stderr.write(f"\rloading {os.path.basename(path)}: layer {done}/{total}")
-            sys.stderr.flush()
+        more = ", keeping the weights for the next start ..." if done == total else ""
+        status.show(f"loading {name}: layer {done}/{total}{more}")
 
     notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
                  expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics)
-    if tty:
-        sys.stderr.write("\r\033[K")
+    status.clear()
     cfg = model.cfg
-    say(f"{cfg.name} ({cfg.arch}, {cfg.n_layer} layers) from {path}, loaded in {time.perf_counter() - t0:.1f} s")
+    where = f" from {path}" if args.verbose else ""
+    say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
+        f"loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
     if model.numerics != "fast":
         say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp)")
@@ -210,8 +379,20 @@ def from_the_shell(args) -> int:
     return 0
 
 
+def interrupted() -> int:
+    """Exit status 130; further Ctrl-C are ignored while the program ends (no traceback on the way out)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return 130
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    status = StatusLine()
+
+    def say(line):  # a status line that replaces the progress shown, if any
+        status.clear()
+        print(line, file=sys.stderr, flush=True)
+
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
     try:
@@ -221,24 +402,30 @@ def main(argv=None) -> int:
         if args.sessions or args.export is not None:
             return from_the_shell(args)
         args.model = args.model or default_model_path()
+        check_model_file(args.model)
+        args.interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
+        problem = check_saving(args)
         if not args.no_save:  # what --session and --resume mean, known before the model loads
             args.resume = before_load(Store(), args.model, args.session, args.resume)
+        read_only = saving_mode(args, problem)
         interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
-        model = load_model(args, say)
+        model = load_model(args, say, status)
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
-                            save_new=interactive or args.session is not None or args.resume)
+                            save_new=interactive or args.session is not None or args.resume, read_only=read_only)
     except (ModelError, DefaultModelMissing, SessionError, SettingError, ValueError) as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
-        return 130
-    app = App(conv, interactive)
+        status.clear()
+        return interrupted()
+    app = App(conv, interactive, status)
     try:
         if args.resume:
+            status.show(BUSY["/resume"])
             say(conv.resume(args.session))
         else:
-            if args.session and not args.no_save:
-                conv.check_new_session(args.session)
+            if args.session is not None and not args.no_save:
+                conv.claim_session(args.session)
             hint = conv.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
@@ -253,7 +440,7 @@ def main(argv=None) -> int:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
-        return 130
+        return interrupted()
     finally:
         conv.close()
 

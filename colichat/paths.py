@@ -2,6 +2,8 @@
 
 COLICHAT_HOME, when set, holds all three as data/, state/ and cache/ (tests use it); otherwise the
 XDG directories from platformdirs (~/.local/share/colichat, ~/.local/state/colichat, ~/.cache/colichat).
+Every directory colichat creates is 0700 and every file 0600, whatever the umask: conversations are
+private (`private_dir`, `private_file`).
 """
 
 from __future__ import annotations
@@ -27,3 +29,32 @@ def paths() -> Paths:
 
     return Paths(Path(platformdirs.user_data_dir("colichat")), Path(platformdirs.user_state_dir("colichat")),
                  Path(platformdirs.user_cache_dir("colichat")))
+
+
+def private_dir(directory) -> Path:
+    """Create the missing directories down to `directory`, each mode 0700 (an existing one is left
+    as it is). OSError if one cannot be made."""
+    directory = Path(directory)
+    missing = []
+    d = directory
+    while not os.path.lexists(d):
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
+    return directory
+
+
+def private_file(path, flags: int) -> int:
+    """The `opener` for open(): files created mode 0600 whatever the umask."""
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd

@@ -1,22 +1,34 @@
 """The interactive terminal: a prompt_toolkit session with history, Tab completion of commands,
-Esc-Enter or a \"\"\" block for multi-line input, streaming answers, Ctrl-C to stop an answer.
+multi-line input (Esc-Enter, or a \"\"\" block), streaming answers, Ctrl-C to stop an answer.
+
+Multi-line input is one prompt_toolkit buffer: Enter inside an open \"\"\" block inserts a newline,
+so a block is one entry in the history (Up recalls it whole) and its lines show a `... ` prompt.
+While an answer streams the terminal does not echo: keys typed then wait in the terminal's input
+queue and become the start of the next prompt (type-ahead, as in a shell).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import signal
+import sys
 
 from prompt_toolkit import PromptSession
+from prompt_toolkit.application.current import get_app
 from prompt_toolkit.completion import Completer, Completion
+from prompt_toolkit.filters import Condition
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
 from . import inputs
 from .commands import completions
-from .paths import paths
+from .paths import paths, private_dir, private_file
 
 PROMPT = "> "
 CONTINUATION = "... "
+FENCE = inputs.FENCE
 
 
 class SlashCompleter(Completer):
@@ -33,12 +45,38 @@ class SlashCompleter(Completer):
             yield Completion(option, start_position=-len(text))
 
 
+def open_block(text: str) -> bool:
+    """Whether `text` is a \"\"\" block still waiting for its closing \"\"\" line."""
+    lines = text.split("\n")
+    return lines[0].strip() == FENCE and (len(lines) == 1 or lines[-1].strip() != FENCE)
+
+
 def _bindings() -> KeyBindings:
     kb = KeyBindings()
+    in_block = Condition(lambda: open_block(get_app().current_buffer.text))
 
     @kb.add("escape", "enter")
     def _newline(event):
         event.current_buffer.insert_text("\n")
+
+    @kb.add("enter", filter=in_block)
+    def _block_newline(event):
+        event.current_buffer.insert_text("\n")
+
+    @kb.add("c-d", filter=in_block)
+    def _end_block(event):
+        """Ctrl-D in a block ends it (the closing line is added, so the history holds a whole block)."""
+        buf = event.current_buffer
+        buf.text = buf.text.rstrip("\n") + "\n" + FENCE
+        buf.validate_and_handle()
+
+    @kb.add("c-c")
+    def _interrupt(event):
+        """Ctrl-C at the prompt drops the line, which stays on screen marked `^C` (as in a shell)."""
+        buf = event.current_buffer
+        buf.text += "^C"
+        buf.cursor_position = len(buf.text)
+        event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
 
     return kb
 
@@ -46,40 +84,77 @@ def _bindings() -> KeyBindings:
 def _history():
     """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails."""
     try:
-        state = paths().state
-        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        state = private_dir(paths().state)
+        os.close(private_file(state / "history", os.O_WRONLY | os.O_CREAT | os.O_APPEND))  # 0600 before use
         return FileHistory(str(state / "history"))
     except OSError:
         return InMemoryHistory()
 
 
+def _continuation(width, line_number, wrap_count):
+    return CONTINUATION
+
+
+def make_session(app) -> PromptSession:
+    return PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
+                         complete_while_typing=False, prompt_continuation=_continuation)
+
+
 def read_input(session: PromptSession) -> str:
-    """One input: a line, an Esc-Enter multi-line text, or a \"\"\" block (inputs.read_input)."""
-    return inputs.read_input(lambda in_block: session.prompt(CONTINUATION if in_block else PROMPT))
+    """One input: a line, an Esc-Enter multi-line text, or a \"\"\" block (as a Message, even if
+    it starts with "/"; an empty block is the empty input)."""
+    text = session.prompt(PROMPT)
+    if text.split("\n", 1)[0].strip() != FENCE:
+        return text
+    found = list(inputs.inputs_of(io.StringIO(text)))  # the one reader of \"\"\" blocks
+    return found[0] if found else ""
+
+
+@contextlib.contextmanager
+def keys_wait():
+    """No echo and no line editing on the terminal outside prompt_toolkit's prompts (while an answer
+    streams): typed keys wait in the input queue for the next prompt. Ctrl-C still raises SIGINT."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        old = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    new = list(old)
+    new[3] &= ~(termios.ECHO | termios.ICANON)
+    new[6] = list(old[6])
+    new[6][termios.VMIN], new[6][termios.VTIME] = 1, 0
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, new)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            termios.tcsetattr(fd, termios.TCSANOW, old)  # TCSANOW: the typed-ahead keys stay queued
 
 
 def run(app) -> int:
     """The REPL loop until Ctrl-D or /quit."""
-    session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
-                            complete_while_typing=False)
-    app.say('Type a message, /help for commands, Esc-Enter for a newline, Ctrl-D to quit.')
+    session = make_session(app)
+    app.say(f'Type a message, /help for commands, Esc-Enter or a {FENCE} line for several lines, Ctrl-D to quit.')
 
     def on_sigint(signum, frame):
-        app.conv.stop_requested = True  # ends the answer after the current token
+        app.interrupted()  # ^C shown; the answer ends after the current token and shows nothing more
 
-    while not app.quitting:
-        try:
-            text = read_input(session)
-        except KeyboardInterrupt:
-            app.say("(input cleared; Ctrl-D or /quit exits)")
-            continue
-        except EOFError:
-            break
-        old = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            app.handle(text)
-        except KeyboardInterrupt:
-            app.say("(interrupted)")
-        finally:
-            signal.signal(signal.SIGINT, old)
+    with keys_wait():  # also between prompts: a key typed as a prompt ends is never echoed out of place
+        while not app.quitting:
+            try:
+                text = read_input(session)  # prompt_toolkit's own terminal mode while it reads
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                break
+            old = signal.signal(signal.SIGINT, on_sigint)
+            try:
+                app.handle(text)
+            except KeyboardInterrupt:
+                app.say("(interrupted)")
+            finally:
+                signal.signal(signal.SIGINT, old)
     return 0

@@ -152,6 +152,15 @@ class Settings:
         return SamplerSettings(**{k: self._values[k] for k in SAMPLER_KEYS})
 
 
+def damaged_settings(d) -> list[str]:
+    """One line naming the settings of a sidecar's "sampler" object that `saved_values` skips (a wrong
+    type or a value out of range: a damaged session), or none."""
+    good = saved_values(d)
+    bad = [f"{k} {v!r}" for k, v in (d.items() if isinstance(d, dict) else ()) if k in BY_NAME and k not in good]
+    return [f"the session's saved settings are damaged ({', '.join(bad)}); kept the current values of those"] \
+        if bad else []
+
+
 def saved_values(d) -> dict:
     """The usable settings of a sidecar's "sampler" object; a damaged or unknown entry is skipped."""
     out = {}

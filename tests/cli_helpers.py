@@ -5,6 +5,7 @@
     r.ok() / r.failed()            assert the exit code, no traceback; return r
     saved_turns(home, name)        [(role, text), ...] from the session's sidecar
     answers_bytes(texts)           what stdout must hold for these answers
+    unprivileged(), read_only(dir) command prefixes: file permissions apply; dir mounted read-only
     copy_gguf(src, dst, ...)       a GGUF rewritten with a key or tensor dropped, or another architecture
 """
 
@@ -64,16 +65,44 @@ class Run:
 
 def env_for(home, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONIOENCODING"}
-    env.update(COLICHAT_HOME=str(home), **extra)
+    env.update({"COLICHAT_HOME": str(home), **extra})
     return env
 
 
-def chat(home, args, stdin: str | bytes = "", timeout: float = 300, env_extra=None, **popen) -> Run:
-    """Run colichat with `args`, feed `stdin`, wait for it to exit."""
+def chat(home, args, stdin: str | bytes = "", timeout: float = 300, env_extra=None, prefix=(), **popen) -> Run:
+    """Run colichat with `args` (after the command `prefix`, e.g. `unprivileged()`), feed `stdin`, wait."""
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    p = subprocess.run([*CHAT, *map(str, args)], input=data, capture_output=True, timeout=timeout,
+    p = subprocess.run([*prefix, *CHAT, *map(str, args)], input=data, capture_output=True, timeout=timeout,
                        env=env_for(home, **(env_extra or {})), cwd=str(home), **popen)
     return Run(p.returncode, p.stdout, p.stderr.decode("utf-8", "replace"))
+
+
+def _usable(prefix: list[str]) -> list[str]:
+    """`prefix` if a command runs under it here; else the test is skipped, saying what is missing."""
+    import pytest
+
+    try:
+        p = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        pytest.skip(f"{prefix[0]} cannot run here ({e})")
+    if p.returncode != 0:
+        pytest.skip(f"{' '.join(prefix)} does not work here: {p.stderr.strip()}")
+    return prefix
+
+
+def unprivileged() -> list[str]:
+    """A command prefix under which file permissions apply: as root, a user namespace in which the
+    process is uid 1000 (execve drops its capabilities), so a mode-000 directory is refused."""
+    if os.geteuid() != 0:
+        return []
+    return _usable(["unshare", "--user", "--map-user=1000", "--map-group=1000"])
+
+
+def read_only(directory) -> list[str]:
+    """A command prefix that runs the command with `directory` remounted read-only (a private mount
+    namespace: nothing outside sees it)."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    return _usable(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, str(directory)])
 
 
 def start(home, args, **popen) -> subprocess.Popen:

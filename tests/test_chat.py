@@ -70,16 +70,24 @@ def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt
 
 
 def test_system_prompt_change_waits_for_the_next_conversation(model):
-    model.reset()
-    conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
-    conv.ask("hello")
-    rows = model.cache.length
-    assert "next conversation" in conv.set_option("system", "Be brief.")
-    assert conv.settings.system is None and conv.options()["system (next)"] == "Be brief."
-    conv.ask("more")
-    assert model.cache.token_ids()[:rows] == conv.model.cache.token_ids()[:rows] and conv.turns[0].first == 0
+    def run(system_midway: bool) -> tuple[Conversation, list[int]]:
+        model.reset()
+        conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
+        conv.ask("hello")
+        if system_midway:
+            assert "next conversation" in conv.set_option("system", "Be brief.")
+            assert conv.settings.system is None and conv.options()["system (next)"] == "Be brief."
+        conv.ask("more")
+        return conv, model.cache.token_ids()
+
+    plain = run(False)[1]  # an independent run that never heard of the system prompt
+    conv, ids = run(True)
+    assert ids == plain and conv.turns[0].first == 0  # the prompt set midway changed no token
     conv.reset()
     assert conv.settings.system == "Be brief." and "system (next)" not in conv.options()
+    conv.ask("hello")  # the next conversation reads it
+    prompt = model.tokenizer.decode(model.cache.token_ids()[: conv.turns[0].last])
+    assert "Be brief." in prompt and "Be brief." not in model.tokenizer.decode(plain)
 
 
 def test_rewritten_history_is_saved_and_resumes(model, colichat_home):

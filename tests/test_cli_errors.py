@@ -7,6 +7,7 @@ that cannot be written is reported after each answer ("NOT saved: ...") and the 
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 
@@ -20,11 +21,13 @@ from cli_helpers import (
     copy_gguf,
     finish,
     lines,
+    read_only,
     read_until,
     saved_answers,
     saved_users,
     session_files,
     start,
+    unprivileged,
 )
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
@@ -40,6 +43,11 @@ def _missing(d):
 def _directory(d):
     (d / "model.gguf").mkdir()
     return d / "model.gguf", "is a directory"
+
+
+def _fifo(d):
+    os.mkfifo(d / "pipe.gguf")  # nothing ever writes to it: reading it would wait forever
+    return d / "pipe.gguf", "not a regular file; --model takes a GGUF file"
 
 
 def _not_gguf(d):
@@ -79,7 +87,7 @@ def _arch(name):
 
 
 BAD_MODELS = {
-    "missing": _missing, "directory": _directory, "not-gguf": _not_gguf, "empty": _empty,
+    "missing": _missing, "directory": _directory, "fifo": _fifo, "not-gguf": _not_gguf, "empty": _empty,
     "truncated-header": _truncated(3000), "truncated-data": _truncated(5_000_000),
     "missing-key": _missing_key, "missing-tensor": _missing_tensor,
     "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("deepseek2-ocr"),
@@ -113,8 +121,14 @@ BAD_OPTIONS = {
     "negative-seed": (["--seed", "-1"], "seed must be >= 0"),
     "max-tokens": (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     "tiny-ctx": (["--ctx", "8"], "context size 8 is too small"),
+    "huge-ctx": (["--ctx", "99999999"], "context size 99,999,999 is above the 2,048 tokens this model was "
+                 "trained for; use at most 2,048"),
+    "nan-expert-cache": (["--expert-cache", "nan"], "--expert-cache must be a number of MiB, 0 or more"),
+    "negative-expert-cache": (["--expert-cache", "-5"], "--expert-cache must be a number of MiB, 0 or more"),
+    "infinite-expert-cache": (["--expert-cache", "inf"], "--expert-cache must be a number of MiB, 0 or more"),
     "empty-prompt": (["-p", " "], "-p/--prompt needs a message"),
     "bad-session-name": (["--session", "../up"], "invalid session name '../up'"),
+    "empty-session-name": (["--session", ""], "invalid session name ''"),
     "resume-nothing": (["--resume"], "no saved conversation for this model yet"),
     "resume-unknown": (["--resume", "--session", "nosuch"], "no session named nosuch"),
     "resume-without-saving": (["--resume", "--no-save"], "saving is off (--no-save): nothing to resume"),
@@ -129,6 +143,22 @@ def test_bad_option(kind, colichat_home):
     [line] = run.errors()
     assert problem in line, line
     assert session_files(colichat_home) == []
+
+
+def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeypatch):
+    from colichat import engine
+    from colichat.engine import ModelError, load
+
+    record = 4 + 4 * 4 * 2 * 64  # the tiny llama's KV record: token id + 4 layers x (K, V) x 64 floats
+    have = engine.dense_f32_bytes(load(TINY_LLAMA, n_ctx=16).tensors) + 100 * record  # 100 tokens fit
+    monkeypatch.setattr(engine, "available_memory", lambda: have)
+    with pytest.raises(ModelError) as e:
+        load(TINY_LLAMA, n_ctx=2048)
+    msg = str(e.value)
+    assert msg == ("context size 2,048 needs 4 MiB for its KV cache, but only 9 MiB of memory is available "
+                   "and the weights take 9 MiB; use at most 100 tokens")
+    fits = int(msg.rsplit("use at most ", 1)[1].split()[0])
+    assert load(TINY_LLAMA, n_ctx=fits).n_ctx == fits  # the number it gives does load
 
 
 def test_a_session_name_that_cannot_exist_is_refused_before_the_model_loads(colichat_home):
@@ -202,6 +232,46 @@ def test_session_of_another_model_is_refused(tmp_path, colichat_home):
     assert mine.resumed()[1:] == (2, "mine")
 
 
+def test_deeply_nested_sidecar_is_reported_as_damage(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
+    side.write_text("[" * 100_000 + "]" * 100_000)  # valid JSON, nested past Python's recursion limit
+    start = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()  # every start lists the sessions
+    assert "latest saved conversation: s: 0 turns" in start.err
+    run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).failed()
+    assert run.errors() == [f"colichat: sidecar {side} is damaged (not a colichat sidecar); move {side} aside "
+                            "to load the cache as one imported turn"]
+
+
+BAD_SETTINGS = {
+    "seed": (1.5, "seed must be a whole number, not 1.5"),
+    "top_k": (2.5, "top_k must be a whole number, not 2.5"),
+    "repeat_last_n": (1.5, "repeat_last_n must be a whole number, not 1.5"),
+    "temperature": ("hot", "temperature must be a finite number"),
+    "repeat_penalty": (True, "repeat_penalty must be a finite number"),
+    "min_p": (7, "min_p must be in [0, 1)"),
+    "max_tokens": (0, "max_tokens must be a whole number >= 1, not 0"),
+    "system": (["a", "list"], "system must be text"),
+}
+
+
+@pytest.mark.parametrize("key", BAD_SETTINGS)
+def test_bad_saved_setting_is_reported_as_damage_and_not_used(key, colichat_home):
+    import json
+
+    value, problem = BAD_SETTINGS[key]
+    first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
+    [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
+    doc = json.loads(side.read_text())
+    doc["sampler"][key] = value
+    doc["turns"] = doc["turns"][:2]  # the second exchange again, with the settings now in force
+    side.write_text(json.dumps(doc))
+    run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/show")).ok()
+    assert f"warning: the session's saved settings are damaged ({key} {value!r}); kept the current values " \
+        "of those" in run.err.splitlines(), problem
+    assert run.out == first.out.split(b"\n", 1)[1]  # greedy (from the command line): the same answer
+
+
 def test_second_colichat_on_the_same_session_is_refused(colichat_home):
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     first = start(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"])  # waits on stdin
@@ -253,22 +323,80 @@ def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
     assert saved_answers(colichat_home, "s") == ref[:2]
 
 
-def test_session_directory_blocked_by_a_file(colichat_home):
+def test_session_directory_blocked_by_a_file_is_refused_at_start(colichat_home):
     (colichat_home / "data").mkdir()
     (colichat_home / "data" / "sessions").write_text("in the way\n")
     run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1], "/sessions")).failed()
-    f = run.footers()
-    assert len(f) == 2 and all("NOT saved: cannot create session directory " in x and "Not a directory" in x
-                               for x in f), f
-    assert run.out.count(b"\n") >= 2 and "no saved sessions for this model" in run.err
-    assert (colichat_home / "data" / "sessions").read_text() == "in the way\n"
+    assert run.out == b"" and run.footers() == []  # nothing answered: said before the first question
+    sessions = colichat_home / "data" / "sessions"
+    assert run.errors() == [f"colichat: cannot save conversations in {sessions} ({sessions} is not a directory); "
+                            "fix that, set COLICHAT_HOME to a writable directory, or use --no-save"]
+    assert sessions.read_text() == "in the way\n"
+    chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()  # the way out it names
+
+
+def test_colichat_home_that_is_a_file_is_refused_at_start(tmp_path):
+    home = tmp_path / "home"
+    home.write_text("not a directory\n")
+    run = chat(tmp_path, [*TINY_ARGS, "--session", "s"], lines(Q[0]), env_extra={"COLICHAT_HOME": str(home)}).failed()
+    assert run.out == b"" and run.footers() == []
+    [line] = run.errors()
+    assert line.startswith(f"colichat: cannot save conversations in {home}/data/sessions ({home} is not a "
+                           "directory)"), line
+    assert home.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("mode", [0o500, 0o000], ids=["unwritable", "unreadable"])
+def test_sessions_directory_without_permission_is_refused_at_start(mode, colichat_home):
+    prefix = unprivileged()
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    sessions = colichat_home / "data" / "sessions"
+    sessions.chmod(mode)
+    try:
+        for args in (["--session", "t"],) if mode else (["--resume"], ["--session", "t"]):
+            run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[1], "/sessions"), prefix=prefix).failed()
+            assert run.out == b"" and run.footers() == [], run.err
+            [line] = run.errors()
+            assert line.startswith(f"colichat: cannot save conversations in {sessions} ({sessions}: "
+                                   "Permission denied); "), line
+        if mode:  # readable: --resume opens it read-only, as on a read-only file system
+            run = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[1]), prefix=prefix).ok()
+            assert run.err.startswith(f"note: {sessions}: Permission denied: the conversation opens read-only")
+            assert run.footers()[0].endswith("; not saved (read-only)]")
+    finally:
+        sessions.chmod(0o700)
+    assert saved_users(colichat_home, "s") == [Q[0]]
+
+
+def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_home):
+    first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    before = {p: p.read_bytes() for p in session_files(colichat_home)}
+    ro = read_only(colichat_home)
+    run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/rewind", Q[2], "/history"),
+               prefix=ro).ok()
+    sessions = colichat_home / "data" / "sessions"
+    assert run.err.startswith(f"note: {sessions}: Read-only file system: the conversation opens read-only (you "
+                              "can read and continue it; nothing is saved)\n"), run.err
+    assert run.resumed()[1:] == (2, "s")
+    assert f"user> {Q[0]}" in run.err and f"user> {Q[2]}" in run.err
+    assert len(run.footers()) == 2 and all(f.endswith("; not saved (read-only)]") for f in run.footers())
+    assert run.errors() == []
+    # a new conversation there is refused at start, saying how to read the saved ones
+    new = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(Q[0]), prefix=ro).failed()
+    assert new.errors() == [f"colichat: cannot save conversations in {sessions} ({sessions}: Read-only file "
+                            "system); fix that, set COLICHAT_HOME to a writable directory, or use --no-save; "
+                            "--resume opens a saved one read-only"]
+    assert {p: p.read_bytes() for p in session_files(colichat_home)} == before
+    # and the same conversation, writable again, answers the same
+    again = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).ok()
+    assert again.out == run.out.split(b"\n")[0] + b"\n" and first.out
 
 
 # ---- the output side ----------------------------------------------------------------------------
 
 
 def test_closed_stdout_stops_quietly_and_keeps_the_answer(colichat_home):
-    p = start(colichat_home, ["--model", TINY_LLAMA, *GREEDY, "--ctx", "8192", "--max-tokens", "8000",
+    p = start(colichat_home, ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000",
                               "--session", "s"])
     p.stdin.write(lines("hello", "not answered").encode())
     p.stdin.close()

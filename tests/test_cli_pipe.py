@@ -11,7 +11,10 @@ Tests marked default_model run the real SmolLM2-135M-Instruct (a few seconds per
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
+import sys
 
 import pytest
 from cli_helpers import (
@@ -20,6 +23,7 @@ from cli_helpers import (
     TINY_LLAMA,
     answers_bytes,
     chat,
+    env_for,
     finish,
     lines,
     read_until,
@@ -31,7 +35,9 @@ from cli_helpers import (
 )
 
 from colichat import __version__
+from colichat.cli import model_title
 from colichat.commands import COMMANDS
+from colichat.units import format_size
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 
@@ -57,14 +63,14 @@ def test_conversation_stdout_holds_only_the_answers(tiny_ref):
     assert saved_users(home, "a") == Q and len(answers) == 3
     assert run.out == answers_bytes(answers)
     err = run.err.splitlines()
-    assert err[0].startswith("llama.gguf (llama, 4 layers) from " + TINY_LLAMA)
+    assert err[0].startswith("llama (llama, 4 layers), loaded in ")  # the file's name; its path with --verbose
     footers = run.footers()
     assert len(footers) == 3 and all(f.endswith("; saved to a]") for f in footers)
     contexts = [int(f.split("context ")[1].split("/")[0]) for f in footers]
     assert contexts == sorted(contexts) and contexts[-1] < 2048
     assert [line for line in err if line.startswith("user> ")] == [f"user> {q}" for q in Q]
     assert f"context: {contexts[-1]} of 2048 tokens, 3 exchange(s)" in err
-    assert any(line.startswith("session a: ") and line.endswith("MB on disk") for line in err)
+    assert any(line.startswith("session a: ") and line.endswith(("KiB on disk", "MiB on disk")) for line in err)
     assert run.errors() == []
 
 
@@ -190,6 +196,33 @@ def test_no_save_writes_nothing(tiny_ref, colichat_home):
     assert [p for p in colichat_home.rglob("*") if p.relative_to(colichat_home).parts[0] != "cache"] == []
 
 
+def test_banner_names_the_model_in_a_few_words_and_sizes_use_one_unit_style(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "u"], lines(Q[0], "/stats", "/sessions")).ok()
+    err = run.err.splitlines()
+    assert re.fullmatch(r"llama \(llama, 4 layers\), loaded in [\d.]+ s", err[0])
+    assert TINY_LLAMA not in run.err
+    verbose = chat(colichat_home, [*TINY_ARGS, "--no-save", "--verbose"], "").ok()
+    assert re.fullmatch(rf"llama \(llama, 4 layers\) from {re.escape(TINY_LLAMA)}, loaded in [\d.]+ s",
+                        verbose.err.splitlines()[0])
+    # binary units everywhere: the memory line, /stats, /sessions
+    assert re.search(r"\d ?[kKMGT]B\b|bytes/token|\d B/token", run.err) is None, run.err
+    assert re.search(r"KV [\d.]+ KiB/token x 2,048", err[1])
+    assert re.search(r"^KV cache: [\d.]+ KiB/token, [\d.]+ KiB in use$", run.err, re.M)
+    assert re.search(r"^\* u: 2 turns, \d+ tokens, [\d.]+ (KiB|MiB), ", run.err, re.M)
+
+
+def test_model_title():
+    assert model_title("Smollm2 135M 8k Lc100K Mix1 Ep2", "/m/SmolLM2-135M-Instruct.Q4_1.gguf") == \
+        "SmolLM2-135M-Instruct.Q4_1"
+    assert model_title("DeepSeek-V2-Lite-Chat", "/m/x.gguf") == "DeepSeek-V2-Lite-Chat"
+    assert model_title("x.gguf", "/m/x.gguf") == "x"
+
+
+def test_format_size():
+    assert [format_size(n) for n in (0, 1023, 1024, 46_084, 3 << 20, 5.2 * (1 << 30))] == \
+        ["0 B", "1023 B", "1.0 KiB", "45.0 KiB", "3.0 MiB", "5.2 GiB"]
+
+
 def test_version_and_help_options(colichat_home):
     run = chat(colichat_home, ["--version"]).ok()
     assert run.out == f"colichat {__version__}\n".encode()
@@ -225,7 +258,7 @@ def check_interrupted(home, run, name: str, question: str):
     return answer
 
 
-LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "8192", "--max-tokens", "8000"]  # "hello": thousands of tokens
+LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000"]  # "hello": thousands of tokens
 
 
 def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
@@ -239,6 +272,30 @@ def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
 def test_interrupt_in_one_shot_mode(colichat_home):
     run = interrupt_after_first_output(colichat_home, [*LONG, "--session", "p", "-p", "hello"])
     check_interrupted(colichat_home, run, "p", "hello")
+
+
+def test_double_interrupt_during_an_answer_exits_130(colichat_home):
+    p = start(colichat_home, [*LONG, "--session", "s"])
+    p.stdin.write(lines("hello", "not answered").encode())
+    p.stdin.flush()
+    head = read_until(p.stdout)
+    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGINT)  # the second one stops at once, wherever the program is
+    run = finish(p, head).exits(130)
+    assert run.errors() == []
+
+
+def test_double_interrupt_while_starting_exits_130(colichat_home):
+    """Ctrl-C twice during the imports (most of a start): exit 130, no traceback. `-X importtime`
+    reports each import as it ends, so the signals arrive while numpy is being imported."""
+    p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "colichat.cli", *TINY_ARGS],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env_for(colichat_home), cwd=str(colichat_home))
+    head = read_until(p.stderr, b"numpy._core")  # a module numpy imports first
+    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGINT)
+    run = finish(p, head_err=head).exits(130)
+    assert run.out == b"" and "loaded in" not in run.err
 
 
 # ---- the default model (SmolLM2-135M-Instruct) ----------------------------------------------------

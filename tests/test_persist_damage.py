@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-from persist_helpers import IDENT, OTHER_IDENT, build, layout_of, make_cache, plan, snapshot
+from persist_helpers import IDENT, OTHER_IDENT, build, layout_of, make_cache, snapshot
 
 import colichat.persist.kvfile as kvfile
 from colichat.persist import SessionError, Store
@@ -92,10 +92,16 @@ def test_bit_flip_in_records_drops_that_turn_and_later(saved):
     assert len(res.warnings) == 1 and "checksum" in res.warnings[0] and "turns 3-5" in res.warnings[0]
 
 
-def test_bit_flip_in_header_is_refused(saved):
+def test_bit_flip_in_header_is_reported_as_damage(saved):
+    """The sidecar's fingerprint says this model saved the session: a header that disagrees is damaged."""
     store, directory, _, _ = saved
     patch_file(directory / "d.coli_kv", 8, struct.pack("<i", 3 ^ 0x40))
-    with pytest.raises(SessionError, match="another model"):
+    with pytest.raises(SessionError) as e:
+        load(store)
+    assert str(e.value) == (f"session d is damaged: the header of {directory / 'd.coli_kv'} disagrees with its "
+                            "sidecar (n_layer 67 (sidecar: 3)); it cannot be loaded")
+    patch_file(directory / "d.coli_kv", 0, b"COLIGQA\0")  # a valid magic of the other kind: damage too
+    with pytest.raises(SessionError, match=r"session d is damaged: .*\(kind gqa \(sidecar: mla\), n_layer 67"):
         load(store)
 
 
@@ -238,43 +244,127 @@ def test_repair_happens_on_the_next_save_only(saved):
     check_prefix(res, cache, turns, original, N_TURNS)
 
 
-def test_random_damage_never_crashes(saved):
-    """Random byte edits anywhere in the KV file: a refusal or a prefix of the real turns."""
+def test_a_changed_byte_in_a_turn_text_drops_that_turn_with_a_warning(saved):
+    store, directory, turns, original = saved
+    data = (directory / "d.json").read_bytes()
+    pos = data.index(b"turn 2: h\xc3\xa9llo") + len("turn 2: h\xc3\xa9l")
+    (directory / "d.json").write_bytes(data[:pos] + b"k" + data[pos + 1 :])  # "héllo" -> "hélko"
+    res, cache = load(store)
+    check_prefix(res, cache, turns, original, 2)
+    assert res.warnings == ["sidecar turn 3 is damaged (its role, text or span does not match its checksum): "
+                            "dropped it and 2 later"]
+
+
+def test_changed_settings_in_the_sidecar_are_not_restored(colichat_home):
+    cache = make_cache("mla")
+    turns = build(cache, 2)
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="d", sampler={"temperature": 0.7}) as sess:
+        sess.append(cache, turns)
+    path = store.model_dir(IDENT) / "d.json"
+    path.write_bytes(path.read_bytes().replace(b'"temperature": 0.7', b'"temperature": 0.3'))
+    res, loaded = load(store)
+    assert res.turns == turns and res.sampler == {}
+    assert res.warnings == ["the sidecar's settings do not match their checksum: the saved sampler settings "
+                            "were not restored"]
+
+
+def expected_kv_outcome(good: bytes, data: bytes, changed: set[int], turns) -> int | None:
+    """What loading a damaged KV file must give: None (refused) or the number of turns kept, from the
+    format alone: the header's fixed fields must match the model, nrec bounds the records, only whole
+    records count, and a turn with a changed byte in its records goes with all later ones."""
+    if len(data) < 40 or any(p < 32 for p in changed):
+        return None
+    nrec = struct.unpack_from("<i", data, kvfile.NREC_OFFSET)[0]
+    if nrec < 0:
+        return None
+    avail = min(nrec, (len(data) - 40) // RB)
+    bad = {(p - 40) // RB for p in changed if p >= 40}
+    kept = 0
+    for t in turns:
+        if t.last > avail or any(r in bad for r in range(t.first, t.last)):
+            break
+        kept += 1
+    return kept
+
+
+def test_random_kv_damage_loads_exactly_the_undamaged_turns(saved):
+    """Random byte edits (and cuts) anywhere in the KV file: refused exactly when the header's fixed
+    fields changed, else exactly the turns before the first damaged one, with their true records."""
     store, directory, turns, original = saved
     good = (directory / "d.coli_kv").read_bytes()
     rng = np.random.default_rng(5)
+    outcomes = {"refused": 0, "partial": 0, "whole": 0}
     for _ in range(150):
-        data = bytearray(good)
+        data, changed = bytearray(good), set()
         for _ in range(int(rng.integers(1, 4))):
             pos = int(rng.integers(0, len(data)))
-            data[pos] = int(rng.integers(0, 256))
+            new = int(rng.integers(0, 256)) if rng.random() < 0.5 else data[pos] ^ (1 << int(rng.integers(0, 8)))
+            if new != good[pos]:
+                changed.add(pos)
+            data[pos] = new
         if rng.random() < 0.3:
             data = data[: int(rng.integers(0, len(data)))]
+            changed = {p for p in changed if p < len(data)}
         (directory / "d.coli_kv").write_bytes(bytes(data))
+        expected = expected_kv_outcome(good, bytes(data), changed, turns)
         try:
             res, cache = load(store)
         except SessionError:
+            assert expected is None, (sorted(changed), len(data))
+            outcomes["refused"] += 1
             continue
         k = len(res.turns)
-        assert res.turns == plan(N_TURNS)[:k] == turns[:k]
-        n = res.tokens
-        assert cache.raw(0, n).tobytes() == original.raw(0, n).tobytes()
+        assert k == expected, (sorted(changed), len(data), res.warnings)
+        assert res.turns == turns[:k]
+        assert cache.raw(0, res.tokens).tobytes() == original.raw(0, res.tokens).tobytes()
+        assert (k < N_TURNS) <= bool(res.warnings)  # a shortened load always says why
+        outcomes["partial" if 0 < k < N_TURNS else "whole" if k == N_TURNS else "refused"] += 1
+    assert outcomes["partial"] >= 30 and outcomes["refused"] >= 5, outcomes
 
 
-def test_random_sidecar_damage_never_crashes(saved):
-    store, directory, turns, _ = saved
+def turn_of_byte(sidecar: bytes, pos: int) -> int | None:
+    """The index of the sidecar turn whose JSON object holds byte `pos` (None: outside the turns)."""
+    starts = [sidecar.rfind(b"{", 0, i) for i in range(len(sidecar)) if sidecar.startswith(b'"role"', i)]
+    if pos < starts[0]:
+        return None
+    return max(i for i, st in enumerate(starts) if st <= pos)
+
+
+def test_random_sidecar_damage_never_loads_wrong_turns(saved):
+    """A changed byte anywhere in the sidecar (a flipped bit or a random byte): refused, or the turns
+    before the damaged one with their true role, text and records, or (a byte JSON does not see, like
+    one blank for another) everything; a load that differs from the saved document always warns."""
+    store, directory, turns, original = saved
     good = (directory / "d.json").read_bytes()
+    good_doc = json.loads(good)
     rng = np.random.default_rng(6)
-    for _ in range(150):
+    outcomes = {"refused": 0, "partial": 0, "whole": 0}
+    for _ in range(300):
         data = bytearray(good)
         pos = int(rng.integers(0, len(data)))
-        data[pos] = int(rng.integers(0, 256))
+        data[pos] = int(rng.integers(0, 256)) if rng.random() < 0.5 else data[pos] ^ (1 << int(rng.integers(0, 8)))
+        if data == good:
+            continue
         (directory / "d.json").write_bytes(bytes(data))
         try:
-            res, _ = load(store)
+            res, cache = load(store)
         except SessionError:
+            outcomes["refused"] += 1
             continue
-        assert [(t.first, t.last) for t in res.turns] == [(t.first, t.last) for t in turns[: len(res.turns)]]
+        k = len(res.turns)
+        assert res.turns == turns[:k], (pos, data[pos - 20 : pos + 20])
+        assert cache.raw(0, res.tokens).tobytes() == original.raw(0, res.tokens).tobytes()
+        try:
+            same = json.loads(bytes(data)) == good_doc
+        except ValueError:
+            same = False
+        assert same or res.warnings, (pos, bytes(data[pos - 20 : pos + 20]))  # never silently different
+        i = turn_of_byte(good, pos)
+        if i is not None and not same:
+            assert k == i, (pos, k, i, res.warnings)  # the damaged turn and those after it go
+        outcomes["partial" if 0 < k < N_TURNS else "whole" if k == N_TURNS else "refused"] += 1
+    assert outcomes["partial"] >= 30 and outcomes["refused"] >= 5, outcomes
 
 
 def test_saved_token_outside_the_vocabulary_drops_its_turn(colichat_home):

@@ -137,12 +137,43 @@ def test_sidecar_contents(colichat_home):
         sess.append(cache, turns)
         json_path = sess.json_path
     doc = json.loads(open(json_path, encoding="utf-8").read())
-    assert doc["format"] == 1 and doc["model"] == IDENT
+    assert doc["format"] == 2 and doc["model"] == IDENT
     assert doc["sampler"] == {"temperature": 0.7}
     assert datetime.fromisoformat(doc["created"]) <= datetime.fromisoformat(doc["updated"])
     assert [(t["role"], t["text"], t["first"], t["last"]) for t in doc["turns"]] == \
         [(t.role, t.text, t.first, t.last) for t in turns]
     assert [t["crc32"] for t in doc["turns"]] == [zlib.crc32(cache.raw(t.first, t.last)) for t in turns]
+    # The checks, computed here from FORMAT.md's description alone.
+    def canonical_crc(value):
+        return zlib.crc32(json.dumps(value, ensure_ascii=True, sort_keys=True, separators=(",", ":")).encode())
+
+    assert [t["check"] for t in doc["turns"]] == \
+        [canonical_crc([t["role"], t["text"], t["first"], t["last"], t["crc32"]]) for t in doc["turns"]]
+    assert doc["check"] == canonical_crc({k: v for k, v in doc.items() if k not in ("turns", "check")})
+
+
+def test_a_format_1_sidecar_still_loads_with_a_warning(colichat_home):
+    """Sidecars of an older colichat have no checks: they load, saying so, and the next save adds them."""
+    cache = make_cache("mla")
+    turns = build(cache, 3)
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="old") as sess:
+        sess.append(cache, turns)
+        json_path = sess.json_path
+    doc = json.loads(open(json_path, encoding="utf-8").read())
+    doc["format"] = 1
+    del doc["check"]
+    for t in doc["turns"]:
+        del t["check"]
+    open(json_path, "w", encoding="utf-8").write(json.dumps(doc))
+    with store.open(IDENT, "old", layout_of(cache)) as sess:
+        res = sess.load(make_cache("mla"))
+        assert res.turns == turns and res.warnings == [
+            "the sidecar was written by an older colichat: its turn texts carry no checksum (the next save adds them)"]
+        sess.truncate(3)
+    with store.open(IDENT, "old", layout_of(cache)) as sess:
+        res = sess.load(make_cache("mla"))
+    assert res.turns == turns and res.warnings == []
 
 
 def test_truncate_then_append_reuses_dead_space(colichat_home):

@@ -85,14 +85,16 @@ def test_listing_newest_first_per_model(colichat_home):
         time.sleep(0.01)
     junk = store.model_dir(IDENT) / "junk.coli_kv"
     junk.write_bytes(b"not a session")
-    infos = store.list(IDENT)
+    [bad] = [i for i in store.list(IDENT) if i.damage]  # listed, with the command that clears it
+    assert bad.describe() == "junk: damaged (truncated header: 13 bytes, a header needs 40); /delete junk removes it"
+    infos = [i for i in store.list(IDENT) if not i.damage]
     assert [i.name for i in infos] == ["new", "old"]
     new = infos[0]
     assert (new.turns, new.tokens, new.model) == (3, build(make_cache(), 3)[-1].last, IDENT["name"])
     assert new.size == sum(os.path.getsize(new.path.with_suffix(e)) for e in (".coli_kv", ".json"))
     assert new.last_used >= infos[1].last_used
     assert "new: 3 turns" in new.describe()
-    assert [i.name for i in store.list()] == ["new", "other", "old"]
+    assert [i.name for i in store.list() if not i.damage] == ["new", "other", "old"]
     assert store.latest(IDENT).name == "new" and store.latest(OTHER_IDENT).name == "other"
     assert store.latest({**IDENT, "fingerprint": "f" * 32}) is None
     with pytest.raises(SessionError, match="belongs to another model"):
@@ -225,6 +227,162 @@ def test_delete_takes_the_lock_and_removes_both_files(colichat_home):
         store.delete(IDENT, "../x")
 
 
+def test_a_claimed_name_is_locked_and_its_files_come_with_the_first_save(colichat_home):
+    from colichat.persist import SessionBusy, SessionExists
+
+    cache = make_cache()
+    turns = build(cache, 2)
+    store = Store()
+    d = store.model_dir(IDENT)
+    with store.claim(IDENT, "c", layout_of(cache), {"temperature": 0.5}) as sess:
+        assert sorted(os.listdir(d)) == ["c.lock"] and not sess.on_disk
+        with pytest.raises(SessionBusy, match="open in another colichat"):
+            store.claim(IDENT, "c", layout_of(cache))
+        with pytest.raises(SessionBusy):
+            store.create(IDENT, layout_of(cache), name="c")
+        sess.save_sampler({"temperature": 0.25})  # nothing on disk yet: kept for the first save
+        sess.truncate(0)
+        assert sorted(os.listdir(d)) == ["c.lock"]
+    with store.claim(IDENT, "c", layout_of(cache)) as sess:  # quitting before an answer left no session
+        sess.save_sampler({"temperature": 0.25})
+        sess.append(cache, turns)
+    with pytest.raises(SessionExists, match="already exists"):
+        store.claim(IDENT, "c", layout_of(cache))
+    with store.open(IDENT, "c", layout_of(cache)) as sess:
+        res = sess.load(make_cache())
+    assert res.turns == turns and res.sampler == {"temperature": 0.25}
+
+
+def test_the_leftover_of_an_interrupted_create_is_replaced(colichat_home):
+    """A crash between the KV file's rename and the sidecar leaves a header-only KV file: no
+    conversation, so the name is free (an empty sidecar beside it too)."""
+    cache = make_cache()
+    store = Store()
+    for with_sidecar in (False, True):
+        with store.create(IDENT, layout_of(cache), name="x") as sess:
+            pass
+        if not with_sidecar:
+            os.unlink(sess.json_path)
+        with store.create(IDENT, layout_of(cache), name="x") as sess:
+            sess.append(cache, build(cache, 1))
+        with pytest.raises(SessionError, match="already exists"):
+            store.create(IDENT, layout_of(cache), name="x")
+        store.delete(IDENT, "x")
+
+
+# ---- files planted or removed behind colichat's back ------------------------------------------
+
+
+def test_a_hard_link_planted_at_the_sidecar_temp_or_lock_never_changes_its_target(colichat_home, tmp_path):
+    cache = make_cache()
+    turns = build(cache, 2)
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="h") as sess:
+        sess.append(cache, turns[:1])
+    d = store.model_dir(IDENT)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    os.chmod(victim, 0o644)
+    os.link(victim, d / "h.json.tmp")
+    with store.open(IDENT, "h", layout_of(cache)) as sess:  # the temp name is replaced, not written through
+        sess.load(make_cache())
+        sess.append(cache, turns)
+    assert victim.read_bytes() == b"precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+    os.unlink(d / "h.lock")
+    os.link(victim, d / "h.lock")
+    with pytest.raises(SessionError) as e:
+        store.open(IDENT, "h", layout_of(cache))
+    assert str(e.value) == (f"lock file {d / 'h.lock'} has 2 hard links; colichat does not write through a "
+                            f"hard link (another file would change): remove it (rm '{d / 'h.lock'}'); "
+                            "colichat makes a new one")
+    assert victim.read_bytes() == b"precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+    os.unlink(d / "h.lock")
+    os.mkfifo(d / "h.lock")
+    with pytest.raises(SessionError, match="h.lock is not a regular file"):
+        store.open(IDENT, "h", layout_of(cache))
+    os.unlink(d / "h.lock")
+    with store.open(IDENT, "h", layout_of(cache)) as sess:
+        assert sess.load(make_cache()).turns == turns
+
+
+def test_a_hard_linked_kv_file_is_refused(colichat_home, tmp_path):
+    cache = make_cache()
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="h") as sess:
+        sess.append(cache, build(cache, 2))
+    kv = store.model_dir(IDENT) / "h.coli_kv"
+    os.link(kv, tmp_path / "backup.coli_kv")
+    before = kv.read_bytes()
+    with pytest.raises(SessionError, match=r"has 2 hard links; .*: cp '.*h.coli_kv' '.*h.coli_kv.copy' && mv"):
+        store.open(IDENT, "h", layout_of(cache))
+    assert kv.read_bytes() == before
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced", "hard-linked", "lock removed"])
+def test_files_removed_or_replaced_while_open_are_written_again(colichat_home, tmp_path, how):
+    """Another program removes or replaces the open session's KV file: the next save notices (the
+    inode or the link count) and writes the whole session again from the cache, saying so."""
+    cache = make_cache()
+    turns = build(cache, 4)
+    store = Store()
+    sess = store.create(IDENT, layout_of(cache), name="r")
+    sess.append(cache, turns[:2])
+    kv = sess.kv_path
+    if how == "removed":
+        os.unlink(kv)
+        os.unlink(sess.json_path)
+    elif how == "replaced":
+        with open(kv + ".other", "wb") as f:
+            f.write(b"someone else's file")
+        os.replace(kv + ".other", kv)
+    elif how == "hard-linked":
+        os.link(kv, tmp_path / "other-name")
+    else:
+        os.unlink(os.path.join(sess.directory, "r.lock"))
+    sess.append(cache, turns[:3])
+    if how == "lock removed":
+        assert sess.notes == []
+        with pytest.raises(SessionError, match="open in another colichat"):  # the new lock file is held
+            store.open(IDENT, "r", layout_of(cache))
+    else:
+        word = {"removed": "removed", "replaced": "replaced", "hard-linked": "given another name (a hard link)"}[how]
+        assert sess.notes == [f"the KV file of session r was {word} by another program: wrote the session "
+                              f"again from memory ({turns[1].last} tokens)"]
+    sess.truncate(2)  # a rewind after the rewrite works on the new file
+    sess.append(cache, turns)
+    sess.close()
+    with store.open(IDENT, "r", layout_of(cache)) as again:
+        res = again.load(loaded := make_cache())
+    assert res.turns == turns and res.warnings == []
+    assert loaded.raw(0, res.tokens).tobytes() == cache.raw(0, res.tokens).tobytes()
+    if how == "hard-linked":  # the other name kept the two turns it had
+        assert os.path.getsize(tmp_path / "other-name") == 40 + turns[1].last * cache.record_bytes
+
+
+@pytest.mark.parametrize("what", ["orphan sidecar", "empty kv"])
+def test_an_orphan_sidecar_or_empty_kv_file_is_shown_damaged_with_the_command_that_clears_it(colichat_home, what):
+    cache = make_cache()
+    store = Store()
+    with store.create(IDENT, layout_of(cache), name="z") as sess:
+        sess.append(cache, build(cache, 2))
+    d = store.model_dir(IDENT)
+    if what == "orphan sidecar":
+        os.unlink(d / "z.coli_kv")
+        line = "z: damaged (the sidecar z.json has no KV file z.coli_kv); /delete z removes it"
+    else:
+        os.truncate(d / "z.coli_kv", 0)
+        line = "z: damaged (empty KV file); /delete z removes it"
+    [info] = store.list(IDENT)
+    assert info.describe() == line and store.latest(IDENT) is None
+    for attempt in (lambda: store.open(IDENT, "z", layout_of(cache)),
+                    lambda: store.claim(IDENT, "z", layout_of(cache)),
+                    lambda: store.create(IDENT, layout_of(cache), name="z")):
+        with pytest.raises(SessionError) as e:
+            attempt()
+        assert str(e.value) == "session " + line
+    store.delete(IDENT, "z")
+    assert sorted(os.listdir(d)) == ["z.lock"] and store.list(IDENT) == []
+    store.create(IDENT, layout_of(cache), name="z").close()
 def test_paths_follow_colichat_home(colichat_home, monkeypatch):
     from pathlib import Path
 

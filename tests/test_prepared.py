@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
 
@@ -33,12 +36,48 @@ def test_second_load_maps_cached_weights_and_agrees(tmp_path):
     assert second.cfg == first.cfg
 
 
+def _memory_mapped(a: np.ndarray) -> bool:
+    """Whether the array's memory belongs to a memory mapping (following its chain of bases)."""
+    import mmap
+
+    obj = a
+    while obj is not None:
+        if isinstance(obj, mmap.mmap):
+            return True
+        obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+    return False
+
+
 def test_lazy_experts_are_mapped_from_the_gguf(tmp_path):
-    gguf = write_deepseek2(tmp_path / "moe.gguf", DS2Spec(n_expert=8, n_expert_used=2, qtype="Q8_0"))
+    """Routed experts are not dequantized at load (neither on the first start nor from the weights
+    cache): their tensors are the GGUF's quantized bytes in its memory mapping, and an expert is
+    dequantized from those bytes when a token is routed to it."""
+    import gguf as gguf_py
+
+    path = write_deepseek2(tmp_path / "moe.gguf", DS2Spec(n_expert=8, n_expert_used=2, qtype="Q8_0"))
     cache = tmp_path / "weights"
-    first = _logits(load(str(gguf), n_ctx=64, cache_dir=cache))
-    again = _logits(load(str(gguf), n_ctx=64, cache_dir=cache))
-    assert np.array_equal(first, again)
+    reader = gguf_py.GGUFReader(str(path))  # an independent reading of the file
+    logits = []
+    for start in ("first", "from the weights cache"):
+        model = load(str(path), n_ctx=64, cache_dir=cache)
+        exps = [n for n in model.tensors.by_name if "_exps." in n]
+        assert exps and not [n for n in model.w if "_exps" in n], start  # not among the dequantized weights
+        for name in exps:
+            data = model.tensors.by_name[name].data
+            assert data.dtype == np.uint8 and _memory_mapped(data) and not data.flags.writeable, (start, name)
+            with open(model.tensors.files[name], "rb") as f:  # the mapping is the file at the tensor's offset
+                f.seek(model.tensors.offsets[name])
+                assert f.read(4096) == data.reshape(-1)[:4096].tobytes(), (start, name)
+        assert model.experts.entries == {} and model.experts.misses == 0  # nothing dequantized at load
+        logits.append(_logits(model))
+        assert model.experts.misses > 0 and model.experts.entries  # dequantized on use
+        for (layer, e), (_, down) in model.experts.entries.items():
+            t = next(t for t in reader.tensors if t.name == f"blk.{layer}.ffn_down_exps.weight")
+            want = gguf_py.quants.dequantize(t.data[e], t.tensor_type)
+            assert np.array_equal(down, want.reshape(down.shape)), (start, layer, e)
+    assert np.array_equal(*logits)
+    meta = _meta(next(cache.iterdir()))
+    assert not [n for n in meta["arrays"] if "_exps" in n]  # the cache holds no dequantized experts
 
 
 def test_changed_gguf_invalidates_the_entry(tmp_path):
@@ -54,15 +93,149 @@ def test_changed_gguf_invalidates_the_entry(tmp_path):
     assert len([p for p in cache.iterdir()]) == 1  # the stale entry was removed
 
 
-def test_damaged_entry_is_rebuilt(tmp_path):
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _meta(entry):
+    return json.loads((entry / "meta.json").read_bytes().partition(b"\n")[2])
+
+
+def _middle_of_largest_array(entry):
+    off, shape = max(_meta(entry)["arrays"].values(), key=lambda a: np.prod(a[1]))[:2]
+    return off + 4 * int(np.prod(shape)) // 2
+
+
+def _edit_meta_json(entry):  # still valid JSON, one offset moved by 64 bytes: would load wrong weights
+    raw = (entry / "meta.json").read_bytes()
+    name = next(iter(_meta(entry)["arrays"]))
+    off = _meta(entry)["arrays"][name][0]
+    key = f'"{name}": [{off},'.encode()
+    (entry / "meta.json").write_bytes(raw.replace(key, f'"{name}": [{off + 64},'.encode(), 1))
+
+
+DAMAGE = {
+    "meta-json-text": (lambda e: (e / "meta.json").write_text("{not json"), "meta.json does not match"),
+    "meta-json-value": (_edit_meta_json, "meta.json does not match its checksum"),
+    "weights-cut": (lambda e: os.truncate(e / "weights.f32", os.path.getsize(e / "weights.f32") - 4096),
+                    "weights.f32 holds"),
+    "weights-empty": (lambda e: os.truncate(e / "weights.f32", 0), "weights.f32 holds 0 bytes"),
+    "weights-bit": (lambda e: _flip(e / "weights.f32", _middle_of_largest_array(e)), "does not match its checksum"),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_entry_is_rebuilt_with_a_note(kind, tmp_path):
     gguf = tmp_path / "llama.gguf"
     shutil.copy(TINY / "llama.gguf", gguf)
     cache = tmp_path / "weights"
     good = _logits(load(str(gguf), n_ctx=64, cache_dir=cache))
     (entry,) = cache.iterdir()
-    (entry / "meta.json").write_text("{not json")
-    assert load_prepared(str(gguf), cache) is None
-    assert np.array_equal(_logits(load(str(gguf), n_ctx=64, cache_dir=cache)), good)
+    damage, why = DAMAGE[kind]
+    damage(entry)
+    notes = []
+    again = load(str(gguf), n_ctx=64, cache_dir=cache, on_note=notes.append)
+    assert np.array_equal(_logits(again), good)
+    assert len(notes) == 2 and notes[0].startswith(f"the dequantized-weights cache {entry} was damaged (")
+    assert why in notes[0] and notes[0].endswith("; dequantizing again")
+    assert notes[1].startswith("kept the dequantized weights")  # prepared anew and written again
+    notes.clear()
+    mapped = load(str(gguf), n_ctx=64, cache_dir=cache, on_note=notes.append)  # rewritten: used again
+    assert notes == []
+    assert np.array_equal(_logits(mapped), good)
+
+
+def test_large_entries_are_checked_by_samples_of_every_array(tmp_path, monkeypatch):
+    """Past FULL_CHECK_BYTES a start checks three pieces of each array: a flip inside one is caught,
+    and the check reads a small part of the file."""
+    from colichat.engine import prepared
+
+    gguf = tmp_path / "llama.gguf"
+    shutil.copy(TINY / "llama.gguf", gguf)
+    cache = tmp_path / "weights"
+    load(str(gguf), n_ctx=64, cache_dir=cache)
+    monkeypatch.setattr(prepared, "FULL_CHECK_BYTES", 0)
+    assert load_prepared(str(gguf), cache) is not None
+    (entry,) = cache.iterdir()
+    _flip(entry / "weights.f32", _middle_of_largest_array(entry))
+    notes = []
+    assert load_prepared(str(gguf), cache, notes.append) is None
+    assert "does not match its checksum" in notes[0]
+
+
+def test_entry_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    from colichat.engine import prepared
+
+    gguf = tmp_path / "llama.gguf"
+    shutil.copy(TINY / "llama.gguf", gguf)
+    cache = tmp_path / "weights"
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def rename(a, b):
+        events.append(("rename", os.path.basename(b)))
+        real_rename(a, b)
+
+    monkeypatch.setattr(prepared.os, "fsync", fsync)
+    monkeypatch.setattr(prepared.os, "rename", rename)
+    load(str(gguf), n_ctx=64, cache_dir=cache)
+    (entry,) = cache.iterdir()
+    assert events[-1] == ("fsync", "weights")  # the directory holding the new name
+    done = events[: events.index(("rename", entry.name))]
+    assert {("fsync", "weights.f32"), ("fsync", "meta.json")} <= set(done)
+    assert done[-1][1].startswith(".tmp-")  # the entry's directory, last before the rename
+
+
+KILLED_WRITER = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from colichat.engine import load, prepared
+real = os.fsync
+def stall(fd):  # the entry is half written in its temporary directory: say so, wait for the kill
+    print("writing", flush=True)
+    time.sleep(600)
+prepared.os.fsync = stall
+load({gguf!r}, n_ctx=64, cache_dir={cache!r})
+"""
+
+
+def test_a_first_start_killed_while_writing_leaves_no_temporary_directory(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    gguf = tmp_path / "llama.gguf"
+    shutil.copy(TINY / "llama.gguf", gguf)
+    cache = tmp_path / "weights"
+    script = KILLED_WRITER.format(tests=str(Path(__file__).parent), gguf=str(gguf), cache=str(cache))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "writing\n"
+    child.send_signal(signal.SIGKILL)
+    child.wait(60)
+    [tmp] = cache.iterdir()
+    assert tmp.name.startswith(f".tmp-{child.pid}-") and (tmp / "weights.f32").stat().st_size > 0
+    load(str(gguf), n_ctx=64, cache_dir=cache)  # the next start
+    [entry] = cache.iterdir()
+    assert not entry.name.startswith(".tmp-") and load_prepared(str(gguf), cache) is not None
+
+
+def test_a_temporary_directory_of_a_running_start_is_left_alone(tmp_path):
+    gguf = tmp_path / "llama.gguf"
+    shutil.copy(TINY / "llama.gguf", gguf)
+    cache = tmp_path / "weights"
+    cache.mkdir()
+    busy = cache / f".tmp-{os.getppid()}-abc"  # pytest's parent runs: as another start still writing
+    busy.mkdir()
+    load(str(gguf), n_ctx=64, cache_dir=cache)
+    assert busy.is_dir() and len(list(cache.iterdir())) == 2
 
 
 def test_unwritable_cache_dir_is_only_a_note(tmp_path):

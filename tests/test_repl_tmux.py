@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 
 import pytest
@@ -12,10 +13,15 @@ pytestmark = pytest.mark.default_model
 
 FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+")
 
+# Limits on waiting for a screen state. They are only reached when something is wrong, so they are
+# generous: a busy machine (another process on every core) makes the model many times slower.
+MODEL_WAIT = 600.0  # the model loads or answers
+SCREEN_WAIT = 120.0  # the program reacts to a key
+
 
 @pytest.fixture
 def tmux_chat(colichat_home):
-    cmd = (f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 300; "
+    cmd = (f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 24; "
            "echo EXITED $?; sleep 600")
     t = Tmux(cmd)
     yield t
@@ -24,68 +30,289 @@ def tmux_chat(colichat_home):
 
 def test_interactive_session(tmux_chat):
     t = tmux_chat
-    t.wait_for(lambda s: "Type a message" in s, 120, "the prompt")
+    t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
 
     # a question: the answer streams, then the footer
     t.type("What is the capital of France?")
     t.keys("Enter")
-    screen = t.wait_for(lambda s: len(FOOTER.findall(s)) >= 1, 60, "the first footer")
+    screen = t.wait_for(lambda s: len(FOOTER.findall(s)) >= 1, MODEL_WAIT, "the first footer")
     assert "Paris" in screen
     assert "saved to" in screen
 
     # Tab completes a command name
     t.type("/his")
     t.keys("Tab")
-    t.wait_for(lambda s: s.rstrip().endswith("> /history"), 10, "Tab completion of /history")
+    t.wait_for(lambda s: s.rstrip().endswith("> /history"), SCREEN_WAIT, "Tab completion of /history")
     t.keys("Enter")
-    t.wait_for(lambda s: "user> What is the capital of France?" in s, 10, "/history output")
+    t.wait_for(lambda s: "user> What is the capital of France?" in s, SCREEN_WAIT, "/history output")
 
     # a long answer, interrupted with Ctrl-C: it stops, keeps what it said, and the REPL goes on
+    # (answers stay short, so that a busy machine is slow but not stuck; this one may be long)
+    t.type("/set max_tokens 300")
+    t.keys("Enter")
+    t.wait_for(lambda s: "max_tokens = 300" in s, SCREEN_WAIT, "/set max_tokens")
     t.type("Write a long story about a dragon who lived in a castle.")
     t.keys("Enter")
-    t.wait_for(lambda s: "a castle." in s and len(s.split("a castle.", 1)[1].split()) > 8, 60,
+    t.wait_for(lambda s: "a castle." in s and len(s.split("a castle.", 1)[1].split()) > 8, MODEL_WAIT,
                "the long answer to stream")
     t.keys("C-c")
-    screen = t.wait_for(lambda s: "interrupted;" in s, 30, "the interrupted footer")
+    screen = t.wait_for(lambda s: "interrupted;" in s, SCREEN_WAIT, "the interrupted footer")
     assert len(FOOTER.findall(screen)) == 2
 
     t.type("/history")
     t.keys("Enter")
-    screen = t.wait_for(lambda s: "assistant> " in s.split("/history")[-1] and "dragon" in s, 10, "history")
+    screen = t.wait_for(lambda s: "assistant> " in s.split("/history")[-1] and "dragon" in s, SCREEN_WAIT, "history")
     partial = screen.split("user> Write a long story")[-1]
     assert "assistant> " in partial
 
     # the conversation continues after the interruption
+    t.type("/set max_tokens 24")
+    t.keys("Enter")
+    t.wait_for(lambda s: "max_tokens = 24" in s, SCREEN_WAIT, "/set max_tokens")
     t.type("Thank you!")
     t.keys("Enter")
-    t.wait_for(lambda s: len(FOOTER.findall(s)) >= 3, 60, "the third footer")
+    t.wait_for(lambda s: len(FOOTER.findall(s)) >= 3, MODEL_WAIT, "the third footer")
 
     # multi-line input: Esc-Enter inserts a newline; a """ block spans lines (even one starting with /)
     t.type("/reset")
     t.keys("Enter")
-    t.wait_for(lambda s: "new conversation" in s, 10, "/reset")
+    t.wait_for(lambda s: "new conversation" in s, SCREEN_WAIT, "/reset")
     t.type("Say yes.")
     t.keys("Escape", "Enter")
     t.type("Only yes.")
     t.keys("Enter")
-    t.wait_for(lambda s: len(FOOTER.findall(s)) >= 4, 60, "the fourth footer")
+    t.wait_for(lambda s: len(FOOTER.findall(s)) >= 4, MODEL_WAIT, "the fourth footer")
     t.type('"""')
     t.keys("Enter")
-    t.wait_for(lambda s: s.rstrip().endswith("..."), 10, "the block prompt")
+    t.wait_for(lambda s: s.rstrip().endswith("..."), SCREEN_WAIT, "the block prompt")
     t.type("/not a command")
     t.keys("Enter")
-    t.wait_for(lambda s: s.rstrip().endswith("..."), 10, "the block prompt")
+    t.wait_for(lambda s: s.rstrip().endswith("..."), SCREEN_WAIT, "the block prompt")
     t.type('"""')
     t.keys("Enter")
-    t.wait_for(lambda s: len(FOOTER.findall(s)) >= 5, 60, "the fifth footer")
+    t.wait_for(lambda s: len(FOOTER.findall(s)) >= 5, MODEL_WAIT, "the fifth footer")
     t.type("/history")
     t.keys("Enter")
-    screen = t.wait_for(lambda s: "user> /not a command" in s, 10, "the block as a message in /history")
+    screen = t.wait_for(lambda s: "user> /not a command" in s, SCREEN_WAIT, "the block as a message in /history")
     assert "user> Say yes.\nOnly yes." in screen
 
-    # Ctrl-C at the prompt clears the line; Ctrl-D quits cleanly
+    # Ctrl-C at the prompt drops the line (it stays on screen marked ^C, as in a shell); Ctrl-D quits cleanly
     t.type("some text")
     t.keys("C-c")
-    t.wait_for(lambda s: "input cleared" in s, 10, "the Ctrl-C hint")
+    t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> some text^C\n>"), SCREEN_WAIT,
+               "the dropped line and a new prompt")
     t.keys("C-d")
-    t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
+    t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+
+
+# ---- feedback on every wait -------------------------------------------------------------------------
+
+
+def gated_chat(home, args: str, log, module: str = "colichat.cli") -> Tmux:
+    """colichat in tmux, started only once everything it writes is recorded to `log` (the raw bytes,
+    escapes included, in order: what a transient status line showed stays there after it is cleared)."""
+    t = Tmux(f"read _; COLICHAT_HOME={home} {sys.executable} -m {module} {args}; echo EXITED $?; sleep 600")
+    subprocess.run(["tmux", "pipe-pane", "-t", t.name, "-o", f"cat >> {log}"], check=True)
+    t.keys("Enter")
+    return t
+
+
+def lines_of(screen: str) -> list[str]:
+    return [line.rstrip() for line in screen.splitlines() if line.strip()]
+
+
+def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home, tmp_path):
+    log = tmp_path / "raw.log"
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log, module="colichat.launch")
+    try:
+        # the first start of a model (imports, metadata read, weights dequantized and kept): a line
+        # at once, then the loading progress, replaced by the banner
+        screen = t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+        raw = log.read_bytes()
+        assert raw.lstrip().startswith(b"starting colichat ...")
+        assert b"loading SmolLM2-135M-Instruct.Q4_1.gguf ..." in raw
+        assert raw.index(b"loading SmolLM2") < raw.index(b"(llama, 30 layers)")
+        assert b": layer 30/30, keeping the weights for the next start ..." in raw
+        assert not any(line.startswith("starting") for line in lines_of(screen))
+        assert not any(line.startswith("loading") for line in lines_of(screen))
+
+        # a short message: its token count shows until the answer starts, then is gone
+        t.type("Name a color.")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), 120,
+                            "the first answer")
+        assert re.search(rb"reading your message \(\d+ tokens\) \.\.\.", log.read_bytes())
+        assert "reading your message" not in screen
+
+        # a long message shows its progress; Ctrl-C drops it, and the error line starts clean
+        t.type("Please summarize the following notes. " + "The river flows past the old mill. " * 160)
+        t.keys("Enter")
+        t.wait_for(lambda s: "reading your message: 256/" in s, MODEL_WAIT, "the progress of a long message")
+        t.keys("C-c")
+        screen = t.wait_for(lambda s: "interrupted while reading the message" in s and s.rstrip().endswith(">"),
+                            300, "the interrupted message")
+        shown = lines_of(screen)
+        error = next(line for line in shown if "interrupted while reading" in line)
+        assert error == "colichat: interrupted while reading the message; it was not sent"
+        assert not any("reading your message" in line for line in shown)
+
+        # /resume (a file read from disk) shows what it does until the result line
+        t.type("/reset")
+        t.keys("Enter")
+        t.wait_for(lambda s: "new conversation" in s, SCREEN_WAIT, "/reset")
+        t.type("/resume")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: re.search(r"^resumed \d+ tokens", s, re.M), SCREEN_WAIT, "/resume")
+        raw = log.read_bytes()
+        assert raw.rindex(b"reading the conversation from disk ...") < raw.rindex(b"resumed ")
+        assert not any("reading the conversation" in line for line in lines_of(screen))
+        t.keys("C-d")
+        t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+    finally:
+        t.close()
+
+
+# ---- keys while an answer streams, multi-line input --------------------------------------------------
+
+
+def answer_after(screen: str, question: str) -> list[str]:
+    """The screen lines between the last `> question` line and the footer that follows it."""
+    shown = screen.splitlines()
+    start = max(i for i, line in enumerate(shown) if line.rstrip() == f"> {question}")
+    end = next(i for i in range(start + 1, len(shown)) if FOOTER.search(shown[i]))
+    return shown[start + 1:end]
+
+
+def streaming(screen: str, question: str) -> bool:
+    """Whether the answer to `question` has started to show (a few words, the status line aside)."""
+    if f"> {question}" not in screen:
+        return False
+    after = [line for line in screen.split(f"> {question}", 1)[1].splitlines() if "reading your message" not in line]
+    return len(" ".join(after).split()) > 3
+
+
+def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_path):
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 40", tmp_path / "raw.log")
+    try:
+        t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+
+        # type-ahead: keys typed during the answer are not echoed into it; they are the next prompt's text
+        question = "Write a long story about a dragon who lived in a castle."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
+        t.type("next question")
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith("> next question"),
+                            300, "the footer and the typed-ahead text at the prompt")
+        assert "next question" not in "\n".join(answer_after(screen, question))
+        t.keys("C-u")  # drop it
+        t.wait_for(lambda s: s.rstrip().endswith(">"), SCREEN_WAIT, "an empty prompt")
+
+        # Ctrl-C while streaming: ^C, then nothing more of the answer; the footer on its own line
+        question = "Tell me a long story about a brave knight."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
+        t.keys("C-c")
+        screen = t.wait_for(lambda s: "interrupted;" in s and s.rstrip().endswith(">"), MODEL_WAIT,
+                            "the interrupted footer")
+        shown = answer_after(screen, question)
+        assert shown[-1].endswith("^C") and screen.count("^C") == 1
+
+        # a """ block: `... ` on its lines; Ctrl-D inside it ends the block (sent, not quit)
+        t.type('"""')
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("..."), SCREEN_WAIT, "the block's continuation prompt")
+        t.type("Say yes.")
+        t.keys("Enter")
+        t.type("Only yes.")
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 3 and s.rstrip().endswith(">"), 120,
+                            "the block's answer")
+        assert '> """\n... Say yes.\n... Only yes.\n... """\n' in screen
+
+        # Up recalls the whole block as one entry; Enter sends it again
+        t.keys("Up")
+        t.wait_for(lambda s: s.rstrip().endswith('> """\n... Say yes.\n... Only yes.\n... """'), 10,
+                   "the block recalled whole")
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 4 and s.rstrip().endswith(">"), MODEL_WAIT, "the second answer")
+        t.type("/history")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: "assistant> " in s.split("/history")[-1] and s.rstrip().endswith(">"), 10,
+                            "/history")
+        assert screen.split("> /history")[-1].count("user> Say yes.\nOnly yes.\n") == 2
+
+        # an empty block ended with Ctrl-D sends nothing; Ctrl-D on an empty prompt quits
+        t.type('"""')
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("..."), SCREEN_WAIT, "the block prompt")
+        t.keys("C-d")
+        t.wait_for(lambda s: s.rstrip().endswith('... """\n>'), SCREEN_WAIT, "a new prompt")
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        assert len(FOOTER.findall(screen)) == 4
+    finally:
+        t.close()
+
+
+# ---- display -------------------------------------------------------------------------------------
+
+
+def raw_lines(t: Tmux, escapes: bool = False) -> list[str]:
+    """The screen's lines as the terminal shows them (not joined where the terminal wrapped)."""
+    out = subprocess.run(["tmux", "capture-pane", "-p", *(["-e"] if escapes else []), "-S", "-200", "-t", t.name],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def shown_answer(t: Tmux, question: str) -> list[str]:
+    shown = raw_lines(t)
+    start = max(i for i, line in enumerate(shown) if line.rstrip() == f"> {question}")
+    end = next(i for i in range(start + 1, len(shown)) if shown[i].startswith("["))
+    return [line.rstrip() for line in shown[start + 1:end]]
+
+
+def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tmp_path):
+    from cli_helpers import saved_answers
+
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 70 --session w", tmp_path / "raw.log")
+    try:
+        subprocess.run(["tmux", "resize-window", "-t", t.name, "-x", "50", "-y", "60"], check=True)
+        t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+
+        # the answer breaks at spaces, never inside a word, within the 50 columns
+        question = "Describe a dragon."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), MODEL_WAIT, "the answer")
+        answer = saved_answers(colichat_home, "w")[0]
+        shown = shown_answer(t, question)
+        assert " ".join(shown).split() == answer.split()
+        assert all(len(line) <= 50 for line in shown) and len(shown) > answer.count("\n") + 1
+
+        # the footer is dim, on its own line
+        footer = next(line for line in raw_lines(t, escapes=True) if "tokens, " in line and "tok/s" in line)
+        assert footer.startswith("\x1b[2m[")
+
+        # after a resize, new text wraps to the new width
+        subprocess.run(["tmux", "resize-window", "-t", t.name, "-x", "90", "-y", "60"], check=True)
+        question = "Describe a castle."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 2 and s.rstrip().endswith(">"), MODEL_WAIT, "the second answer")
+        answer = saved_answers(colichat_home, "w")[1]
+        shown = shown_answer(t, question)
+        assert " ".join(shown).split() == answer.split()
+        assert all(len(line) <= 90 for line in shown) and max(len(line) for line in shown) > 50
+
+        # Esc-Enter: the next line of the message shows the continuation prompt
+        t.type("Say yes.")
+        t.keys("Escape", "Enter")
+        t.type("Only yes.")
+        t.wait_for(lambda s: s.rstrip().endswith("> Say yes.\n... Only yes."), SCREEN_WAIT, "the continuation prompt")
+        t.keys("C-c")
+        t.keys("C-d")
+        t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+    finally:
+        t.close()

@@ -79,7 +79,7 @@ def test_sessions_and_the_start_notice_show_the_first_line(colichat_home):
     story = lines('"""', "", "  Tell me a story", "about a cat", '"""')
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], story).ok()
     run = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(Q[0], "/sessions")).ok()
-    notice = re.compile(r'latest saved conversation: s: 2 turns, \d+ tokens, \d+\.\d MB, \d+ s ago, '
+    notice = re.compile(r'latest saved conversation: s: 2 turns, \d+ tokens, \d+\.\d (KiB|MiB), \d+ s ago, '
                         r'"Tell me a story" \(/resume to continue it\)$', re.M)
     assert notice.search(run.err), run.err
     listed = [line for line in run.err.splitlines() if line.startswith(("* ", "  "))]

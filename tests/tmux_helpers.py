@@ -29,18 +29,22 @@ class Tmux:
         subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
 
     def screen(self) -> str:
-        out = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
+        """The pane with all its history (a footer scrolled away still counts)."""
+        out = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-", "-t", self.name],
                              capture_output=True, text=True, check=True)
         return out.stdout
 
-    def wait_for(self, predicate, timeout: float = 60.0, what: str = "") -> str:
+    def wait_for(self, predicate, timeout: float = 120.0, what: str = "") -> str:
+        """The screen once `predicate(screen)` holds; polls the pane until then. `timeout` is only
+        reached when something is wrong: keep it generous (a busy machine is many times slower)."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
+        while True:
             screen = self.screen()
             if predicate(screen):
                 return screen
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}; screen:\n{self.screen()}")
+            if time.monotonic() > end:
+                raise AssertionError(f"no {what} within {timeout:.0f} s; screen:\n{screen}")
+            time.sleep(0.2)  # between two looks at the pane
 
     def close(self) -> None:
         subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)

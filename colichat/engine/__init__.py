@@ -18,7 +18,7 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
-from .model import Model, available_memory, prepare_weights
+from .model import Model, architecture, available_memory, prepare_weights
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
@@ -48,7 +48,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     from .tokenizer import tokenizer_from_metadata
 
     path = str(path)
-    prepared = load_prepared(path, cache_dir) if cache_dir is not None else None
+    prepared = load_prepared(path, cache_dir, on_note) if cache_dir is not None else None
     if prepared is not None:
         cfg, tensors, weights = prepared.config, prepared.tensors, prepared.weights
         tokenizer = tokenizer_from_metadata(prepared.tokenizer_meta, path)
@@ -62,8 +62,10 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         n_ctx = min(cfg.n_ctx_train, DEFAULT_CTX)
     if n_ctx < 16:
         raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
+    dense = dense_f32_bytes(tensors)
+    check_memory(path, dense)
+    check_context(n_ctx, cfg.n_ctx_train, 4 + 4 * cfg.n_layer * sum(architecture(cfg).cache_widths(cfg)), dense)
     if weights is None:
-        check_memory(path, dense_f32_bytes(tensors))
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:
             problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors)
@@ -84,6 +86,25 @@ def dense_f32_bytes(tensors: Tensors) -> int:
                 n *= d
             total += 4 * n
     return total
+
+
+def check_context(n_ctx: int, n_ctx_train: int, record_bytes: int, weight_bytes: int) -> None:
+    """Refuse a context longer than the model was trained for, or whose KV cache (record_bytes per
+    token) cannot fit in the memory available beside the weights."""
+    if n_ctx > n_ctx_train:
+        raise ModelError(f"context size {n_ctx:,} is above the {n_ctx_train:,} tokens this model was "
+                         f"trained for; use at most {n_ctx_train:,}")
+    have = available_memory()
+    need = record_bytes * n_ctx
+    if have is not None and need + weight_bytes > have:
+        fits = max(0, (have - weight_bytes) // record_bytes)
+        raise ModelError(f"context size {n_ctx:,} needs {_size(need)} for its KV cache, but only "
+                         f"{_size(have)} of memory is available and the weights take "
+                         f"{_size(weight_bytes)}; use at most {fits:,} tokens")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def check_memory(path: str, need: int) -> None:

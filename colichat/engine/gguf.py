@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import dequant
+from .gguf_file import GGUFFile
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
@@ -133,6 +134,10 @@ def _open_one(path: str):
         raise ModelError(f"{path}: cannot read ({e.strerror})") from None
     if magic != b"GGUF":
         raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
+    try:
+        return GGUFFile(path)  # a well-formed file, read in one pass (gguf_file.py)
+    except Exception:  # anything unexpected: gguf-py reads it, and says what is wrong
+        pass
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/... on damaged files

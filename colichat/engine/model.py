@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..units import format_size
 from . import deepseek2, dsa, llama, minicpm3, plm
 from .cache import KVCache
 from .gguf import ModelConfig, ModelError, Tensors
@@ -126,7 +127,7 @@ class MemoryEstimate:
         s = f"weights {mib(self.dense)}"
         if self.experts_f32:
             s += f" + expert cache <= {mib(self.experts)} (all experts as f32: {mib(self.experts_f32)})"
-        s += f" + KV {self.kv_per_token:,} B/token x {self.n_ctx} = {mib(self.kv_per_token * self.n_ctx)}"
+        s += f" + KV {format_size(self.kv_per_token)}/token x {self.n_ctx:,} = {mib(self.kv_per_token * self.n_ctx)}"
         return s + f"; total <= {mib(self.total)}"
 
 

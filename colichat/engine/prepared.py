@@ -1,16 +1,23 @@
 """Prepared models: the dequantized weights of a GGUF cached on disk and memory-mapped on later starts.
 
-The first start of a model parses its metadata with gguf-py (over a second for a large vocabulary)
-and dequantizes its dense weights (seconds). Both results are kept in the cache directory:
+The first start of a model parses its metadata (gguf_file.py) and dequantizes its dense weights
+(seconds). Both results are kept in the cache directory:
 
-    <cache_dir>/<key>/meta.json     config, tokenizer keys, array index, GGUF tensor locations
+    <cache_dir>/<key>/meta.json     a SHA-256 line of the JSON below it, then the JSON: config,
+                                    tokenizer keys, array index (offset, shape, CRC-32s), GGUF tensor locations
     <cache_dir>/<key>/weights.f32   the dense float32 arrays back to back, 64-byte aligned
 
 key = a hash of the GGUF's real path, size, mtime and inode, and PREPARED_FORMAT: a GGUF that
 changes gets a new key (and the old entries of that path are removed). A later start maps
 weights.f32 read-only (no copy, no dequantizing) and the GGUF tensors it still needs (routed experts)
-straight from the GGUF at their recorded offsets. An entry is written to a temporary directory and
-renamed into place, so a crash or a full disk never leaves a half entry that would be trusted.
+straight from the GGUF at their recorded offsets. An entry is written to a temporary directory
+(.tmp-<pid>-*), fsynced, and renamed into place, so a crash or a full disk never leaves a half entry
+that would be trusted; temporary directories of processes that died are removed by the next start.
+
+Every start verifies the entry before using it: meta.json against its SHA-256, weights.f32's size,
+and each array's CRC-32 (the whole array when the entry holds at most FULL_CHECK_BYTES, else three
+SAMPLE-byte pieces of it, so a start stays well under a second). A damaged entry is never used: the
+start dequantizes again, rewrites the entry, and says so.
 """
 
 from __future__ import annotations
@@ -26,11 +33,66 @@ from pathlib import Path
 
 import numpy as np
 
+from ..paths import private_dir, private_file
+
+try:  # the same CRC-32 as zlib.crc32, several times faster
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
+    from zlib import crc32
+
 from .gguf import ModelConfig, TensorRecord, Tensors
 
-PREPARED_FORMAT = 1
+PREPARED_FORMAT = 2
 ALIGN = 64
 FREE_MARGIN = 1 << 30  # bytes the weights cache leaves free on its disk
+FULL_CHECK_BYTES = 1 << 30  # entries up to this size are checked in full at every start (~0.3 s)
+SAMPLE = 1 << 16  # larger ones: three pieces of this size per array (start, middle, end)
+
+
+class DamagedEntry(Exception):
+    """A cache entry that fails its checks; the message says which check."""
+
+
+def _crcs(a: np.ndarray, whole: bool = True) -> tuple[int | None, int]:
+    """(CRC-32 of the whole array's bytes (None unless `whole`), CRC-32 of its start, middle and
+    end pieces of SAMPLE bytes; the whole array when it is not larger than the three)."""
+    b = memoryview(np.ascontiguousarray(a)).cast("B")
+    n = len(b)
+    if n <= 3 * SAMPLE:
+        c = crc32(b)
+        return c, c
+    mid = (n - SAMPLE) // 2
+    part = crc32(b[n - SAMPLE :], crc32(b[mid : mid + SAMPLE], crc32(b[:SAMPLE])))
+    return (crc32(b) if whole else None), part
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_dead_tmp(root: Path) -> None:
+    """Remove temporary entries (.tmp-<pid>-*) whose writing process no longer runs."""
+    try:
+        names = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+    except OSError:
+        return
+    for tmp in names:
+        pid = tmp.name.split("-")[1]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue  # still running: it may be writing this entry right now
+            except ProcessLookupError:
+                pass
+            except OSError:  # another user's process (EPERM): alive
+                continue
+        elif pid.isdigit():
+            continue  # ours
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _identity(path: str) -> tuple[str, str]:
@@ -51,18 +113,28 @@ class Prepared:
     `tensors` (the GGUF's tensors, mapped from their files at the recorded offsets)."""
 
     def __init__(self, path: str, entry: Path):
-        meta = json.loads((entry / "meta.json").read_text())
+        raw = (entry / "meta.json").read_bytes()
+        digest, _, body = raw.partition(b"\n")
+        if digest.decode("ascii", "replace") != hashlib.sha256(body).hexdigest():
+            raise DamagedEntry("meta.json does not match its checksum")
+        meta = json.loads(body)
         if meta.get("format") != PREPARED_FORMAT:
             raise ValueError("old format")
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = {k: v for k, v in meta["config"].items() if k in fields}
         self.config = ModelConfig(**{**cfg, "path": path})
         self.tokenizer_meta = meta["tokenizer"]
+        size = os.path.getsize(entry / "weights.f32")
+        if size != meta["weights_bytes"]:
+            raise DamagedEntry(f"weights.f32 holds {size:,} bytes, not {meta['weights_bytes']:,}")
         buf = _map(str(entry / "weights.f32"))
-        self.weights = {
-            name: np.frombuffer(buf, np.float32, int(np.prod(shape)), off).reshape(shape)
-            for name, (off, shape) in meta["arrays"].items()
-        }
+        full = meta["weights_bytes"] <= FULL_CHECK_BYTES
+        self.weights = {}
+        for name, (off, shape, whole, part) in meta["arrays"].items():
+            a = np.frombuffer(buf, np.float32, int(np.prod(shape)), off).reshape(shape)
+            if _crcs(a, full)[0 if full else 1] != (whole if full else part):
+                raise DamagedEntry(f"array {name} does not match its checksum")
+            self.weights[name] = a
         import gguf
 
         maps: dict[str, mmap.mmap] = {}
@@ -76,15 +148,23 @@ class Prepared:
         self.tensors = Tensors.from_records(path, records, files, offsets)
 
 
-def load_prepared(path: str, cache_dir) -> Prepared | None:
-    """The cache entry of this GGUF as it is now, or None (missing, stale or unreadable: prepare anew)."""
+def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
+    """The cache entry of this GGUF as it is now, or None (missing, stale, unreadable or damaged:
+    prepare anew). A damaged entry is removed and `on_note(line)` told why."""
+    _remove_dead_tmp(Path(cache_dir))
     try:
         key, real = _identity(path)
         entry = Path(cache_dir) / key
         if not (entry / "meta.json").is_file():
             return None
         return Prepared(real, entry)
-    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+    except (DamagedEntry, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        shutil.rmtree(entry, ignore_errors=True)
+        if on_note:
+            why = e if isinstance(e, DamagedEntry) else "meta.json is not what this colichat wrote"
+            on_note(f"the dequantized-weights cache {entry} was damaged ({why}); dequantizing again")
+        return None
+    except OSError:
         return None
 
 
@@ -94,25 +174,28 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
     try:
         key, real = _identity(path)
         root = Path(cache_dir)
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(root)
         need = sum(a.nbytes for a in weights.values())
         if shutil.disk_usage(root).free < need + FREE_MARGIN:  # never crowd out the sessions' disk
             return (f"not writing the weights cache: {need >> 20} MiB would leave less than "
                     f"{FREE_MARGIN >> 20} MiB free in {root}; each start dequantizes instead")
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+        _remove_dead_tmp(root)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=root))
     except OSError as e:
         return f"cannot write the weights cache ({e.strerror or e})"
     try:
         arrays, off = {}, 0
-        with open(tmp / "weights.f32", "wb") as f:
+        with open(tmp / "weights.f32", "wb", opener=private_file) as f:
             for name, a in weights.items():
                 a = np.ascontiguousarray(a, dtype=np.float32)
                 pad = -off % ALIGN
                 f.write(b"\0" * pad)
                 off += pad
-                arrays[name] = [off, list(a.shape)]
+                arrays[name] = [off, list(a.shape), *_crcs(a)]
                 f.write(memoryview(a).cast("B"))
                 off += a.nbytes
+            f.flush()
+            os.fsync(f.fileno())
         records = [
             [t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.n_bytes),
              tensors.files[t.name], tensors.offsets[t.name], t.data.dtype.str, list(t.data.shape)]
@@ -124,14 +207,21 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
             "config": dataclasses.asdict(cfg),
             "tokenizer": {k: v for k, v in tokenizer_meta.items()
                           if k.startswith("tokenizer.") or k == "general.name"},
+            "weights_bytes": off,
             "arrays": arrays,
             "tensors": records,
         }
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        body = json.dumps(meta).encode()
+        with open(tmp / "meta.json", "wb", opener=private_file) as f:
+            f.write(hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
         entry = root / key
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)
         os.rename(tmp, entry)
+        _fsync_dir(root)
         _remove_stale(root, real, key)
         return None
     except (OSError, TypeError, ValueError) as e:

@@ -28,9 +28,15 @@ class SamplerSettings:
         return asdict(self)
 
     def validate(self) -> None:
-        """ValueError naming the setting for values the sampler cannot use (NaN fails every check)."""
+        """ValueError naming the setting for values the sampler cannot use (NaN fails every check;
+        settings read back from a file may hold any JSON value: the types are checked too)."""
+        for key in ("top_k", "repeat_last_n", "seed"):
+            v = getattr(self, key)
+            if not (isinstance(v, int) and not isinstance(v, bool)) and not (key == "seed" and v is None):
+                raise ValueError(f"{key} must be a whole number, not {v!r}")
         for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
-            if not math.isfinite(getattr(self, key)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"{key} must be a finite number")
         if self.seed is not None and self.seed < 0:
             raise ValueError("seed must be >= 0")

@@ -6,18 +6,19 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
     ident = model_identity(gguf_path, cfg.arch, cfg.name)
     layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
     store = Store()
-    sess = store.open(ident, name, layout)          # or store.create(ident, layout) for a new one
+    sess = store.open(ident, name, layout)          # or store.create(ident, layout) for a new one,
+                                                    # or store.claim(ident, name, layout): locked, no files yet
     res = sess.load(model.cache, ctx_limit, detokenize)   # res.summary(), res.warnings, res.turns
     sess.append(model.cache, turns)                 # after every turn (whole turn list is fine)
     sess.truncate(n_turns)                          # /rewind, /regen
     sess.close()
 """
 
-from .kvfile import CacheLayout, SessionError
+from .kvfile import CacheLayout, SessionBusy, SessionError, SessionExists
 from .session import LoadResult, Session, Turn
 from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, slug, weights_fingerprint
 
 __all__ = [
-    "CacheLayout", "LoadResult", "Paths", "Session", "SessionError", "SessionInfo", "Store", "Turn",
-    "check_name", "model_identity", "paths", "slug", "weights_fingerprint",
+    "CacheLayout", "LoadResult", "Paths", "Session", "SessionBusy", "SessionError", "SessionExists",
+    "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "slug", "weights_fingerprint",
 ]

@@ -34,6 +34,14 @@ class SessionError(Exception):
     """A session colichat cannot open, load or save. The message is one line meant for the user."""
 
 
+class SessionBusy(SessionError):
+    """The session's lock is held by another colichat (or another Session in this process)."""
+
+
+class SessionExists(SessionError):
+    """A new session was asked for under a name that holds a conversation."""
+
+
 def oserror_text(e: OSError) -> str:
     return e.strerror or str(e) or type(e).__name__
 
@@ -117,9 +125,10 @@ def lstat_regular(path: str, what: str) -> os.stat_result | None:
 
 
 def open_file(path: str, what: str, flags: int, mode: int = 0o600) -> int:
-    """os.open without following a final symlink; errors become one-line SessionErrors."""
+    """os.open without following a final symlink (nor waiting on a FIFO); errors become one-line
+    SessionErrors."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
     except FileExistsError:
         raise
     except PermissionError:
@@ -130,6 +139,26 @@ def open_file(path: str, what: str, flags: int, mode: int = 0o600) -> int:
             raise SessionError(f"{what} {path} is a symbolic link; colichat does not follow "
                                "symlinked session files") from None
         raise SessionError(f"cannot open {what} {path}: {oserror_text(e)}") from None
+
+
+def check_writable(fd: int, path: str, what: str, fix: str = "") -> os.stat_result:
+    """Refuse to write through `fd` unless it is a regular file with one name: a write through a hard
+    link (or to a device, a FIFO) would change a file that is not this session's. `fix` is the
+    command to offer (default: make the file a copy of its own). Closes `fd` on refusal."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise SessionError(f"cannot access {what} {path}: {oserror_text(e)}") from None
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:
+        return st
+    os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise SessionError(f"{what} {path} is not a regular file; colichat does not write to it "
+                           f"(remove it: rm '{path}')")
+    fix = fix or f"cp '{path}' '{path}.copy' && mv '{path}.copy' '{path}'"
+    raise SessionError(f"{what} {path} has {st.st_nlink} hard links; colichat does not write through a "
+                       f"hard link (another file would change): {fix}")
 
 
 def read_header(fd: int, path: str) -> tuple[Header, int]:
@@ -211,7 +240,8 @@ def write_nrec(fd: int, nrec: int) -> None:
 
 
 def create_kv(path: str, layout: CacheLayout) -> int:
-    """Create a new KV file (mode 0600, never over an existing one) holding just the header."""
+    """Create a new KV file (mode 0600, never over an existing one) holding just the header.
+    On failure the descriptor is closed; the file (if it was made) is the caller's to remove."""
     fd = open_file(path, "session file", os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
         os.fchmod(fd, 0o600)
@@ -221,6 +251,16 @@ def create_kv(path: str, layout: CacheLayout) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_nrec_if_empty(path: str) -> bool:
+    """True if `path` is a KV file of a session that holds nothing: a whole header, nrec 0."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except OSError:
+        return False
+    return len(raw) == HEADER_SIZE and raw[:8] in KIND_OF_MAGIC and HEADER.unpack(raw)[7] == 0
 
 
 def fsync_dir(directory: str) -> None:

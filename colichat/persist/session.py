@@ -35,21 +35,25 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives ident
 from .kvfile import (
     HEADER_SIZE,
     INT32_MAX,
+    KIND_OF_MAGIC,
     MAGIC,
     CacheLayout,
+    SessionBusy,
     SessionError,
+    check_writable,
     create_kv,
     fsync_dir,
     lstat_regular,
     open_file,
     oserror_text,
     read_header,
+    read_nrec_if_empty,
     read_records,
     write_nrec,
     write_records,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a "check" CRC over the sidecar's settings, and one over each turn's fields
 KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
 MAX_SIDECAR_BYTES = 256 << 20
 
@@ -87,19 +91,32 @@ def turn_crc(cache, t: Turn) -> int:
 
 
 def _lock(path: str, name: str) -> int:
-    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it."""
+    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it.
+
+    The descriptor is closed on every failure. The pid is informational (it names the holder in the
+    refusal another colichat prints), so failing to write it, on a full disk say, keeps the lock."""
     fd = open_file(path, "lock file", os.O_RDWR | os.O_CREAT)
+    check_writable(fd, path, "lock file", f"remove it (rm '{path}'); colichat makes a new one")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        try:
+            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        except OSError:
+            pid = "?"
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise SessionError(f"session {name} is open in another colichat (pid {pid})") from None
+            raise SessionBusy(f"session {name} is open in another colichat (pid {pid})") from None
         raise SessionError(f"cannot lock session {name}: {oserror_text(e)}") from None
-    os.fchmod(fd, 0o600)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     return fd
 
 
@@ -108,14 +125,63 @@ def _unlock(fd: int) -> None:
         os.ftruncate(fd, 0)
     except OSError:
         pass
-    os.close(fd)  # closing the descriptor releases the flock
+    try:
+        os.close(fd)  # closing the descriptor releases the flock (also when close reports an error)
+    except OSError:
+        pass
+
+
+def _unlink_quietly(path: str) -> bool:
+    """Remove a file if it is there; True if something was removed. Errors are left to the caller's
+    next step (a failed cleanup must not hide the error being reported)."""
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _holds_something(base: str) -> bool:
+    """Whether NAME.coli_kv or NAME.json exists as anything but the leftover of an interrupted
+    create (a KV file with no records, and no sidecar or one that lists no turns)."""
+    kv = lstat_regular(base + ".coli_kv", "session file")
+    side = lstat_regular(base + ".json", "sidecar")
+    if kv is None:
+        return side is not None
+    if not read_nrec_if_empty(base + ".coli_kv"):
+        return True
+    if side is None:
+        return False
+    try:
+        with open(base + ".json", "rb") as f:
+            doc = json.loads(f.read(MAX_SIDECAR_BYTES).decode("utf-8"))
+        return not (isinstance(doc, dict) and doc.get("turns") == [])
+    except (OSError, ValueError):
+        return True
+
+
+def _canonical_crc(value) -> int:
+    """CRC-32 of the value as compact, key-sorted, ASCII JSON: the same whatever the file's layout."""
+    return crc32(json.dumps(value, ensure_ascii=True, sort_keys=True, separators=(",", ":")).encode("ascii"))
+
+
+def turn_check(role: str, text: str, first: int, last: int, crc: int) -> int:
+    """The sidecar's "check" of one turn: covers its role, text, record span and record CRC."""
+    return _canonical_crc([role, text, first, last, crc])
+
+
+def doc_check(doc: dict) -> int:
+    """The sidecar's top-level "check": covers everything but the turns (which carry their own)."""
+    return _canonical_crc({k: v for k, v in doc.items() if k not in ("turns", "check")})
 
 
 def _parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:
-    """The longest well-formed, contiguous prefix of the sidecar's turns, and a warning if shorter."""
+    """The longest well-formed, contiguous, checked prefix of the sidecar's turns, and a warning if
+    shorter. A format-1 sidecar (an older colichat) has no per-turn checks."""
     raw = doc.get("turns")
     if not isinstance(raw, list):
         return [], [], "the sidecar has no turn list: no turns kept"
+    checked = doc.get("format") != 1
     turns: list[Turn] = []
     crcs: list[int] = []
     for i, t in enumerate(raw):
@@ -125,6 +191,9 @@ def _parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:
         prev = turns[-1].last if turns else 0
         if not ok or vals[0] != prev or not vals[0] <= vals[1] <= INT32_MAX or not 0 <= vals[2] < 2**32:
             return turns, crcs, f"sidecar turn {i + 1} is malformed: dropped it and {len(raw) - i - 1} later"
+        if (checked or "check" in t) and t.get("check") != turn_check(t["role"], t["text"], *vals):
+            return turns, crcs, (f"sidecar turn {i + 1} is damaged (its role, text or span does not match its "
+                                 f"checksum): dropped it and {len(raw) - i - 1} later")
         turns.append(Turn(t["role"], t["text"], vals[0], vals[1]))
         crcs.append(vals[2])
     return turns, crcs, None
@@ -140,7 +209,7 @@ def _span(turns: list[Turn], i: int) -> str:
 class Session:
     """One open session, holding its writer lock until `close`."""
 
-    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int):
+    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None):
         self.directory = str(directory)
         self.name = name
         self.ident = dict(ident)
@@ -156,46 +225,97 @@ class Session:
         self.created = now_iso()
         self._has_sidecar = False
         self._loaded = False  # state known (created, or loaded): needed before saving
+        self._cache = None  # the cache last loaded or saved from: what a rewrite copies
+        self.notes: list[str] = []  # things a save did that the user should hear of (caller drains)
 
     # ---- opening ---------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
-               sampler: dict | None = None) -> Session:
-        """A new empty session. FileExistsError if NAME already exists (the store picks names)."""
+    def claim(cls, directory, name: str, ident: dict, layout: CacheLayout,
+              sampler: dict | None = None) -> Session:
+        """A new empty session that holds its lock but has no files yet: the first save creates them
+        (so a name given at start is ours before the first answer, and quitting leaves no session).
+
+        FileExistsError if NAME holds a conversation. What an interrupted create leaves (a session
+        with no records and no turns) is not a conversation: it is replaced."""
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + KV_EXT, "session file") or lstat_regular(base + SIDECAR_EXT, "sidecar"):
+        if _holds_something(base):  # before locking: the holder of an existing session may have the lock
             raise FileExistsError(errno.EEXIST, "session exists", name)
         s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
         try:
-            s._kv_fd = create_kv(s.kv_path, layout)
-            try:
-                s.sampler = dict(sampler or {})
-                s._write_sidecar([], [])
-            except BaseException:
-                os.unlink(s.kv_path)
-                raise
-        except OSError as e:
-            s.close()
-            if isinstance(e, FileExistsError):
-                raise
-            raise SessionError(f"cannot create session {name}: {oserror_text(e)}") from None
+            if _holds_something(base):  # again, under the lock
+                raise FileExistsError(errno.EEXIST, "session exists", name)
         except BaseException:
             s.close()
             raise
+        s.sampler = dict(sampler or {})
         s._loaded = True
         return s
 
     @classmethod
-    def open(cls, directory, name: str, ident: dict, layout: CacheLayout) -> Session:
-        """An existing session, locked for writing; `load` it before saving to it."""
+    def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
+               sampler: dict | None = None) -> Session:
+        """A new empty session: all its files, or (on any error) none of them and the lock released."""
+        s = cls.claim(directory, name, ident, layout, sampler)
+        try:
+            s._create_files()
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the session's files exist (a claimed session has none until its first save)."""
+        return self._kv_fd is not None
+
+    def _create_files(self) -> None:
+        """Write the KV file under a temporary name, rename it into place, then write the sidecar.
+
+        A crash leaves at most NAME.coli_kv.tmp or a header-only NAME.coli_kv (both replaced by the
+        next create); an error removes everything this call made (we hold the lock, and the names
+        were free when we took it), so the next save starts again from nothing."""
+        tmp = self.kv_path + ".tmp"
+        fd = None
+        try:
+            for path in (tmp, self.kv_path, self.json_path):  # leftovers of an interrupted create
+                if os.path.lexists(path):
+                    os.unlink(path)
+            fd = create_kv(tmp, self.layout)
+            os.rename(tmp, self.kv_path)
+            self._kv_fd, fd = fd, None
+            self._write_sidecar([], [])
+        except (OSError, SessionError) as e:
+            if fd is not None:
+                os.close(fd)
+            if self._kv_fd is not None:
+                os.close(self._kv_fd)
+                self._kv_fd = None
+            removed = [_unlink_quietly(p) for p in (tmp, self.json_path + ".tmp", self.json_path, self.kv_path)]
+            if any(removed):
+                try:
+                    fsync_dir(self.directory)
+                except OSError:
+                    pass
+            why = oserror_text(e) if isinstance(e, OSError) else str(e)
+            raise SessionError(f"could not create session {self.name}: {why}; nothing was "
+                               "written (free some space; the next save retries)") from None
+
+    def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
+        """An existing session, locked for writing; `load` it before saving to it. `read_only`
+        (a read-only file system): no lock, the file opened for reading; saving to it fails."""
         base = os.path.join(str(directory), name)
         if lstat_regular(base + KV_EXT, "session file") is None:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
         lstat_regular(base + SIDECAR_EXT, "sidecar")
-        s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, None if read_only else _lock(base + ".lock", name))
         try:
-            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDWR)
+            if read_only:
+                s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
+            else:
+                fd = open_file(s.kv_path, "session file", os.O_RDWR)
+                check_writable(fd, s.kv_path, "session file")
+                s._kv_fd = fd
         except BaseException:
             s.close()
             raise
@@ -203,8 +323,11 @@ class Session:
 
     def close(self) -> None:
         if self._kv_fd is not None:
-            os.close(self._kv_fd)
-            self._kv_fd = None
+            fd, self._kv_fd = self._kv_fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # everything was fsynced: an error closing loses nothing
         if self._lock_fd is not None:
             _unlock(self._lock_fd)
             self._lock_fd = None
@@ -230,6 +353,9 @@ class Session:
             raise ValueError(f"session {self.name} is closed")
         self.layout.check_cache(cache)
         header, size = read_header(self._kv_fd, self.kv_path)
+        doc = self._read_sidecar()  # first: the model that saved it tells damage from another model's file
+        if doc is not None and (header.magic != MAGIC[self.layout.kind] or header.mismatches(self.layout)):
+            self._check_header_against(doc, header)
         if header.magic != MAGIC[self.layout.kind]:
             raise SessionError(f"session {self.name} holds a cache of another kind of model "
                                f"(magic {header.magic!r}, this model needs {MAGIC[self.layout.kind]!r}); "
@@ -238,8 +364,13 @@ class Session:
         if bad:
             raise SessionError(f"session {self.name} was saved by another model ({', '.join(bad)}); "
                                "start a new session with /reset")
-        doc = self._read_sidecar()
         warnings: list[str] = []
+        if doc is not None and doc.get("settings damaged"):
+            warnings.append("the sidecar's settings do not match their checksum: the saved sampler "
+                            "settings were not restored")
+        elif doc is not None and doc["format"] == 1:
+            warnings.append("the sidecar was written by an older colichat: its turn texts carry no "
+                            "checksum (the next save adds them)")
         turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
         ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
         if n > 0 and n >= ctx - margin:
@@ -264,6 +395,7 @@ class Session:
         cache.set_length(n)
 
         self.turns, self._crcs, self.nrec = turns, crcs, n
+        self._cache = cache
         self._has_sidecar = doc is not None
         if doc is not None:
             self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
@@ -271,6 +403,17 @@ class Session:
         self._loaded = True
         ms = (time.perf_counter() - t0) * 1000
         return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler))
+
+    def _check_header_against(self, doc: dict, header) -> None:
+        """A header that disagrees with the layout its own sidecar recorded is damaged (SessionError)."""
+        saved = doc.get("layout") if isinstance(doc.get("layout"), dict) else {}
+        got = {"kind": KIND_OF_MAGIC[header.magic], "n_layer": header.n_layer, "a_width": header.a_width,
+               "b_width": header.b_width, "vocab": header.vocab, "index_hd": header.index_hd,
+               "n_index_layers": header.n_index_layers}
+        bad = [f"{k} {v} (sidecar: {saved.get(k)})" for k, v in got.items() if saved.get(k) != v]
+        if bad:
+            raise SessionError(f"session {self.name} is damaged: the header of {self.kv_path} disagrees with "
+                               f"its sidecar ({', '.join(bad)}); it cannot be loaded")
 
     def _listed_prefix(self, doc, nrec: int, size: int, warnings: list[str]):
         """(turns, crcs, records to read): the sidecar's turns that lie within the whole records
@@ -289,7 +432,7 @@ class Session:
             warnings.append(f"dropped {_span(turns, kept)}: past the {avail} records in the KV file")
             del turns[kept:], crcs[kept:]
         n = turns[-1].last if turns else 0
-        if avail > n:
+        if avail > n and not warn:  # (after a dropped sidecar turn the records are that turn's)
             warnings.append(f"dropped {avail - n} records after the last turn (an interrupted save)")
         return turns, crcs, n
 
@@ -347,16 +490,23 @@ class Session:
             os.close(fd)
         try:
             doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting too deep
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
-                or not isinstance(doc.get("model"), dict):
+                or not isinstance(doc.get("model"), dict) or doc["format"] < 1:
             raise SessionError(f"sidecar {self.json_path} is damaged (not a colichat sidecar); {aside}")
-        if doc["format"] > FORMAT_VERSION:
+        intact = doc.get("check") == doc_check(doc) or (doc["format"] == 1 and "check" not in doc)
+        if doc["format"] > FORMAT_VERSION:  # its checks may be computed otherwise: they cannot tell
             raise SessionError(f"session {self.name} was written by a newer colichat "
                                f"(sidecar format {doc['format']}); upgrade colichat to resume it")
         saved, me = doc["model"], self.ident
-        if saved.get("arch") != me.get("arch") or saved.get("fingerprint") != me.get("fingerprint"):
+        other = saved.get("arch") != me.get("arch") or saved.get("fingerprint") != me.get("fingerprint")
+        if not intact and other:
+            raise SessionError(f"sidecar {self.json_path} is damaged (its model does not match its "
+                               f"checksum); {aside}")
+        if not intact:  # the turns carry their own checks; only the settings are in doubt
+            doc = {**doc, "sampler": {}, "created": None, "settings damaged": True}
+        if other:
             raise SessionError(
                 f"session {self.name} was saved with other weights ({saved.get('name')}, fingerprint "
                 f"{str(saved.get('fingerprint'))[:12]}; this model: {me.get('name')}, "
@@ -390,7 +540,10 @@ class Session:
         if prev > cache.length:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
+        self._ensure_files()
+        self._cache = cache
         try:
+            self._check_files(self.turns, self._crcs)
             if not self._has_sidecar:  # an imported cache: record its state before touching the file
                 self._write_sidecar(self.turns, self._crcs)
             write_records(self._kv_fd, self.nrec, cache.raw(self.nrec, prev), self.layout.record_bytes)
@@ -413,8 +566,11 @@ class Session:
         n_turns = min(n_turns, len(self.turns))
         turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
         n = turns[-1].last if turns else 0
+        if self._kv_fd is None:  # claimed, nothing saved yet: nothing to cut
+            return
         try:
-            write_nrec(self._kv_fd, n)
+            if not self._check_files(turns, crcs):
+                write_nrec(self._kv_fd, n)
             self._write_sidecar(turns, crcs)
         except OSError as e:
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
@@ -424,17 +580,86 @@ class Session:
         """Record new sampler settings now (they are also saved with every append)."""
         self._require_loaded()
         old, self.sampler = self.sampler, dict(sampler)
+        if self._kv_fd is None:  # claimed, nothing saved yet: the first save writes them
+            return
         try:
+            self._check_files(self.turns, self._crcs)
             self._write_sidecar(self.turns, self._crcs)
         except OSError as e:
             self.sampler = old
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
 
     def _require_loaded(self) -> None:
-        if self._kv_fd is None:
+        if self._lock_fd is None:
             raise ValueError(f"session {self.name} is closed")
         if not self._loaded:
             raise ValueError(f"session {self.name}: load() it before saving to it")
+
+    def _ensure_files(self) -> None:
+        """Create the files of a claimed session (its first save); SessionError if that fails."""
+        if self._kv_fd is None:
+            self._create_files()
+
+    def _check_files(self, turns: list[Turn], crcs: list[int]) -> bool:
+        """Before a save: if another program removed, replaced or hard-linked this session's files
+        since they were opened, write the KV file again, holding `turns`, from the cache (and take
+        the lock again if its file went). True if it did (with a note saying so)."""
+        self._check_lock()
+        st = os.fstat(self._kv_fd)
+        try:
+            cur = os.lstat(self.kv_path)
+        except FileNotFoundError:
+            cur = None
+        same = cur is not None and (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)
+        if same and st.st_nlink == 1:
+            return False
+        what = "removed" if cur is None else "given another name (a hard link)" if same else "replaced"
+        n = turns[-1].last if turns else 0
+        if n and (self._cache is None or self._cache.length < n
+                  or any(turn_crc(self._cache, t) != c for t, c in zip(turns, crcs, strict=True))):
+            raise SessionError(f"the KV file of session {self.name} was {what} by another program, and "
+                               "the conversation in memory no longer holds what was saved")
+        tmp = self.kv_path + ".tmp"
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        try:
+            fd = create_kv(tmp, self.layout)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        try:
+            write_records(fd, 0, self._cache.raw(0, n) if n else memoryview(b""), self.layout.record_bytes)
+            write_nrec(fd, n)
+            os.replace(tmp, self.kv_path)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        old, self._kv_fd = self._kv_fd, fd
+        self.turns, self._crcs, self.nrec = list(turns), list(crcs), n
+        try:
+            os.close(old)
+        except OSError:
+            pass  # the old file is gone from the directory; closing it is housekeeping
+        self._has_sidecar = False  # the sidecar is written again before any new record
+        fsync_dir(self.directory)
+        self.notes.append(f"the KV file of session {self.name} was {what} by another program: "
+                          f"wrote the session again from memory ({n} tokens)")
+        return True
+
+    def _check_lock(self) -> None:
+        """If NAME.lock was removed or replaced, our flock guards nothing: take the new file's."""
+        path = os.path.join(self.directory, self.name + ".lock")
+        st = os.fstat(self._lock_fd)
+        try:
+            cur = os.lstat(path)
+            if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        fd = _lock(path, self.name)
+        _unlock(self._lock_fd)
+        self._lock_fd = fd
 
     def _write_sidecar(self, turns: list[Turn], crcs: list[int]) -> None:
         """Atomically replace NAME.json: write NAME.json.tmp, fsync, rename over, fsync the directory."""
@@ -446,15 +671,19 @@ class Session:
             "updated": now_iso(),
             "sampler": self.sampler,
             "nrec": turns[-1].last if turns else 0,
-            "turns": [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c}
-                      for t, c in zip(turns, crcs, strict=True)],
         }
+        doc["check"] = doc_check(doc)
+        doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
+                         "check": turn_check(t.role, t.text, t.first, t.last, c)}
+                        for t, c in zip(turns, crcs, strict=True)]
         try:
             data = json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates in a text: escape them instead
             data = json.dumps(doc, indent=1).encode("ascii")
         tmp = self.json_path + ".tmp"
-        fd = open_file(tmp, "sidecar", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        if os.path.lexists(tmp):  # a crash's leftover, or a file planted there: never written through
+            os.unlink(tmp)
+        fd = open_file(tmp, "sidecar", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             try:
                 os.fchmod(fd, 0o600)

@@ -4,6 +4,7 @@
     ident = model_identity(gguf_path, arch, name)   # {"arch", "name", "fingerprint"}, reads ~2 MB
     store = Store()                            # sessions under paths().data / "sessions"
     sess = store.create(ident, layout, name=None, sampler=None)   # new empty session, locked
+    sess = store.claim(ident, name, layout, sampler=None)   # the same, its files made by the first save
     sess = store.open(ident, name, layout)     # existing session, locked (then sess.load(...))
     store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None
     store.latest(ident) -> SessionInfo | None
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 import time
 import unicodedata
@@ -29,13 +31,16 @@ from datetime import datetime
 from pathlib import Path
 
 from ..engine.gguf_header import read_header
-from ..paths import Paths, paths  # noqa: F401  (re-exported)
+from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
+from ..units import format_size
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
     KIND_OF_MAGIC,
     CacheLayout,
+    SessionBusy,
     SessionError,
+    SessionExists,
     fsync_dir,
     lstat_regular,
     oserror_text,
@@ -169,34 +174,75 @@ class SessionInfo:
     last_used: float  # epoch seconds (sidecar "updated", else the KV file's mtime)
     path: Path  # the .coli_kv file
     first: str = ""  # the first user message's first line
+    damage: str | None = None  # why this is not a loadable session (then /delete NAME clears it)
 
 
     def describe(self, now: float | None = None) -> str:
-        """'NAME: 4 turns, 812 tokens, 1.2 MB, 3 h ago' for listings and the start-up notice."""
+        """'NAME: 4 turns, 812 tokens, 1.2 MiB, 3 h ago' for listings and the start-up notice."""
+        if self.damage:
+            return damaged_text(self.name, self.damage)
         age = max(0.0, (time.time() if now is None else now) - self.last_used)
         for unit, secs in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
             if age >= secs or unit == "s":
                 break
         first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
-        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {self.size / 1e6:.1f} MB, "
+        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {format_size(self.size)}, "
                 f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else ""))
 
 
+def damaged_text(name: str, damage: str) -> str:
+    """The one line for a damaged session, the same in /sessions, --session and --resume."""
+    return f"{name}: damaged ({damage}); /delete {name} removes it"
+
+
+def _kv_damage(st, raw: bytes) -> str | None:
+    if st.st_size == 0:
+        return "empty KV file"
+    if len(raw) < HEADER_SIZE:
+        return f"truncated header: {len(raw)} bytes, a header needs {HEADER_SIZE}"
+    if raw[:8] not in KIND_OF_MAGIC:
+        return f"not a KV file: magic {raw[:8]!r}"
+    return None
+
+
 def _session_info(directory: Path, name: str) -> SessionInfo | None:
-    """Read-only summary of one session; None for anything that is not a readable session."""
-    kv = directory / (name + KV_EXT)
+    """Read-only summary of one session (with `damage` set if it cannot load); None if nothing is
+    there under that name."""
+    kv, side = directory / (name + KV_EXT), directory / (name + SIDECAR_EXT)
+    turns, tokens, model, first = 0, 0, directory.name, ""
     try:
         st = kv.lstat()
-        if not kv.is_file() or kv.is_symlink():
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        return SessionInfo(name, model, directory.name, 0, 0, 0, 0.0, kv, damage=f"cannot read: {oserror_text(e)}")
+    damage = None
+    if st is None:
+        try:
+            sst = side.lstat()
+        except OSError:
             return None
-        with open(kv, "rb") as f:
-            raw = f.read(HEADER_SIZE)
-        if len(raw) < HEADER_SIZE or raw[:8] not in KIND_OF_MAGIC:
-            return None
-        tokens, turns, model, first = HEADER.unpack(raw)[7], 0, directory.name, ""
-        last_used, size = st.st_mtime, st.st_size
-    except OSError:
-        return None
+        return SessionInfo(name, model, directory.name, 0, 0, sst.st_size, sst.st_mtime, kv,
+                           damage=f"the sidecar {name}.json has no KV file {name}{KV_EXT}")
+    last_used, size = st.st_mtime, st.st_size
+    if stat.S_ISLNK(st.st_mode):
+        damage = "the KV file is a symbolic link"
+    elif not stat.S_ISREG(st.st_mode):
+        damage = "the KV file is not a regular file"
+    else:
+        try:
+            fd = os.open(kv, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                raw = os.pread(fd, HEADER_SIZE, 0)
+            finally:
+                os.close(fd)
+            damage = _kv_damage(st, raw)
+            if damage is None:
+                tokens = HEADER.unpack(raw)[7]
+        except OSError as e:
+            damage = f"cannot read: {oserror_text(e)}"
+    if damage:
+        return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage=damage)
     side = directory / (name + SIDECAR_EXT)
     try:
         if not side.is_symlink() and side.is_file():
@@ -208,7 +254,7 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
             first = next((str(t["text"]) for t in doc["turns"] if t["role"] == "user"), "")
             first = next((x.strip() for x in first.splitlines() if x.strip()), "")
             last_used = datetime.fromisoformat(doc["updated"]).timestamp()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
         pass  # a damaged sidecar: list what the header says; loading reports the damage
     return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv, first)
 
@@ -229,25 +275,53 @@ class Store:
             try:
                 return Session.create(directory, check_name(name), ident, layout, sampler)
             except FileExistsError:
-                raise SessionError(f"session {name} already exists; resume it with /resume {name} "
-                                   "or choose another name") from None
+                self._refuse_damaged(directory, name)
+                raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
+                                    "or choose another name") from None
+        busy: set[str] = set()
         while True:
-            taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, SIDECAR_EXT)}
+            taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, SIDECAR_EXT)} | busy
+            name = auto_name(taken, stem)
             try:
-                return Session.create(directory, auto_name(taken, stem), ident, layout, sampler)
-            except FileExistsError:
-                continue  # another colichat took the same name just now
+                return Session.create(directory, name, ident, layout, sampler)
+            except (FileExistsError, SessionBusy):
+                busy.add(name)  # another colichat took the same name just now
 
-    def open(self, ident: dict, name: str, layout: CacheLayout) -> Session:
-        """An existing session of this model, locked for writing; load it next."""
+    def claim(self, ident: dict, name: str, layout: CacheLayout, sampler: dict | None = None) -> Session | None:
+        """A new session NAME, locked now, whose files the first save creates. SessionExists if the
+        name holds a conversation, SessionBusy if another colichat has it; None if the session
+        directory cannot be made (nothing can be saved there: the first save says why)."""
+        check_name(name)
+        try:
+            directory = self._make_dir(self.model_dir(ident))
+        except SessionError:
+            return None
+        try:
+            return Session.claim(directory, check_name(name), ident, layout, sampler)
+        except FileExistsError:
+            self._refuse_damaged(directory, name)
+            raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
+                                "or choose another name") from None
+
+    def open(self, ident: dict, name: str, layout: CacheLayout, read_only: bool = False) -> Session:
+        """An existing session of this model, locked for writing (or `read_only`); load it next."""
         directory = self.model_dir(ident)
         check_name(name)
         if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
-            others = sorted({i.model for i in self.list() if i.name == name})
+            others = sorted({i.model for i in self.list() if i.name == name and not i.damage})
             if others:
                 raise SessionError(f"session {name} belongs to another model ({', '.join(others)}); "
                                    "start colichat with that model to resume it")
-        return Session.open(directory, name, ident, layout)
+        self._refuse_damaged(directory, name)
+        return Session.open(directory, name, ident, layout, read_only)
+
+    @staticmethod
+    def _refuse_damaged(directory: Path, name: str) -> None:
+        """SessionError with the line /sessions shows, if NAME is there but cannot be a session
+        (a link, a special file or a file we may not read keep the refusals that name the cause)."""
+        info = _session_info(directory, name)
+        if info and info.damage and not info.damage.startswith(("cannot read", "the KV file is")):
+            raise SessionError(f"session {damaged_text(name, info.damage)}")
 
     def delete(self, ident: dict, name: str) -> int:
         """Remove a saved session of this model and return the bytes freed. Its lock is taken first,
@@ -256,12 +330,12 @@ class Store:
         directory = self.model_dir(ident)
         check_name(name)
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + KV_EXT, "session file") is None:
+        if not any(os.path.lexists(base + ext) for ext in (KV_EXT, ".json")):
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
         fd = _lock(base + ".lock", name)
         freed = 0
-        try:
-            for path in (base + SIDECAR_EXT, base + KV_EXT):
+        try:  # links are removed, never followed; the temporary files of an interrupted save go too
+            for path in (base + SIDECAR_EXT, base + KV_EXT, base + SIDECAR_EXT + ".tmp", base + KV_EXT + ".tmp"):
                 try:
                     freed += os.lstat(path).st_size
                     os.unlink(path)
@@ -283,9 +357,15 @@ class Store:
         try:
             if lstat_regular(base + KV_EXT, "session file") or lstat_regular(base + SIDECAR_EXT, "sidecar"):
                 raise SessionError(f"session {new} already exists: choose another name")
-            exts = [ext for ext in (KV_EXT, SIDECAR_EXT) if os.path.lexists(old + ext)]
+            exts: list[str] = []
             done: list[str] = []
             try:
+                for ext in (KV_EXT, SIDECAR_EXT):  # (an error here must not read as "no such file")
+                    try:
+                        os.lstat(old + ext)
+                        exts.append(ext)
+                    except FileNotFoundError:
+                        pass
                 for ext in exts:
                     os.link(old + ext, base + ext)
                     done.append(base + ext)
@@ -298,14 +378,22 @@ class Store:
                 for ext in reversed(exts):
                     os.unlink(old + ext)
                 fsync_dir(sess.directory)
+                copy = False
             except OSError:
-                pass  # the old name stays as a second copy; /delete removes it
+                copy = True  # the old name stays as a second copy; /delete removes it
         except BaseException:
             _unlock(fd)
             raise
         _unlock(sess._lock_fd)
         sess._lock_fd, sess.name = fd, new
         sess.kv_path, sess.json_path = base + KV_EXT, base + SIDECAR_EXT
+        if copy and sess.on_disk:  # a copy, not a second link to the files this session writes
+            try:
+                sess._check_files(sess.turns, sess._crcs)
+                sess._write_sidecar(sess.turns, sess._crcs)
+                sess.notes.clear()
+            except (OSError, SessionError):
+                pass  # the next save writes the file again (it sees the second link)
 
     def dirs_for(self, fingerprint: str) -> list[Path]:
         """The session directories of the model with this weights fingerprint (found before it loads)."""
@@ -327,33 +415,25 @@ class Store:
         infos = []
         for d in dirs:
             try:
-                names = [p.name[: -len(KV_EXT)] for p in d.iterdir() if p.name.endswith(KV_EXT)]
+                names = [p.name[: -len(ext)] for p in d.iterdir() for ext in (KV_EXT, ".json")
+                         if p.name.endswith(ext)]
             except OSError:
                 continue
-            infos += [i for i in (_session_info(d, n) for n in names if NAME_RE.fullmatch(n)) if i]
+            infos += [i for i in (_session_info(d, n) for n in sorted(set(names)) if NAME_RE.fullmatch(n)) if i]
         return sorted(infos, key=lambda i: (i.last_used, i.name), reverse=True)
 
     def latest(self, ident: dict) -> SessionInfo | None:
-        found = self.list(ident)
+        found = [i for i in self.list(ident) if not i.damage]
         return found[0] if found else None
 
     @staticmethod
     def _make_dir(directory: Path) -> Path:
         """Create missing directories down to `directory`, each 0700."""
-        missing = []
-        d = directory
-        while not d.exists():
-            missing.append(d)
-            d = d.parent
-        for d in reversed(missing):
-            try:
-                d.mkdir(mode=0o700)
-                os.chmod(d, 0o700)
-            except FileExistsError:
-                pass
-            except OSError as e:
-                raise SessionError(f"cannot create session directory {d}: {oserror_text(e)}") from None
+        try:
+            private_dir(directory)
+        except OSError as e:
+            raise SessionError(f"cannot create session directory {e.filename or directory}: "
+                               f"{oserror_text(e)}") from None
         if not directory.is_dir():
             raise SessionError(f"session directory {directory} is not a directory")
         return directory
-

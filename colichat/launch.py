@@ -1,0 +1,26 @@
+"""The `colichat` command: says "starting" on a terminal at once, then imports the program.
+
+Importing numpy, jinja2 and the engine takes about half a second (seconds on a busy machine);
+the line is cleared before the program prints anything.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    shown = sys.stderr.isatty()
+    if shown:
+        sys.stderr.write("starting colichat ...")
+        sys.stderr.flush()
+    from .cli import main as run
+
+    if shown:
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Persistence through the program: a full disk at the first start, concurrent starts on one name,
+damaged or planted session files named with the command that clears them, private file modes."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+from cli_helpers import TINY_ARGS, chat, finish, lines, read_until, saved_users, session_files, start
+
+
+def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
+    """D1 through the program: a file size limit too small for a KV header (the disk is full), then
+    space again: `--session s` starts and saves, and `--resume` finds it."""
+
+    def tiny_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20, resource.RLIM_INFINITY))
+
+    chat(colichat_home, [*TINY_ARGS, "--no-save"]).ok()  # the weights cache, made without the limit
+    full = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there"), preexec_fn=tiny_files)
+    assert "NOT saved: could not create session s: File too large" in full.failed().footers()[0]
+    assert [p.name for p in session_files(colichat_home) if not p.name.endswith(".lock")] == []
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    again = chat(colichat_home, [*TINY_ARGS, "--resume"], lines("Thanks a lot")).ok()
+    assert again.resumed()[1:] == (2, "s")
+
+
+def test_concurrent_starts_on_one_new_name(colichat_home):
+    """Six colichats started at once with the same new --session: one has the name from its start;
+    the five others say so and exit before any answer (they never read their input)."""
+    chat(colichat_home, [*TINY_ARGS, "--no-save"]).ok()  # the weights cache, made once
+    procs = [start(colichat_home, [*TINY_ARGS, "--session", "same"]) for _ in range(6)]
+    try:
+        deadline = time.monotonic() + 300
+        while sum(p.poll() is not None for p in procs) < 5:
+            assert time.monotonic() < deadline, "the losers did not exit"
+            time.sleep(0.05)
+        [winner] = [p for p in procs if p.poll() is None]
+        for p in procs:
+            if p is not winner:
+                run = finish(p).failed()
+                assert run.out == b"" and run.footers() == []
+                assert run.errors() == [f"colichat: session same is open in another colichat (pid {winner.pid})"]
+        winner.stdin.write(lines("Hello there").encode())
+        run = finish(winner).ok()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert run.footers()[0].endswith("; saved to same]")
+    assert saved_users(colichat_home, "same") == ["Hello there"]
+
+
+def test_a_damaged_session_gets_the_same_advice_everywhere(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
+    kv.write_bytes(b"")
+    line = "s: damaged (empty KV file); /delete s removes it"
+    listing = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()
+    assert f"  {line}" in listing.err.splitlines()
+    for args in (["--session", "s"], ["--resume", "--session", "s"]):
+        run = chat(colichat_home, [*TINY_ARGS, *args], lines("Hi")).failed()
+        assert run.errors() == [f"colichat: session {line}"] and run.out == b""
+    chat(colichat_home, TINY_ARGS, lines("/delete s")).ok()
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    assert saved_users(colichat_home, "s") == ["Hello there"]
+
+
+def test_a_session_file_removed_between_answers_is_written_again(colichat_home):
+    run = start(colichat_home, [*TINY_ARGS, "--session", "s"])
+    try:
+        run.stdin.write(lines("Hello there").encode())
+        run.stdin.flush()
+        head = read_until(run.stderr, b"saved to s]")
+        for p in session_files(colichat_home):
+            if p.suffix in (".coli_kv", ".json"):
+                p.unlink()
+        run.stdin.write(lines("Thanks a lot").encode())
+    finally:
+        done = finish(run, head_err=head).ok()
+    assert "note: the KV file of session s was removed by another program: wrote the session again " \
+        "from memory" in done.err
+    assert saved_users(colichat_home, "s") == ["Hello there", "Thanks a lot"]
+    again = chat(colichat_home, [*TINY_ARGS, "--resume"]).ok()
+    assert again.resumed()[1:] == (4, "s") and "warning" not in again.err
+
+
+def test_everything_colichat_creates_is_private_under_umask_000(tmp_path, monkeypatch):
+    """COLICHAT_HOME (made by colichat), its data, state and cache directories, the weights cache,
+    the sessions and the input history: directories 0700, files 0600, though the umask is 000."""
+    import os
+    import stat
+    import subprocess
+
+    from cli_helpers import CHAT, env_for
+
+    home = tmp_path / "home"
+    p = subprocess.run([*CHAT, *TINY_ARGS, "--session", "p"], input=b"Hello there\n", capture_output=True,
+                       env=env_for(home), cwd=str(tmp_path), preexec_fn=lambda: os.umask(0), timeout=300)
+    assert p.returncode == 0, p.stderr
+    monkeypatch.setenv("COLICHAT_HOME", str(home))
+    old = os.umask(0)
+    try:  # the input history, made by the interactive prompt
+        from colichat.repl import _history
+
+        _history().store_string("hello")
+    finally:
+        os.umask(old)
+    modes = {}
+    for root, dirs, files in os.walk(home):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            modes[os.path.relpath(path, home)] = stat.S_IMODE(os.lstat(path).st_mode)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert {"data", "state", "cache", "cache/weights", "state/history"} <= set(modes)
+    assert any(f.endswith("weights.f32") for f in modes) and any(f.endswith("p.coli_kv") for f in modes)
+    wrong = {f: oct(m) for f, m in modes.items() if m != (0o700 if (home / f).is_dir() else 0o600)}
+    assert wrong == {}
