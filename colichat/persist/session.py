@@ -301,6 +301,7 @@ class Session:
             raise SessionError(f"could not create session {self.name}: {why}; nothing was "
                                "written (free some space; the next save retries)") from None
 
+    @classmethod
     def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
         """An existing session, locked for writing; `load` it before saving to it. `read_only`
         (a read-only file system): no lock, the file opened for reading; saving to it fails."""
