@@ -72,6 +72,7 @@ def config_fields(key, arch: str, n_layer: int, n_ctx_train: int, path: str) -> 
 
 
 def check_config(cfg, path: str) -> None:
+    """What the indexer needs beyond deepseek2: the q latent it reads, room for its rope part."""
     if not cfg.q_lora_rank:
         raise ModelError(f"{path}: sparse-attention MLA needs the q latent (attn_q_a), not attn_q")
     if cfg.index_head_dim < cfg.rope_dim:
