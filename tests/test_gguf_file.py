@@ -9,6 +9,7 @@ from conftest import TINY
 
 from colichat.engine.gguf import ModelError, open_gguf
 from colichat.engine.gguf_file import GGUFFile
+from colichat.engine.gguf_header import read_header
 
 
 @pytest.mark.parametrize("path", sorted(TINY.glob("*.gguf")), ids=lambda p: p.name)
@@ -42,3 +43,15 @@ def test_open_gguf_uses_it_and_falls_back_to_gguf_py(tmp_path):
         GGUFFile(str(bad))
     with pytest.raises(ModelError, match="damaged or truncated GGUF file"):
         open_gguf(str(bad))
+
+
+def test_bad_utf8_refused_here_replaced_by_the_lenient_walk(tmp_path):
+    src = bytearray((TINY / "llama.gguf").read_bytes())
+    value = 24 + 8 + int.from_bytes(src[24:32], "little") + 4 + 8  # first value: general.architecture
+    assert src[value:value + 5] == b"llama"
+    src[value] = 0xFF
+    bad = tmp_path / "utf8.gguf"
+    bad.write_bytes(bytes(src))
+    with pytest.raises(UnicodeDecodeError):
+        GGUFFile(str(bad))
+    assert read_header(bytes(src), keep=lambda key: True).kv["general.architecture"] == "\ufffdlama"

@@ -3,11 +3,12 @@
     head = read_header(buf, keep=lambda key: key.startswith("tokenizer."))
     head.kv            # {key: value} for the kept keys (arrays as lists, strings as str)
     head.tensors       # [TensorInfo(name, shape (ggml order), ggml_type, offset)], offsets in the data region
-    head.data_start    # where the data region begins (aligned to general.alignment)
+    head.data_start    # where the data region begins (aligned to head.alignment)
 
 gguf-py's reader builds numpy views for every string of the token and merge arrays and for every
-tensor, which takes seconds for large vocabularies; the tokenizer (metadata of a path) and the
-session store (a model's weights fingerprint) only need a few keys and the tensor offsets. Layout
+tensor, which takes seconds for large vocabularies. This is the one walker of the project's GGUF
+headers: the tokenizer reads a few keys of a path, the session store the tensor offsets of a
+model's weights fingerprint, and gguf_file.py a whole model's keys and tensors (strict=True). Layout
 (little-endian GGUF v2/v3): magic "GGUF", u32 version, u64 n_tensors, u64 n_kv; n_kv times
 (string key, u32 value type, value); n_tensors times (string name, u32 n_dims, u64 dims[n_dims],
 u32 type, u64 offset); padding to the alignment; the data. A string is a u64 length and UTF-8
@@ -15,7 +16,8 @@ bytes; an array a u32 element type, a u64 count and the elements.
 
 `buf` may be shorter than the file (the store reads the first MiB, then more): struct.error means
 it ends inside the header (the padding before the data region is not checked); ValueError means
-it is not a GGUF this reader walks.
+it is not a GGUF this reader walks. Strings with bad UTF-8 are decoded with replacement characters,
+or with strict=True raise UnicodeDecodeError (a ValueError).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Header(NamedTuple):
     kv: dict
     tensors: list
     data_start: int
+    alignment: int  # of the data region: a u32 general.alignment when not 0, else 32
 
 
 def _string(buf, pos: int) -> tuple[int, int]:
@@ -59,14 +62,14 @@ def _string(buf, pos: int) -> tuple[int, int]:
     return pos + 8, end
 
 
-def _value(buf, pos: int, vtype: int, keep: bool):
-    """(value or None when not kept, position after it)."""
+def _value(buf, pos: int, vtype: int, keep: bool, errors: str):
+    """(value or None when not kept, position after it); strings decoded with `errors`."""
     scalar = _STRUCTS.get(vtype)
     if scalar is not None:
         return (scalar.unpack_from(buf, pos)[0] if keep else None), pos + scalar.size
     if vtype == STRING:
         a, b = _string(buf, pos)
-        return (buf[a:b].decode("utf-8", "replace") if keep else None), b
+        return (buf[a:b].decode("utf-8", errors) if keep else None), b
     if vtype == ARRAY:
         etype, count = struct.unpack_from("<IQ", buf, pos)
         pos += 12
@@ -81,22 +84,24 @@ def _value(buf, pos: int, vtype: int, keep: bool):
             for _ in range(count):
                 (n,) = u64(buf, pos)
                 if keep:
-                    values.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", "replace"))
+                    values.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors))
                 pos += 8 + n
             if pos > n_buf:
                 raise struct.error("buffer ends inside an array")
             return (values if keep else None), pos
         if etype == ARRAY:  # arrays of arrays: walked, never kept
             for _ in range(count):
-                _, pos = _value(buf, pos, ARRAY, False)
+                _, pos = _value(buf, pos, ARRAY, False, errors)
             return None, pos
         raise ValueError(f"unknown GGUF array element type {etype}")
     raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: bool = True) -> Header:
+def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: bool = True,
+                strict: bool = False) -> Header:
     """Walk the header at the start of `buf` (bytes or an mmap), keeping the keys `keep` accepts
-    (general.alignment is always read). With tensors=False it stops after the metadata."""
+    (general.alignment is always read). With tensors=False it stops after the metadata; with
+    strict=True a string that is not valid UTF-8 raises instead of being decoded with U+FFFD."""
     if len(buf) < 24:
         raise struct.error("buffer shorter than the GGUF preamble")
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
@@ -105,13 +110,14 @@ def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: b
     if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
         raise ValueError("implausible key or tensor count")
     pos, kv, alignment = 24, {}, DEFAULT_ALIGNMENT
+    errors = "strict" if strict else "replace"
     for _ in range(n_kv):
         a, pos = _string(buf, pos)
-        key = buf[a:pos].decode("utf-8", "replace")
+        key = buf[a:pos].decode("utf-8", errors)
         (vtype,) = _U32(buf, pos)
         is_alignment = key == "general.alignment" and vtype == 4
         kept = keep(key)
-        value, pos = _value(buf, pos + 4, vtype, is_alignment or kept)
+        value, pos = _value(buf, pos + 4, vtype, is_alignment or kept, errors)
         if is_alignment:
             alignment = value or DEFAULT_ALIGNMENT
         if kept and value is not None:
@@ -120,11 +126,11 @@ def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: b
     if tensors:
         for _ in range(n_tensors):
             a, pos = _string(buf, pos)
-            name = buf[a:pos].decode("utf-8", "replace")
+            name = buf[a:pos].decode("utf-8", errors)
             (n_dims,) = _U32(buf, pos)
             shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             pos += 4 + 8 * n_dims
             ggml_type, offset = struct.unpack_from("<IQ", buf, pos)
             pos += 12
             infos.append(TensorInfo(name, shape, ggml_type, offset))
-    return Header(version, kv, infos, -(-pos // alignment) * alignment)
+    return Header(version, kv, infos, -(-pos // alignment) * alignment, alignment)
