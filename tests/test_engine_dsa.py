@@ -10,13 +10,15 @@ import pytest
 from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
 
+import colichat.engine as engine
 import colichat.engine.attention as attention
 import colichat.engine.deepseek2 as deepseek2
 import colichat.engine.model as model_mod
 from colichat.engine import dsa, load
 from colichat.engine import indexer as I
+from colichat.engine.cache import record_bytes
 from colichat.engine.dsa import glm_5_2_types, index_slots
-from colichat.engine.gguf import ModelError
+from colichat.engine.gguf import ModelError, Tensors, open_gguf
 from colichat.engine.mtp import MTPBlock
 
 DSA_MODELS = ["ds-v32", "glm-dsa"]
@@ -92,6 +94,19 @@ def test_cache_records_carry_ic_rows(models):
     assert g.cfg.index_types == (1, 0, 1, 0) and index_slots(g.cfg) == [0, -1, 1, -1]
     assert (g.cache.n_layer, g.cache.n_index_layers, g.cache.record_bytes) == (4, 2, 4 + 4 * (4 * 144 + 2 * 64))
     assert g.cache.kv_bytes_per_token == g.cache.record_bytes - 4
+
+
+def test_memory_check_counts_the_ic_rows(models, monkeypatch):
+    """load() refuses a context whose cache, Ic rows included, does not fit beside the weights."""
+    path = str(TINY / "ds-v32.gguf")
+    record = tiny(models, "ds-v32").cache.record_bytes  # 2500 bytes, of which 3 x 64 x 4 = 768 are Ic rows
+    assert record == record_bytes(3, 128, 16, 64, 3)
+    dense = engine.dense_f32_bytes(Tensors(open_gguf(path), path))
+    monkeypatch.setattr(engine, "available_memory", lambda: dense + record * 512 - 1)
+    with pytest.raises(ModelError, match="use at most 511 tokens"):
+        load(path, n_ctx=512)
+    monkeypatch.setattr(engine, "available_memory", lambda: dense + record * 512)
+    assert load(path, n_ctx=512).cache.record_bytes == record
 
 
 @pytest.mark.parametrize("name", DSA_MODELS)

@@ -17,6 +17,7 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 
 from __future__ import annotations
 
+from .cache import record_bytes
 from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
 from .model import Model, architecture, available_memory, prepare_weights
 from .sampler import Sampler, SamplerSettings
@@ -64,7 +65,9 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
     dense = dense_f32_bytes(tensors)
     check_memory(path, dense)
-    check_context(n_ctx, cfg.n_ctx_train, 4 + 4 * cfg.n_layer * sum(architecture(cfg).cache_widths(cfg)), dense)
+    a, b = architecture(cfg).cache_widths(cfg)
+    record = record_bytes(cfg.n_layer, a, b, cfg.index_head_dim, cfg.n_index_layers)  # Model's KVCache record
+    check_context(n_ctx, cfg.n_ctx_train, record, dense)
     if weights is None:
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:

@@ -17,6 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def record_bytes(n_layer: int, a_width: int, b_width: int, index_hd: int = 0, n_index_layers: int = 0) -> int:
+    """Bytes of one record: the int32 token, L x (A + B) f32, then nic x Di f32 (the Ic rows)."""
+    return 4 + 4 * (n_layer * (a_width + b_width) + n_index_layers * index_hd)
+
+
 class KVCache:
     def __init__(self, kind: str, n_layer: int, a_width: int, b_width: int, capacity: int,
                  index_hd: int = 0, n_index_layers: int = 0):
@@ -49,7 +54,7 @@ class KVCache:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 4 * (self.n_layer * (self.a_width + self.b_width) + self.n_index_layers * self.index_hd)
+        return self.record_bytes - 4  # all but the token id
 
     def room(self) -> int:
         return self.capacity - self.length

@@ -20,6 +20,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from ..engine.cache import record_bytes
+
 MAGIC = {"mla": b"COLIKV1\0", "gqa": b"COLIGQA\0"}
 KIND_OF_MAGIC = {m: k for k, m in MAGIC.items()}
 HEADER = struct.Struct("<8s8i")
@@ -65,7 +67,7 @@ class CacheLayout:
 
     @property
     def record_bytes(self) -> int:
-        return 4 + 4 * (self.n_layer * (self.a_width + self.b_width) + self.n_index_layers * self.index_hd)
+        return record_bytes(self.n_layer, self.a_width, self.b_width, self.index_hd, self.n_index_layers)
 
     def header(self, nrec: int) -> Header:
         return Header(MAGIC[self.kind], self.n_layer, self.a_width, self.b_width,
