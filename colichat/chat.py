@@ -516,7 +516,7 @@ class Conversation:
         note = f"\nnote: {stats.save_note}" if stats.save_note else ""
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
                 f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
-                f"{self.model.n_ctx - self.n_tokens} left{stop}{drafts}; {saved}]{note}")
+                f"{self.model.n_ctx - self.n_tokens} left{drafts}{stop}; {saved}]{note}")
 
     def stats_lines(self) -> list[str]:
         cache = self.model.cache

@@ -259,12 +259,15 @@ BAD_SETTINGS = {
 def test_bad_saved_setting_is_reported_as_damage_and_not_used(key, colichat_home):
     import json
 
+    from colichat.persist.session import doc_check
+
     value, problem = BAD_SETTINGS[key]
     first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
     [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
     doc = json.loads(side.read_text())
     doc["sampler"][key] = value
     doc["turns"] = doc["turns"][:2]  # the second exchange again, with the settings now in force
+    doc["check"] = doc_check(doc)  # a bad value under a valid checksum (as a buggy writer would leave)
     side.write_text(json.dumps(doc))
     run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/show")).ok()
     assert f"warning: the session's saved settings are damaged ({key} {value!r}); kept the current values " \

@@ -56,7 +56,7 @@ def test_interactive_session(tmux_chat):
     t.wait_for(lambda s: "a castle." in s and len(s.split("a castle.", 1)[1].split()) > 8, MODEL_WAIT,
                "the long answer to stream")
     t.keys("C-c")
-    screen = t.wait_for(lambda s: "interrupted;" in s, SCREEN_WAIT, "the interrupted footer")
+    screen = t.wait_for(lambda s: re.search(r", interrupted[,;]", s), SCREEN_WAIT, "the interrupted footer")
     assert len(FOOTER.findall(screen)) == 2
 
     t.type("/history")
@@ -214,7 +214,7 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
         t.keys("Enter")
         t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
         t.keys("C-c")
-        screen = t.wait_for(lambda s: "interrupted;" in s and s.rstrip().endswith(">"), MODEL_WAIT,
+        screen = t.wait_for(lambda s: re.search(r", interrupted[,;]", s) and s.rstrip().endswith(">"), MODEL_WAIT,
                             "the interrupted footer")
         shown = answer_after(screen, question)
         assert shown[-1].endswith("^C") and screen.count("^C") == 1
