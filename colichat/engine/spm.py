@@ -26,7 +26,7 @@ import heapq
 
 from .gguf import ModelError
 from .pretokenizer import SURROGATE
-from .tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer
+from .tokenizer import Tokenizer
 
 SPACE = "\u2581"  # '▁', the space marker
 # UTF-8 sequence length from a byte's high nibble (continuation and invalid bytes: 1)
@@ -144,24 +144,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def piece(self, token_id: int, special: bool = False) -> bytes:
-        """The bytes a token stands for in output text (llama.cpp token_to_piece)."""
-        key = (token_id, special)
-        b = self._pieces.get(key)
-        if b is None:
-            t, text = self._type[token_id], self._text[token_id]
-            if t in (CONTROL, UNKNOWN):
-                b = text.encode("utf-8") if special else b""
-            elif t == USER_DEFINED:
-                b = text.encode("utf-8")
-            elif t == NORMAL:
-                b = text.replace(SPACE, " ").encode("utf-8")
-            elif t == BYTE and text.startswith("<0x") and len(text) == 6:
-                b = bytes([int(text[3:5], 16)])
-            else:
-                b = b""
-            self._pieces[key] = b
-        return b
+    @staticmethod
+    def _normal_bytes(text: str) -> bytes:
+        """A normal token's output bytes: the space marker is a space."""
+        return text.replace(SPACE, " ").encode("utf-8")
 
     def decode(self, ids, special: bool = False) -> str:
         pieces = [self.piece(int(i), special) for i in ids]

@@ -321,13 +321,18 @@ class Tokenizer:
             elif t == USER_DEFINED:
                 b = text.encode("utf-8")
             elif t == NORMAL:
-                b = b"".join(_CHAR_TO_BYTE.get(c) or c.encode("utf-8") for c in text)
+                b = self._normal_bytes(text)
             elif t == BYTE and text.startswith("<0x") and len(text) == 6:
                 b = bytes([int(text[3:5], 16)])
             else:
                 b = b""
             self._pieces[key] = b
         return b
+
+    @staticmethod
+    def _normal_bytes(text: str) -> bytes:
+        """A normal token's output bytes: byte-level BPE maps each character back to its byte."""
+        return b"".join(_CHAR_TO_BYTE.get(c) or c.encode("utf-8") for c in text)
 
     def decode(self, ids, special: bool = False) -> str:
         return b"".join(self.piece(int(i), special) for i in ids).decode("utf-8", errors="replace")
