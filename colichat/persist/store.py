@@ -275,9 +275,7 @@ class Store:
             try:
                 return Session.create(directory, check_name(name), ident, layout, sampler)
             except FileExistsError:
-                self._refuse_damaged(directory, name)
-                raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
-                                    "or choose another name") from None
+                raise self._exists(directory, name) from None
         busy: set[str] = set()
         while True:
             taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, SIDECAR_EXT)} | busy
@@ -299,9 +297,13 @@ class Store:
         try:
             return Session.claim(directory, check_name(name), ident, layout, sampler)
         except FileExistsError:
-            self._refuse_damaged(directory, name)
-            raise SessionExists(f"session {name} already exists; resume it with /resume {name} "
-                                "or choose another name") from None
+            raise self._exists(directory, name) from None
+
+    def _exists(self, directory: Path, name: str) -> SessionExists:
+        """NAME holds something: the damage line /sessions shows (SessionError), else SessionExists."""
+        self._refuse_damaged(directory, name)
+        return SessionExists(f"session {name} already exists; resume it with /resume {name} "
+                             "or choose another name")
 
     def open(self, ident: dict, name: str, layout: CacheLayout, read_only: bool = False) -> Session:
         """An existing session of this model, locked for writing (or `read_only`); load it next."""
