@@ -24,7 +24,7 @@ try:
     import tempfile
     import time
 
-    from . import __version__
+    from . import __version__, report
     from .chat import ChatError, Conversation
     from .commands import dispatch, is_command, is_quit_word
     from .engine import ModelError, load
@@ -195,7 +195,7 @@ class App:
                 self.wrap.reset()
         if not self.wrap:
             self.out("\n")
-        footer = self.conv.footer(stats)
+        footer = report.footer(self.conv, stats)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
@@ -425,8 +425,8 @@ def main(argv=None) -> int:
             say(conv.resume(args.session))
         else:
             if args.session is not None and not args.no_save:
-                conv.claim_session(args.session)
-            hint = conv.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
+                conv.saving.claim(args.session, conv.settings.to_dict())
+            hint = conv.saving.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
         if args.prompt is not None:
