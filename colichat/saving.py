@@ -109,7 +109,7 @@ class Saving:
             stats.saved = True
             stats.save_note = "; ".join(self.session.notes) or None
             self.session.notes.clear()
-        except (SessionError, OSError, ValueError) as e:
+        except (SessionError, OSError) as e:
             stats.saved = False
             stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
 

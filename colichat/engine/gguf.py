@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -136,8 +137,8 @@ def _open_one(path: str):
         raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
     try:
         return GGUFFile(path)  # a well-formed file, read in one pass (gguf_file.py)
-    except Exception:  # anything unexpected: gguf-py reads it, and says what is wrong
-        pass
+    except (OSError, ValueError, KeyError, struct.error):  # not what it fully understands: gguf-py reads
+        pass  # it, and says what is wrong (ValueError: an unknown type, a bad string, a header it refuses)
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/... on damaged files

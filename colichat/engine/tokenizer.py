@@ -29,6 +29,7 @@ import codecs
 import heapq
 import mmap
 import os
+import struct
 
 from .gguf import ModelError, field, open_gguf
 from .gguf_header import read_header
@@ -84,7 +85,7 @@ def _metadata(path_or_reader) -> tuple[dict, str]:
     path = os.fspath(path_or_reader)
     try:
         return _read_metadata(path), path
-    except Exception:
+    except (OSError, ValueError, struct.error):  # cut short, empty, not a GGUF the walker reads
         reader = open_gguf(path)  # raises a one-line ModelError for missing/damaged files
         return _metadata(reader)[0], path
 
