@@ -32,10 +32,8 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",
     ("commands.py", "cmd_export"): "open() of a file name the user typed with a NUL in it; becomes a ChatError",
     ("engine/model.py", "available_memory"): "int() of the kernel's /proc/meminfo text: no number, no limit",
-    ("engine/gguf.py", "_open_one"): "a GGUF its strict reader refuses is read by gguf-py, which raises any "
-                                     "type on a damaged file; that becomes a ModelError",
-    ("engine/tokenizer.py", "_metadata"): "the header walker refuses a GGUF (ValueError, struct.error); "
-                                          "open_gguf then names what is wrong as a ModelError",
+    ("engine/gguf.py", "_open_one"): "gguf-py (a library) raises any type on a damaged file; that becomes "
+                                     "a ModelError",
     ("engine/template.py", "ChatTemplate.render"): "expressions of the model's own chat template raise any "
                                                    "type; that becomes a TemplateError (a ModelError)",
     ("persist/kvfile.py", "read_records.second_half"): "the reading thread's exception, raised again in the "
@@ -43,8 +41,6 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("persist/session.py", "_holds_something"): "json.loads of a sidecar that may be damaged",
     ("persist/session.py", "Session._read_sidecar"): "json.loads of a sidecar that may be damaged; becomes a "
                                                      "SessionError",
-    ("persist/store.py", "weights_fingerprint"): "the header walker's 'not a GGUF it walks': the file's start "
-                                                 "is hashed instead",
     ("persist/store.py", "_session_info"): "reading a sidecar that may be damaged for a listing; loading it "
                                            "reports the damage",
     ("sessions.py", "export_saved"): "reading a sidecar that may be damaged; becomes a SessionError",

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import dequant
 from .gguf_file import GGUFFile
+from .gguf_header import HeaderError
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
@@ -137,8 +138,8 @@ def _open_one(path: str):
         raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
     try:
         return GGUFFile(path)  # a well-formed file, read in one pass (gguf_file.py)
-    except (OSError, ValueError, KeyError, struct.error):  # not what it fully understands: gguf-py reads
-        pass  # it, and says what is wrong (ValueError: an unknown type, a bad string, a header it refuses)
+    except (HeaderError, struct.error):  # not what it fully understands: gguf-py reads it, and says
+        pass  # what is wrong
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/... on damaged files
