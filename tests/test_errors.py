@@ -38,9 +38,6 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
                                                    "type; that becomes a TemplateError (a ModelError)",
     ("persist/kvfile.py", "read_records.second_half"): "the reading thread's exception, raised again in the "
                                                        "caller's thread",
-    ("persist/session.py", "_holds_something"): "json.loads of a sidecar that may be damaged",
-    ("persist/session.py", "Session._read_sidecar"): "json.loads of a sidecar that may be damaged; becomes a "
-                                                     "SessionError",
     ("persist/store.py", "_session_info"): "reading a sidecar that may be damaged for a listing; loading it "
                                            "reports the damage",
     ("sessions.py", "export_saved"): "reading a sidecar that may be damaged; becomes a SessionError",

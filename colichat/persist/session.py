@@ -156,7 +156,7 @@ def _holds_something(base: str) -> bool:
         with open(base + ".json", "rb") as f:
             doc = json.loads(f.read(MAX_SIDECAR_BYTES).decode("utf-8"))
         return not (isinstance(doc, dict) and doc.get("turns") == [])
-    except (OSError, ValueError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return True
 
 
@@ -481,7 +481,7 @@ class Session:
             os.close(fd)
         try:
             doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting too deep
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nesting too deep
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
                 or not isinstance(doc.get("model"), dict) or doc["format"] < 1:
