@@ -30,6 +30,10 @@ from .saving import Saving
 from .settings import Settings, damaged_settings
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
+# A prompt longer than PROMPT_STEPPED is read PROMPT_STEP tokens at a time: progress is shown and a
+# stop request is honoured between steps. (The engine cuts each step again by its PREFILL_CHUNK, a
+# bound on memory; SmolLM2 reads a 1024-token prompt as fast in steps of 256 as of 512, within 2%.)
+PROMPT_STEP, PROMPT_STEPPED = 256, 512
 
 __all__ = ["RESUME_MARGIN", "ChatError", "Conversation", "Settings", "TurnStats"]
 
@@ -192,9 +196,9 @@ class Conversation:
         return answer, stats
 
     def _prefill(self, ids: list[int], on_progress):
-        """Long prompts (past 512 tokens) go in steps of 256: progress can be shown, and a stop
-        request drops the message instead of waiting for the whole prompt."""
-        step = 256 if len(ids) > 512 else len(ids)
+        """Long prompts go in steps (PROMPT_STEP): progress can be shown, and a stop request drops
+        the message instead of waiting for the whole prompt."""
+        step = PROMPT_STEP if len(ids) > PROMPT_STEPPED else len(ids)
         if on_progress:
             on_progress(0, len(ids))
         for i in range(0, len(ids), step):
