@@ -82,6 +82,35 @@ def test_no_broad_catch_outside_the_listed_spots():
     assert not stale, f"listed spots with no broad catch left (drop them): {sorted(stale)}"
 
 
+def _typed_names() -> set[str]:
+    """The names of the user errors and of every subclass of them."""
+    names, todo = set(), list(USER_ERRORS)
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return names
+
+
+def test_a_user_error_raised_in_an_except_block_is_raised_from_none():
+    """`raise SessionError(...) from None` inside a handler: the user sees one line, not the chain."""
+    import colichat.engine.template  # noqa: F401  (TemplateError, a ModelError, is defined there)
+
+    typed, chained = _typed_names(), []
+    for path in sorted(ROOT.rglob("*.py")):
+        for handler in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(handler, ast.ExceptHandler):
+                continue
+            for node in ast.walk(handler):
+                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                    name = getattr(node.exc.func, "id", getattr(node.exc.func, "attr", ""))
+                    from_none = isinstance(node.cause, ast.Constant) and node.cause.value is None
+                    if name in typed and not from_none:
+                        chained.append(f"colichat/{path.relative_to(ROOT).as_posix()}:{node.lineno} {name}")
+    assert "TemplateError" in typed and "SessionBusy" in typed
+    assert not chained, "\n".join(chained)
+
+
 def test_the_scan_finds_a_broad_catch(tmp_path, monkeypatch):
     """The scan itself: a module with `except ValueError` that swallows is found, one that re-raises is not."""
     (tmp_path / "m.py").write_text("def f():\n    try:\n        g()\n    except (KeyError, ValueError):\n"
