@@ -1,7 +1,8 @@
 """The slash commands: one table drives /help, Tab completion and dispatch.
 
-A handler gets the App (see cli.py: `.conv` the Conversation, `.say(line)` status to stderr,
-`.out(text)` the model's text to stdout) and the rest of the line as one string.
+A handler gets the App (see cli.py: `.conv` the Conversation, with `.conv.saving` its session and
+`.conv.prefs` its settings; `.say(line)` status to stderr, `.out(text)` the model's text to stdout)
+and the rest of the line as one string. A bad command raises a typed error (errors.py): one line.
 """
 
 from __future__ import annotations
