@@ -81,14 +81,21 @@ def export_saved(store: Store, model_path: str | None, name: str) -> str:
                            "add --model PATH to say which")
     info = found[0]
     side = info.path.with_name(name + SIDECAR_EXT)
+    cannot = f"cannot read the turns of session {name} from {side}"
     try:
         doc = json.loads(side.read_bytes().decode("utf-8"))
-        turns = [(t["role"], t["text"]) for t in doc["turns"]]
-        system = doc.get("sampler", {}).get("system")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SessionError(f"cannot read the turns of session {name} from {side}: "
-                           f"{type(e).__name__}") from None
-    return markdown(name, info.model, turns, system if isinstance(system, str) else None)
+    except OSError as e:
+        raise SessionError(f"{cannot}: {e.strerror or type(e).__name__}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SessionError(f"{cannot}: {type(e).__name__}") from None
+    turns = doc.get("turns") if isinstance(doc, dict) else None
+    if not isinstance(turns, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("text"), str) for t in turns):
+        raise SessionError(f"{cannot}: the sidecar is damaged")
+    sampler = doc.get("sampler")
+    system = sampler.get("system") if isinstance(sampler, dict) else None
+    return markdown(name, info.model, [(t["role"], t["text"]) for t in turns],
+                    system if isinstance(system, str) else None)
 
 
 def markdown(title: str, model: str, turns, system: str | None = None) -> str:

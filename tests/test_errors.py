@@ -40,7 +40,6 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
                                                        "caller's thread",
     ("persist/store.py", "_session_info"): "reading a sidecar that may be damaged for a listing; loading it "
                                            "reports the damage",
-    ("sessions.py", "export_saved"): "reading a sidecar that may be damaged; becomes a SessionError",
 }
 
 

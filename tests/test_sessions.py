@@ -113,6 +113,15 @@ def test_export_from_the_chat_and_from_the_shell(colichat_home):
         "colichat: no session named nosuch (colichat --sessions lists them)"]
 
 
+@pytest.mark.parametrize("damage", [b"{not json", b'{"turns": [{"role": "user"}]}', b'["turns"]', b"\xff"])
+def test_export_of_a_damaged_sidecar_is_one_line(damage, colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "dmg"], lines(Q[0])).ok()
+    [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
+    side.write_bytes(damage)
+    [line] = chat(colichat_home, ["--export", "dmg"]).failed().errors()
+    assert line.startswith(f"colichat: cannot read the turns of session dmg from {side}: "), line
+
+
 def test_sessions_from_the_shell(colichat_home):
     assert chat(colichat_home, ["--sessions"]).ok().out == b"no saved conversations\n"
     chat(colichat_home, [*TINY_ARGS, "--session", "one"], lines(Q[0])).ok()
