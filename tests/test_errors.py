@@ -38,8 +38,8 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
                                                    "type; that becomes a TemplateError (a ModelError)",
     ("persist/kvfile.py", "read_records.second_half"): "the reading thread's exception, raised again in the "
                                                        "caller's thread",
-    ("persist/store.py", "_session_info"): "reading a sidecar that may be damaged for a listing; loading it "
-                                           "reports the damage",
+    ("persist/store.py", "_timestamp"): "datetime.fromisoformat() of a sidecar's text: not a time, the "
+                                        "file's own",
 }
 
 

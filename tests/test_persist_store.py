@@ -68,6 +68,25 @@ def test_existing_name_is_refused_and_reset_keeps_the_old_session(colichat_home)
         assert sess.load(make_cache()).tokens == build(make_cache(), 2)[-1].last
 
 
+@pytest.mark.parametrize("damage", [
+    b"{not json", b"\xff", b"[1]", b'{"turns": 3}', b'{"turns": [1, 2]}',
+    b'{"turns": [{"last": "x", "role": "user", "text": 5}], "model": 1, "updated": "?"}',
+    b'{"turns": [{"last": 7, "role": "user", "text": "hi\\nthere"}], "updated": 3}'])
+def test_a_damaged_sidecar_is_listed_from_the_header(damage, colichat_home):
+    """A listing never fails on a sidecar: what it cannot read comes from the KV header and the file."""
+    store, cache = Store(), make_cache()
+    with store.create(IDENT, layout_of(cache), name="d") as sess:
+        sess.append(cache, build(cache, 2))
+        side = Path(sess.json_path)
+    side.write_bytes(damage)
+    [info] = store.list(IDENT)
+    readable = b'"last": 7' in damage
+    assert info.damage is None and info.model == store.model_dir(IDENT).name  # no readable model name
+    assert info.tokens == (7 if readable else build(make_cache(), 2)[-1].last)
+    assert info.first == ("hi" if readable else "") and info.turns == (1 if b"role" in damage else 0)
+    assert info.last_used == os.path.getmtime(info.path.with_suffix(".coli_kv"))
+
+
 def test_auto_names_are_unique(colichat_home):
     cache = make_cache()
     names = set()

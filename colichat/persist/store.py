@@ -243,20 +243,40 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
             damage = f"cannot read: {oserror_text(e)}"
     if damage:
         return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage=damage)
-    side = directory / (name + SIDECAR_EXT)
+    side, doc = directory / (name + SIDECAR_EXT), None
     try:
         if not side.is_symlink() and side.is_file():
             size += side.stat().st_size
             doc = json.loads(side.read_bytes().decode("utf-8"))
-            turns = len(doc["turns"])
-            tokens = int(doc["turns"][-1]["last"]) if turns else 0
-            model = str(doc["model"].get("name") or model)
-            first = next((str(t["text"]) for t in doc["turns"] if t["role"] == "user"), "")
-            first = next((x.strip() for x in first.splitlines() if x.strip()), "")
-            last_used = datetime.fromisoformat(doc["updated"]).timestamp()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         pass  # a damaged sidecar: list what the header says; loading reports the damage
+    if isinstance(doc, dict) and isinstance(doc.get("turns"), list) and all(isinstance(t, dict) for t in doc["turns"]):
+        turns, tokens, model, first, last_used = _sidecar_summary(doc, tokens, model, last_used)
     return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv, first)
+
+
+def _sidecar_summary(doc: dict, tokens: int, model: str, last_used: float) -> tuple[int, int, str, str, float]:
+    """(turns, tokens, model name, first line of the first message, last used) from a sidecar whose
+    turns are a list of objects; a damaged value gives way to the header's (tokens, model, last_used)."""
+    turns = doc["turns"]
+    last = turns[-1].get("last") if turns else 0
+    if type(last) is int:
+        tokens = last
+    name = doc["model"].get("name") if isinstance(doc.get("model"), dict) else None
+    model = str(name or model)
+    text = next((t.get("text") for t in turns if t.get("role") == "user"), "")
+    first = next((x.strip() for x in text.splitlines() if x.strip()), "") if isinstance(text, str) else ""
+    return len(turns), tokens, model, first, _timestamp(doc.get("updated"), last_used)
+
+
+def _timestamp(text, default: float) -> float:
+    """The time an ISO 8601 text says, or `default` when it is not one."""
+    if not isinstance(text, str):
+        return default
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return default
 
 
 class Store:
