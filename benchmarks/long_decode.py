@@ -1,0 +1,213 @@
+"""Long-context decode against the roofline, with a per-op profile of where the time goes.
+
+    make bench ARGS="--long-decode"                   # SmolLM2 and the V2-Lite-shaped MLA model
+    make bench ARGS="--long-decode --skip-deepseek"   # SmolLM2 only
+    python benchmarks/long_decode.py [--skip-smollm2] [--skip-deepseek] [--ctx 4096] [--rounds N]
+
+For each model: the cache is filled with N random rows (what one decode step costs does not depend on the
+values of the rows it reads, and a real 4096-token prefill of the MLA model takes minutes), then decode
+steps at context 64 and at context N alternate, each step on the same N rows (the cache length is set back
+after each), so both see the same machine load; the best step of each counts. The decode roofline
+(BENCHMARKS.md, "Formulas") uses the better of the matvec rates measured right before and right after.
+Then a profiled pass: every engine function a decode step calls (linear, rms_norm, rope, attention, ...)
+is wrapped in a timer, and each op's exclusive time is reported as a share of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+SHORT_CTX = 64
+
+
+class OpProfile:
+    """Wraps the engine functions a decode step calls in timers (exclusive time per label) while active."""
+
+    def __init__(self):
+        from colichat.engine import attention, deepseek2, ffn, llama
+
+        self.acc: dict[str, float] = collections.defaultdict(float)
+        self._stack: list[float] = []
+        self._saved: list[tuple[object, str, object]] = []
+        self.targets = [
+            (llama, "linear", "attention projections + logits (linear)"),
+            (deepseek2, "linear", "attention projections + logits (linear)"),
+            (ffn, "linear", "FFN matrices (linear)"),
+            (ffn, "silu_mul", "silu_mul"),
+            (llama, "rms_norm", "rms_norm"),
+            (deepseek2, "rms_norm", "rms_norm"),
+            (llama, "rope_norm", "rope"),
+            (deepseek2.Forward, "rope", "rope"),
+            (llama, "gqa_attention", "attention over the cache"),
+            (deepseek2, "mla_absorbed", "attention over the cache"),
+            (deepseek2, "mla_naive", "attention over the cache"),
+            (attention, "softmax", "softmax (within attention)"),
+            (attention, "_exp_rows", "softmax (within attention)"),
+        ]
+
+    def _wrap(self, f, label: str):
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            self._stack.append(0.0)
+            try:
+                return f(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                inner = self._stack.pop()
+                self.acc[label] += dt - inner
+                if self._stack:
+                    self._stack[-1] += dt
+        return timed_call
+
+    def __enter__(self) -> OpProfile:
+        for owner, name, label in self.targets:
+            if name not in vars(owner):
+                continue
+            raw = vars(owner)[name]
+            f = raw.__func__ if isinstance(raw, staticmethod) else raw
+            self._saved.append((owner, name, raw))
+            wrapped = self._wrap(f, label)
+            setattr(owner, name, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, raw in reversed(self._saved):
+            setattr(owner, name, raw)
+        self._saved.clear()
+
+
+def fill_cache(model, n: int, seed: int = 3) -> None:
+    """n random cache rows (token ids and K/V or latent rows), written in blocks; length set to n."""
+    cache = model.cache
+    rng = np.random.default_rng(seed)
+    cache.tokens[:n] = rng.integers(0, model.cfg.n_vocab, n)
+    kv = cache.records["kv"]
+    for i in range(0, n, 256):
+        kv[i : i + 256] = rng.standard_normal(kv[i : i + 256].shape, dtype=np.float32)
+    cache.set_length(n)
+
+
+def profile(model, ctx: int, steps: int) -> dict:
+    """Per-op exclusive seconds per decode step at context ctx (mean of `steps` steps after one warm-up)."""
+    token = int(model.cache.tokens[0])
+    model.cache.set_length(ctx)
+    model.decode(token)
+    with OpProfile() as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model.cache.set_length(ctx)
+            model.decode(token)
+        total = (time.perf_counter() - t0) / steps
+    ops = {k: v / steps for k, v in prof.acc.items()}
+    ops["other (Python glue, cache row writes, residual adds)"] = max(0.0, total - sum(ops.values()))
+    return {"ctx": ctx, "s_per_token": total, "ops_s": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+
+
+def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: int) -> dict:
+    import bench
+
+    from colichat.engine import load
+
+    bench.say(f"{label}: loading {path.name}")
+    model = load(str(path), n_ctx=ctx + 16)
+    terms = bench.roofline_terms(model)
+    fill_cache(model, ctx)
+    token = int(model.cache.tokens[1])
+    before = bench.machine_limits(quick=True)
+    bench.say(f"{label}: decode at {SHORT_CTX} and {ctx} tokens, alternating, {rounds} rounds")
+    times: dict[int, list[float]] = {SHORT_CTX: [], ctx: []}
+    with bench.OtherLoad() as other:
+        for i in range(rounds + 1):  # round 0 warms up
+            for n in (SHORT_CTX, ctx):
+                model.cache.set_length(n)
+                dt = bench.timed(model.decode, token)[0]
+                if i:
+                    times[n].append(dt)
+    after = bench.machine_limits(quick=True)
+    gbps = max(before["matvec_gbps"], after["matvec_gbps"])
+    bench.say(f"{label}: per-op profile")
+    prof = [profile(model, n, profile_steps) for n in (SHORT_CTX, ctx)]
+    rows = []
+    for n, ts in times.items():
+        roof = bench.decode_bytes(terms, n) / (gbps * 1e9)
+        rows.append({"ctx": n, "s_per_token": min(ts), "median_s": float(np.median(ts)), "tok_s": 1 / min(ts),
+                     "roofline_tok_s": 1 / roof, "fraction": roof / min(ts)})
+    del model
+    return {"label": label, "path": str(path), "roofline_terms": terms, "limits_before": before,
+            "limits_after": after, "matvec_gbps": gbps, "others_cpu": other.share, "decode": rows,
+            "profile": prof}
+
+
+def run(models: list[tuple[str, Path]], ctx: int = 4096, rounds: int | None = None, profile_steps: int = 5) -> dict:
+    out = []
+    for label, path in models:
+        r = rounds or (24 if "SmolLM2" in label else 6)
+        out.append(bench_model(label, path, ctx, r, profile_steps))
+    return {"ctx": ctx, "models": out}
+
+
+def report(res: dict, markdown: bool = True) -> str:
+    import bench
+
+    parts = []
+    rows = [[m["label"], f"ctx {d['ctx']}", f"{d['tok_s']:.1f}", f"{d['s_per_token'] * 1e3:.1f}",
+             f"{d['roofline_tok_s']:.1f}", f"{d['fraction']:.0%}", f"{m['matvec_gbps']:.1f}", f"{m['others_cpu']:.0%}"]
+            for m in res["models"] for d in m["decode"]]
+    parts.append(bench.table(["model", "decode at", "tok/s (best)", "ms/token", "roofline tok/s", "fraction",
+                              "matvec GB/s", "others' CPU"], rows, markdown))
+    for m in res["models"]:
+        p = {x["ctx"]: x for x in m["profile"]}
+        labels = list(dict.fromkeys(k for x in m["profile"] for k in x["ops_s"]))
+        short, long_ = p[SHORT_CTX], p[res["ctx"]]
+        rows = [[k, f"{short['ops_s'].get(k, 0) * 1e3:.2f}", f"{short['ops_s'].get(k, 0) / short['s_per_token']:.0%}",
+                 f"{long_['ops_s'].get(k, 0) * 1e3:.2f}", f"{long_['ops_s'].get(k, 0) / long_['s_per_token']:.0%}"]
+                for k in labels]
+        rows.append(["total (profiled step)", f"{short['s_per_token'] * 1e3:.2f}", "100%",
+                     f"{long_['s_per_token'] * 1e3:.2f}", "100%"])
+        parts.append(f"{m['label']}: per-op time of one decode step (mean of the profiled steps)\n")
+        parts.append(bench.table(["op", f"ms at ctx {SHORT_CTX}", "share", f"ms at ctx {res['ctx']}", "share"],
+                                 rows, markdown))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+    import json
+
+    import bench
+
+    from colichat.models import default_model_path
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--skip-smollm2", action="store_true")
+    p.add_argument("--skip-deepseek", action="store_true")
+    p.add_argument("--ff", type=int, default=2816, help="dense FFN width of the deepseek2 model (default 2816)")
+    p.add_argument("--ctx", type=int, default=4096, help="the long context (default 4096)")
+    p.add_argument("--rounds", type=int, default=None, help="decode steps per context (default 24 SmolLM2, 6 MLA)")
+    args = p.parse_args(argv)
+    bench.OUT.mkdir(parents=True, exist_ok=True)
+    models = [] if args.skip_smollm2 else [("SmolLM2-135M", Path(default_model_path()))]
+    if not args.skip_deepseek:
+        models.append((f"V2-Lite-shaped (FFN {args.ff})", bench.deepseek_gguf(args.ff)))
+    t0 = time.perf_counter()
+    res = run(models, args.ctx, args.rounds)
+    res.update(machine=bench.machine_info(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"), code=bench.code_version(),
+               run_s=time.perf_counter() - t0)
+    (bench.OUT / "long_decode.json").write_text(json.dumps(res, indent=1))
+    (bench.OUT / "long_decode.md").write_text(report(res, markdown=True))
+    print(report(res, markdown=False))
+    print(f"run time {res['run_s']:.0f} s; wrote {bench.OUT / 'long_decode.json'}, long_decode.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
