@@ -98,19 +98,51 @@ def fill_cache(model, n: int, seed: int = 3) -> None:
 
 
 def profile(model, ctx: int, steps: int) -> dict:
-    """Per-op exclusive seconds per decode step at context ctx (mean of `steps` steps after one warm-up)."""
+    """Per-op exclusive seconds of one decode step at context ctx: the median over `steps` steps (after a
+    warm-up) of each op and of the whole step."""
     token = int(model.cache.tokens[0])
     model.cache.set_length(ctx)
     model.decode(token)
+    per_step, totals = [], []
     with OpProfile() as prof:
-        t0 = time.perf_counter()
         for _ in range(steps):
+            prof.acc.clear()
             model.cache.set_length(ctx)
-            model.decode(token)
-        total = (time.perf_counter() - t0) / steps
-    ops = {k: v / steps for k, v in prof.acc.items()}
+            totals.append(bench_timed(model.decode, token))
+            per_step.append(dict(prof.acc))
+    labels = list(dict.fromkeys(k for step in per_step for k in step))
+    ops = {k: float(np.median([step.get(k, 0.0) for step in per_step])) for k in labels}
+    total = float(np.median(totals))
     ops["other (Python glue, cache row writes, residual adds)"] = max(0.0, total - sum(ops.values()))
     return {"ctx": ctx, "s_per_token": total, "ops_s": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+
+
+def bench_timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def one_thread_limits() -> dict:
+    """sgemm GFLOP/s and matvec GB/s with one BLAS thread, as decode runs (the roofline uses all threads)."""
+    import bench
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1, "blas"):
+        return {"sgemm_gflops": bench.measure_sgemm(reps=4), "matvec_gbps": bench.measure_matvec(reps=6)}
+
+
+def attention_work(model, ctx: int) -> dict:
+    """What attention over ctx cached tokens must do per decode step: bytes of cache rows read, and the
+    multiply-adds x 2 that are needed (GQA: scores and weighted sum, d_qk + d_v per head and key; MLA
+    absorbed: [c | k_pe] scores and the latent sum, (C + R) + C per head and key)."""
+    cfg = model.cfg
+    if model.cache.kind == "mla":
+        per_key_head = 2 * cfg.kv_lora_rank + cfg.rope_dim
+    else:
+        per_key_head = 2 * cfg.head_dim
+    return {"bytes": ctx * model.cache.kv_bytes_per_token,
+            "flops": 2.0 * ctx * cfg.n_layer * cfg.n_head * per_key_head}
 
 
 def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: int) -> dict:
@@ -124,6 +156,7 @@ def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: in
     fill_cache(model, ctx)
     token = int(model.cache.tokens[1])
     before = bench.machine_limits(quick=True)
+    one_before = one_thread_limits()
     bench.say(f"{label}: decode at {SHORT_CTX} and {ctx} tokens, alternating, {rounds} rounds")
     times: dict[int, list[float]] = {SHORT_CTX: [], ctx: []}
     with bench.OtherLoad() as other:
@@ -134,9 +167,11 @@ def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: in
                 if i:
                     times[n].append(dt)
     after = bench.machine_limits(quick=True)
+    one_after = one_thread_limits()
     gbps = max(before["matvec_gbps"], after["matvec_gbps"])
     bench.say(f"{label}: per-op profile")
     prof = [profile(model, n, profile_steps) for n in (SHORT_CTX, ctx)]
+    work = attention_work(model, ctx)
     rows = []
     for n, ts in times.items():
         roof = bench.decode_bytes(terms, n) / (gbps * 1e9)
@@ -145,10 +180,11 @@ def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: in
     del model
     return {"label": label, "path": str(path), "roofline_terms": terms, "limits_before": before,
             "limits_after": after, "matvec_gbps": gbps, "others_cpu": other.share, "decode": rows,
-            "profile": prof}
+            "profile": prof, "attention_work": work,
+            "one_thread": {k: max(one_before[k], one_after[k]) for k in one_before}}
 
 
-def run(models: list[tuple[str, Path]], ctx: int = 4096, rounds: int | None = None, profile_steps: int = 5) -> dict:
+def run(models: list[tuple[str, Path]], ctx: int = 4096, rounds: int | None = None, profile_steps: int = 9) -> dict:
     out = []
     for label, path in models:
         r = rounds or (24 if "SmolLM2" in label else 6)
@@ -174,9 +210,17 @@ def report(res: dict, markdown: bool = True) -> str:
                 for k in labels]
         rows.append(["total (profiled step)", f"{short['s_per_token'] * 1e3:.2f}", "100%",
                      f"{long_['s_per_token'] * 1e3:.2f}", "100%"])
-        parts.append(f"{m['label']}: per-op time of one decode step (mean of the profiled steps)\n")
+        parts.append(f"{m['label']}: per-op time of one decode step (medians over the profiled steps)\n")
         parts.append(bench.table(["op", f"ms at ctx {SHORT_CTX}", "share", f"ms at ctx {res['ctx']}", "share"],
                                  rows, markdown))
+        att = long_["ops_s"].get("attention over the cache", 0) + long_["ops_s"].get("softmax (within attention)", 0)
+        w, one = m["attention_work"], m["one_thread"]
+        parts.append(f"{m['label']}: attention over {res['ctx']} cached tokens takes {att * 1e3:.1f} ms per step: "
+                     f"{w['bytes'] / att / 1e9:.1f} GB/s of cache rows ({w['bytes'] / 1e6:.0f} MB) and "
+                     f"{w['flops'] / att / 1e9:.1f} GFLOP/s of needed work ({w['flops'] / 1e9:.2f} GFLOP), against "
+                     f"{one['matvec_gbps']:.1f} GB/s matvec and {one['sgemm_gflops']:.1f} GFLOP/s sgemm with one BLAS "
+                     f"thread in this run: at those rates it would take at least "
+                     f"{max(w['bytes'] / one['matvec_gbps'], w['flops'] / one['sgemm_gflops']) / 1e6:.1f} ms.")
     return "\n\n".join(parts) + "\n"
 
 
