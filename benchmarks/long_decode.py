@@ -221,12 +221,17 @@ def report(res: dict, markdown: bool = True) -> str:
                                  rows, markdown))
         att = long_["ops_s"].get("attention over the cache", 0) + long_["ops_s"].get("softmax (within attention)", 0)
         w, one = m["attention_work"], m["one_thread"]
+        floor = max(w["bytes"] / one["matvec_gbps"], w["flops"] / one["sgemm_gflops"]) / 1e9  # seconds
+        d64, dlong = (next(d for d in m["decode"] if d["ctx"] == n) for n in (SHORT_CTX, res["ctx"]))
+        bound = (1 / dlong["roofline_tok_s"]) / (d64["s_per_token"] + floor)
         parts.append(f"{m['label']}: attention over {res['ctx']} cached tokens takes {att * 1e3:.1f} ms per step: "
                      f"{w['bytes'] / att / 1e9:.1f} GB/s of cache rows ({w['bytes'] / 1e6:.0f} MB) and "
                      f"{w['flops'] / att / 1e9:.1f} GFLOP/s of needed work ({w['flops'] / 1e9:.2f} GFLOP), against "
                      f"{one['matvec_gbps']:.1f} GB/s matvec and {one['sgemm_gflops']:.1f} GFLOP/s sgemm with one BLAS "
-                     f"thread in this run: at those rates it would take at least "
-                     f"{max(w['bytes'] / one['matvec_gbps'], w['flops'] / one['sgemm_gflops']) / 1e6:.1f} ms.")
+                     f"thread in this run: at those rates it would take at least {floor * 1e3:.1f} ms. The step at "
+                     f"ctx {SHORT_CTX} ({d64['s_per_token'] * 1e3:.1f} ms) plus that floor would be "
+                     f"{(d64['s_per_token'] + floor) * 1e3:.1f} ms at ctx {res['ctx']}: "
+                     f"{bound:.0%} of the roofline (measured: {dlong['fraction']:.0%}).")
     return "\n\n".join(parts) + "\n"
 
 
