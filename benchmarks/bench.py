@@ -6,6 +6,7 @@
     make bench ARGS="--plm"                       # also decode/prefill of a PLM-1.8B-shaped model (~9 GiB RAM)
     make bench ARGS="--dsa"                       # only: sparse attention (DeepSeek-V3.2-shaped) vs dense
     make bench ARGS="--speculative-only"          # speculative decoding and threads only (speculative.py)
+    make bench ARGS="--long-decode"               # only: decode at 64 and 4096 tokens, per-op profile (long_decode.py)
 
 Everything is measured in one run on one machine and compared side by side; nothing here is asserted.
 Two models: the default one (SmolLM2-135M, llama) and a random deepseek2 GGUF with DeepSeek-V2-Lite's
@@ -44,6 +45,7 @@ REPO = HERE.parent
 OUT = HERE / "out"
 sys.path.insert(0, str(REPO / "tests"))  # gguf_factory writes the deepseek2 model
 sys.path.insert(0, str(HERE))
+import long_decode  # noqa: E402  (benchmarks/long_decode.py: decode at 4096 tokens, per-op profile)
 import speculative  # noqa: E402  (benchmarks/speculative.py: drafts, verify passes, threads)
 
 GEN_TOKENS = 64  # a turn: tokens generated, records appended
@@ -876,6 +878,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and threads")
     p.add_argument("--speculative-only", action="store_true",
                    help="only speculative decoding and threads (benchmarks/speculative.py)")
+    p.add_argument("--long-decode", action="store_true",
+                   help="only decode at 64 and 4096 tokens of context with a per-op profile (long_decode.py)")
     p.add_argument("--plm", action="store_true",
                    help="also decode/prefill rates of a PLM-1.8B-shaped model (needs about 9 GiB of memory)")
     p.add_argument("--plm-only", action="store_true", help="only the machine limits and the PLM-1.8B-shaped rates")
@@ -891,6 +895,8 @@ def main(argv=None) -> int:
     if args.speculative_only:
         flags = ["--quick"] * args.quick + ["--skip-deepseek"] * args.skip_deepseek
         return speculative.main(flags + ["--ff", str(args.ff)])
+    if args.long_decode:
+        return long_decode.main(["--skip-deepseek"] * args.skip_deepseek + ["--ff", str(args.ff)])
     if args.plm_only and args.publish:
         sys.exit("--publish replaces the published results of a full run; run --plm-only without it")
     lengths = [512, 2048] if args.quick else [512, 2048, 4096]

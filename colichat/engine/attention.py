@@ -59,20 +59,22 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
 def _gqa_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: int, scale: float) -> np.ndarray:
     """One query token: all heads in two long matrix products over the cache rows.
 
-    q: (H, E); k, v: (N, G*E) cache views (strided rows are fine for BLAS). The queries go in a
-    block-diagonal (G*E, H) matrix (head h's column holds q[h] in its KV head's rows), so the scores
-    of every head come from one (N, G*E) @ (G*E, H) product instead of G tiny ones; the outputs are
-    the diagonal blocks of (H, N) @ (N, G*E).
+    q: (H, E); k, v: (N, G*E) cache views (strided rows are fine for BLAS). The queries go in
+    block-diagonal rows (H, G*E) (head h's row holds q[h] in its KV head's columns), so the scores
+    of every head come from one (H, G*E) @ (G*E, N) product instead of G tiny ones, already in the
+    (H, N) order the softmax wants; the outputs are the diagonal blocks of (H, N) @ (N, G*E),
+    divided by the softmax sums there (H x E values rather than H x N probabilities).
     """
     h, e = q.shape
     qpk = h // g
-    qb = np.zeros((g, e, g, qpk), dtype=np.float32)  # (G, E, G, J) -> (G*E, H)
     idx = np.arange(g)
-    qb[idx, :, idx, :] = q.reshape(g, qpk, e).transpose(0, 2, 1) * np.float32(scale)  # (G, E, J)
-    s = np.ascontiguousarray((k @ qb.reshape(g * e, h)).T)  # (H, N)
-    softmax(s)
-    o = (s @ v).reshape(g, qpk, g, e)  # (G, J, G, E): keep the blocks where both G agree
-    return o[idx, :, idx, :].reshape(1, h * e)
+    qb = np.zeros((g, qpk, g, e), dtype=np.float32)  # (G, J, G, E) -> (H, G*E)
+    qb[idx, :, idx, :] = q.reshape(g, qpk, e) * np.float32(scale)  # (G, J, E)
+    s = qb.reshape(h, g * e) @ k.T  # (H, N)
+    z = _exp_rows(s)  # (H, 1) row sums; s now holds unnormalized probabilities
+    o = (s @ v).reshape(g, qpk, g, e)[idx, :, idx, :]  # (G, J, E): the blocks where both G agree
+    o /= z.reshape(g, qpk, 1)
+    return o.reshape(1, h * e)
 
 
 def mla_absorbed(
