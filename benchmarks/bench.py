@@ -6,6 +6,7 @@
     make bench ARGS="--plm"                       # also decode/prefill of a PLM-1.8B-shaped model (~9 GiB RAM)
     make bench ARGS="--dsa"                       # only: sparse attention (DeepSeek-V3.2-shaped) vs dense
     make bench ARGS="--speculative-only"          # speculative decoding and threads only (speculative.py)
+    make bench ARGS="--threads-only"              # the thread policy only (threads.py)
 
 Everything is measured in one run on one machine and compared side by side; nothing here is asserted.
 Two models: the default one (SmolLM2-135M, llama) and a random deepseek2 GGUF with DeepSeek-V2-Lite's
@@ -45,6 +46,7 @@ OUT = HERE / "out"
 sys.path.insert(0, str(REPO / "tests"))  # gguf_factory writes the deepseek2 model
 sys.path.insert(0, str(HERE))
 import speculative  # noqa: E402  (benchmarks/speculative.py: drafts, verify passes, threads)
+import threads  # noqa: E402  (benchmarks/threads.py: the thread policy)
 
 GEN_TOKENS = 64  # a turn: tokens generated, records appended
 SHORT_CTX = 64  # "short context" for decode
@@ -876,6 +878,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and threads")
     p.add_argument("--speculative-only", action="store_true",
                    help="only speculative decoding and threads (benchmarks/speculative.py)")
+    p.add_argument("--threads-only", action="store_true",
+                   help="only the thread policy: 1 thread, 2 on row blocks, OpenBLAS's 2 (benchmarks/threads.py)")
     p.add_argument("--plm", action="store_true",
                    help="also decode/prefill rates of a PLM-1.8B-shaped model (needs about 9 GiB of memory)")
     p.add_argument("--plm-only", action="store_true", help="only the machine limits and the PLM-1.8B-shaped rates")
@@ -888,6 +892,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.threads_only:
+        return threads.main(["--skip-deepseek"] * args.skip_deepseek + ["--ff", str(args.ff)])
     if args.speculative_only:
         flags = ["--quick"] * args.quick + ["--skip-deepseek"] * args.skip_deepseek
         return speculative.main(flags + ["--ff", str(args.ff)])

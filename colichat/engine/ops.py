@@ -2,14 +2,48 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import numpy as np
 
 SMALL_BATCH = 16  # up to this many tokens, a pass computes every row exactly as a one-token pass would
 MATVEC_BLOCK = 256 << 10  # bytes of a weight block kept in L2 while every row of a small batch reads it
+ROW_BLOCKS = 8  # a product's outputs split into this many blocks (fewer for matrices under 128 rows)
+ROW_ALIGN = 16  # block edges on multiples of this many outputs (whole BLAS kernel tiles)
+
+# Who computes the row blocks of the current pass's products: a threads.Workers (set per pass by
+# threads.ThreadPolicy.limit), or None for this thread alone. Either way the blocks are the same.
+WORKERS: ContextVar = ContextVar("workers", default=None)
+
+
+def row_blocks(o: int) -> list[int]:
+    """The fixed block edges of a product with `o` outputs: [0, ..., o], from the shape alone.
+
+    A matrix product (more than SMALL_BATCH tokens) is computed as one single-threaded BLAS call per
+    block, so its bits depend on these edges and on nothing else: not on how many threads share the
+    blocks or which one computes which (OpenBLAS's own threads would round differently with their
+    count, and the whole product rounds differently from its blocks)."""
+    n = max(1, min(ROW_BLOCKS, o // ROW_ALIGN))
+    return [o * i // n // ROW_ALIGN * ROW_ALIGN for i in range(n)] + [o]
+
+
+def run_blocks(block, n: int) -> None:
+    """block(i) for i in range(n): by the current pass's workers if any, else here in turn."""
+    workers = WORKERS.get()
+    if workers is None or n == 1:
+        for i in range(n):
+            block(i)
+    else:
+        workers.run(block, n)
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T: x (T, Z), w (O, Z) -> (T, O).
+    """x @ w.T: x (T, Z), w (O, Z) -> (T, O), one BLAS call per block of outputs (row_blocks).
+
+    For T > SMALL_BATCH the blocks are fixed by O (row_blocks), so a prompt gives the same bits
+    whether one thread or several compute them. For T = 1 (a matrix-vector product) every output is
+    its weight row's dot product with x alone, so any split gives decode's bits; without workers it
+    is one call.
 
     For 2 <= T <= SMALL_BATCH, row i is bit for bit linear(x[i:i+1], w) (a matrix-vector product),
     so a verify pass of speculative decoding writes the same cache rows and logits as decoding its
@@ -19,8 +53,24 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     slower here (it repacks the weights) and rounds differently.
     """
     t = x.shape[0]
-    if t == 1 or t > SMALL_BATCH:
+    if 1 < t <= SMALL_BATCH:
+        return _matvec_rows(x, w)
+    if t == 1 and WORKERS.get() is None:
         return x @ w.T
+    edges = row_blocks(w.shape[0])
+    out = np.empty((t, w.shape[0]), dtype=np.result_type(x, w))  # (T, O)
+
+    def block(i: int) -> None:
+        a, b = edges[i], edges[i + 1]
+        np.matmul(x, w[a:b].T, out=out[:, a:b])  # (T, b - a)
+
+    run_blocks(block, len(edges) - 1)
+    return out
+
+
+def _matvec_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """linear for 2 <= T <= SMALL_BATCH: a matrix-vector product per row and weight block."""
+    t = x.shape[0]
     o, z = w.shape
     blk = max(8, MATVEC_BLOCK // (4 * z) // 8 * 8)  # weight rows (outputs) per block
     nb = o // blk
@@ -28,7 +78,15 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     xc = np.ascontiguousarray(x)[None, :, :, None]  # (1, T, Z, 1): a column per row
     if nb:
         wb = w[: nb * blk].reshape(nb, 1, blk, z)  # (blocks, 1, blk, Z)
-        out[:, : nb * blk] = np.matmul(wb, xc)[..., 0].transpose(1, 0, 2).reshape(t, nb * blk)  # (blocks, T, blk)
+        # weight blocks in groups for the workers (any split gives the same bits); one call without
+        groups = row_blocks(nb * ROW_ALIGN) if WORKERS.get() is not None else [0, nb * ROW_ALIGN]
+
+        def group(i: int) -> None:
+            a, b = groups[i] // ROW_ALIGN, groups[i + 1] // ROW_ALIGN
+            y = np.matmul(wb[a:b], xc)[..., 0]  # (b - a, T, blk)
+            out[:, a * blk : b * blk] = y.transpose(1, 0, 2).reshape(t, (b - a) * blk)
+
+        run_blocks(group, len(groups) - 1)
     for i in range(t) if nb * blk < o else ():
         out[i, nb * blk :] = w[nb * blk :] @ xc[0, i, :, 0]
     return out
