@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY
 from threadpoolctl import threadpool_limits
 
-from colichat.engine import load
+from colichat.engine import load, ops
 from colichat.engine.ops import ROW_ALIGN, ROW_BLOCKS, SMALL_BATCH, WORKERS, linear, row_blocks
 from colichat.engine.threads import ThreadPolicy, Workers
 
@@ -36,7 +36,8 @@ def linear_with(workers, x, w):
 
 @pytest.mark.parametrize("t", [1, 2, 9, SMALL_BATCH, SMALL_BATCH + 1, 200])
 @pytest.mark.parametrize("o,z", [(576, 1536), (3072, 576), (100, 64), (8, 32)])
-def test_linear_gives_the_same_bits_with_one_two_and_three_threads(t, o, z):
+def test_linear_gives_the_same_bits_with_one_two_and_three_threads(t, o, z, monkeypatch):
+    monkeypatch.setattr(ops, "MATVEC_SPLIT", 0)  # matrix-vector products of any size shared out too
     rng = np.random.default_rng(t * o + z)
     x = rng.standard_normal((t, z), dtype=np.float32)
     w = rng.standard_normal((o, z), dtype=np.float32)
@@ -51,25 +52,52 @@ def test_linear_gives_the_same_bits_with_one_two_and_three_threads(t, o, z):
             assert np.array_equal(one[i], linear_with(None, x[i : i + 1], w)[0])
 
 
-def test_a_stuck_thread_holds_up_one_block_only():
-    """Blocks are handed out one at a time: while a helper is stuck in its first block, the calling
-    thread computes all the others."""
+def test_blocks_are_handed_out_one_at_a_time():
+    """While a helper is stuck in its first block, the calling thread computes all the others."""
     n, main = 8, threading.current_thread()
-    done, released = [], threading.Event()
+    computed, released = [], threading.Event()
 
-    def block(i):
+    def compute(i):
         if threading.current_thread() is not main:
             assert released.wait(60)
-        done.append((i, threading.current_thread() is main))
-        if sum(m for _, m in done) == n - 1:
+        computed.append((i, threading.current_thread() is main))
+        if sum(m for _, m in computed) >= n - 1:
             released.set()
+        return i
 
     for _ in range(5):
-        done.clear()
+        computed.clear()
         released.clear()
-        Workers(2).run(block, n)
-        assert sorted(i for i, _ in done) == list(range(n))
-        assert sum(m for _, m in done) >= n - 1
+        stored = {}
+        Workers(2).run(compute, stored.__setitem__, n)
+        assert stored == {i: i for i in range(n)}
+        assert sum(m for _, m in computed) >= n - 1
+
+
+def test_a_descheduled_helper_does_not_hold_up_the_product():
+    """A helper that never finishes its block: the calling thread computes that block too, run()
+    returns with every block stored once, and the helper's late copy is dropped."""
+    main, gate = threading.current_thread(), threading.Event()
+    helper_started, helper_finished = threading.Event(), threading.Event()
+    stores = []
+
+    def compute(i):
+        if threading.current_thread() is not main:
+            helper_started.set()
+            gate.wait(60)
+            helper_finished.set()
+            return -1  # a late copy: must not be stored
+        assert helper_started.wait(60)  # let the helper take a block first
+        return i
+
+    workers = Workers(2)
+    workers.run(compute, lambda i, y: stores.append((i, y)), 4)
+    assert not helper_finished.is_set()  # returned while the helper was still in its block
+    assert sorted(stores) == [(i, i) for i in range(4)]
+    gate.set()
+    assert helper_finished.wait(60)
+    workers.pool.shutdown(wait=True)
+    assert sorted(stores) == [(i, i) for i in range(4)]
 
 
 def test_an_error_in_a_block_reaches_the_caller_and_the_workers_still_work():
@@ -78,12 +106,13 @@ def test_an_error_in_a_block_reaches_the_caller_and_the_workers_still_work():
     def bad(i):
         if i == 3:
             raise ValueError("block 3")
+        return i
 
     with pytest.raises(ValueError, match="block 3"):
-        workers.run(bad, 8)
-    seen = []
-    workers.run(seen.append, 8)
-    assert sorted(seen) == list(range(8))
+        workers.run(bad, lambda i, y: None, 8)
+    stored = {}
+    workers.run(lambda i: i, stored.__setitem__, 8)
+    assert stored == {i: i for i in range(8)}
 
 
 def run_model(model, policy, prompt, toks):
@@ -99,7 +128,8 @@ def run_model(model, policy, prompt, toks):
     return out, rows, bytes(model.cache.raw(0, model.cache.length))
 
 
-def assert_same_with_one_and_two_threads(model, n_prompt):
+def assert_same_with_one_and_two_threads(model, n_prompt, monkeypatch):
+    monkeypatch.setattr(ops, "MATVEC_SPLIT", 0)  # decode's matrix-vector products of any size shared out too
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, model.cfg.n_vocab, n_prompt).tolist()
     toks = rng.integers(0, model.cfg.n_vocab, 6).tolist()
@@ -114,9 +144,9 @@ def assert_same_with_one_and_two_threads(model, n_prompt):
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_tiny_model_logits_and_cache_are_the_same_with_one_and_two_threads(name):
-    assert_same_with_one_and_two_threads(load(str(TINY / f"{name}.gguf"), n_ctx=256), 40)
+def test_tiny_model_logits_and_cache_are_the_same_with_one_and_two_threads(name, monkeypatch):
+    assert_same_with_one_and_two_threads(load(str(TINY / f"{name}.gguf"), n_ctx=256), 40, monkeypatch)
 
 
-def test_smollm2_logits_and_cache_are_the_same_with_one_and_two_threads(default_model):
-    assert_same_with_one_and_two_threads(default_model, 100)
+def test_smollm2_logits_and_cache_are_the_same_with_one_and_two_threads(default_model, monkeypatch):
+    assert_same_with_one_and_two_threads(default_model, 100, monkeypatch)

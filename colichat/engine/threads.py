@@ -1,5 +1,5 @@
-"""How a forward pass uses the cores: OpenBLAS runs one thread per call, and the row blocks of each
-product (ops.row_blocks) are shared out among a few Python threads (numpy releases the GIL in BLAS).
+"""How a forward pass uses the cores: OpenBLAS runs one thread per call, and the blocks of outputs of
+each product (ops.row_blocks) are shared out among a few Python threads (numpy releases the GIL in BLAS).
 
 Why not OpenBLAS's own threads (measured on a 2-core machine, BENCHMARKS.md "Threads"): they wait for
 each other at every product, so when another process holds a core decode and prefill run several times
@@ -7,17 +7,22 @@ slower than with one thread; and OpenBLAS's matrix product rounds differently wi
 so a thread count that followed the machine would give the same prompt different bits (and a greedy
 answer a different token) from one run to the next.
 
-Here a product's blocks are fixed by its shape (more blocks than threads), each is one single-threaded
-BLAS call, and each thread takes the next block when it finishes one: a thread on a busy core simply
-takes fewer blocks, and the result is the same bits whatever the number of threads or the load.
-Prefill (more than ops.SMALL_BATCH tokens) uses every core this process may run on; decode and verify
-passes use THREADS_DECODE (see its comment).
+Here a matrix product's blocks are fixed by its shape (up to ops.ROW_BLOCKS, more than the threads),
+each is one single-threaded BLAS call, and each thread takes the next block when it is done with one:
+a thread on a busy core takes fewer blocks, never the pace of the whole product, and the result has the
+same bits whatever the number of threads or the load (tests/test_threads.py).
+
+Per phase: prefill (passes of more than ops.SMALL_BATCH tokens, compute-bound) uses every core this
+process may run on (at most ROW_BLOCKS). Decode and verify passes (matrix-vector products, bound by
+memory bandwidth) use DECODE_THREADS. Their bits never depend on a split; whether a second thread pays
+there is a matter of speed alone (benchmarks/threads.py).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -25,7 +30,9 @@ from threadpoolctl import ThreadpoolController
 
 from .ops import ROW_BLOCKS, SMALL_BATCH, WORKERS
 
-DECODE_THREADS = 1  # decode and verify passes (up to SMALL_BATCH tokens): see BENCHMARKS.md "Threads"
+# decode and verify passes (up to SMALL_BATCH tokens): a second thread did not pay on a shared machine
+# (BENCHMARKS.md "Threads"); products under ops.MATVEC_SPLIT bytes stay one call in any case
+DECODE_THREADS = 1
 
 
 def cores() -> int:
@@ -44,28 +51,55 @@ class Workers:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="colichat-blas")
 
-    def run(self, block, n: int) -> None:
-        """block(i) for every i in range(n), each thread taking the next i when it is free."""
-        todo = iter(range(n))
-        lock = threading.Lock()
+    def run(self, compute, store, n: int) -> None:
+        """store(i, compute(i)) once for every i in range(n); returns when all are stored.
+
+        Each thread takes the next block when it is free. When none is left, the calling thread waits
+        for the helpers' blocks about as long as one block took it, then computes a late one itself
+        (the same call: the same bits) and whichever copy is ready first is stored: a helper that a
+        busy core has descheduled holds the product up by about one block, not for its whole wait."""
+        lock, finished = threading.Lock(), threading.Event()
+        handed, done, left = [0], [False] * n, [n]
+
+        def next_block() -> int | None:
+            with lock:
+                if handed[0] == n:
+                    return None
+                handed[0] += 1
+                return handed[0] - 1
+
+        def keep(i: int, result) -> None:
+            with lock:
+                if done[i]:
+                    return  # the other copy was first
+                done[i] = True
+                store(i, result)
+                left[0] -= 1
+                if not left[0]:
+                    finished.set()
 
         def work() -> None:
-            while True:
-                with lock:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                block(i)
+            while (i := next_block()) is not None:
+                keep(i, compute(i))
 
-        helpers = [self.pool.submit(work) for _ in range(min(self.threads, n) - 1)]
+        for _ in range(min(self.threads, n) - 1):
+            self.pool.submit(work)
+        block_s = None  # how long a block took here
         try:
-            work()
-        finally:
-            with lock:  # on an error here, hand out nothing more; the helpers finish their block
-                for _ in todo:
-                    pass
-            for f in helpers:
-                f.result()
+            while (i := next_block()) is not None:
+                t0 = time.perf_counter()
+                keep(i, compute(i))
+                block_s = time.perf_counter() - t0
+            while not finished.wait(block_s):
+                with lock:
+                    late = next((j for j in range(n) if not done[j]), None)
+                if late is not None:
+                    keep(late, compute(late))
+        except BaseException:
+            with lock:  # nothing more is handed out or stored
+                handed[0] = n
+                done[:] = [True] * n
+            raise
 
 
 class ThreadPolicy:
