@@ -9,8 +9,9 @@ answer a different token) from one run to the next.
 
 Here a matrix product's blocks are fixed by its shape (up to ops.ROW_BLOCKS, more than the threads),
 each is one single-threaded BLAS call, and each thread takes the next block when it is done with one:
-a thread on a busy core takes fewer blocks, never the pace of the whole product, and the result has the
-same bits whatever the number of threads or the load (tests/test_threads.py).
+a thread on a busy core takes fewer blocks, and the caller computes a late helper's last block itself
+rather than wait for a descheduled thread (Workers.run). The result has the same bits whatever the number
+of threads or the load (tests/test_threads.py). GQA prefill attention shares its KV heads the same way.
 
 Per phase: prefill (passes of more than ops.SMALL_BATCH tokens, compute-bound) uses every core this
 process may run on (at most ROW_BLOCKS). Decode and verify passes (matrix-vector products, bound by
