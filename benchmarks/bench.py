@@ -7,6 +7,7 @@
     make bench ARGS="--dsa"                       # only: sparse attention (DeepSeek-V3.2-shaped) vs dense
     make bench ARGS="--speculative-only"          # speculative decoding and threads only (speculative.py)
     make bench ARGS="--long-decode"               # only: decode at 64 and 4096 tokens, per-op profile (long_decode.py)
+    make bench ARGS="--threads-only"              # the thread policy only (threads.py)
 
 Everything is measured in one run on one machine and compared side by side; nothing here is asserted.
 Two models: the default one (SmolLM2-135M, llama) and a random deepseek2 GGUF with DeepSeek-V2-Lite's
@@ -47,6 +48,7 @@ sys.path.insert(0, str(REPO / "tests"))  # gguf_factory writes the deepseek2 mod
 sys.path.insert(0, str(HERE))
 import long_decode  # noqa: E402  (benchmarks/long_decode.py: decode at 4096 tokens, per-op profile)
 import speculative  # noqa: E402  (benchmarks/speculative.py: drafts, verify passes, threads)
+import threads  # noqa: E402  (benchmarks/threads.py: the thread policy)
 
 GEN_TOKENS = 64  # a turn: tokens generated, records appended
 SHORT_CTX = 64  # "short context" for decode
@@ -880,6 +882,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="only speculative decoding and threads (benchmarks/speculative.py)")
     p.add_argument("--long-decode", action="store_true",
                    help="only decode at 64 and 4096 tokens of context with a per-op profile (long_decode.py)")
+    p.add_argument("--threads-only", action="store_true",
+                   help="only the thread policy: 1 thread, 2 on row blocks, OpenBLAS's 2 (benchmarks/threads.py)")
     p.add_argument("--plm", action="store_true",
                    help="also decode/prefill rates of a PLM-1.8B-shaped model (needs about 9 GiB of memory)")
     p.add_argument("--plm-only", action="store_true", help="only the machine limits and the PLM-1.8B-shaped rates")
@@ -892,6 +896,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.threads_only:
+        return threads.main(["--skip-deepseek"] * args.skip_deepseek + ["--ff", str(args.ff)])
     if args.speculative_only:
         flags = ["--quick"] * args.quick + ["--skip-deepseek"] * args.skip_deepseek
         return speculative.main(flags + ["--ff", str(args.ff)])

@@ -12,15 +12,14 @@
    SmolLM2 chat template's rendering, the same token ids for both models (the V2-Lite-shaped model has
    random weights: its "answers" are whatever it generates).
 2. The verify pass: one pass over k + 1 tokens (k = 1..8) against one decode step, at a 512-token context.
-3. Threads: decode and prefill with 1 and 2 BLAS threads (threadpoolctl), on the machine as it is and
-   with another process holding one core busy.
+3. Threads: prefill, decode and a verify pass with one thread, two sharing fixed row blocks and
+   OpenBLAS's two (benchmarks/threads.py), on the machine as it is and with one core kept busy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+import threads  # noqa: E402  (benchmarks/threads.py)
 
 PARAGRAPH = (
     "Their are many reason why people choose to learn a new language later in life. Some want to travel "
@@ -148,58 +149,6 @@ def bench_verify(model, ctx: int = 512, reps: int = 3) -> list[dict]:
     return rows
 
 
-class FixedThreads:
-    """A thread policy that always answers `n` (what the measurement compares)."""
-
-    def __init__(self, policy, n: int):
-        self.controller, self.n = policy.controller, n
-
-    def limit(self, tokens: int):
-        return self.controller.limit(limits=self.n, user_api="blas")
-
-
-def _spin(stop) -> None:
-    while not stop.is_set():
-        pass
-
-
-def bench_threads(model, decode_tokens: int = 16, prefill_tokens: int = 256) -> list[dict]:
-    """Decode (after 64 cached tokens) and prefill with 1 and 2 BLAS threads and with ThreadPolicy's
-    choice, on the machine as it is and with another process holding one core busy."""
-    from colichat.engine.threads import ThreadPolicy
-
-    rng = np.random.default_rng(9)
-    ids = rng.integers(0, model.cfg.n_vocab, prefill_tokens)
-    rows = []
-    for busy in (False, True):
-        stop = multiprocessing.Event()
-        spinner = multiprocessing.Process(target=_spin, args=(stop,), daemon=True) if busy else None
-        if spinner:
-            spinner.start()
-        try:
-            for threads in (1, 2, "policy"):
-                model.threads = ThreadPolicy() if threads == "policy" else FixedThreads(model.threads, threads)
-                model.reset()
-                t0 = time.perf_counter()
-                model.prefill(ids, all_logits=False)
-                prefill = time.perf_counter() - t0
-                model.cache.truncate(64)
-                t0 = time.perf_counter()
-                for t in rng.integers(0, model.cfg.n_vocab, decode_tokens):
-                    model.decode(int(t))
-                decode = (time.perf_counter() - t0) / decode_tokens
-                rows.append({"busy": busy, "threads": threads, "prefill_tps": prefill_tokens / prefill,
-                             "decode_tps": 1 / decode})
-                say(f"  {'busy' if busy else 'as is'}, threads {threads}: prefill {prefill_tokens / prefill:.0f} "
-                    f"tok/s, decode {1 / decode:.2f} tok/s")
-        finally:
-            model.threads = ThreadPolicy()
-            if spinner:
-                stop.set()
-                spinner.join()
-    return rows
-
-
 def run(models: list[tuple[str, Path]], quick: bool = False) -> dict:
     from colichat.engine import load, load_tokenizer
     from colichat.models import default_model_path
@@ -214,7 +163,7 @@ def run(models: list[tuple[str, Path]], quick: bool = False) -> dict:
         max_tokens = (64 if quick else 160) if small else (12 if quick else 24)
         m = {"label": label, "tasks": bench_tasks(model, tok, drafts, max_tokens), "verify": bench_verify(model)}
         if i == 0 or not quick:
-            m["threads"] = bench_threads(model, decode_tokens=16 if small else 4, prefill_tokens=256 if small else 64)
+            m["threads"] = threads.bench_threads(model, 16 if small else 4, 256 if small else 64)
         out["models"].append(m)
         del model
     return out
@@ -233,11 +182,7 @@ def report(res: dict) -> str:
         lines += ["", "verify pass of k + 1 tokens / one decode step (512 cached tokens): "
                   + ", ".join(f"k={r['k']}: {r['vs_decode']:.2f}x" for r in m["verify"][1:]), ""]
         if "threads" in m:
-            lines += ["| machine | BLAS threads | prefill tok/s | decode tok/s |", "|---|---:|---:|---:|"]
-            for r in m["threads"]:
-                lines.append(f"| {'one core busy' if r['busy'] else 'as is'} | {r['threads']} | "
-                             f"{r['prefill_tps']:.0f} | {r['decode_tps']:.2f} |")
-            lines.append("")
+            lines += threads.table(m["threads"]) + [""]
     return "\n".join(lines)
 
 

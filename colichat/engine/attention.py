@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import SMALL_BATCH, causal_mask, softmax
+from .ops import SMALL_BATCH, WORKERS, causal_mask, run_blocks, softmax
 
 SCORE_BUDGET = 1 << 25  # floats in one (rows, N) score block: bounds attention scratch to ~128 MiB
 QUERY_BLOCK = 128  # prefill queries per block: later keys of a block are left out (causal)
@@ -43,6 +43,18 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
                                for i in range(t)])
     if t == 1 and n > DECODE_BLOCK_MIN:
         return _gqa_decode(q[0], k.reshape(n, g * e), v.reshape(n, g * e), g, scale)
+    workers = WORKERS.get()
+    if t > 1 and g > 1 and workers is not None:  # prefill: the pass's threads share the KV heads (same bits)
+        o = np.empty((t, g, qpk * e), dtype=np.float32)  # (T, G, J*E)
+
+        def head(i: int) -> np.ndarray:
+            return gqa_attention(q[:, i * qpk : (i + 1) * qpk], k[:, i : i + 1], v[:, i : i + 1], pos0, scale)
+
+        def put(i: int, y: np.ndarray) -> None:
+            o[:, i] = y
+
+        run_blocks(head, put, g, workers)
+        return o.reshape(t, h * e)
     qg = q.reshape(t, g, qpk, e).transpose(1, 2, 0, 3).reshape(g, qpk * t, e)  # (G, J*T, E)
     s = np.matmul(qg, k.transpose(1, 2, 0))  # (G, J*T, N)
     s *= np.float32(scale)

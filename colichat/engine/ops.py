@@ -2,25 +2,77 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import numpy as np
 
 SMALL_BATCH = 16  # up to this many tokens, a pass computes every row exactly as a one-token pass would
 MATVEC_BLOCK = 256 << 10  # bytes of a weight block kept in L2 while every row of a small batch reads it
+ROW_BLOCKS = 8  # a product's outputs split into this many blocks (fewer for matrices under 128 rows)
+ROW_ALIGN = 16  # block edges on multiples of this many outputs (whole BLAS kernel tiles)
+MATVEC_SPLIT = 8 << 20  # bytes of weights from which a matrix-vector product is shared among threads
+
+# Who computes the row blocks of the current pass's products: a threads.Workers (set per pass by
+# threads.ThreadPolicy.limit), or None for this thread alone. Either way the blocks are the same.
+WORKERS: ContextVar = ContextVar("workers", default=None)
+
+
+def row_blocks(o: int) -> list[int]:
+    """The fixed block edges of a product with `o` outputs: [0, ..., o], from the shape alone.
+
+    A matrix product (more than SMALL_BATCH tokens) is computed as one single-threaded BLAS call per
+    block, so its bits depend on these edges and on nothing else: not on how many threads share the
+    blocks or which one computes which (OpenBLAS's own threads would round differently with their
+    count, and the whole product rounds differently from its blocks)."""
+    n = max(1, min(ROW_BLOCKS, o // ROW_ALIGN))
+    return [o * i // n // ROW_ALIGN * ROW_ALIGN for i in range(n)] + [o]
+
+
+def run_blocks(compute, store, n: int, workers) -> None:
+    """store(i, compute(i)) for i in range(n): by `workers` (threads.Workers) if any, else here."""
+    if workers is None or n == 1:
+        for i in range(n):
+            store(i, compute(i))
+    else:
+        workers.run(compute, store, n)
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T: x (T, Z), w (O, Z) -> (T, O).
+    """x @ w.T: x (T, Z), w (O, Z) -> (T, O), computed by blocks of outputs (the pass's WORKERS).
 
-    For 2 <= T <= SMALL_BATCH, row i is bit for bit linear(x[i:i+1], w) (a matrix-vector product),
-    so a verify pass of speculative decoding writes the same cache rows and logits as decoding its
-    tokens one by one. The weights still stream from memory once: each block of MATVEC_BLOCK bytes
-    serves all T rows from the CPU cache (a matrix-vector product per row and block; BLAS computes
-    each output of one from its weight row and x alone). OpenBLAS's small-T matrix product is both
-    slower here (it repacks the weights) and rounds differently.
+    For T > SMALL_BATCH (a matrix product) the blocks are row_blocks(O), one single-threaded BLAS
+    call each, whether one thread or several compute them: a prompt gives the same bits either way.
+
+    For T <= SMALL_BATCH every output is a matrix-vector product, its weight row's dot product with
+    one x row alone, so any split gives the same bits: matrices under MATVEC_SPLIT bytes are one call
+    (handing a block to another thread costs more than it saves), larger ones row_blocks(O) shared
+    by the workers. For 2 <= T <= SMALL_BATCH, row i is bit for bit linear(x[i:i+1], w), so a verify
+    pass of speculative decoding writes the same cache rows and logits as decoding its tokens one by
+    one. The weights still stream from memory once: each block of MATVEC_BLOCK bytes serves all T
+    rows from the CPU cache (a matrix-vector product per row and block). OpenBLAS's small-T matrix
+    product is both slower here (it repacks the weights) and rounds differently.
     """
     t = x.shape[0]
-    if t == 1 or t > SMALL_BATCH:
+    workers = WORKERS.get()
+    if t <= SMALL_BATCH and w.nbytes < MATVEC_SPLIT:
+        workers = None
+    if 1 < t <= SMALL_BATCH:
+        return _matvec_rows(x, w, workers)
+    if t == 1 and workers is None:
         return x @ w.T
+    edges = row_blocks(w.shape[0])
+    out = np.empty((t, w.shape[0]), dtype=np.result_type(x, w))  # (T, O)
+
+    def store(i: int, y: np.ndarray) -> None:
+        out[:, edges[i] : edges[i + 1]] = y
+
+    run_blocks(lambda i: x @ w[edges[i] : edges[i + 1]].T, store, len(edges) - 1, workers)  # (T, block)
+    return out
+
+
+def _matvec_rows(x: np.ndarray, w: np.ndarray, workers) -> np.ndarray:
+    """linear for 2 <= T <= SMALL_BATCH: a matrix-vector product per row and weight block."""
+    t = x.shape[0]
     o, z = w.shape
     blk = max(8, MATVEC_BLOCK // (4 * z) // 8 * 8)  # weight rows (outputs) per block
     nb = o // blk
@@ -28,7 +80,16 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     xc = np.ascontiguousarray(x)[None, :, :, None]  # (1, T, Z, 1): a column per row
     if nb:
         wb = w[: nb * blk].reshape(nb, 1, blk, z)  # (blocks, 1, blk, Z)
-        out[:, : nb * blk] = np.matmul(wb, xc)[..., 0].transpose(1, 0, 2).reshape(t, nb * blk)  # (blocks, T, blk)
+        groups = row_blocks(nb * ROW_ALIGN) if workers is not None else [0, nb * ROW_ALIGN]  # of weight blocks
+
+        def group(i: int) -> np.ndarray:
+            return np.matmul(wb[groups[i] // ROW_ALIGN : groups[i + 1] // ROW_ALIGN], xc)[..., 0]  # (b, T, blk)
+
+        def store(i: int, y: np.ndarray) -> None:
+            a, b = groups[i] // ROW_ALIGN * blk, groups[i + 1] // ROW_ALIGN * blk
+            out[:, a:b] = y.transpose(1, 0, 2).reshape(t, b - a)
+
+        run_blocks(group, store, len(groups) - 1, workers)
     for i in range(t) if nb * blk < o else ():
         out[i, nb * blk :] = w[nb * blk :] @ xc[0, i, :, 0]
     return out

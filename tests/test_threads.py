@@ -1,0 +1,152 @@
+"""The thread policy: a product's row blocks are fixed by its shape, so one thread or several (and
+however the blocks fall to them) give the same bits, for ops.linear and for whole models."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import TINY
+from threadpoolctl import threadpool_limits
+
+from colichat.engine import load, ops
+from colichat.engine.ops import ROW_ALIGN, ROW_BLOCKS, SMALL_BATCH, WORKERS, linear, row_blocks
+from colichat.engine.threads import ThreadPolicy, Workers
+
+TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3", "plm", "minicpm3"]
+
+
+@pytest.mark.parametrize("o", [1, 15, 16, 40, 127, 576, 960, 3072, 49152])
+def test_row_blocks_cover_the_outputs_on_aligned_edges(o):
+    e = row_blocks(o)
+    assert e[0] == 0 and e[-1] == o and all(a < b for a, b in zip(e[:-1], e[1:], strict=True))
+    assert all(a % ROW_ALIGN == 0 for a in e[:-1])
+    assert len(e) - 1 == max(1, min(ROW_BLOCKS, o // ROW_ALIGN))
+
+
+def linear_with(workers, x, w):
+    token = WORKERS.set(workers)
+    try:
+        with threadpool_limits(1, "blas"):
+            return linear(x, w)
+    finally:
+        WORKERS.reset(token)
+
+
+@pytest.mark.parametrize("t", [1, 2, 9, SMALL_BATCH, SMALL_BATCH + 1, 200])
+@pytest.mark.parametrize("o,z", [(576, 1536), (3072, 576), (100, 64), (8, 32)])
+def test_linear_gives_the_same_bits_with_one_two_and_three_threads(t, o, z, monkeypatch):
+    monkeypatch.setattr(ops, "MATVEC_SPLIT", 0)  # matrix-vector products of any size shared out too
+    rng = np.random.default_rng(t * o + z)
+    x = rng.standard_normal((t, z), dtype=np.float32)
+    w = rng.standard_normal((o, z), dtype=np.float32)
+    one = linear_with(None, x, w)
+    two, three = Workers(2), Workers(3)
+    for _ in range(3):  # the blocks fall to the threads differently from call to call
+        assert np.array_equal(linear_with(two, x, w), one)
+        assert np.array_equal(linear_with(three, x, w), one)
+    assert np.allclose(one, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
+    if t <= SMALL_BATCH:  # every row is the matrix-vector product decode computes
+        for i in range(t):
+            assert np.array_equal(one[i], linear_with(None, x[i : i + 1], w)[0])
+
+
+def test_blocks_are_handed_out_one_at_a_time():
+    """While a helper is stuck in its first block, the calling thread computes all the others."""
+    n, main = 8, threading.current_thread()
+    computed, released = [], threading.Event()
+
+    def compute(i):
+        if threading.current_thread() is not main:
+            assert released.wait(60)
+        computed.append((i, threading.current_thread() is main))
+        if sum(m for _, m in computed) >= n - 1:
+            released.set()
+        return i
+
+    for _ in range(5):
+        computed.clear()
+        released.clear()
+        stored = {}
+        Workers(2).run(compute, stored.__setitem__, n)
+        assert stored == {i: i for i in range(n)}
+        assert sum(m for _, m in computed) >= n - 1
+
+
+def test_a_descheduled_helper_does_not_hold_up_the_product():
+    """A helper that never finishes its block: the calling thread computes that block too, run()
+    returns with every block stored once, and the helper's late copy is dropped."""
+    main, gate = threading.current_thread(), threading.Event()
+    helper_started, helper_finished = threading.Event(), threading.Event()
+    stores = []
+
+    def compute(i):
+        if threading.current_thread() is not main:
+            helper_started.set()
+            gate.wait(60)
+            helper_finished.set()
+            return -1  # a late copy: must not be stored
+        assert helper_started.wait(60)  # let the helper take a block first
+        return i
+
+    workers = Workers(2)
+    workers.run(compute, lambda i, y: stores.append((i, y)), 4)
+    assert not helper_finished.is_set()  # returned while the helper was still in its block
+    assert sorted(stores) == [(i, i) for i in range(4)]
+    gate.set()
+    assert helper_finished.wait(60)
+    workers.pool.shutdown(wait=True)
+    assert sorted(stores) == [(i, i) for i in range(4)]
+
+
+def test_an_error_in_a_block_reaches_the_caller_and_the_workers_still_work():
+    workers = Workers(2)
+
+    def bad(i):
+        if i == 3:
+            raise ValueError("block 3")
+        return i
+
+    with pytest.raises(ValueError, match="block 3"):
+        workers.run(bad, lambda i, y: None, 8)
+    stored = {}
+    workers.run(lambda i: i, stored.__setitem__, 8)
+    assert stored == {i: i for i in range(8)}
+
+
+def run_model(model, policy, prompt, toks):
+    """Logits of a prompt (one pass), of decoding toks one by one and of a verify pass of them,
+    with the cache bytes after each."""
+    model.threads = policy
+    model.reset()
+    out = [model.prefill(prompt)]
+    out += [model.decode(t) for t in toks]
+    rows = bytes(model.cache.raw(0, model.cache.length))
+    model.cache.truncate(len(prompt))
+    out.append(model.prefill(toks))
+    return out, rows, bytes(model.cache.raw(0, model.cache.length))
+
+
+def assert_same_with_one_and_two_threads(model, n_prompt, monkeypatch):
+    monkeypatch.setattr(ops, "MATVEC_SPLIT", 0)  # decode's matrix-vector products of any size shared out too
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, model.cfg.n_vocab, n_prompt).tolist()
+    toks = rng.integers(0, model.cfg.n_vocab, 6).tolist()
+    ref = run_model(model, ThreadPolicy(decode=1, prefill=1), prompt, toks)
+    try:
+        for decode, prefill in ((1, 2), (2, 2), (2, 3)):
+            got = run_model(model, ThreadPolicy(decode=decode, prefill=prefill), prompt, toks)
+            assert all(np.array_equal(a, b) for a, b in zip(got[0], ref[0], strict=True))
+            assert got[1:] == ref[1:]
+    finally:
+        model.threads = ThreadPolicy()
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_tiny_model_logits_and_cache_are_the_same_with_one_and_two_threads(name, monkeypatch):
+    assert_same_with_one_and_two_threads(load(str(TINY / f"{name}.gguf"), n_ctx=256), 40, monkeypatch)
+
+
+def test_smollm2_logits_and_cache_are_the_same_with_one_and_two_threads(default_model, monkeypatch):
+    assert_same_with_one_and_two_threads(default_model, 100, monkeypatch)
