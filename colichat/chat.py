@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .engine import Model, Sampler
+from .engine import Model, ModelError, Sampler
 from .engine.generate import Generation
 from .engine.speculative import PromptLookup
 from .engine.template import chat_template_for
@@ -76,7 +76,7 @@ class Conversation:
         self.last_stats: TurnStats | None = None
         cfg = model.cfg
         self.store = (store or Store()) if save else None
-        self.ident = model_identity(cfg.path, cfg.arch, cfg.name) if save else None
+        self.weights_ident = model_identity(cfg.path, cfg.arch, cfg.name) if save else None
         self.layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
         self.session = None  # persist.Session once created or resumed
         self.session_name = session_name
@@ -85,6 +85,14 @@ class Conversation:
         self.read_only = read_only  # sessions can be read, not saved (a read-only file system)
 
     # --- state ------------------------------------------------------------------------------------
+
+    @property
+    def ident(self) -> dict | None:
+        """What a session records about the model: its weights, and the rope factors the cache rows
+        are rotated with now (where they depend on the context size: Model.rope_factors)."""
+        rope = self.model.rope_factors
+        return self.weights_ident if rope is None or not self.weights_ident else \
+            {**self.weights_ident, "rope_factors": rope}
 
     @property
     def n_tokens(self) -> int:
@@ -200,10 +208,13 @@ class Conversation:
         if self.session and self.session.name == name:
             raise ChatError(f"already in session {name}")
         new = self.store.open(self.ident, name, self.layout, read_only=self.read_only)
+        rope = self.model.rope_factors
         try:
+            self._take_rope_factors(new)
             res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
         except BaseException:
             new.close()
+            self.model.use_rope_factors(rope)  # the conversation in memory goes on as it was
             if self.model.cache.length != (self.turns[-1].last if self.turns else 0):
                 self.clear()  # the failed read touched the cache: start clean (the old session is on disk)
             raise
@@ -217,6 +228,19 @@ class Conversation:
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
         return "\n".join(lines)
+
+    def _take_rope_factors(self, sess) -> None:
+        """Rotate with the rope factors the session's rows were made with (LongRoPE: a conversation
+        made with the long factors goes on with them at a smaller context; the short ones serve no
+        context above the original one, so such a resume is refused), before its rows are read."""
+        saved = sess.saved_rope_factors()
+        if saved is None or saved == self.model.rope_factors:
+            return
+        try:
+            self.model.use_rope_factors(saved)
+        except ModelError as e:
+            raise ChatError(f"session {sess.name} cannot be resumed: {e}") from None
+        sess.ident = self.ident
 
     def delete_session(self, name: str) -> str:
         """Delete a saved conversation of this model (not the one in use)."""

@@ -16,6 +16,9 @@ An architecture module (llama.py, deepseek2.py; dsa.py, plm.py and minicpm3.py d
         experts                             # its ExpertCache, or None
         layer(l, x, pos0, cache) -> x       # (T, D) -> (T, D); writes cache rows pos0..pos0+T-1
         logits(x) -> (T, V)
+        # optional, where the rope depends on the context size (minicpm3's LongRoPE):
+        rope_factors, default_rope_factors  # the factor set in use, and the one n_ctx picks
+        use_rope_factors(name)              # rotate with another set (a resumed conversation's)
 
 and reference/<same name>.py holds a Forward with the same interface in llama.cpp's arithmetic
 (numerics="llama.cpp"; see forward_class). Adding an architecture is one module plus one line in
@@ -205,7 +208,29 @@ class Model:
         return self.prefill([token_id], all_logits=False)[0]
 
     def reset(self) -> None:
+        """An empty cache, rotated with the factors this context size picks (a new conversation)."""
         self.cache.reset()
+        if self.rope_factors is not None:
+            self.fwd.use_rope_factors(self.fwd.default_rope_factors)
+
+    @property
+    def rope_factors(self) -> str | None:
+        """The rope frequency factors the cache rows are rotated with, where the architecture picks
+        them by context size ("short" or "long": minicpm3's LongRoPE); None where the rope is the same
+        at every context size. A session records it (persist: the sidecar's model.rope_factors)."""
+        return getattr(self.fwd, "rope_factors", None)
+
+    def use_rope_factors(self, name: str | None) -> None:
+        """Rotate the rows of the conversation in the cache with the factors `name` from now on (a
+        resumed conversation's, whatever this context size picks); ModelError (one line, saying
+        why) where that cannot be right. reset() goes back to this context size's factors."""
+        if name == self.rope_factors:
+            return
+        if self.rope_factors is None:
+            raise ModelError(f"its cache rows were rotated with rope factors {str(name)[:40]!r}, but "
+                             f"{self.cfg.arch} uses the same rope at every context size: start a new "
+                             "conversation")
+        self.fwd.use_rope_factors(name)
 
     @property
     def output(self) -> np.ndarray:
