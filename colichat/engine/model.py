@@ -221,8 +221,8 @@ class Model:
         return getattr(self.fwd, "rope_factors", None)
 
     def use_rope_factors(self, name: str | None) -> None:
-        """Rotate the rows of the conversation in the cache with the factors `name` from now on (a
-        resumed conversation's, whatever this context size picks); ModelError (one line, saying
+        """Rotate with the factors `name` from now on, whatever this context size picks: for a
+        conversation whose rows were made with them (a resumed one). ModelError (one line, saying
         why) where that cannot be right. reset() goes back to this context size's factors."""
         if name == self.rope_factors:
             return

@@ -347,7 +347,8 @@ class Session:
         Refuses (SessionError, cache untouched) a file of another model, kind or shape, other
         weights (sidecar fingerprint), rows rotated with other rope factors than the ident's
         ("rope_factors", where the model has them), or a saved length >= ctx_limit - margin
-        (ctx_limit defaults to the cache capacity). Damage drops turns from the first bad one on, with a warning each.
+        (ctx_limit defaults to the cache capacity). Damage drops turns from the first bad one on,
+        with a warning each.
         `detokenize(ids) -> str` names the text of a cache saved without a sidecar (one turn).
         """
         t0 = time.perf_counter()
