@@ -268,3 +268,17 @@ def test_cli_resume_on_either_side(colichat_home):
                 "most 256, or start a new conversation"]
             assert refused.out == b"" and "no re-prefill" not in refused.err
             assert {p: p.read_bytes() for p in files} == files
+
+
+def test_cli_resume_command_refused_leaves_the_conversation_going_on(colichat_home):
+    """/resume of a short-factor conversation at a larger context, inside a running conversation:
+    one line, then the conversation in memory goes on, with its long factors, in its own session."""
+    chat(colichat_home, [*ARGS, "--ctx", 256, "--session", "short"], lines("hello")).ok()
+    whole = chat(colichat_home, [*ARGS, "--ctx", 1024, "--session", "whole"], lines("hi", "more")).ok()
+    run = chat(colichat_home, [*ARGS, "--ctx", 1024, "--session", "cur"], lines("hi", "/resume short", "more"))
+    assert run.failed().errors() == [  # (pipe mode exits 1 when a command failed)
+        "colichat: session short cannot be resumed: it was made with the short rope factors, which serve a context "
+        "size of at most 256 (this one is 1,024): resume it with a context size of at most 256, or start a "
+        "new conversation"]
+    assert run.out == whole.out and run.footers()[-1].endswith("; saved to cur]")
+    assert kv_bytes(colichat_home, "cur") == kv_bytes(colichat_home, "whole")
