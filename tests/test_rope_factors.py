@@ -17,7 +17,7 @@ from cli_helpers import GREEDY, chat, lines, session_files
 from conftest import TINY
 
 from colichat.chat import ChatError, Conversation, Settings
-from colichat.engine import ModelError, load
+from colichat.engine import ModelError, load, resume_problem
 from colichat.persist import CacheLayout, SessionError, Store, Turn, model_identity
 from colichat.persist.session import doc_check
 
@@ -75,6 +75,16 @@ def test_the_model_rotates_with_the_context_sizes_factors_and_can_keep_a_convers
     llama.use_rope_factors(None)
     with pytest.raises(ModelError, match="llama uses the same rope at every context size"):
         llama.use_rope_factors("long")
+
+
+def test_the_same_answer_before_loading(tmp_path):
+    """resume_problem reads the GGUF's metadata only (the CLI asks it before loading the model)."""
+    assert resume_problem(MINICPM3, 256, "short") is None and resume_problem(MINICPM3, 200, "long") is None
+    assert "at most 256 (this one is 4,096)" in resume_problem(MINICPM3, None, "short")  # the default context
+    assert "llama uses the same rope" in resume_problem(str(TINY / "llama.gguf"), 64, "long")
+    assert resume_problem(str(TINY / "llama.gguf"), 64, None) is None
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf")
+    assert resume_problem(str(tmp_path / "x.gguf"), 64, "long") is None  # loading it says why
 
 
 # ---- the library API (engine + persist) -----------------------------------------------------------
@@ -258,7 +268,7 @@ def test_cli_resume_on_either_side(colichat_home):
                          lines("and again")).ok()
             assert again.out == whole.out.split(b"\n", 1)[1]
             assert kv_bytes(colichat_home, "long-2") == kv_bytes(colichat_home, "long-whole")
-        else:  # refused before any record is read, the files untouched
+        else:  # refused before the model loads, the files untouched
             files = {p: p.read_bytes() for p in session_files(colichat_home) if "short-2" in p.name}
             refused = chat(colichat_home, [*ARGS, "--ctx", 1024, "--resume", "--session", "short-2"],
                            lines("and again")).failed()
@@ -266,7 +276,7 @@ def test_cli_resume_on_either_side(colichat_home):
                 "colichat: session short-2 cannot be resumed: it was made with the short rope factors, which "
                 "serve a context size of at most 256 (this one is 1,024): resume it with a context size of at "
                 "most 256, or start a new conversation"]
-            assert refused.out == b"" and "no re-prefill" not in refused.err
+            assert refused.out == b"" and "loaded in" not in refused.err  # refused before the model loads
             assert {p: p.read_bytes() for p in files} == files
 
 

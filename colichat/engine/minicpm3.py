@@ -38,6 +38,21 @@ DIM_MODEL_BASE = 256  # hidden state before the output matrix: DIM_MODEL_BASE / 
 ROPE_FACTORS = ("short", "long")  # rope_factors_short: contexts up to the original one; _long: any
 
 
+def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name) -> str | None:
+    """Why a conversation whose cache rows were rotated with rope_factors_{name} cannot go on at
+    context size n_ctx (one line), or None: the long factors serve any context size, the short ones
+    at most the original context."""
+    orig = cfg.rope_orig_ctx
+    if name not in ROPE_FACTORS:
+        return (f"its cache rows were rotated with rope factors {str(name)[:40]!r}, which minicpm3 does "
+                f"not have (it has {' and '.join(ROPE_FACTORS)}): start a new conversation")
+    if name == "short" and n_ctx > orig:
+        return (f"it was made with the short rope factors, which serve a context size of at most {orig:,} "
+                f"(this one is {n_ctx:,}): resume it with a context size of at most {orig:,}, or start a "
+                "new conversation")
+    return None
+
+
 def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
     """deepseek2's weights (every layer dense: gate|up fused) and both LongRoPE factor sets (the
     context size picks one when the model is built)."""
@@ -64,17 +79,8 @@ class Forward(deepseek2.Forward):
         self.res_scale = np.float32(SCALE_DEPTH / math.sqrt(cfg.n_layer))
 
     def use_rope_factors(self, name: str) -> None:
-        """Rotate with rope_factors_{name} from now on (name: "short" or "long"); ModelError (one
-        line) for another name, or for the short factors at a context above the original one."""
-        orig = self.cfg.rope_orig_ctx
-        if name not in ROPE_FACTORS:
-            raise ModelError(f"its cache rows were rotated with rope factors {str(name)[:40]!r}, which "
-                             f"minicpm3 does not have (it has {' and '.join(ROPE_FACTORS)}): start a new "
-                             "conversation")
-        if name == "short" and self.n_ctx > orig:
-            raise ModelError(f"it was made with the short rope factors, which serve a context size of at "
-                             f"most {orig:,} (this one is {self.n_ctx:,}): resume it with a context size "
-                             f"of at most {orig:,}, or start a new conversation")
+        """Rotate with rope_factors_{name} from now on ("short" or "long"; Model.use_rope_factors
+        checks first that they serve this context size: rope_factors_problem)."""
         factors = self.w[f"rope_factors_{name}"]  # (I,)
         self.rot = rope_rotations(plm.rope_params(self.cfg), self.n_ctx, factors)  # (P, I) complex64
         self.rope_factors = name
