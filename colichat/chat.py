@@ -91,8 +91,9 @@ class Conversation:
         """What a session records about the model: its weights, and the rope factors the cache rows
         are rotated with now (where they depend on the context size: Model.rope_factors)."""
         rope = self.model.rope_factors
-        return self.weights_ident if rope is None or not self.weights_ident else \
-            {**self.weights_ident, "rope_factors": rope}
+        if self.weights_ident is None or rope is None:
+            return self.weights_ident
+        return {**self.weights_ident, "rope_factors": rope}
 
     @property
     def n_tokens(self) -> int:
