@@ -292,3 +292,19 @@ def test_cli_resume_command_refused_leaves_the_conversation_going_on(colichat_ho
         "new conversation"]
     assert run.out == whole.out and run.footers()[-1].endswith("; saved to cur]")
     assert kv_bytes(colichat_home, "cur") == kv_bytes(colichat_home, "whole")
+
+
+def test_a_damaged_sidecar_without_the_field_says_the_factors_are_assumed(colichat_home, models):
+    m = fresh(models, 256)
+    conv = Conversation(m, Settings(temperature=0, max_tokens=4), session_name="s")
+    conv.ask("hello")
+    conv.close()
+    path, doc = sidecar(colichat_home, "s")
+    doc["model"]["rope_factorz"] = doc["model"].pop("rope_factors")  # a changed byte: the check fails
+    path.write_text(json.dumps(doc))
+    m.reset()
+    again = Conversation(m, Settings(temperature=0, max_tokens=4))
+    said = again.resume("s")
+    assert ("warning: the sidecar does not say which rope factors the cache rows were rotated with: "
+            "assumed 'short', this model's") in said.splitlines()
+    again.close()

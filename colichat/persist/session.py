@@ -373,6 +373,9 @@ class Session:
         if doc is not None and doc.get("settings damaged"):
             warnings.append("the sidecar's settings do not match their checksum: the saved sampler "
                             "settings were not restored")
+            if self.ident.get("rope_factors") and "rope_factors" not in doc["model"]:
+                warnings.append("the sidecar does not say which rope factors the cache rows were rotated "
+                                f"with: assumed {self.ident['rope_factors']!r}, this model's")
         elif doc is not None and doc["format"] == 1:
             warnings.append("the sidecar was written by an older colichat: its turn texts carry no "
                             "checksum (the next save adds them)")
