@@ -226,7 +226,7 @@ class Model:
         """An empty cache, rotated with the factors this context size picks (a new conversation)."""
         self.cache.reset()
         if self.rope_factors is not None:
-            self.fwd.use_rope_factors(self.fwd.default_rope_factors)
+            self.use_rope_factors(self.fwd.default_rope_factors)  # (no-op when already in use)
 
     @property
     def rope_factors(self) -> str | None:
