@@ -22,7 +22,7 @@ from .persist.session import KV_EXT, SIDECAR_EXT
 def _fingerprint(model_path: str) -> str | None:
     try:
         return weights_fingerprint(model_path)
-    except (OSError, ValueError):
+    except OSError:
         return None  # the model cannot be read: loading it says why
 
 
@@ -69,8 +69,8 @@ def resume_rope_factors(store: Store, model_path: str, session: str | None) -> t
     try:
         with open(found[0].path.parent / (found[0].name + SIDECAR_EXT), "rb") as f:
             rope = json.loads(f.read().decode("utf-8"))["model"].get("rope_factors")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError, AttributeError):
+        return None  # a damaged sidecar: resuming it says so
     return (found[0].name, rope) if isinstance(rope, str) else None
 
 

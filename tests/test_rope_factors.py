@@ -84,7 +84,8 @@ def test_the_same_answer_before_loading(tmp_path):
     assert "llama uses the same rope" in resume_problem(str(TINY / "llama.gguf"), 64, "long")
     assert resume_problem(str(TINY / "llama.gguf"), 64, None) is None
     (tmp_path / "x.gguf").write_bytes(b"not a gguf")
-    assert resume_problem(str(tmp_path / "x.gguf"), 64, "long") is None  # loading it says why
+    with pytest.raises(ModelError, match="x.gguf"):  # what loading it would say
+        resume_problem(str(tmp_path / "x.gguf"), 64, "long")
 
 
 # ---- the library API (engine + persist) -----------------------------------------------------------
@@ -199,7 +200,7 @@ def test_conversation_short_session_at_a_larger_context_is_refused_in_one_line(c
                             "a context size of at most 256 (this one is 1,024): resume it with a context size "
                             "of at most 256, or start a new conversation")
     # the conversation in memory goes on, with its own factors and session
-    assert long.rope_factors == "long" and other.session.name == "t"
+    assert long.rope_factors == "long" and other.saving.session.name == "t"
     assert np.array_equal(long.cache.records[: long.cache.length], rows)
     other.ask("more")
     other.close()

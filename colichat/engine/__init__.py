@@ -88,14 +88,11 @@ def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:
 def resume_problem(path: str, n_ctx: int | None, rope_factors: str | None) -> str | None:
     """Before loading (the GGUF's metadata only): why a conversation whose cache rows were rotated
     with `rope_factors` cannot go on with this model at load(path, n_ctx)'s context size (one line),
-    or None: it can, or the file cannot tell (loading it says why)."""
+    or None. A file that cannot be read is the ModelError loading it would raise."""
     if rope_factors is None:
         return None
-    try:
-        reader = open_gguf(str(path))
-        cfg = load_config(reader, str(path), Tensors(reader, str(path)))
-    except (ModelError, OSError, ValueError):
-        return None
+    reader = open_gguf(str(path))
+    cfg = load_config(reader, str(path), Tensors(reader, str(path)))
     return rope_factors_problem(cfg, context_size(cfg, n_ctx), rope_factors)
 
 
