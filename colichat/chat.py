@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from .chat_settings import ChatSettings
-from .engine import Model
+from .engine import Model, ModelError
 from .engine.generate import Generation
 from .engine.speculative import PromptLookup
 from .engine.template import chat_template_for
@@ -57,7 +57,8 @@ class Conversation:
         cfg = model.cfg
         self.saving = Saving((store or Store()) if save else None,
                              model_identity(cfg.path, cfg.arch, cfg.name) if save else None,
-                             CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new, read_only)
+                             CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new, read_only,
+                             rope_factors=lambda: model.rope_factors)
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -90,10 +91,13 @@ class Conversation:
     def resume(self, name: str | None = None) -> str:
         """Fill the cache from a saved session (the latest by default); no forward pass."""
         new, name = self.saving.open(name)
+        rope = self.model.rope_factors
         try:
+            self._take_rope_factors(new)
             res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
         except BaseException:
             new.close()
+            self.model.use_rope_factors(rope)  # the conversation in memory goes on as it was
             if self.model.cache.length != (self.turns[-1].last if self.turns else 0):
                 self.clear()  # the failed read touched the cache: start clean (the old session is on disk)
             raise
@@ -105,6 +109,19 @@ class Conversation:
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
         return "\n".join(lines)
+
+    def _take_rope_factors(self, sess) -> None:
+        """Rotate with the rope factors the session's rows were made with (LongRoPE: a conversation
+        made with the long factors goes on with them at a smaller context; the short ones serve no
+        context above the original one, so such a resume is refused), before its rows are read."""
+        saved = sess.saved_rope_factors()
+        if saved is None or saved == self.model.rope_factors:
+            return
+        try:
+            self.model.use_rope_factors(saved)
+        except ModelError as e:
+            raise ChatError(f"session {sess.name} cannot be resumed: {e}") from None
+        sess.ident = self.saving.ident
 
     def save_as(self, name: str) -> str:
         """/save NAME: the conversation, from the cache, into a new session (saving.Saving.save_as)."""

@@ -27,13 +27,13 @@ try:
     from . import __version__, report
     from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word
-    from .engine import ModelError, load
+    from .engine import ModelError, load, resume_problem
     from .errors import USER_ERRORS, ChatError
     from .inputs import inputs_of
     from .models import DefaultModelMissing, default_model_path
     from .paths import paths
     from .persist import SessionError, Store, check_name
-    from .sessions import before_load, export_saved, listing
+    from .sessions import before_load, export_saved, listing, resume_rope_factors
     from .settings import TABLE, SettingError, Settings
     from .wrap import WordWrap
 except BaseException:
@@ -329,6 +329,15 @@ def saving_mode(args, problem: str | None) -> bool:
     return True
 
 
+def check_rope_factors(args) -> None:
+    """Refuse before the model loads a --resume whose cache rows were rotated with rope factors
+    that cannot serve this --ctx (Conversation.resume says the same after loading, for /resume)."""
+    saved = resume_rope_factors(Store(), args.model, args.session) if args.resume else None
+    problem = saved and resume_problem(args.model, args.ctx, saved[1])
+    if problem:
+        raise SessionError(f"session {saved[0]} cannot be resumed: {problem}")
+
+
 def model_title(name: str, path: str) -> str:
     """The model in a few words: its general.name when that is short, else the file's name."""
     file = os.path.basename(path)
@@ -408,6 +417,7 @@ def main(argv=None) -> int:
         problem = check_saving(args)
         if not args.no_save:  # what --session and --resume mean, known before the model loads
             args.resume = before_load(Store(), args.model, args.session, args.resume)
+            check_rope_factors(args)
         read_only = saving_mode(args, problem)
         interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
         model = load_model(args, say, status)

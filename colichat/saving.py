@@ -18,12 +18,22 @@ from .units import format_size
 
 class Saving:
     def __init__(self, store: Store | None, ident: dict | None, layout: CacheLayout, name: str | None = None,
-                 save_new: bool = True, read_only: bool = False):
-        self.store, self.ident, self.layout = store, ident, layout
+                 save_new: bool = True, read_only: bool = False, rope_factors=lambda: None):
+        self.store, self.weights_ident, self.layout = store, ident, layout
+        self.rope_factors = rope_factors  # () -> the rope factors the cache rows are rotated with now
         self.session: Session | None = None  # once created, claimed or resumed
         self.name = name
         self.save_new = save_new
         self.read_only = read_only
+
+    @property
+    def ident(self) -> dict | None:
+        """What a session records about the model: its weights, and the rope factors the cache rows
+        are rotated with now (where they depend on the context size: Model.rope_factors)."""
+        rope = self.rope_factors()
+        if self.weights_ident is None or rope is None:
+            return self.weights_ident
+        return {**self.weights_ident, "rope_factors": rope}
 
     # --- the session in use -----------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 --session NAME and --resume mean, `colichat --sessions`, `--export NAME`; and the Markdown export.
 
     resume = before_load(store, model_path, session, resume)   # SessionError, else reopen or not
+    resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     listing(store) -> [line]          # every saved conversation, by model
     export_saved(store, model_path, name) -> str      # a saved conversation as Markdown
     markdown(title, model, turns, system) -> str      # (role, text) turns as Markdown
@@ -52,6 +53,25 @@ def before_load(store: Store, model_path: str, session: str | None, resume: bool
     if resume and not [i for i in store.list() if i.model_dir.endswith("-" + fp[:12])]:
         raise SessionError("no saved conversation for this model yet")
     return resume
+
+
+def resume_rope_factors(store: Store, model_path: str, session: str | None) -> tuple[str, str] | None:
+    """(name, rope factors) of the conversation --resume reopens (--session NAME, else this model's
+    latest) where its sidecar records the factors its cache rows were rotated with; None otherwise,
+    or when it cannot be read (resuming it then says why)."""
+    fp = _fingerprint(model_path)
+    if fp is None:
+        return None
+    found = [i for i in store.list() if i.model_dir.endswith("-" + fp[:12]) and not i.damage
+             and (session is None or i.name == session)]
+    if not found:
+        return None
+    try:
+        with open(found[0].path.parent / (found[0].name + SIDECAR_EXT), "rb") as f:
+            rope = json.loads(f.read().decode("utf-8"))["model"].get("rope_factors")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError, AttributeError):
+        return None  # a damaged sidecar: resuming it says so
+    return (found[0].name, rope) if isinstance(rope, str) else None
 
 
 def listing(store: Store) -> list[str]:

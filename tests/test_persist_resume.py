@@ -7,6 +7,7 @@ exchange 3. Its cache and its exchange-3 logits must equal the reference's to th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def exchange(model, i):
     return turns, np.concatenate(logits)
 
 def session_args(model, path):
-    ident = model_identity(path, model.cfg.arch, model.cfg.name)
+    ident = model_identity(path, model.cfg.arch, model.cfg.name, model.rope_factors)
     return ident, CacheLayout.from_cache(model.cache, model.cfg.n_vocab)
 
 def main(phase, path, out):
@@ -116,3 +117,5 @@ def test_resume_in_a_new_process_is_bit_identical(colichat_home, tmp_path, model
         os.close(fd)
     assert header.magic == (b"COLIGQA\0" if model == "llama.gguf" else b"COLIKV1\0")
     assert (header.n_layer, header.a_width, header.b_width, header.nrec) == (*ref["layout"], len(ref["records"]))
+    model_section = json.loads(kv_path.with_suffix(".json").read_text())["model"]
+    assert model_section.get("rope_factors") == ("short" if model == "minicpm3.gguf" else None)  # N_CTX 256

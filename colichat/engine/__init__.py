@@ -2,6 +2,7 @@
 
     model = load("model.gguf")          # Model with .prefill(ids), .decode(id), .cache, .tokenizer
     tok = load_tokenizer("model.gguf")  # works on vocabulary-only files too
+    resume_problem("model.gguf", n_ctx, rope_factors)  # before loading: can a saved conversation go on
 
 The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
 
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 from .cache import record_bytes
 from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
-from .model import Model, architecture, available_memory, prepare_weights
+from .model import Model, architecture, available_memory, prepare_weights, rope_factors_problem
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
 
-__all__ = ["Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "load", "load_tokenizer"]
+__all__ = ["Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "load", "load_tokenizer",
+           "resume_problem"]
 
 
 def load_tokenizer(path_or_reader):
@@ -59,8 +61,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         cfg = load_config(reader, path, tensors)
         tokenizer = _load_tokenizer(reader)
         weights = None
-    if n_ctx is None:
-        n_ctx = min(cfg.n_ctx_train, DEFAULT_CTX)
+    n_ctx = context_size(cfg, n_ctx)
     if n_ctx < 16:
         raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
     dense = dense_f32_bytes(tensors)
@@ -77,6 +78,22 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
     return Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics)
+
+
+def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:
+    """The cache size load() gives: n_ctx, by default the training context, at most DEFAULT_CTX."""
+    return min(cfg.n_ctx_train, DEFAULT_CTX) if n_ctx is None else n_ctx
+
+
+def resume_problem(path: str, n_ctx: int | None, rope_factors: str | None) -> str | None:
+    """Before loading (the GGUF's metadata only): why a conversation whose cache rows were rotated
+    with `rope_factors` cannot go on with this model at load(path, n_ctx)'s context size (one line),
+    or None. A file that cannot be read is the ModelError loading it would raise."""
+    if rope_factors is None:
+        return None
+    reader = open_gguf(str(path))
+    cfg = load_config(reader, str(path), Tensors(reader, str(path)))
+    return rope_factors_problem(cfg, context_size(cfg, n_ctx), rope_factors)
 
 
 def dense_f32_bytes(tensors: Tensors) -> int:

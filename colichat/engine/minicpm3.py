@@ -7,6 +7,9 @@ x starts as 12 * token_embd[ids]; logits = (256 / n_embd) * rms_norm(x) @ output
 kq_scale = 1/sqrt(qk_nope + qk_rope). RoPE is NEOX (pairs i, i + R/2) with LongRoPE frequency
 factors: `rope_factors_long` for every position when the context size exceeds
 rope.scaling.original_context_length, else `rope_factors_short` (llama.cpp's get_rope_factors).
+The cache's k_pe rows carry the factors they were rotated with, so a resumed conversation keeps its
+own (`use_rope_factors`; sessions record `rope_factors`, FORMAT.md): the long ones serve any
+context size, the short ones at most the original context.
 The three scales are constants in llama.cpp too (MiniCPM3's scale_emb, scale_depth, dim_model_base).
 llama.cpp caches decompressed per-head keys and values for minicpm3; colichat keeps deepseek2's
 latent cache (c and k_pe per token and layer, COLIKV1), the point of MLA. Everything else is
@@ -32,6 +35,22 @@ config = plm.config  # deepseek2's MLA fields, every layer dense
 SCALE_EMB = 12.0      # embeddings
 SCALE_DEPTH = 1.4     # residual branches: SCALE_DEPTH / sqrt(n_layer)
 DIM_MODEL_BASE = 256  # hidden state before the output matrix: DIM_MODEL_BASE / n_embd
+ROPE_FACTORS = ("short", "long")  # rope_factors_short: contexts up to the original one; _long: any
+
+
+def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name) -> str | None:
+    """Why a conversation whose cache rows were rotated with rope_factors_{name} cannot go on at
+    context size n_ctx (one line), or None: the long factors serve any context size, the short ones
+    at most the original context."""
+    orig = cfg.rope_orig_ctx
+    if name not in ROPE_FACTORS:
+        return (f"its cache rows were rotated with rope factors {str(name)[:40]!r}, which minicpm3 does "
+                f"not have (it has {' and '.join(ROPE_FACTORS)}): start a new conversation")
+    if name == "short" and n_ctx > orig:
+        return (f"it was made with the short rope factors, which serve a context size of at most {orig:,} "
+                f"(this one is {n_ctx:,}): resume it with a context size of at most {orig:,}, or start a "
+                "new conversation")
+    return None
 
 
 def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
@@ -53,11 +72,18 @@ class Forward(deepseek2.Forward):
     def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
                  expert_cache_mib: float | None = None):
         super().__init__(cfg, weights, tensors, n_ctx, expert_cache_mib)
-        self.long_factors = n_ctx > cfg.rope_orig_ctx
-        factors = weights["rope_factors_long" if self.long_factors else "rope_factors_short"]
-        self.rot = rope_rotations(plm.rope_params(cfg), n_ctx, factors)  # (P, I) complex64
+        self.n_ctx = n_ctx
+        self.default_rope_factors = "long" if n_ctx > cfg.rope_orig_ctx else "short"  # llama.cpp's choice
+        self.use_rope_factors(self.default_rope_factors)
         self.kq_scale = 1.0 / math.sqrt(cfg.qk_head)
         self.res_scale = np.float32(SCALE_DEPTH / math.sqrt(cfg.n_layer))
+
+    def use_rope_factors(self, name: str) -> None:
+        """Rotate with rope_factors_{name} from now on ("short" or "long"; Model.use_rope_factors
+        checks first that they serve this context size: rope_factors_problem)."""
+        factors = self.w[f"rope_factors_{name}"]  # (I,)
+        self.rot = rope_rotations(plm.rope_params(self.cfg), self.n_ctx, factors)  # (P, I) complex64
+        self.rope_factors = name
 
     def layer(self, l: int, x: np.ndarray, pos0: int, cache: KVCache) -> np.ndarray:
         if l == 0:

@@ -16,6 +16,10 @@ An architecture module (llama.py, deepseek2.py; dsa.py, plm.py and minicpm3.py d
         experts                             # its ExpertCache, or None
         layer(l, x, pos0, cache) -> x       # (T, D) -> (T, D); writes cache rows pos0..pos0+T-1
         logits(x) -> (T, V)
+        # optional, where the rope depends on the context size (minicpm3's LongRoPE):
+        rope_factors, default_rope_factors  # the factor set in use, and the one n_ctx picks
+        use_rope_factors(name)              # rotate with another set (a resumed conversation's)
+    rope_factors_problem(cfg, n_ctx, name) -> str | None   # why that set cannot serve n_ctx
 
 and reference/<same name>.py holds a Forward with the same interface in llama.cpp's arithmetic
 (numerics="llama.cpp"; see forward_class). Adding an architecture is one module plus one line in
@@ -61,6 +65,20 @@ def architecture(cfg: ModelConfig):
     if mod is None:
         raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
     return mod
+
+
+def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name: str | None) -> str | None:
+    """Why a conversation whose cache rows were rotated with the rope factors `name` (None: the
+    rope of every context size) cannot go on with this model at context size n_ctx (one line), or
+    None when it can: the architecture module's rope_factors_problem, where its rope depends on the
+    context size."""
+    check = getattr(architecture(cfg), "rope_factors_problem", None)
+    if check is not None:
+        return check(cfg, n_ctx, name)
+    if name is None:
+        return None
+    return (f"its cache rows were rotated with rope factors {str(name)[:40]!r}, but {cfg.arch} uses the "
+            "same rope at every context size: start a new conversation")
 
 
 def forward_class(mod, numerics: str):
@@ -205,7 +223,28 @@ class Model:
         return self.prefill([token_id], all_logits=False)[0]
 
     def reset(self) -> None:
+        """An empty cache, rotated with the factors this context size picks (a new conversation)."""
         self.cache.reset()
+        if self.rope_factors is not None:
+            self.use_rope_factors(self.fwd.default_rope_factors)  # (no-op when already in use)
+
+    @property
+    def rope_factors(self) -> str | None:
+        """The rope frequency factors the cache rows are rotated with, where the architecture picks
+        them by context size ("short" or "long": minicpm3's LongRoPE); None where the rope is the same
+        at every context size. A session records it (persist: the sidecar's model.rope_factors)."""
+        return getattr(self.fwd, "rope_factors", None)
+
+    def use_rope_factors(self, name: str | None) -> None:
+        """Rotate with the factors `name` from now on, whatever this context size picks: for a
+        conversation whose rows were made with them (a resumed one). ModelError (one line, saying
+        why) where that cannot be right. reset() goes back to this context size's factors."""
+        if name == self.rope_factors:
+            return
+        problem = rope_factors_problem(self.cfg, self.n_ctx, name)
+        if problem:
+            raise ModelError(problem)
+        self.fwd.use_rope_factors(name)
 
     @property
     def output(self) -> np.ndarray:

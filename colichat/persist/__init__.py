@@ -3,7 +3,7 @@
 persist/ knows nothing about the forward pass: it moves the cache's records and the turn list.
 
     from colichat.persist import Store, CacheLayout, Turn, model_identity, paths, SessionError
-    ident = model_identity(gguf_path, cfg.arch, cfg.name)
+    ident = model_identity(gguf_path, cfg.arch, cfg.name, model.rope_factors)  # None for most models
     layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
     store = Store()
     sess = store.open(ident, name, layout)          # or store.create(ident, layout) for a new one,

@@ -345,8 +345,10 @@ class Session:
         """Fill `cache` with the longest valid prefix of whole turns; modifies no file.
 
         Refuses (SessionError, cache untouched) a file of another model, kind or shape, other
-        weights (sidecar fingerprint), or a saved length >= ctx_limit - margin (ctx_limit defaults
-        to the cache capacity). Damage drops turns from the first bad one on, with a warning each.
+        weights (sidecar fingerprint), rows rotated with other rope factors than the ident's
+        ("rope_factors", where the model has them), or a saved length >= ctx_limit - margin
+        (ctx_limit defaults to the cache capacity). Damage drops turns from the first bad one on,
+        with a warning each.
         `detokenize(ids) -> str` names the text of a cache saved without a sidecar (one turn).
         """
         t0 = time.perf_counter()
@@ -365,10 +367,15 @@ class Session:
         if bad:
             raise SessionError(f"session {self.name} was saved by another model ({', '.join(bad)}); "
                                "start a new session with /reset")
+        if doc is not None:
+            self._check_rope_factors(doc)
         warnings: list[str] = []
         if doc is not None and doc.get("settings damaged"):
             warnings.append("the sidecar's settings do not match their checksum: the saved sampler "
                             "settings were not restored")
+            if self.ident.get("rope_factors") and "rope_factors" not in doc["model"]:
+                warnings.append("the sidecar does not say which rope factors the cache rows were rotated "
+                                f"with: assumed {self.ident['rope_factors']!r}, this model's")
         elif doc is not None and doc["format"] == 1:
             warnings.append("the sidecar was written by an older colichat: its turn texts carry no "
                             "checksum (the next save adds them)")
@@ -404,6 +411,35 @@ class Session:
         self._loaded = True
         ms = (time.perf_counter() - t0) * 1000
         return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler))
+
+    def saved_rope_factors(self) -> str | None:
+        """The rope factors the session's cache rows were rotated with (the sidecar's
+        model.rope_factors), None if it records none (a model whose rope does not depend on the
+        context size, an older colichat, no sidecar). SessionError for a damaged sidecar or value."""
+        doc = self._read_sidecar()
+        return None if doc is None else self._rope_factors_of(doc)
+
+    def _rope_factors_of(self, doc: dict) -> str | None:
+        saved = doc["model"].get("rope_factors")
+        if saved is not None and not (isinstance(saved, str) and saved.isascii() and saved.isprintable()
+                                      and 0 < len(saved) <= 40):
+            raise SessionError(f"sidecar {self.json_path} is damaged (its model.rope_factors is "
+                               f"{json.dumps(saved)[:40]}, not a name); the session cannot be resumed safely")
+        return saved
+
+    def _check_rope_factors(self, doc: dict) -> None:
+        """Refuse (before any record is read) rows rotated with other rope factors than the model
+        uses now: mixed in one cache they give wrong answers. A sidecar without the field (an older
+        colichat, or a model whose rope does not depend on the context size) is not checked."""
+        saved, mine = self._rope_factors_of(doc), self.ident.get("rope_factors")
+        if saved is None or saved == mine:
+            return
+        head = f"session {self.name}'s cache rows were rotated with the {saved!r} rope factors"
+        if mine is None:
+            raise SessionError(f"{head}, which this model does not have (its rope is the same at every "
+                               "context size): it cannot be resumed; start a new session with /reset")
+        raise SessionError(f"{head} and this model's with {mine!r}: rotate with {saved!r} to resume it, "
+                           "or start a new session with /reset")
 
     def _check_header_against(self, doc: dict, header) -> None:
         """A header that disagrees with the layout its own sidecar recorded is damaged (SessionError)."""

@@ -1,7 +1,8 @@
 """Where sessions live, what they are called, which model they belong to.
 
     paths() -> Paths(data, state, cache)       # COLICHAT_HOME/{data,state,cache}, else the XDG dirs
-    ident = model_identity(gguf_path, arch, name)   # {"arch", "name", "fingerprint"}, reads ~2 MB
+    ident = model_identity(gguf_path, arch, name, rope_factors=None)   # reads ~2 MB: {"arch", "name",
+                                               # "fingerprint"} (+ "rope_factors", Model.rope_factors)
     store = Store()                            # sessions under paths().data / "sessions"
     sess = store.create(ident, layout, name=None, sampler=None)   # new empty session, locked
     sess = store.claim(ident, name, layout, sampler=None)   # the same, its files made by the first save
@@ -112,13 +113,16 @@ def weights_fingerprint(path: str) -> str:
     return h.hexdigest()[:32]
 
 
-def model_identity(gguf_path: str, arch: str, name: str) -> dict:
-    """What a session records about its model: {"arch", "name", "fingerprint"}."""
+def model_identity(gguf_path: str, arch: str, name: str, rope_factors: str | None = None) -> dict:
+    """What a session records about its model: {"arch", "name", "fingerprint"}, and "rope_factors"
+    (the rope frequency factors the cache rows are rotated with, Model.rope_factors) where the
+    architecture picks them by context size."""
     try:
         fp = weights_fingerprint(str(gguf_path))
     except OSError as e:
         raise SessionError(f"cannot fingerprint model {gguf_path}: {oserror_text(e)}") from None
-    return {"arch": str(arch), "name": str(name), "fingerprint": fp}
+    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp}
+    return ident if rope_factors is None else {**ident, "rope_factors": str(rope_factors)}
 
 
 def model_dirname(ident: dict) -> str:
