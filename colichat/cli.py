@@ -34,7 +34,7 @@ try:
     from .persist import SessionError, Store, check_name
     from .sessions import before_load, export_saved, listing
     from .settings import TABLE, SettingError, Settings
-    from .wrap import WordWrap
+    from .wrap import Screen
 except BaseException:
     if not _interrupt_at_start.seen:
         raise
@@ -116,7 +116,7 @@ class StatusLine:
 class App:
     """What commands act on: the conversation, and the two output streams."""
 
-    def __init__(self, conv: Conversation, interactive: bool, status: StatusLine | None = None):
+    def __init__(self, conv: Conversation, interactive: bool, status: StatusLine | None = None, banner=()):
         self.conv = conv
         self.interactive = interactive
         self.quitting = False
@@ -124,19 +124,25 @@ class App:
         self.output_closed = False  # stdout's reader went away (broken pipe)
         self.status = status or StatusLine()
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
-        self.wrap = WordWrap(_columns) if interactive else None  # the REPL wraps answers at word boundaries
+        # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
+        self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty()) if interactive else None
         self.dim = sys.stderr.isatty()  # the footer is dim, apart from the answer
 
     def say(self, line: str) -> None:
         self.status.clear()
+        if self.screen:
+            self.write(self.screen.line(line))
         say(line)
 
     def out(self, text: str) -> None:
         if self.output_closed or self.hushed:
             return
         self.status.clear()
-        if self.wrap:
-            text = self.wrap.feed(text)
+        self.write(self.screen.answer(text) if self.screen else text)
+
+    def write(self, text: str) -> None:
+        if not text or self.output_closed:
+            return
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -156,9 +162,7 @@ class App:
         it. The terminal shows `^C` after the last word received (it does not echo while an answer
         streams)."""
         if not self.hushed:
-            shown = (self.wrap.flush() if self.wrap else "") + "^C"
-            if self.wrap and not self.status.shown:  # (on a status line, ^C goes with it)
-                self.wrap.col += 2
+            shown = self.screen.interrupt(on_status=self.status.shown) if self.screen else "^C"
             with contextlib.suppress(OSError, ValueError):
                 os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
         self.conv.stop_requested = True
@@ -190,10 +194,9 @@ class App:
                                       on_note=self.say)
         finally:
             self.hushed = False
-            if self.wrap:
-                self.out(self.wrap.flush() + "\n" if self.wrap.col or self.wrap.word else "")
-                self.wrap.reset()
-        if not self.wrap:
+            if self.screen:
+                self.write(self.screen.end_answer())
+        if not self.screen:
             self.out("\n")
         footer = self.conv.footer(stats)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
@@ -205,6 +208,8 @@ class App:
         return self._prefill_progress
 
     def _prefill_progress(self, done: int, total: int) -> None:
+        if self.screen:
+            self.write(self.screen.follow())
         if done == 0:
             self.status.show(f"reading your message ({total:,} tokens) ...")
         else:
@@ -226,6 +231,15 @@ class App:
             self.say(f"colichat: {e}")
         finally:
             self.status.clear()
+
+
+def _size() -> tuple[int, int]:
+    """The terminal's (columns, rows), (80, 24) where unknown."""
+    try:
+        size = os.get_terminal_size(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return 80, 24
+    return size.columns or 80, size.lines or 24
 
 
 def _columns(stream=None) -> int:
@@ -388,9 +402,11 @@ def interrupted() -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     status = StatusLine()
+    banner: list[str] = []  # the lines shown before the REPL (it draws them again on a resize)
 
     def say(line):  # a status line that replaces the progress shown, if any
         status.clear()
+        banner.append(line)
         print(line, file=sys.stderr, flush=True)
 
     if hasattr(sys.stdout, "reconfigure"):
@@ -418,7 +434,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         status.clear()
         return interrupted()
-    app = App(conv, interactive, status)
+    app = App(conv, interactive, status, banner)
+    say = app.say
     try:
         if args.resume:
             status.show(BUSY["/resume"])
