@@ -79,9 +79,14 @@ def rows(text: str, width: int) -> list[str]:
     """The rows a terminal `width` columns wide shows for `text`: a line longer than the width goes
     on in the next row (the terminal's own wrap), a tab moves to the next multiple of 8 (as spaces
     here), a style code takes no room and goes on in the next row of its line."""
+    return [row for row, _ in layout(text, width)]
+
+
+def layout(text: str, width: int) -> list[tuple[str, bool]]:
+    """rows(), each with whether it goes on from the row before (the terminal's wrap, not a line's end)."""
     out = []
     for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
-        row, col, style = "", 0, ""
+        row, col, style, cont = "", 0, "", False
         for part in SGR.split(line):
             if SGR.fullmatch(part):
                 row += part
@@ -90,11 +95,11 @@ def rows(text: str, width: int) -> list[str]:
             for ch in part:
                 w = min(TAB - col % TAB, width - col) if ch == "\t" else max(0, wcwidth(ch))
                 if col + w > width and col > 0:
-                    out.append(row)
-                    row, col = style, 0
+                    out.append((row, cont))
+                    row, col, cont = style, 0, True
                 row += " " * w if ch == "\t" else ch
                 col += w
-        out.append(row)
+        out.append((row, cont))
     return out
 
 
@@ -185,23 +190,26 @@ class Screen:
         left free under it (for a prompt of several rows)."""
         self.width, height = self.columns(), max(1, self.size()[1])
         want = max(1, height - below)
-        tail: list[str] = []
-        cursor = [""]
+        tail: list[tuple[str, bool]] = []
+        cursor = [("", False)]
         for shown in reversed(self.shown):
             text, wrap = self._laid_out(shown)
             if shown.open:
-                cursor, self.wrap = rows(text, self.width), wrap
-                tail = cursor[:-1]
-                cursor = cursor[-1:]
+                cursor, self.wrap = layout(text, self.width), wrap
+                tail, cursor = cursor[:-1], cursor[-1:]
                 continue
             if text:
-                tail = rows(text[:-1], self.width) + tail  # (it ends with its line's end)
+                tail = layout(text[:-1], self.width) + tail  # (it ends with its line's end)
             if len(tail) + 1 >= want:
                 break
         tail = (tail + cursor)[-want:]
-        # clear from the second row down, then the first (a clear from the top corner would push
-        # the window into the scrollback in some terminals), then draw
-        return "\x1b[0m\x1b[2;1H\x1b[J\x1b[H\x1b[2K" + "\r\n".join(tail)
+        # Clear from the second row down, then the first (a clear from the top corner would push
+        # the window into the scrollback in some terminals), then draw. A long line is written
+        # whole, for the terminal to wrap: it stays one line to copy, and to reflow.
+        out = ["\x1b[0m\x1b[2;1H\x1b[J\x1b[H\x1b[2K"]
+        for i, (row, cont) in enumerate(tail):
+            out.append(row if cont or i == 0 else "\r\n" + row)
+        return "".join(out)
 
     def _laid_out(self, shown: Shown) -> tuple[str, WordWrap | None]:
         """What `shown` writes at the current width (ending with "\n", unless it is an open answer)."""

@@ -197,3 +197,16 @@ def test_rows_are_what_the_terminal_shows():
     assert rows("\x1b[2m[a long footer]\x1b[0m", 8) == ["\x1b[2m[a long ", "\x1b[2mfooter]\x1b[0m"]
     assert rows("猫猫猫", 5) == ["猫猫", "猫"]
     assert rows("one\ntwo", 10) == ["one", "two"]
+
+
+def test_a_long_line_is_drawn_again_whole_for_the_terminal_to_wrap():
+    term = Term(80, 10)
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    footer = "[120 tokens, 8.5 tok/s, prefill 20 at 52 tok/s, context 224/8192; saved to r]"
+    say(footer)
+    term.resize(30, 10)
+    drawn = screen.redraw()
+    assert footer in drawn  # one line to copy and to reflow, not three
+    term.write(drawn)
+    assert term.lines()[:4] == cut(footer, 30) + [""]
