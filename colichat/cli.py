@@ -178,10 +178,13 @@ class App:
             raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
         from prompt_toolkit.shortcuts import confirm
 
+        question = f"Did you mean /quit? (n sends '{word}' to the model)"
         try:
-            meant_quit = confirm(f"Did you mean /quit? (n sends '{word}' to the model)")
+            meant_quit = confirm(question)
         except (KeyboardInterrupt, EOFError):
             return
+        if self.screen:
+            self.screen.echo(f"{question} (y/n) {'y' if meant_quit else 'n'}")
         if meant_quit:
             self.quit()
         else:

@@ -404,3 +404,24 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
         assert "Traceback" not in screen
     finally:
         t.close()
+
+
+def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
+    """Typed on the terminal, the answer piped to a file: a resize changes nothing in the file."""
+    from cli_helpers import saved_answers
+
+    out = tmp_path / "out.txt"
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 120 "
+             f"--session p | tee {out}; echo EXITED; sleep 600", width=100)
+    try:
+        t.wait_for(lambda s: "loaded in" in s, MODEL_WAIT, "the model")
+        t.type("Tell me a long story about a castle.")
+        t.keys("Enter")
+        t.wait_for(lambda s: out.exists() and len(out.read_text().split()) > 3, MODEL_WAIT, "the answer to stream")
+        resize(t, 40)
+        t.wait_for(lambda s: FOOTER.search(s), MODEL_WAIT, "the footer")
+        t.keys("C-d")
+        t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
+        assert out.read_text() == saved_answers(colichat_home, "p")[0] + "\n"  # the text alone: no escape, no redraw
+    finally:
+        t.close()
