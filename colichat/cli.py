@@ -237,21 +237,17 @@ class App:
             self.status.clear()
 
 
-def _size() -> tuple[int, int]:
-    """The terminal's (columns, rows), (80, 24) where unknown."""
+def _size(stream=None) -> tuple[int, int]:
+    """The terminal's (columns, rows): (80, 24) where unknown (not a terminal, or one that reports 0)."""
     try:
-        size = os.get_terminal_size(sys.stdout.fileno())
+        size = os.get_terminal_size((stream or sys.stdout).fileno())
     except (OSError, ValueError):
         return 80, 24
     return size.columns or 80, size.lines or 24
 
 
 def _columns(stream=None) -> int:
-    """The terminal's width (80 where it is unknown: not a terminal, or one that reports 0)."""
-    try:
-        return os.get_terminal_size((stream or sys.stdout).fileno()).columns or 80
-    except (OSError, ValueError):
-        return 80
+    return _size(stream)[0]
 
 
 BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
