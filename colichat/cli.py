@@ -35,7 +35,7 @@ try:
     from .persist import SessionError, Store, check_name
     from .sessions import before_load, export_saved, listing, resume_rope_factors
     from .settings import TABLE, SettingError, Settings
-    from .wrap import WordWrap
+    from .wrap import Screen
 except BaseException:
     if not _interrupt_at_start.seen:
         raise
@@ -117,7 +117,7 @@ class StatusLine:
 class App:
     """What commands act on: the conversation, and the two output streams."""
 
-    def __init__(self, conv: Conversation, interactive: bool, status: StatusLine | None = None):
+    def __init__(self, conv: Conversation, interactive: bool, status: StatusLine | None = None, banner=()):
         self.conv = conv
         self.interactive = interactive
         self.quitting = False
@@ -125,19 +125,25 @@ class App:
         self.output_closed = False  # stdout's reader went away (broken pipe)
         self.status = status or StatusLine()
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
-        self.wrap = WordWrap(_columns) if interactive else None  # the REPL wraps answers at word boundaries
+        # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
+        self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty()) if interactive else None
         self.dim = sys.stderr.isatty()  # the footer is dim, apart from the answer
 
     def say(self, line: str) -> None:
         self.status.clear()
+        if self.screen:
+            self.write(self.screen.line(line))
         say(line)
 
     def out(self, text: str) -> None:
         if self.output_closed or self.hushed:
             return
         self.status.clear()
-        if self.wrap:
-            text = self.wrap.feed(text)
+        self.write(self.screen.answer(text) if self.screen else text)
+
+    def write(self, text: str) -> None:
+        if not text or self.output_closed:
+            return
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -157,9 +163,7 @@ class App:
         it. The terminal shows `^C` after the last word received (it does not echo while an answer
         streams)."""
         if not self.hushed:
-            shown = (self.wrap.flush() if self.wrap else "") + "^C"
-            if self.wrap and not self.status.shown:  # (on a status line, ^C goes with it)
-                self.wrap.col += 2
+            shown = self.screen.interrupt(on_status=self.status.shown) if self.screen else "^C"
             with contextlib.suppress(OSError, ValueError):
                 os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
         self.conv.stop_requested = True
@@ -175,10 +179,13 @@ class App:
             raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
         from prompt_toolkit.shortcuts import confirm
 
+        question = f"Did you mean /quit? (n sends '{word}' to the model)"
         try:
-            meant_quit = confirm(f"Did you mean /quit? (n sends '{word}' to the model)")
+            meant_quit = confirm(question)
         except (KeyboardInterrupt, EOFError):
             return
+        if self.screen:
+            self.screen.echo(f"{question} (y/n) {'y' if meant_quit else 'n'}")
         if meant_quit:
             self.quit()
         else:
@@ -191,10 +198,9 @@ class App:
                                       on_note=self.say)
         finally:
             self.hushed = False
-            if self.wrap:
-                self.out(self.wrap.flush() + "\n" if self.wrap.col or self.wrap.word else "")
-                self.wrap.reset()
-        if not self.wrap:
+            if self.screen:
+                self.write(self.screen.end_answer())
+        if not self.screen:
             self.out("\n")
         footer = report.footer(self.conv, stats)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
@@ -206,6 +212,8 @@ class App:
         return self._prefill_progress
 
     def _prefill_progress(self, done: int, total: int) -> None:
+        if self.screen:
+            self.write(self.screen.follow())
         if done == 0:
             self.status.show(f"reading your message ({total:,} tokens) ...")
         else:
@@ -229,12 +237,17 @@ class App:
             self.status.clear()
 
 
-def _columns(stream=None) -> int:
-    """The terminal's width (80 where it is unknown: not a terminal, or one that reports 0)."""
+def _size(stream=None) -> tuple[int, int]:
+    """The terminal's (columns, rows): (80, 24) where unknown (not a terminal, or one that reports 0)."""
     try:
-        return os.get_terminal_size((stream or sys.stdout).fileno()).columns or 80
+        size = os.get_terminal_size((stream or sys.stdout).fileno())
     except (OSError, ValueError):
-        return 80
+        return 80, 24
+    return size.columns or 80, size.lines or 24
+
+
+def _columns(stream=None) -> int:
+    return _size(stream)[0]
 
 
 BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
@@ -398,9 +411,11 @@ def interrupted() -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     status = StatusLine()
+    banner: list[str] = []  # the lines shown before the REPL (it draws them again on a resize)
 
     def say(line):  # a status line that replaces the progress shown, if any
         status.clear()
+        banner.append(line)
         print(line, file=sys.stderr, flush=True)
 
     if hasattr(sys.stdout, "reconfigure"):
@@ -429,7 +444,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         status.clear()
         return interrupted()
-    app = App(conv, interactive, status)
+    app = App(conv, interactive, status, banner)
+    say = app.say
     try:
         if args.resume:
             status.show(BUSY["/resume"])

@@ -5,6 +5,11 @@ Multi-line input is one prompt_toolkit buffer: Enter inside an open \"\"\" block
 so a block is one entry in the history (Up recalls it whole) and its lines show a `... ` prompt.
 While an answer streams the terminal does not echo: keys typed then wait in the terminal's input
 queue and become the start of the next prompt (type-ahead, as in a shell).
+
+When the terminal's width changes, what was shown is drawn again for the new width (wrap.Screen):
+while an answer streams, before its next piece; at the prompt, just before prompt_toolkit draws
+the prompt again for the new size (it handles SIGWINCH itself), above the prompt, whose typed text
+stays as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from prompt_toolkit.key_binding import KeyBindings
 from . import inputs
 from .commands import completions
 from .paths import paths, private_dir, private_file
+from .wrap import Screen, rows
 
 PROMPT = "> "
 CONTINUATION = "... "
@@ -95,15 +101,46 @@ def _continuation(width, line_number, wrap_count):
     return CONTINUATION
 
 
+def echo(text: str) -> str:
+    """The prompt with `text` typed, as it shows."""
+    return PROMPT + text.replace("\n", "\n" + CONTINUATION)
+
+
 def make_session(app) -> PromptSession:
-    return PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
-                         complete_while_typing=False, prompt_continuation=_continuation)
+    session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
+                            complete_while_typing=False, prompt_continuation=_continuation)
+    if app.screen:
+        session.app.before_render += _redraw_on_resize(session, app.screen)
+    return session
 
 
-def read_input(session: PromptSession) -> str:
+def _redraw_on_resize(session: PromptSession, screen: Screen):
+    """A handler of the prompt's before_render event: when the width changed since the screen was
+    laid out, what was shown is drawn again above the prompt, with room left for the prompt."""
+
+    def before_render(pt_app) -> None:
+        if screen.columns() == screen.width:
+            return
+        below = len(rows(echo(session.default_buffer.text), screen.columns())) - 1
+        pt_app.renderer.erase(leave_alternate_screen=False)  # the prompt as drawn; its renderer starts over
+        pt_app.output.write_raw(screen.redraw(below))
+        pt_app.output.flush()
+        pt_app.renderer.request_absolute_cursor_position()  # where the prompt now starts
+
+    return before_render
+
+
+def read_input(session: PromptSession, screen: Screen | None = None) -> str:
     """One input: a line, an Esc-Enter multi-line text, or a \"\"\" block (as a Message, even if
-    it starts with "/"; an empty block is the empty input)."""
-    text = session.prompt(PROMPT)
+    it starts with "/"; an empty block is the empty input). The prompt's echo goes to `screen`."""
+    try:
+        text = session.prompt(PROMPT)
+    except KeyboardInterrupt:
+        if screen:
+            screen.echo(echo(session.default_buffer.text))  # the dropped line, marked ^C
+        raise
+    if screen:
+        screen.echo(echo(text))
     if text.split("\n", 1)[0].strip() != FENCE:
         return text
     found = list(inputs.inputs_of(io.StringIO(text)))  # the one reader of \"\"\" blocks
@@ -145,7 +182,7 @@ def run(app) -> int:
     with keys_wait():  # also between prompts: a key typed as a prompt ends is never echoed out of place
         while not app.quitting:
             try:
-                text = read_input(session)  # prompt_toolkit's own terminal mode while it reads
+                text = read_input(session, app.screen)  # prompt_toolkit's own terminal mode while it reads
             except KeyboardInterrupt:
                 continue
             except EOFError:

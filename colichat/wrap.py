@@ -1,19 +1,27 @@
-"""Word wrapping of an answer as it streams to the terminal.
+"""What the REPL shows: answers wrapped at word boundaries as they stream, and everything shown
+kept, so that a change of the terminal's width redraws the screen laid out for the new width.
 
-A word is held until it ends (a space or a newline arrives; the next token usually starts with
-one), then shown on the current line if it fits, else on the next. The width is read at every
-piece, so text that arrives after a resize wraps to the new width; lines already printed stay as
-they are (rewrapping them would need a full-screen program). Only the display is wrapped: the
-transcript keeps the model's text.
+WordWrap: a word is held until it ends (a space or a newline arrives; the next token usually starts
+with one), then shown on the current line if it fits, else on the next. Only the display is
+wrapped: the conversation keeps the model's text.
+
+Screen: the lines printed as they are (banner, the prompt's echo, command output, footers) and the
+answers as the model wrote them. Before anything more is shown, if the width changed since the
+screen was laid out, the window is drawn again from its top: the last rows of everything shown,
+laid out at the new width (answers re-wrapped at word boundaries), ending where the cursor was.
+The scrollback above the window stays as the terminal made it.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Callable
 
 from wcwidth import wcwidth
 
 TAB = 8
+SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # a colour or style code: no room on screen
 
 
 class WordWrap:
@@ -65,3 +73,155 @@ class WordWrap:
 
     def reset(self) -> None:
         self.col, self.word, self.word_cols = 0, "", 0
+
+
+def rows(text: str, width: int) -> list[str]:
+    """The rows a terminal `width` columns wide shows for `text`: a line longer than the width goes
+    on in the next row (the terminal's own wrap), a tab moves to the next multiple of 8 (as spaces
+    here), a style code takes no room and goes on in the next row of its line."""
+    return [row for row, _ in layout(text, width)]
+
+
+def layout(text: str, width: int) -> list[tuple[str, bool]]:
+    """rows(), each with whether it goes on from the row before (the terminal's wrap, not a line's end)."""
+    out = []
+    for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
+        row, col, style, cont = "", 0, "", False
+        for part in SGR.split(line):
+            if SGR.fullmatch(part):
+                row += part
+                style = "" if part in ("\x1b[0m", "\x1b[m") else style + part
+                continue
+            for ch in part:
+                w = min(TAB - col % TAB, width - col) if ch == "\t" else max(0, wcwidth(ch))
+                if col + w > width and col > 0:
+                    out.append((row, cont))
+                    row, col, cont = style, 0, True
+                row += " " * w if ch == "\t" else ch
+                col += w
+        out.append((row, cont))
+    return out
+
+
+@dataclass
+class Shown:
+    """One thing shown: a line printed as it is, or an answer (word-wrapped at every drawing)."""
+    text: str
+    answer: bool = False
+    open: bool = False  # an answer still arriving: the cursor is at its end
+    cut: bool = False   # ^C shown after it
+
+
+class Screen:
+    """What the REPL has shown, to be drawn again at another width. Each method returns what to
+    write to the terminal (stdout) now: a redraw first when the width changed, then its own text."""
+
+    def __init__(self, size: Callable[[], tuple[int, int]], banner=(), lines_on_screen: bool = True):
+        self.size = size  # the terminal's (columns, rows) now
+        self.lines_on_screen = lines_on_screen  # the printed lines reach the screen (stderr is the terminal)
+        self.shown = [Shown(line) for line in banner] if lines_on_screen else []
+        self.width = self.columns()  # the width the screen is laid out for
+        self.wrap = WordWrap(lambda: self.width)  # the answer arriving
+
+    def columns(self) -> int:
+        return max(2, self.size()[0])
+
+    # --- what is shown --------------------------------------------------------------------------
+
+    def line(self, text: str) -> str:
+        """A line (or lines) about to be printed as they are, from the start of a row."""
+        before = self.follow()
+        if self.lines_on_screen:
+            self._close()
+            self.shown.append(Shown(text))
+        return before
+
+    def echo(self, text: str) -> None:
+        """A line already on the screen (the prompt's echo of what was typed)."""
+        self._close()
+        self.shown.append(Shown(text))
+
+    def answer(self, text: str) -> str:
+        """A piece of the answer arriving: it is wrapped at word boundaries."""
+        before = self.follow()
+        shown = self._open()
+        shown.text += text
+        return before + self.wrap.feed(text)
+
+    def interrupt(self, on_status: bool) -> str:
+        """Ctrl-C during an answer: the word held, and `^C` (unless it goes with the status line shown)."""
+        shown = self._open()
+        out = self.wrap.flush() + "^C"
+        if not on_status:
+            shown.cut = True
+            self.wrap.col += 2
+        return out
+
+    def end_answer(self) -> str:
+        """The answer is complete: the word held, and the end of its line."""
+        if not (self.shown and self.shown[-1].open):
+            return ""
+        self.shown[-1].open = False
+        out = self.wrap.flush() + ("\n" if self.wrap.col else "")
+        self.wrap.reset()
+        return out
+
+    def _close(self) -> None:
+        """(A line after an answer not ended: a ^C that came after its end.)"""
+        if self.shown and self.shown[-1].open:
+            self.shown[-1].open = False
+            self.wrap.reset()
+
+    def _open(self) -> Shown:
+        if not (self.shown and self.shown[-1].open):
+            self.shown.append(Shown("", answer=True, open=True))
+            self.wrap.reset()
+        return self.shown[-1]
+
+    # --- drawing --------------------------------------------------------------------------------
+
+    def follow(self, below: int = 0) -> str:
+        """A redraw if the width changed since the screen was laid out, else nothing."""
+        return self.redraw(below) if self.columns() != self.width else ""
+
+    def redraw(self, below: int = 0) -> str:
+        """The window drawn again from its top at the current width: the last rows of what was shown,
+        ending on the cursor's row (the answer arriving, or an empty row), with `below` more rows
+        left free under it (for a prompt of several rows)."""
+        self.width, height = self.columns(), max(1, self.size()[1])
+        want = max(1, height - below)
+        tail: list[tuple[str, bool]] = []
+        cursor = [("", False)]
+        for shown in reversed(self.shown):
+            text, wrap = self._laid_out(shown)
+            if shown.open:
+                cursor, self.wrap = layout(text, self.width), wrap
+                tail, cursor = cursor[:-1], cursor[-1:]
+                continue
+            if text:
+                tail = layout(text[:-1], self.width) + tail  # (it ends with its line's end)
+            if len(tail) + 1 >= want:
+                break
+        tail = (tail + cursor)[-want:]
+        # Clear from the second row down, then the first (a clear from the top corner would push
+        # the window into the scrollback in some terminals), then draw. A long line is written
+        # whole, for the terminal to wrap: it stays one line to copy, and to reflow.
+        out = ["\x1b[0m\x1b[2;1H\x1b[J\x1b[H\x1b[2K"]
+        for i, (row, cont) in enumerate(tail):
+            out.append(row if cont or i == 0 else "\r\n" + row)
+        return "".join(out)
+
+    def _laid_out(self, shown: Shown) -> tuple[str, WordWrap | None]:
+        """What `shown` writes at the current width (ending with "\n", unless it is an open answer)."""
+        if not shown.answer:
+            return shown.text + "\n", None
+        wrap = WordWrap(lambda: self.width)  # (it becomes the live one if the answer is arriving)
+        out = wrap.feed(shown.text)
+        if shown.cut or not shown.open:
+            out += wrap.flush()
+        if shown.cut:
+            out += "^C"
+            wrap.col += 2
+        if not shown.open and wrap.col:
+            out += "\n"
+        return out, wrap

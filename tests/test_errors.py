@@ -24,9 +24,9 @@ BROAD = {"ValueError", "Exception", "BaseException"}
 
 ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("cli.py", "<module>"): "Ctrl-C during the imports: anything else is raised again",
-    ("cli.py", "App.out"): "the stdlib's ValueError of a closed stdout (fileno) while pointing it at /dev/null",
+    ("cli.py", "App.write"): "the stdlib's ValueError of a closed stdout (fileno) while pointing it at /dev/null",
     ("cli.py", "App.interrupted"): "the stdlib's ValueError of a closed stdout (fileno) while writing ^C",
-    ("cli.py", "_columns"): "the stdlib's ValueError of a closed stream (fileno) asking the terminal's width",
+    ("cli.py", "_size"): "the stdlib's ValueError of a closed stream (fileno) asking the terminal's size",
     ("repl.py", "keys_wait"): "the stdlib's ValueError of a closed stdin (fileno) before termios",
     ("commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",
     ("settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",

@@ -316,3 +316,112 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
         t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
     finally:
         t.close()
+
+
+# ---- a resize: what is on screen is drawn again for the new width -----------------------------------
+
+
+def visible(t: Tmux, joined: bool = False) -> list[str]:
+    """The rows the window shows now (the scrollback aside), as the terminal shows them (`joined`:
+    a line the terminal wrapped is one)."""
+    out = subprocess.run(["tmux", "capture-pane", "-p", *(["-J"] if joined else []), "-t", t.name],
+                         capture_output=True, text=True, check=True)
+    return [line.rstrip() for line in out.stdout.splitlines()]
+
+
+def wrapped(text: str, width: int) -> list[str]:
+    """An answer as it shows wrapped at word boundaries, `width` columns wide."""
+    from colichat.wrap import WordWrap
+
+    w = WordWrap(lambda: width)
+    return [line.rstrip() for line in (w.feed(text) + w.flush()).split("\n")]
+
+
+def rows_after(shown: list[str], question: str) -> list[str]:
+    """The rows after the one `> question` row, up to its footer (or the last row shown)."""
+    assert shown.count(f"> {question}") == 1, shown  # shown once
+    start = shown.index(f"> {question}") + 1
+    end = next((i for i in range(start, len(shown)) if shown[i].startswith("[")), len(shown))
+    return shown[start:end]
+
+
+def resize(t: Tmux, columns: int) -> None:
+    subprocess.run(["tmux", "resize-window", "-t", t.name, "-x", str(columns), "-y", "60"], check=True)
+
+
+def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_path):
+    from cli_helpers import saved_answers
+
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 50 --session r", tmp_path / "raw.log")
+    try:
+        resize(t, 100)
+        t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+        first = "Describe a dragon."
+        t.type(first)
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), MODEL_WAIT, "the answer")
+        answer = saved_answers(colichat_home, "r")[0]
+        assert max(map(len, rows_after(visible(t), first))) > 50  # laid out for 100 columns
+
+        # narrower while the next answer streams: at its next words the window is drawn again, the
+        # answer before re-wrapped at word boundaries; keys typed meanwhile wait for the prompt
+        t.type("/set max_tokens 120")
+        t.keys("Enter")
+        t.wait_for(lambda s: "max_tokens = 120" in s, SCREEN_WAIT, "/set max_tokens")
+        second = "Tell me a long story about a castle."
+        t.type(second)
+        t.keys("Enter")
+        t.wait_for(lambda s: streaming(s, second), MODEL_WAIT, "the answer to stream")
+        resize(t, 50)
+        t.wait_for(lambda s: rows_after(visible(t), first) == wrapped(answer, 50) and FOOTER.findall(s)[1:] == [],
+                   SCREEN_WAIT, "the window drawn again at 50 columns while the answer streams")
+        partial = rows_after(visible(t), second)
+        t.type("typed ahead")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 2 and s.rstrip().endswith("> typed ahead"), MODEL_WAIT,
+                   "the second answer and the typed-ahead text at the prompt")
+        answers = saved_answers(colichat_home, "r")
+        shown = visible(t)
+        for question, text in zip((first, second), answers[:2], strict=True):
+            rows = rows_after(shown, question)
+            assert rows == wrapped(text, 50)  # each row within 50 columns, broken at a space, all words once
+            assert all(len(row) <= 50 for row in rows) and " ".join(rows).split() == text.split()
+        assert " ".join(partial).split() == answers[1].split()[:len(" ".join(partial).split())]
+        assert sum(FOOTER.search(line) is not None for line in visible(t, joined=True)) == 2
+
+        # wider at the prompt: the window is drawn again above it; the typed text stays as it was
+        resize(t, 80)
+        t.wait_for(lambda s: rows_after(visible(t), second) == wrapped(answers[1], 80), SCREEN_WAIT,
+                   "the window drawn again at 80 columns")
+        shown = visible(t)
+        assert rows_after(shown, first) == wrapped(answers[0], 80)
+        assert [row for row in shown if row][-1] == "> typed ahead"
+        t.keys("Enter")  # the typed-ahead text is sent as it was typed
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 3 and s.rstrip().endswith(">"), MODEL_WAIT,
+                            "the third answer")
+        assert saved_answers(colichat_home, "r")[2] and "user> typed ahead" not in screen
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        assert "Traceback" not in screen
+    finally:
+        t.close()
+
+
+def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
+    """Typed on the terminal, the answer piped to a file: a resize changes nothing in the file."""
+    from cli_helpers import saved_answers
+
+    out = tmp_path / "out.txt"
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 120 "
+             f"--session p | tee {out}; echo EXITED; sleep 600", width=100)
+    try:
+        t.wait_for(lambda s: "loaded in" in s, MODEL_WAIT, "the model")
+        t.type("Tell me a long story about a castle.")
+        t.keys("Enter")
+        t.wait_for(lambda s: out.exists() and len(out.read_text().split()) > 3, MODEL_WAIT, "the answer to stream")
+        resize(t, 40)
+        t.wait_for(lambda s: FOOTER.search(s), MODEL_WAIT, "the footer")
+        t.keys("C-d")
+        t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
+        assert out.read_text() == saved_answers(colichat_home, "p")[0] + "\n"  # the text alone: no escape, no redraw
+    finally:
+        t.close()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pyte
 import pytest
 from wcwidth import wcswidth
 
-from colichat.wrap import WordWrap
+from colichat.wrap import Screen, WordWrap, rows
 
 
 def render(pieces, width: int) -> list[str]:
@@ -60,3 +61,152 @@ def test_a_resize_applies_to_what_follows():
     second = w.feed("alpha beta gamma delta epsilon zeta ") + w.flush()
     assert "\n" in first and all(len(line) <= 40 for line in first.split("\n"))
     assert all(len(line) <= 15 for line in second.split("\n")[1:])
+
+
+# ---- the screen drawn again at another width (what a terminal shows, emulated by pyte) ---------------
+
+STORY = ("Once upon a time a dragon lived in a castle on the hill. Every morning it flew over the valley "
+         "and the villagers waved at it.\n\nIt was a kind dragon, and everybody in the kingdom knew its name.")
+
+
+class Term:
+    """A terminal of a given size: what is written is shown as a VT100 would (pyte); a resize
+    keeps the characters where they were (a real terminal reflows them: a redraw must not care)."""
+
+    def __init__(self, columns: int, lines: int):
+        self.size = (columns, lines)
+        self.screen = pyte.Screen(columns, lines)
+        self.screen.set_mode(pyte.modes.LNM)  # "\n" also returns the carriage, as the tty's onlcr does
+        self.stream = pyte.Stream(self.screen)
+
+    def write(self, text: str) -> None:
+        self.stream.feed(text)
+
+    def resize(self, columns: int, lines: int) -> None:
+        self.size = (columns, lines)
+        self.screen.resize(lines, columns)
+
+    def lines(self) -> list[str]:
+        return [line.rstrip() for line in self.screen.display]
+
+    def cursor(self) -> tuple[int, int]:
+        return self.screen.cursor.y, self.screen.cursor.x
+
+
+def shown_by(term: Term, screen: Screen):
+    """Print as the REPL does: a line (stderr, as it is), the prompt's echo, pieces of an answer."""
+
+    def say(line: str) -> None:
+        term.write(screen.line(line))
+        term.write(line + "\n")
+
+    def echo(line: str) -> None:
+        term.write(line + "\n")
+        screen.echo(line)
+
+    def answer(pieces) -> None:
+        for piece in pieces:
+            term.write(screen.answer(piece))
+
+    return say, echo, answer
+
+
+def pieces_of(text: str) -> list[str]:
+    return [text[i:i + 3] for i in range(0, len(text), 3)]
+
+
+def cut(line: str, width: int) -> list[str]:
+    return [line[i:i + width].rstrip() for i in range(0, len(line), width)]
+
+
+def wrapped(text: str, width: int) -> list[str]:
+    w = WordWrap(lambda: width)
+    return [line.rstrip() for line in (w.feed(text) + w.flush()).split("\n")]
+
+
+def test_a_resize_while_an_answer_arrives_redraws_everything_shown_at_the_new_width():
+    term = Term(60, 40)
+    screen = Screen(lambda: term.size, banner=["Model (llama, 2 layers), loaded in 0.1 s"])
+    term.write("Model (llama, 2 layers), loaded in 0.1 s\n")
+    say, echo, answer = shown_by(term, screen)
+    echo("> Tell me a story about a dragon and a castle, please.")
+    pieces = pieces_of(STORY)
+    answer(pieces[:20])
+    term.resize(24, 40)
+    answer(pieces[20:])
+    term.write(screen.end_answer())
+    say("\x1b[2m[42 tokens, 9.0 tok/s; saved to dragon]\x1b[0m")
+
+    # lines printed as they are, cut by the terminal; the answer word-wrapped
+    expected = (cut("Model (llama, 2 layers), loaded in 0.1 s", 24)
+                + cut("> Tell me a story about a dragon and a castle, please.", 24)
+                + wrapped(STORY, 24) + cut("[42 tokens, 9.0 tok/s; saved to dragon]", 24))
+    assert term.lines()[:len(expected)] == expected
+    assert not any(term.lines()[len(expected):])
+    assert term.cursor() == (len(expected), 0)  # the next line starts below the footer
+
+
+def test_the_redraw_ends_where_the_answer_goes_on_and_keeps_the_word_held():
+    term = Term(40, 30)
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    echo("> Go on.")
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda"
+    answer(["alpha beta gamma delta epsilon zeta eta th"])  # "th" is held: the word has not ended
+    term.resize(20, 30)
+    answer(["eta iota kappa lambda"])
+    term.write(screen.end_answer())
+    assert term.lines()[:5] == ["> Go on."] + wrapped(text, 20)
+    assert term.cursor() == (5, 0)
+
+
+def test_only_the_last_rows_that_fit_are_drawn_and_the_prompt_gets_its_rows():
+    term = Term(50, 10)
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    for i in range(6):
+        echo(f"> question {i}")
+        answer(pieces_of(f"answer number {i} is here."))
+        term.write(screen.end_answer())
+        say(f"[footer {i}]")
+    term.resize(30, 10)
+    term.write(screen.redraw(below=2))  # a prompt of three rows follows
+    assert term.lines()[:8] == ["[footer 3]", "> question 4", "answer number 4 is here.", "[footer 4]",
+                                "> question 5", "answer number 5 is here.", "[footer 5]", ""]
+    assert term.cursor() == (7, 0)  # the prompt's three rows are the last three
+
+
+def test_an_interrupted_answer_keeps_its_mark_after_a_redraw():
+    term = Term(40, 20)
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    echo("> Count.")
+    answer(["one two three fo"])
+    term.write(screen.interrupt(on_status=False))
+    term.write(screen.end_answer())
+    say("[footer, interrupted]")
+    term.resize(12, 20)
+    term.write(screen.redraw())
+    assert term.lines()[:6] == ["> Count.", "one two", "three fo^C", "[footer, int", "errupted]", ""]
+    assert term.cursor() == (5, 0)
+
+
+def test_rows_are_what_the_terminal_shows():
+    assert rows("abcdefgh", 3) == ["abc", "def", "gh"]
+    assert rows("ab\tc", 10) == ["ab      c"]
+    assert rows("\x1b[2m[a long footer]\x1b[0m", 8) == ["\x1b[2m[a long ", "\x1b[2mfooter]\x1b[0m"]
+    assert rows("猫猫猫", 5) == ["猫猫", "猫"]
+    assert rows("one\ntwo", 10) == ["one", "two"]
+
+
+def test_a_long_line_is_drawn_again_whole_for_the_terminal_to_wrap():
+    term = Term(80, 10)
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    footer = "[120 tokens, 8.5 tok/s, prefill 20 at 52 tok/s, context 224/8192; saved to r]"
+    say(footer)
+    term.resize(30, 10)
+    drawn = screen.redraw()
+    assert footer in drawn  # one line to copy and to reflow, not three
+    term.write(drawn)
+    assert term.lines()[:4] == cut(footer, 30) + [""]
