@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .engine import Model, Sampler
 from .engine.generate import Generation
@@ -44,6 +44,7 @@ class TurnStats:
     save_note: str | None = None  # something the save did that the user should hear of
     drafted: int = 0  # speculative decoding: drafts checked, and kept
     accepted: int = 0
+    by_source: dict = field(default_factory=dict)  # with several sources: name -> (checked, kept) of those used
 
     @property
     def prefill_tps(self) -> float:
@@ -374,8 +375,9 @@ class Conversation:
         stream = self.tok.stream()
         pieces: list[str] = []
         t0 = time.perf_counter()
+        drafts = [PromptLookup()] + ([self.model.mtp] if self.model.mtp is not None else [])
         gen = Generation(self.model, logits, self.sampler, self.tok.eog_ids, self.settings.max_tokens,
-                         drafts=PromptLookup(), draft=self._draft(), recent=self.settings.repeat_last_n)
+                         drafts=drafts, draft=self._draft(), recent=self.settings.repeat_last_n)
         stats.stopped = "interrupt"
         tokens = iter(gen)
         try:
@@ -399,6 +401,8 @@ class Conversation:
                 on_text(tail)
         stats.decode_s = time.perf_counter() - t0
         stats.drafted, stats.accepted = gen.n_drafted, gen.n_accepted
+        if len(drafts) > 1:  # which source the drafts came from
+            stats.by_source = {name: tuple(c) for name, c in gen.by_source.items() if c[0]}
         return "".join(pieces), stats
 
     # --- a full context ---------------------------------------------------------------------------
@@ -511,8 +515,11 @@ class Conversation:
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
                 "context": ", context full"}.get(stats.stopped, "")
-        drafts = (f", drafts {stats.accepted}/{stats.drafted} accepted ({100 * stats.accepted / stats.drafted:.0f}%)"
-                  if stats.drafted else "")
+        drafts = ""
+        if stats.drafted:
+            each = "".join(f"; {name} {kept}/{checked}" for name, (checked, kept) in stats.by_source.items())
+            share = 100 * stats.accepted / stats.drafted
+            drafts = f", drafts {stats.accepted}/{stats.drafted} accepted ({share:.0f}%{each})"
         note = f"\nnote: {stats.save_note}" if stats.save_note else ""
         return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
                 f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
