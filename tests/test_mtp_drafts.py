@@ -235,3 +235,25 @@ def test_footer_counts_mtp_drafts(copying_path):
     checked, kept = stats.by_source["MTP"]
     assert f"MTP {kept}/{checked}" in conv.footer(stats)
     assert stats.drafted == sum(c for c, _ in stats.by_source.values())
+
+
+def test_mtp_step_cost_is_the_bytes_it_reads():
+    """The draft's cost estimate: the block's weights and head against the trunk's layers and output
+    matrix (routed experts: the ones a token uses), from the file's tensor shapes."""
+    m = load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=64)
+    cfg, t = m.cfg, m.tensors
+
+    def f32(name):
+        return 4 * int(np.prod(t.shape(name)))
+
+    per_token_experts = cfg.n_expert_used * 3 * cfg.n_ff_exp * cfg.n_embd * 4
+    trunk = f32("output.weight") + (cfg.n_layer - cfg.n_dense) * per_token_experts
+    block = per_token_experts + f32(f"blk.{cfg.n_layer}.nextn.shared_head_head.weight")
+    for name in t.by_name:
+        if not name.startswith("blk.") or "_exps." in name or name.endswith("shared_head_head.weight"):
+            continue
+        if int(name.split(".")[1]) < cfg.n_layer:
+            trunk += f32(name)
+        else:
+            block += f32(name)
+    assert abs(m.mtp.cost - block / trunk) < 1e-9

@@ -108,9 +108,10 @@ def step_cost(model, m: int = 0) -> float:
     cfg, w = model.cfg, model.w
     expert = 3 * cfg.n_ff_exp * cfg.n_embd * 4 * cfg.n_expert_used  # routed experts one token reads
 
-    def layer_bytes(l: int) -> int:
+    def layer_bytes(l: int) -> int:  # without the block's head (counted below) and embedding (one row read)
         b = f"blk.{l}."
-        dense = sum(a.nbytes for k, a in w.items() if k.startswith(b) and not k.endswith("embed_tokens"))
+        dense = sum(a.nbytes for k, a in w.items()
+                    if k.startswith(b) and not k.endswith(("embed_tokens", "shared_head_head")))
         return dense + (expert if cfg.n_expert and l >= cfg.n_dense else 0)
 
     l = cfg.n_layer + m

@@ -4,6 +4,12 @@ A draft source guesses the next few tokens cheaply; Generation (generate.py) che
 one batched pass and keeps the longest prefix `accept` allows. Decode is memory-bound, so the pass
 over 1 + k tokens reads the weights once, as one decode step does.
 
+Two sources: PromptLookup here (free; up to k tokens where the answer repeats the conversation)
+and mtp.MTPDrafts (one token per step from the model's MTP block, at a cost: its layer and output
+head). Generation asks the free one first and the MTP block only when its expected gain (`gain`,
+with each source's own running acceptance rate and cost) beats the lookup's match: a lookup match
+of several tokens wins where text is being copied, MTP elsewhere (BENCHMARKS.md has the numbers).
+
 accept() is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023) for a
 deterministic draft (q is a point mass on d): keep d with probability p(d); otherwise draw from
 normalize(max(p - q, 0)), i.e. p without d. Every token is then distributed exactly as p, and
