@@ -59,7 +59,8 @@ def make_model(request, copying_path):
 
 
 def converse(make_model, home, draft: int):
-    """Three exchanges with a /rewind, then a /resume in a fresh model (as a new process would):
+    """Exchanges with a /rewind, a /new, a /resume in the same model, then a /resume in a fresh
+    model (as a new process would):
     the answers, the saved cache file, the drafts (checked, kept) per source, and the resumed
     model's MTP state (its first position, and the tokens read from the file)."""
     store = Store(home)
@@ -80,6 +81,10 @@ def converse(make_model, home, draft: int):
     ask(conv, "again: " + answers[-1])
     conv.rewind(1)
     ask(conv, "and now this: " + answers[-1])
+    conv.reset()  # /new: another conversation in the same cache
+    ask(conv, "something else: " + answers[-1])
+    conv.resume("s")  # back to the first one, in the same model
+    ask(conv, "and again: " + answers[-1])
     conv.close()
     model = make_model()
     conv = Conversation(model, settings, store=store)
