@@ -154,12 +154,14 @@ class MTPDrafts(DraftSource):
         """The draft of the token after `history` (n+1,): the cached tokens and the one just chosen."""
         hist = np.asarray(history, dtype=np.int32)
         n = hist.size - 1
+        if k < 1 or n < 1:
+            return []
         self._sync(hist)
         blk, h = self.block, self.hidden
         blk.truncate(n - self.base)  # position n is fed now (again, if it was): its logits are the draft
         e = self.base + blk.cache.length  # the next trunk position the block is fed
         if blk.cache.length == 0 or not (self.h_lo <= e - 1 and n <= self.h_hi):
-            if k < 1 or n < 1 or self.h_lo >= self.h_hi or self.h_hi < n:
+            if self.h_lo >= self.h_hi or self.h_hi < n:
                 return []  # the trunk's last hidden state is not known (e.g. rows read from a file)
             blk.reset()  # start afresh where the hidden states begin
             self.base = e = 0 if self.h_lo == 0 else self.h_lo + 1
