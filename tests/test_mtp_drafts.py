@@ -23,6 +23,7 @@ from colichat.chat import Conversation
 from colichat.engine import ModelError, Sampler, SamplerSettings, load
 from colichat.engine.generate import Generation
 from colichat.engine.mtp import MTPBlock, bytes_per_token
+from colichat.engine.speculative import DraftSource
 from colichat.persist import Store
 from colichat.settings import Settings
 
@@ -262,3 +263,34 @@ def test_mtp_step_cost_is_the_bytes_it_reads():
         else:
             block += f32(name)
     assert abs(m.mtp.cost - block / trunk) < 1e-9
+
+
+class Oracle(DraftSource):
+    """Proposes the next tokens of a known answer (or nothing) and counts how often it was asked."""
+
+    def __init__(self, name, answer, start, cost=0.0, most=None):
+        self.name, self.answer, self.start, self.cost, self.most, self.asked = name, answer, start, cost, most, 0
+
+    def propose(self, history, k):
+        self.asked += 1
+        j = len(history) - self.start  # history ends with answer[j - 1]
+        return self.answer[j : j + k]
+
+
+def test_a_costly_source_is_asked_only_when_it_can_beat_the_free_one():
+    """Lookup first; the MTP block (a cost per proposal, one draft) only when its expected gain beats
+    the lookup match's: never while free matches keep being right, always without one."""
+    model = load(str(TINY / "llama.gguf"), n_ctx=128)
+    prompt = [1, 5, 9, 5, 12]
+    first = model.prefill(prompt, all_logits=False)[-1]
+    greedy = Sampler(SamplerSettings(temperature=0))
+    ref = [t.id for t in Generation(model, first, greedy, (), 12)]
+    for free in (ref, []):
+        model.cache.truncate(len(prompt))
+        lookup, mtp = Oracle("lookup", free, len(prompt)), Oracle("MTP", ref, len(prompt), cost=0.1, most=1)
+        gen = Generation(model, first, greedy, (), 12, drafts=[lookup, mtp], draft=4)
+        assert [t.id for t in gen] == ref
+        if free:  # right free matches of several tokens gain more than one costly token: MTP is never asked
+            assert mtp.asked == 0 and gen.by_source["lookup"][1] > 0
+        else:  # no free match: MTP drafts
+            assert lookup.asked > 0 and mtp.asked > 0 and gen.by_source["MTP"][1] > 0
