@@ -1,4 +1,4 @@
-"""A conversation: turns, the chat template, the generate loop, and the persistence calls.
+"""A conversation: its turns over the model's cache, the chat template, and one exchange at a time.
 
 Each exchange is two turns over consecutive cache records:
   user turn      [first, last): the template text between the previous answer and this answer
@@ -9,59 +9,40 @@ The cache only ever grows by appending (or shrinks by truncating), so what is on
 prefix of what is in memory. The template text of a new user turn is computed from the messages
 alone (`render(messages + [user]) minus (render(messages before the last answer) + answer)`), so a
 resumed conversation continues with exactly the tokens an uninterrupted one would have.
+
+Beside it: saving.py (the session it is saved into), chat_settings.py (the settings it runs with),
+report.py (the footer, /stats, what frees context).
 """
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
 
-from .engine import Model, Sampler
+from .chat_settings import ChatSettings
+from .engine import Model
 from .engine.generate import Generation
 from .engine.speculative import PromptLookup
 from .engine.template import chat_template_for
-from .persist import CacheLayout, SessionError, SessionExists, Store, Turn, check_name, model_identity, slug
-from .settings import BY_NAME, Settings, damaged_settings, saved_values
-from .units import format_size
+from .errors import ChatError
+from .persist import CacheLayout, Store, Turn, model_identity
+from .report import TurnStats, no_room, ways_out
+from .saving import Saving
+from .settings import Settings, damaged_settings
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
+# A prompt longer than PROMPT_STEPPED is read PROMPT_STEP tokens at a time: progress is shown and a
+# stop request is honoured between steps. (The engine cuts each step again by its PREFILL_CHUNK, a
+# bound on memory; SmolLM2 reads a 1024-token prompt as fast in steps of 256 as of 512, within 2%.)
+PROMPT_STEP, PROMPT_STEPPED = 256, 512
 
-
-class ChatError(Exception):
-    """Something the user asked that cannot be done; the message is one line."""
-
-
-@dataclass
-class TurnStats:
-    prompt_tokens: int = 0
-    prefill_s: float = 0.0
-    generated: int = 0
-    decode_s: float = 0.0
-    stopped: str = "eog"  # eog | length | interrupt | context
-    saved: bool | None = None  # None: saving is off
-    save_error: str | None = None
-    save_note: str | None = None  # something the save did that the user should hear of
-    drafted: int = 0  # speculative decoding: drafts checked, and kept
-    accepted: int = 0
-    by_source: dict = field(default_factory=dict)  # with several sources: name -> (checked, kept) of those used
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return self.generated / self.decode_s if self.decode_s > 0 else 0.0
+__all__ = ["RESUME_MARGIN", "ChatError", "Conversation", "Settings", "TurnStats"]
 
 
 class Conversation:
-    """Owns the model's cache, the turns and the session they are saved into.
+    """The turns of one conversation over the model's cache: asking, forgetting, rewinding, resuming.
 
-    With saving on, the session file is created at the first answer (named --session NAME, else
-    from the first message), so starting colichat and quitting leaves nothing behind. With
-    `save_new` off (one-shot and piped runs without --session), a new conversation is saved only
-    by /save NAME; a resumed one is still saved after every answer.
+    `saving` keeps it on disk (saving.Saving), `prefs` holds the settings it runs with
+    (chat_settings.ChatSettings); report.py says what happened.
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
@@ -69,27 +50,27 @@ class Conversation:
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
-        self.settings = settings
-        self.pinned = frozenset(pinned)  # settings given on the command line: a resumed session keeps them
-        self.sampler = Sampler(settings.sampler())
+        self.prefs = ChatSettings(settings, pinned)
         self.turns: list[Turn] = []
         self.stop_requested = False
         self.last_stats: TurnStats | None = None
         cfg = model.cfg
-        self.store = (store or Store()) if save else None
-        self.ident = model_identity(cfg.path, cfg.arch, cfg.name) if save else None
-        self.layout = CacheLayout.from_cache(model.cache, cfg.n_vocab)
-        self.session = None  # persist.Session once created or resumed
-        self.session_name = session_name
-        self.save_new = save_new
-        self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
-        self.read_only = read_only  # sessions can be read, not saved (a read-only file system)
+        self.saving = Saving((store or Store()) if save else None,
+                             model_identity(cfg.path, cfg.arch, cfg.name) if save else None,
+                             CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new, read_only)
 
     # --- state ------------------------------------------------------------------------------------
 
     @property
+    def settings(self) -> Settings:
+        return self.prefs.settings
+
+    @property
     def n_tokens(self) -> int:
         return self.model.cache.length
+
+    def exchanges(self) -> int:
+        return sum(1 for t in self.turns if t.role == "user")
 
     def messages(self, turns: list[Turn] | None = None) -> list[dict]:
         """The chat messages for the template (turns imported from a bare cache file are opaque)."""
@@ -97,110 +78,18 @@ class Conversation:
         turns = self.turns if turns is None else turns
         return msgs + [{"role": t.role, "content": t.text} for t in turns if t.role in ("user", "assistant")]
 
-    def options(self) -> dict:
-        """Every setting's value (and the system prompt waiting for the next conversation)."""
-        return {**self.settings.to_dict(),
-                **({"system (next)": self.pending_system} if self.pending_system is not False else {})}
-
     def set_option(self, key: str, value) -> str:
         """Change one setting (a name of settings.TABLE; SettingError for a value it cannot take)."""
-        row = BY_NAME[key]
-        row.validate(value)
-        if key == "system" and self.turns:  # the conversation so far was read with the old one
-            self.pending_system = value
-            return "system prompt set for the next conversation (/new starts one)"
-        self.settings = self.settings.with_(**{key: value})
-        self.sampler = Sampler(self.settings.sampler())
-        self._save_settings()
-        return f"{key} = {row.show(value)}"
+        said, changed = self.prefs.set(key, value, started=bool(self.turns))
+        if changed:
+            self._save_settings()
+        return said
 
-    def _apply_saved_settings(self, d) -> None:
-        """Take a resumed session's saved settings, except those given on the command line."""
-        saved = saved_values(d)
-        if "system" in self.pinned and self.turns and saved.get("system") != self.settings.system:
-            # --system on a resumed conversation: it was read with the saved one; the new one waits
-            self.pending_system = self.settings.system
-            self.settings = self.settings.with_(system=saved.get("system"))
-        self.settings = self.settings.with_(**{k: v for k, v in saved.items() if k not in self.pinned})
-        self.sampler = Sampler(self.settings.sampler())
-
-    # --- sessions ---------------------------------------------------------------------------------
-
-    def latest_hint(self) -> str | None:
-        if not self.store:
-            return None
-        info = self.store.latest(self.ident)
-        if info is None:
-            return None
-        return f"latest saved conversation: {info.describe()} (/resume to continue it)"
-
-    def claim_session(self, name: str) -> None:
-        """Take --session NAME at start (saving is on): it is ours from now on, so a second colichat
-        started with the same name is refused before its first answer. The first answer's save
-        creates the files."""
-        try:
-            self.session = self.store.claim(self.ident, name, self.layout, self.settings.to_dict())
-        except SessionExists:
-            raise ChatError(f"session {name} already exists: add --resume to continue it, "
-                            "or choose another name") from None
-        self.session_name = name
-
-    def session_names(self) -> list[str]:
-        """This model's saved conversations, newest first (for Tab completion)."""
-        return [i.name for i in self.store.list(self.ident)] if self.store else []
-
-    def rename(self, new: str) -> str:
-        """Give the current conversation another name (its files are renamed, nothing is rewritten)."""
-        if not self.store:
-            raise ChatError("saving is off (--no-save): nothing to rename")
-        if not self.session:
-            raise ChatError("this conversation is not saved yet: /save NAME saves it under that name")
-        old = self.session.name
-        self.store.rename(self.session, new)
-        self.session_name = new
-        return f"renamed session {old} to {new}"
-
-    def save_as(self, name: str) -> str:
-        """Write the conversation from the cache into a new session NAME (no forward pass). An
-        unsaved conversation goes on in it; a saved one goes on in its own, NAME is a copy."""
-        if not self.store:
-            raise ChatError("saving is off (--no-save): nothing can be saved")
-        if not self.turns:
-            raise ChatError("nothing to save yet: the conversation is empty")
-        copy = self.store.create(self.ident, self.layout, check_name(name), self.settings.to_dict())
-        try:
-            copy.append(self.model.cache, self.turns)
-        except BaseException:
-            copy.close()
-            try:
-                self.store.delete(self.ident, name)  # a partial copy: the conversation is still in memory
-            except SessionError:
-                pass
-            raise
-        if self.session is None:
-            self.session, self.session_name = copy, name
-            return f"saved to session {name}; the conversation goes on in it"
-        copy.close()
-        return f"saved a copy as session {name} (the conversation goes on in {self.session.name})"
-
-    def list_sessions(self) -> list[str]:
-        if not self.store:
-            raise ChatError("saving is off (--no-save): no sessions")
-        current = self.session.name if self.session else None
-        return [("* " if i.name == current else "  ") + i.describe() for i in self.store.list(self.ident)]
+    # --- the conversation and its session ---------------------------------------------------------
 
     def resume(self, name: str | None = None) -> str:
         """Fill the cache from a saved session (the latest by default); no forward pass."""
-        if not self.store:
-            raise ChatError("saving is off (--no-save): nothing to resume")
-        if name is None:
-            info = self.store.latest(self.ident)
-            if info is None:
-                raise ChatError("no saved conversation for this model yet")
-            name = info.name
-        if self.session and self.session.name == name:
-            raise ChatError(f"already in session {name}")
-        new = self.store.open(self.ident, name, self.layout, read_only=self.read_only)
+        new, name = self.saving.open(name)
         try:
             res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
         except BaseException:
@@ -208,35 +97,24 @@ class Conversation:
             if self.model.cache.length != (self.turns[-1].last if self.turns else 0):
                 self.clear()  # the failed read touched the cache: start clean (the old session is on disk)
             raise
-        if self.session:
-            self.session.close()
-        self.session, self.session_name = new, name
+        self.saving.adopt(new, name)
         self.turns = list(res.turns)
-        self._apply_saved_settings(res.sampler)
-        if self.pinned:
+        self.prefs.apply_saved(res.sampler, started=bool(self.turns))
+        if self.prefs.pinned:
             self._save_settings()  # the options given now are the session's settings from now on
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
         return "\n".join(lines)
 
-    def delete_session(self, name: str) -> str:
-        """Delete a saved conversation of this model (not the one in use)."""
-        if not self.store:
-            raise ChatError("saving is off (--no-save): no sessions")
-        if self.session and self.session.name == name:
-            raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
-        freed = self.store.delete(self.ident, name)
-        return f"deleted session {name} ({format_size(freed)})"
+    def save_as(self, name: str) -> str:
+        """/save NAME: the conversation, from the cache, into a new session (saving.Saving.save_as)."""
+        return self.saving.save_as(name, self.model.cache, self.turns, self.settings.to_dict())
 
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
-        old = self.session.name if self.session and self.session.on_disk else None
-        if self.session:
-            self.session.close()
-        self.session, self.session_name = None, None
+        old = self.saving.leave()
         self.clear()
-        if self.pending_system is not False:
-            self.settings, self.pending_system = self.settings.with_(system=self.pending_system), False
+        if self.prefs.next_conversation():
             self._save_settings()
         return f"new conversation (session {old} is saved; /resume {old} reopens it)" if old else "new conversation"
 
@@ -245,47 +123,13 @@ class Conversation:
         self.turns = []
 
     def close(self) -> None:
-        if self.session:
-            self.session.close()
-            self.session = None
-
-    def disk_bytes(self) -> int:
-        if not self.session:
-            return 0
-        total = 0
-        for path in (self.session.kv_path, self.session.json_path):
-            try:
-                total += os.path.getsize(path)
-            except OSError:
-                pass
-        return total
+        self.saving.close()
 
     def _save(self, stats: TurnStats) -> None:
-        """Append the unsaved turns; a failure is reported and the conversation goes on in memory."""
-        if not self.store or self.read_only:
-            return
-        if self.session is None and not self.save_new:
-            return
-        try:
-            if self.session is None:
-                first = next((t.text for t in self.turns if t.role == "user"), "")
-                self.session = self.store.create(self.ident, self.layout, self.session_name,
-                                                 self.settings.to_dict(), stem=slug(first))
-                self.session_name = self.session.name
-            self.session.append(self.model.cache, self.turns)
-            stats.saved = True
-            stats.save_note = "; ".join(self.session.notes) or None
-            self.session.notes.clear()
-        except (SessionError, OSError, ValueError) as e:
-            stats.saved = False
-            stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        self.saving.save(self.model.cache, self.turns, self.settings.to_dict(), stats)
 
     def _save_settings(self) -> None:
-        if self.session and not self.read_only:
-            try:
-                self.session.save_sampler(self.settings.to_dict())
-            except (SessionError, OSError):
-                pass  # saved again with the next answer
+        self.saving.save_settings(self.settings.to_dict())
 
     # --- the prompt for a new user message ---------------------------------------------------------
 
@@ -330,10 +174,10 @@ class Conversation:
         ids, start = self._prompt_ids(user_text)
         room = self.model.n_ctx - start
         if len(ids) + 1 >= room:
-            raise ChatError(self._no_room(len(ids), room))
+            raise ChatError(no_room(self, len(ids), room))
         if on_note and room - len(ids) < min(self.settings.max_tokens, 256):
             on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut "
-                    f"({self._ways_out()})")
+                    f"({ways_out(self)})")
         if start < self.n_tokens:
             self._rebase(start)
         first = self.n_tokens
@@ -352,9 +196,9 @@ class Conversation:
         return answer, stats
 
     def _prefill(self, ids: list[int], on_progress):
-        """Long prompts (past 512 tokens) go in steps of 256: progress can be shown, and a stop
-        request drops the message instead of waiting for the whole prompt."""
-        step = 256 if len(ids) > 512 else len(ids)
+        """Long prompts go in steps (PROMPT_STEP): progress can be shown, and a stop request drops
+        the message instead of waiting for the whole prompt."""
+        step = PROMPT_STEP if len(ids) > PROMPT_STEPPED else len(ids)
         if on_progress:
             on_progress(0, len(ids))
         for i in range(0, len(ids), step):
@@ -376,7 +220,7 @@ class Conversation:
         pieces: list[str] = []
         t0 = time.perf_counter()
         drafts = [PromptLookup()] + ([self.model.mtp] if self.model.mtp is not None else [])
-        gen = Generation(self.model, logits, self.sampler, self.tok.eog_ids, self.settings.max_tokens,
+        gen = Generation(self.model, logits, self.prefs.sampler, self.tok.eog_ids, self.settings.max_tokens,
                          drafts=drafts, draft=self._draft(), recent=self.settings.repeat_last_n)
         stats.stopped = "interrupt"
         tokens = iter(gen)
@@ -407,23 +251,6 @@ class Conversation:
 
     # --- a full context ---------------------------------------------------------------------------
 
-    def _ways_out(self) -> str:
-        """What frees context: the commands, and a larger --ctx only when the model allows one."""
-        ways = ["/rewind N drops the last exchanges", "/new starts a new conversation"]
-        if self.exchanges() > 1:
-            ways.append("/forget N continues in a new one without the N oldest exchanges")
-        if self.model.n_ctx < self.model.cfg.n_ctx_train:
-            ways.append(f"or restart with a larger --ctx (this model takes up to {self.model.cfg.n_ctx_train})")
-        return "; ".join(ways)
-
-    def _no_room(self, needs: int, room: int) -> str:
-        n_ctx, most = self.model.n_ctx, self.model.cfg.n_ctx_train
-        if needs + 1 >= n_ctx:  # not even a new conversation would hold it
-            more = f" or restart with a larger --ctx (this model takes up to {most})" if n_ctx < most else ""
-            return f"the message needs {needs} tokens, more than the whole context of {n_ctx}: shorten it{more}"
-        return (f"the message needs {needs} tokens but only {room} of the context of {n_ctx} are left; "
-                f"it was not sent: {self._ways_out()}")
-
     def forget(self, n: int | None = None, on_progress=None) -> str:
         """Continue in a new conversation without the n oldest exchanges (default: enough that what
         remains fills at most half the context): the rest is read again (prefilled) from its text;
@@ -440,7 +267,7 @@ class Conversation:
         if not 1 <= n <= len(starts):
             raise ChatError(f"/forget takes 1 to {len(starts)} exchange(s)")
         kept = self.turns[starts[n]:] if n < len(starts) else []
-        old = self.session.name if self.session else None
+        old = self.saving.session.name if self.saving.session else None
         self.reset()
         try:
             for t in kept:
@@ -465,7 +292,7 @@ class Conversation:
             stats = TurnStats()
             if self.turns:
                 self._save(stats)
-        where = {None: "not saved", True: f"saved as {self.session_name}",
+        where = {None: "not saved", True: f"saved as {self.saving.name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         return (f"new conversation without the {n} oldest exchange(s)"
                 + (f" of {old} (still saved as it was)" if old else "")
@@ -500,45 +327,4 @@ class Conversation:
     def _cut(self, n: int, kept_turns: int) -> None:
         """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
         self.model.cache.truncate(n)
-        if self.session and not self.read_only:
-            try:
-                self.session.truncate(kept_turns)
-            except SessionError as e:
-                raise ChatError(f"{e} (the conversation goes on in memory)") from None
-
-    # --- reporting --------------------------------------------------------------------------------
-
-    def footer(self, stats: TurnStats) -> str:
-        unsaved = ("not saved (--no-save)" if not self.store else "not saved (read-only)" if self.read_only
-                   else "not saved (/save NAME keeps it)")
-        saved = {None: unsaved, True: f"saved to {self.session_name}",
-                 False: f"NOT saved: {stats.save_error}"}[stats.saved]
-        stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
-                "context": ", context full"}.get(stats.stopped, "")
-        drafts = ""
-        if stats.drafted:
-            each = "".join(f"; {name} {kept}/{checked}" for name, (checked, kept) in stats.by_source.items())
-            share = 100 * stats.accepted / stats.drafted
-            drafts = f", drafts {stats.accepted}/{stats.drafted} accepted ({share:.0f}%{each})"
-        note = f"\nnote: {stats.save_note}" if stats.save_note else ""
-        return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
-                f"at {stats.prefill_tps:.0f} tok/s, context {self.n_tokens}/{self.model.n_ctx}, "
-                f"{self.model.n_ctx - self.n_tokens} left{drafts}{stop}; {saved}]{note}")
-
-    def stats_lines(self) -> list[str]:
-        cache = self.model.cache
-        lines = [f"context: {self.n_tokens} of {self.model.n_ctx} tokens, {self.exchanges()} exchange(s)",
-                 f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
-                 f"{format_size(self.n_tokens * cache.record_bytes)} in use"]
-        if self.session:
-            lines.append(f"session {self.session.name}: {format_size(self.disk_bytes())} on disk")
-        else:
-            lines.append("session: not saved yet" if self.store else "session: saving is off (--no-save)")
-        s = self.last_stats
-        if s:
-            lines.append(f"last answer: {s.generated} tokens at {s.decode_tps:.1f} tok/s; "
-                         f"prefill {s.prompt_tokens} tokens at {s.prefill_tps:.0f} tok/s")
-        return lines
-
-    def exchanges(self) -> int:
-        return sum(1 for t in self.turns if t.role == "user")
+        self.saving.truncate(kept_turns)

@@ -24,10 +24,11 @@ try:
     import tempfile
     import time
 
-    from . import __version__
-    from .chat import ChatError, Conversation
+    from . import __version__, report
+    from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word
     from .engine import ModelError, load
+    from .errors import USER_ERRORS, ChatError
     from .inputs import inputs_of
     from .models import DefaultModelMissing, default_model_path
     from .paths import paths
@@ -79,7 +80,7 @@ def settings_from(args) -> tuple[Settings, frozenset]:
     given = {row.name: row.parse(getattr(args, row.name), row.option) for row in TABLE
              if getattr(args, row.name) is not None}
     if args.expert_cache is not None and not 0 <= args.expert_cache < float("inf"):
-        raise ValueError("--expert-cache must be a number of MiB, 0 or more")
+        raise SettingError("--expert-cache must be a number of MiB, 0 or more")
     return Settings(**given), frozenset(given)
 
 
@@ -195,7 +196,7 @@ class App:
                 self.wrap.reset()
         if not self.wrap:
             self.out("\n")
-        footer = self.conv.footer(stats)
+        footer = report.footer(self.conv, stats)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
@@ -221,7 +222,7 @@ class App:
                 self.quit_or_send(line)
             elif line.strip():
                 self.answer(line)
-        except (ChatError, SessionError, ModelError, SettingError, ValueError) as e:
+        except USER_ERRORS as e:
             self.errors += 1
             self.say(f"colichat: {e}")
         finally:
@@ -397,7 +398,7 @@ def main(argv=None) -> int:
         sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
     try:
         if args.prompt is not None and not args.prompt.strip():
-            raise ValueError("-p/--prompt needs a message")
+            raise ChatError("-p/--prompt needs a message")
         settings, given = settings_from(args)
         if args.sessions or args.export is not None:
             return from_the_shell(args)
@@ -412,7 +413,7 @@ def main(argv=None) -> int:
         model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
                             save_new=interactive or args.session is not None or args.resume, read_only=read_only)
-    except (ModelError, DefaultModelMissing, SessionError, SettingError, ValueError) as e:
+    except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:
@@ -425,8 +426,8 @@ def main(argv=None) -> int:
             say(conv.resume(args.session))
         else:
             if args.session is not None and not args.no_save:
-                conv.claim_session(args.session)
-            hint = conv.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
+                conv.saving.claim(args.session, conv.settings.to_dict())
+            hint = conv.saving.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
         if args.prompt is not None:
@@ -436,7 +437,7 @@ def main(argv=None) -> int:
 
             return run(app)
         return pipe_mode(app)
-    except (ChatError, SessionError, ModelError) as e:
+    except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1
     except KeyboardInterrupt:

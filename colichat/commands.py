@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .chat import ChatError
+from . import report
+from .errors import ChatError
 from .inputs import Message
 from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
@@ -61,7 +62,7 @@ def cmd_resume(app, arg: str) -> None:
 
 
 def cmd_sessions(app, arg: str) -> None:
-    rows = app.conv.list_sessions()
+    rows = app.conv.saving.listing()
     if not rows:
         app.say("no saved sessions for this model")
         return
@@ -73,13 +74,13 @@ def cmd_delete(app, arg: str) -> None:
     name = arg.strip()
     if not name:
         raise ChatError("/delete needs the name of a session (/sessions lists them)")
-    app.say(app.conv.delete_session(name))
+    app.say(app.conv.saving.delete(name))
 
 
 def cmd_rename(app, arg: str) -> None:
     if not arg.strip():
         raise ChatError("/rename needs the new name of this conversation")
-    app.say(app.conv.rename(arg.strip()))
+    app.say(app.conv.saving.rename(arg.strip()))
 
 
 def cmd_save(app, arg: str) -> None:
@@ -93,7 +94,7 @@ def cmd_export(app, arg: str) -> None:
     conv = app.conv
     if not conv.turns:
         raise ChatError("nothing to export yet: the conversation is empty")
-    title = conv.session_name or "conversation"
+    title = conv.saving.name or "conversation"
     path = os.path.expanduser(arg.strip() or f"{title}.md")
     text = markdown(title, conv.model.cfg.name, [(t.role, t.text) for t in conv.turns], conv.settings.system)
     try:
@@ -150,19 +151,19 @@ def cmd_set(app, arg: str) -> None:
     key = key_of(parts[0])
     row = SETTINGS[key]
     if len(parts) == 1:
-        app.say(f"{key} = {row.show(app.conv.options()[key])}")
+        app.say(f"{key} = {row.show(app.conv.prefs.options()[key])}")
         return
     app.say(app.conv.set_option(key, row.parse(parts[1])))
 
 
 def cmd_show(app, arg: str) -> None:
     """The settings as /set takes them."""
-    for key, value in app.conv.options().items():
+    for key, value in app.conv.prefs.options().items():
         app.say(f"{key:<15}{SETTINGS[key.split()[0]].show(value)}")
 
 
 def cmd_stats(app, arg: str) -> None:
-    for line in app.conv.stats_lines():
+    for line in report.stats_lines(app.conv):
         app.say(line)
 
 
@@ -233,7 +234,7 @@ def completions(text: str, app=None) -> list[str]:
             return [head + k for k in SETTINGS if k.startswith(word.lower())]
         if name.lower() in NAME_ARGS and app is not None:
             try:
-                names = app.conv.session_names()
+                names = app.conv.saving.names()
             except OSError:
                 names = []
             return [head + n for n in names if n.startswith(word)]

@@ -21,7 +21,7 @@ from .persist.session import KV_EXT, SIDECAR_EXT
 def _fingerprint(model_path: str) -> str | None:
     try:
         return weights_fingerprint(model_path)
-    except (OSError, ValueError):
+    except OSError:
         return None  # the model cannot be read: loading it says why
 
 

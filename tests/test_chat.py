@@ -76,7 +76,7 @@ def test_system_prompt_change_waits_for_the_next_conversation(model):
         conv.ask("hello")
         if system_midway:
             assert "next conversation" in conv.set_option("system", "Be brief.")
-            assert conv.settings.system is None and conv.options()["system (next)"] == "Be brief."
+            assert conv.settings.system is None and conv.prefs.options()["system (next)"] == "Be brief."
         conv.ask("more")
         return conv, model.cache.token_ids()
 
@@ -84,7 +84,7 @@ def test_system_prompt_change_waits_for_the_next_conversation(model):
     conv, ids = run(True)
     assert ids == plain and conv.turns[0].first == 0  # the prompt set midway changed no token
     conv.reset()
-    assert conv.settings.system == "Be brief." and "system (next)" not in conv.options()
+    assert conv.settings.system == "Be brief." and "system (next)" not in conv.prefs.options()
     conv.ask("hello")  # the next conversation reads it
     prompt = model.tokenizer.decode(model.cache.token_ids()[: conv.turns[0].last])
     assert "Be brief." in prompt and "Be brief." not in model.tokenizer.decode(plain)

@@ -148,8 +148,13 @@ def test_the_repeat_window_is_the_setting(model):
     for window in (0, 64, 100):
         model.reset()
         conv = Conversation(model, Settings(temperature=0, max_tokens=3, repeat_last_n=window), save=False)
-        sampler = conv.sampler
-        conv.sampler = lambda logits, recent, w=window, s=sampler: seen.append((w, len(recent))) or s(logits, recent)
+        sampler = conv.prefs.sampler
+
+        def watched(logits, recent, w=window, s=sampler):
+            seen.append((w, len(recent)))
+            return s(logits, recent)
+
+        conv.prefs.sampler = watched
         conv.ask(" ".join(f"word{i}" for i in range(25)))  # well over 100 tokens
     assert {w: n for w, n in seen} == {0: 0, 64: 64, 100: 100}
 
@@ -196,7 +201,7 @@ def test_system_given_with_resume_waits_for_the_next_conversation(model, tmp_pat
     model.reset()
     again = Conversation(model, Settings(system="New.", temperature=0.5), store=store, pinned={"system", "temperature"})
     again.resume("sy")
-    assert again.settings.system == "Old." and again.options()["system (next)"] == "New."
+    assert again.settings.system == "Old." and again.prefs.options()["system (next)"] == "New."
     assert again.settings.temperature == 0.5 and again.settings.max_tokens == 4
     again.reset()
     assert again.settings.system == "New."

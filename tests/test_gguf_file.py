@@ -9,7 +9,7 @@ from conftest import TINY
 
 from colichat.engine.gguf import ModelError, open_gguf
 from colichat.engine.gguf_file import GGUFFile
-from colichat.engine.gguf_header import read_header
+from colichat.engine.gguf_header import HeaderError, read_header
 
 
 @pytest.mark.parametrize("path", sorted(TINY.glob("*.gguf")), ids=lambda p: p.name)
@@ -39,7 +39,7 @@ def test_open_gguf_uses_it_and_falls_back_to_gguf_py(tmp_path):
     dup = src[:16] + (n_kv + 1).to_bytes(8, "little") + src[24:first_kv_end] + src[24:]
     bad = tmp_path / "dup.gguf"
     bad.write_bytes(dup)
-    with pytest.raises(ValueError):
+    with pytest.raises(HeaderError, match="duplicate key"):
         GGUFFile(str(bad))
     with pytest.raises(ModelError, match="damaged or truncated GGUF file"):
         open_gguf(str(bad))
@@ -52,6 +52,6 @@ def test_bad_utf8_refused_here_replaced_by_the_lenient_walk(tmp_path):
     src[value] = 0xFF
     bad = tmp_path / "utf8.gguf"
     bad.write_bytes(bytes(src))
-    with pytest.raises(UnicodeDecodeError):
+    with pytest.raises(HeaderError, match="not UTF-8"):
         GGUFFile(str(bad))
     assert read_header(bytes(src), keep=lambda key: True).kv["general.architecture"] == "\ufffdlama"

@@ -8,7 +8,7 @@ import gguf
 import pytest
 from conftest import TINY, VOCAB
 
-from colichat.engine.gguf_header import read_header
+from colichat.engine.gguf_header import HeaderError, read_header
 
 
 @pytest.mark.parametrize("path", [TINY / "ds-v3.q8_0.gguf", TINY / "minicpm3.gguf", VOCAB / "ggml-vocab-phi-3.gguf"],
@@ -34,7 +34,7 @@ def test_short_buffer_and_not_gguf():
         with pytest.raises(struct.error):
             read_header(data[:n])
     assert read_header(data[: head.data_start]).tensors == head.tensors
-    with pytest.raises(ValueError):
+    with pytest.raises(HeaderError):
         read_header(b"GGUF\x01\x00\x00\x00" + data[8:])  # version 1
-    with pytest.raises(ValueError):
+    with pytest.raises(HeaderError):
         read_header(b"GGML" + data[4:])

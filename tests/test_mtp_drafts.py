@@ -25,6 +25,7 @@ from colichat.engine.generate import Generation
 from colichat.engine.mtp import MTPBlock, bytes_per_token
 from colichat.engine.speculative import DraftSource
 from colichat.persist import Store
+from colichat.report import footer
 from colichat.settings import Settings
 
 
@@ -92,7 +93,7 @@ def converse(make_model, home, draft: int):
     conv.resume("s")
     resumed = conv.n_tokens
     ask(conv, "once more: " + answers[-1])
-    kv = Path(conv.session.kv_path).read_bytes()
+    kv = Path(conv.saving.session.kv_path).read_bytes()
     conv.close()
     return answers, kv, counts, (model.mtp.base, resumed)
 
@@ -149,7 +150,7 @@ def test_mtp_rows_never_reach_the_disk(copying_path, tmp_path):
     conv = Conversation(m, Settings(temperature=0, max_tokens=30, draft=4), store=Store(tmp_path), session_name="s")
     _, stats = conv.ask("copy this: one two three four five six")
     assert stats.by_source["MTP"][0] > 0
-    data = Path(conv.session.kv_path).read_bytes()
+    data = Path(conv.saving.session.kv_path).read_bytes()
     rows = m.mtp.block.cache.records["kv"][: m.mtp.block.cache.length, 0]  # (rows, C+R)
     assert rows.shape[0] > 10
     assert not any(r.tobytes() in data for r in rows)
@@ -239,7 +240,7 @@ def test_footer_counts_mtp_drafts(copying_path):
     conv = Conversation(m, Settings(temperature=0, max_tokens=30, draft=4), save=False)
     _, stats = conv.ask("copy this: one two three four five six")
     checked, kept = stats.by_source["MTP"]
-    assert f"MTP {kept}/{checked}" in conv.footer(stats)
+    assert f"MTP {kept}/{checked}" in footer(conv, stats)
     assert stats.drafted == sum(c for c, _ in stats.by_source.values())
 
 

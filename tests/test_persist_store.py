@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,6 +175,16 @@ def test_fingerprint_tells_weights_apart(tmp_path):
     assert weights_fingerprint(a) != weights_fingerprint(a2)
     ident = model_identity(a, "llama", "fp-test")
     assert ident == {"arch": "llama", "name": "fp-test", "fingerprint": weights_fingerprint(a)}
+
+
+def test_fingerprint_of_a_file_it_cannot_walk_is_a_hash_of_its_bytes(tmp_path):
+    """Not a GGUF, or a GGUF without tensors: no tensor to sample, the start and the spread are hashed."""
+    text, other = tmp_path / "notes.gguf", tmp_path / "other.gguf"
+    text.write_text("hello, world\n" * 100)
+    other.write_text("hello, world\n" * 99 + "hello, moon!\n")
+    vocab_only = Path(__file__).parent / "data" / "vocab" / "ggml-vocab-llama-bpe.gguf"
+    prints = {weights_fingerprint(p) for p in (text, other, vocab_only)}
+    assert len(prints) == 3 and weights_fingerprint(text) == weights_fingerprint(text)
 
 
 def test_fingerprint_reads_little_of_a_big_file(tmp_path, monkeypatch):

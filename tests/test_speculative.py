@@ -80,7 +80,7 @@ def converse(model, home, draft: int, max_tokens: int = 40) -> tuple[list[str], 
     conv = Conversation(model, settings, store=store)
     conv.resume("s")
     ask("once more: " + answers[-1] + answers[-1])
-    kv = Path(conv.session.kv_path).read_bytes()
+    kv = Path(conv.saving.session.kv_path).read_bytes()
     conv.close()
     return answers, kv, accepted
 
@@ -106,7 +106,7 @@ def test_smollm2_echo_answer_is_the_same_with_drafts(default_model, tmp_path):
         a1, s1 = conv.ask(f"Repeat this text exactly: {paragraph}")
         conv.rewind(1)
         a2, s2 = conv.ask(f"Copy this paragraph word for word: {paragraph}")
-        runs[draft] = (a1, a2, Path(conv.session.kv_path).read_bytes(), s1.accepted + s2.accepted, s2.drafted)
+        runs[draft] = (a1, a2, Path(conv.saving.session.kv_path).read_bytes(), s1.accepted + s2.accepted, s2.drafted)
         conv.close()
     assert runs[6][:3] == runs[0][:3]
     assert runs[6][3] > 20  # most of the echoed paragraph came from drafts
@@ -198,7 +198,7 @@ def test_draft_setting_is_checked():
     model = load(str(TINY / "llama.gguf"), n_ctx=64)
     conv = Conversation(model, Settings(), save=False)
     conv.set_option("draft", 3)
-    assert conv.options()["draft"] == 3
+    assert conv.prefs.options()["draft"] == 3
     with pytest.raises(SettingError, match="draft must be between 0"):
         conv.set_option("draft", 99)
 

@@ -6,9 +6,9 @@ busy 2-core machine). The header is walked once by gguf_header.read_header (tens
 each tensor's data the way gguf-py does (F16/F32/F64/I8-I64 as their numpy type, quantized types
 as bytes of shape `quant_shape_to_byte_shape`). It only accepts what it fully understands: a
 little-endian v2/v3 file, strict UTF-8, no duplicate keys or tensors, no arrays of arrays, a u32
-power-of-two general.alignment, every tensor inside the file; anything else raises (ValueError, or
-struct.error for a header cut short) and open_gguf reads the file with gguf-py instead (whose
-messages name what is wrong).
+power-of-two general.alignment, known tensor types whose shapes fill whole blocks, every tensor inside
+the file; anything else raises (HeaderError, or struct.error for a header cut short) and open_gguf
+reads the file with gguf-py instead (whose messages name what is wrong).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .gguf_header import DEFAULT_ALIGNMENT, read_header
+from .gguf_header import DEFAULT_ALIGNMENT, HeaderError, read_header
 
 
 class Field:
@@ -56,20 +56,25 @@ class GGUFFile:
         head = read_header(buf, keep=lambda key: True, strict=True)
         (n_kv,) = struct.unpack_from("<Q", buf, 16)
         if len(head.kv) != n_kv:  # a key twice, or an array of arrays (walked, not kept)
-            raise ValueError("duplicate key or array of arrays")
+            raise HeaderError("duplicate key or array of arrays")
         align = head.kv.get("general.alignment", DEFAULT_ALIGNMENT)
         if type(align) is not int or align != head.alignment or align & (align - 1):
-            raise ValueError("bad general.alignment")
+            raise HeaderError("bad general.alignment")
         self.fields: dict[str, Field] = {key: Field(value) for key, value in head.kv.items()}
         self.tensors: list[TensorInfo] = []
         names = set()
+        types = {t.value: t for t in gguf.GGMLQuantizationType}
         for name, dims, qtype, rel in head.tensors:
             if name in names:
-                raise ValueError(f"duplicate tensor {name}")
+                raise HeaderError(f"duplicate tensor {name}")
             names.add(name)
-            kind = gguf.GGMLQuantizationType(qtype)
+            kind = types.get(qtype)
+            if kind not in gguf.GGML_QUANT_SIZES:
+                raise HeaderError(f"tensor {name} has unknown type {qtype}")
             n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
             block, type_size = gguf.GGML_QUANT_SIZES[kind]
+            if dims and dims[0] % block:
+                raise HeaderError(f"tensor {name}'s rows do not fill whole blocks of its type")
             n_bytes = n_elems * type_size // block
             np_dims = tuple(reversed(dims))
             dtype = PLAIN.get(kind.name)
@@ -80,7 +85,7 @@ class GGUFFile:
                 count = n_elems
             at = head.data_start + rel
             if at + n_bytes > len(buf):
-                raise ValueError(f"tensor {name} runs past the end of the file")
+                raise HeaderError(f"tensor {name} runs past the end of the file")
             data = np.frombuffer(buf, dtype, count, at).reshape(np_dims)
             self.tensors.append(TensorInfo(name, kind, tuple(dims), n_bytes, at, data))
 

@@ -15,9 +15,9 @@ u32 type, u64 offset); padding to the alignment; the data. A string is a u64 len
 bytes; an array a u32 element type, a u64 count and the elements.
 
 `buf` may be shorter than the file (the store reads the first MiB, then more): struct.error means
-it ends inside the header (the padding before the data region is not checked); ValueError means
-it is not a GGUF this reader walks. Strings with bad UTF-8 are decoded with replacement characters,
-or with strict=True raise UnicodeDecodeError (a ValueError).
+it ends inside the header (the padding before the data region is not checked); HeaderError means
+it is not a GGUF this reader walks (its callers then refuse the file, or let gguf-py read it). Strings
+with bad UTF-8 are decoded with replacement characters, or with strict=True refused (HeaderError).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ _U64 = struct.Struct("<Q").unpack_from
 _U32 = struct.Struct("<I").unpack_from
 DEFAULT_ALIGNMENT = 32
 MAX_COUNT = 1 << 24  # more keys or tensors than this: not a file we walk
+
+
+class HeaderError(Exception):
+    """Not a GGUF header this walker reads: damaged, or of a kind it does not walk."""
 
 
 class TensorInfo(NamedTuple):
@@ -93,8 +97,8 @@ def _value(buf, pos: int, vtype: int, keep: bool, errors: str):
             for _ in range(count):
                 _, pos = _value(buf, pos, ARRAY, False, errors)
             return None, pos
-        raise ValueError(f"unknown GGUF array element type {etype}")
-    raise ValueError(f"unknown GGUF value type {vtype}")
+        raise HeaderError(f"unknown GGUF array element type {etype}")
+    raise HeaderError(f"unknown GGUF value type {vtype}")
 
 
 def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: bool = True,
@@ -106,11 +110,17 @@ def read_header(buf, keep: Callable[[str], bool] = lambda key: False, tensors: b
         raise struct.error("buffer shorter than the GGUF preamble")
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != b"GGUF" or version not in (2, 3):
-        raise ValueError("not a little-endian GGUF v2/v3 file")
+        raise HeaderError("not a little-endian GGUF v2/v3 file")
     if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
-        raise ValueError("implausible key or tensor count")
+        raise HeaderError("implausible key or tensor count")
+    try:
+        return _walk(buf, version, n_tensors, n_kv, keep, tensors, "strict" if strict else "replace")
+    except UnicodeDecodeError as e:  # strict: a key, name or string value that is not UTF-8
+        raise HeaderError(f"a string that is not UTF-8 ({e.reason})") from None
+
+
+def _walk(buf, version: int, n_tensors: int, n_kv: int, keep, tensors: bool, errors: str) -> Header:
     pos, kv, alignment = 24, {}, DEFAULT_ALIGNMENT
-    errors = "strict" if strict else "replace"
     for _ in range(n_kv):
         a, pos = _string(buf, pos)
         key = buf[a:pos].decode("utf-8", errors)

@@ -117,9 +117,9 @@ class Prepared:
         digest, _, body = raw.partition(b"\n")
         if digest.decode("ascii", "replace") != hashlib.sha256(body).hexdigest():
             raise DamagedEntry("meta.json does not match its checksum")
-        meta = json.loads(body)
+        meta = json.loads(body)  # its checksum holds: what save_prepared wrote, in some format
         if meta.get("format") != PREPARED_FORMAT:
-            raise ValueError("old format")
+            raise DamagedEntry("meta.json is not what this colichat wrote")
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = {k: v for k, v in meta["config"].items() if k in fields}
         self.config = ModelConfig(**{**cfg, "path": path})
@@ -142,6 +142,8 @@ class Prepared:
         for name, qtype, ne, n_bytes, file, off, dtype, shape in meta["tensors"]:
             if file not in maps:
                 maps[file] = _map(file)
+            if off + np.dtype(dtype).itemsize * int(np.prod(shape)) > len(maps[file]):
+                raise DamagedEntry(f"{file} is shorter than when the entry was written")
             data = np.frombuffer(maps[file], np.dtype(dtype), int(np.prod(shape)), off).reshape(shape)
             records.append(TensorRecord(name, gguf.GGMLQuantizationType(qtype), tuple(ne), n_bytes, data))
             files[name], offsets[name] = file, off
@@ -158,11 +160,10 @@ def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
         if not (entry / "meta.json").is_file():
             return None
         return Prepared(real, entry)
-    except (DamagedEntry, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+    except DamagedEntry as e:
         shutil.rmtree(entry, ignore_errors=True)
         if on_note:
-            why = e if isinstance(e, DamagedEntry) else "meta.json is not what this colichat wrote"
-            on_note(f"the dequantized-weights cache {entry} was damaged ({why}); dequantizing again")
+            on_note(f"the dequantized-weights cache {entry} was damaged ({e}); dequantizing again")
         return None
     except OSError:
         return None
@@ -224,7 +225,7 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
         _fsync_dir(root)
         _remove_stale(root, real, key)
         return None
-    except (OSError, TypeError, ValueError) as e:
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return f"cannot write the weights cache ({getattr(e, 'strerror', None) or e})"
 

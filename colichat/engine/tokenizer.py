@@ -29,9 +29,10 @@ import codecs
 import heapq
 import mmap
 import os
+import struct
 
 from .gguf import ModelError, field, open_gguf
-from .gguf_header import read_header
+from .gguf_header import HeaderError, read_header
 from .pretokenizer import PRE_TYPES, SURROGATE, PreTokenizer
 
 # tokenizer.ggml.token_type values
@@ -72,8 +73,11 @@ def _read_metadata(path: str) -> dict:
     """The `tokenizer.*` and `general.*` keys of a GGUF file, read by gguf_header (~25 ms for
     SmolLM2, where gguf-py takes seconds). Anything unexpected raises, and the caller falls back
     to gguf-py."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return read_header(buf, lambda key: key.startswith(("tokenizer.", "general.")), tensors=False).kv
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
+            raise HeaderError("an empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return read_header(buf, lambda key: key.startswith(("tokenizer.", "general.")), tensors=False).kv
 
 
 def _metadata(path_or_reader) -> tuple[dict, str]:
@@ -84,7 +88,7 @@ def _metadata(path_or_reader) -> tuple[dict, str]:
     path = os.fspath(path_or_reader)
     try:
         return _read_metadata(path), path
-    except Exception:
+    except (OSError, HeaderError, struct.error):  # missing, cut short, not a GGUF the walker reads
         reader = open_gguf(path)  # raises a one-line ModelError for missing/damaged files
         return _metadata(reader)[0], path
 

@@ -156,7 +156,7 @@ def _holds_something(base: str) -> bool:
         with open(base + ".json", "rb") as f:
             doc = json.loads(f.read(MAX_SIDECAR_BYTES).decode("utf-8"))
         return not (isinstance(doc, dict) and doc.get("turns") == [])
-    except (OSError, ValueError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return True
 
 
@@ -391,7 +391,7 @@ class Session:
             warnings.append(f"no sidecar {self.name}{SIDECAR_EXT}: loaded the {n} records as one imported turn "
                             "(no weights fingerprint to check)" if n else f"no sidecar {self.name}{SIDECAR_EXT}")
             if n:
-                text = self._imported_text(cache.tokens[:n].tolist(), detokenize, warnings)
+                text = "" if detokenize is None else str(detokenize(cache.tokens[:n].tolist()))
                 turns, crcs = [Turn("imported", text, 0, n)], [turn_crc(cache, Turn('imported', '', 0, n))]
         cache.set_length(n)
 
@@ -464,16 +464,6 @@ class Session:
         warnings.append(f"dropped records {k}-{n}: token id {int(ids[k])} is outside the vocabulary")
         return k
 
-    @staticmethod
-    def _imported_text(ids: list[int], detokenize, warnings: list[str]) -> str:
-        if detokenize is None:
-            return ""
-        try:
-            return str(detokenize(ids))
-        except Exception as e:  # the text is cosmetic: a failing detokenizer must not stop a resume
-            warnings.append(f"could not detokenize the imported turn ({type(e).__name__})")
-            return ""
-
     def _read_sidecar(self) -> dict | None:
         """The sidecar document, None if there is none; refuses a damaged one or another model's."""
         st = lstat_regular(self.json_path, "sidecar")
@@ -491,7 +481,7 @@ class Session:
             os.close(fd)
         try:
             doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting too deep
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nesting too deep
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
                 or not isinstance(doc.get("model"), dict) or doc["format"] < 1:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ..engine.gguf_header import read_header
+from ..engine.gguf_header import HeaderError, read_header
 from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
 from ..units import format_size
 from .kvfile import (
@@ -59,7 +59,7 @@ SPREAD_SAMPLES, SPREAD_SAMPLE = 16, 65536  # plus 16 x 64 KiB spread evenly over
 def _gguf_layout(buf: bytes) -> tuple[int, list[int]]:
     """(data region offset, sorted tensor offsets within it) from the start of a GGUF v2/v3 file.
 
-    struct.error: `buf` is too short to hold the whole header; ValueError: not a GGUF we can walk."""
+    struct.error: `buf` is too short to hold the whole header; HeaderError: not a GGUF we can walk."""
     head = read_header(buf)
     if head.data_start > len(buf):
         raise struct.error("short")
@@ -90,7 +90,7 @@ def weights_fingerprint(path: str) -> str:
                 if n >= min(size, 1 << 28):
                     break
                 n = min(size, n * 4, 1 << 28)
-            except ValueError:
+            except HeaderError:
                 break
         if layout is None:  # not a GGUF we can walk: hash its start and the spread samples
             data_start, starts = min(size, 1 << 20), []
@@ -99,7 +99,7 @@ def weights_fingerprint(path: str) -> str:
             data_start = layout[0]
             h.update(head[:data_start])
             starts = [data_start + o for o in layout[1]]
-        ends = starts[1:] + [size]
+        ends = starts[1:] + [size] if starts else []  # no tensors (or not walkable): no tensor samples
         step = max(1, -(-len(starts) // TENSOR_SAMPLES))
         for s, e in list(zip(starts, ends, strict=True))[::step]:
             e = min(e, size)

@@ -1,0 +1,53 @@
+"""The settings a conversation runs with: the values (settings.Settings), the ones given on the
+command line (a resumed session keeps those), a system prompt waiting for the next conversation,
+and the sampler built from them. Writing them into the session is the conversation's call."""
+
+from __future__ import annotations
+
+from .engine import Sampler
+from .settings import BY_NAME, Settings, saved_values
+
+
+class ChatSettings:
+    def __init__(self, settings: Settings, pinned=frozenset()):
+        self.settings = settings
+        self.pinned = frozenset(pinned)  # settings given on the command line: a resumed session keeps them
+        self.sampler = Sampler(settings.sampler())
+        self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
+
+    def options(self) -> dict:
+        """Every setting's value (and the system prompt waiting for the next conversation)."""
+        return {**self.settings.to_dict(),
+                **({"system (next)": self.pending_system} if self.pending_system is not False else {})}
+
+    def set(self, key: str, value, started: bool) -> tuple[str, bool]:
+        """Change one setting (a name of settings.TABLE; SettingError for a value it cannot take).
+        Returns what to tell the user, and whether the settings in use changed (a new system prompt
+        for a conversation that has `started` waits for the next one)."""
+        row = BY_NAME[key]
+        row.validate(value)
+        if key == "system" and started:  # the conversation so far was read with the old one
+            self.pending_system = value
+            return "system prompt set for the next conversation (/new starts one)", False
+        self._use(self.settings.with_(**{key: value}))
+        return f"{key} = {row.show(value)}", True
+
+    def apply_saved(self, d, started: bool) -> None:
+        """Take a resumed session's saved settings, except those given on the command line."""
+        saved = saved_values(d)
+        if "system" in self.pinned and started and saved.get("system") != self.settings.system:
+            # --system on a resumed conversation: it was read with the saved one; the new one waits
+            self.pending_system = self.settings.system
+            self.settings = self.settings.with_(system=saved.get("system"))
+        self._use(self.settings.with_(**{k: v for k, v in saved.items() if k not in self.pinned}))
+
+    def next_conversation(self) -> bool:
+        """A new conversation takes the system prompt that waited for it; True when one did."""
+        if self.pending_system is False:
+            return False
+        self.settings, self.pending_system = self.settings.with_(system=self.pending_system), False
+        return True
+
+    def _use(self, settings: Settings) -> None:
+        self.settings = settings
+        self.sampler = Sampler(settings.sampler())

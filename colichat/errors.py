@@ -1,0 +1,25 @@
+"""The user errors: what the user asked, gave or has on disk cannot be used. Each carries a message of
+one line (what is wrong, what to do) and is raised `from None`; the CLI and the REPL print it as
+`colichat: MESSAGE`, never a traceback. Any other exception (a plain ValueError, an assert) is a
+bug of colichat and shows its traceback.
+
+    ChatError            something asked of the conversation or the command line that cannot be done
+    SettingError         a value a setting or an option cannot take (settings.py)
+    ModelError           a model file that is missing, damaged or not supported (engine/gguf.py)
+    SessionError         a saved conversation that cannot be opened, loaded or saved (persist/kvfile.py)
+    DefaultModelMissing  no --model and the default model is not downloaded (models.py)
+"""
+
+from __future__ import annotations
+
+from .engine import ModelError
+from .models import DefaultModelMissing
+from .persist import SessionError
+from .settings import SettingError
+
+
+class ChatError(Exception):
+    """Something the user asked that cannot be done; the message is one line."""
+
+
+USER_ERRORS = (ChatError, SettingError, ModelError, SessionError, DefaultModelMissing)  # each shown as one line

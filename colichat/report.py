@@ -1,0 +1,89 @@
+"""What the user is told about a conversation: one exchange's numbers (TurnStats) and the footer
+after the answer, the /stats lines, and the ways out of a full context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .units import format_size
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    generated: int = 0
+    decode_s: float = 0.0
+    stopped: str = "eog"  # eog | length | interrupt | context
+    saved: bool | None = None  # None: saving is off
+    save_error: str | None = None
+    save_note: str | None = None  # something the save did that the user should hear of
+    drafted: int = 0  # speculative decoding: drafts checked, and kept
+    accepted: int = 0
+    by_source: dict = field(default_factory=dict)  # with several sources: name -> (checked, kept) of those used
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def footer(conv, stats: TurnStats) -> str:
+    """The line after an answer: its speeds, the context left, and whether it was saved."""
+    saving = conv.saving
+    unsaved = ("not saved (--no-save)" if not saving.store else "not saved (read-only)" if saving.read_only
+               else "not saved (/save NAME keeps it)")
+    saved = {None: unsaved, True: f"saved to {saving.name}",
+             False: f"NOT saved: {stats.save_error}"}[stats.saved]
+    stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
+            "context": ", context full"}.get(stats.stopped, "")
+    drafts = ""
+    if stats.drafted:
+        each = "".join(f"; {name} {kept}/{checked}" for name, (checked, kept) in stats.by_source.items())
+        share = 100 * stats.accepted / stats.drafted
+        drafts = f", drafts {stats.accepted}/{stats.drafted} accepted ({share:.0f}%{each})"
+    note = f"\nnote: {stats.save_note}" if stats.save_note else ""
+    n_ctx = conv.model.n_ctx
+    return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
+            f"at {stats.prefill_tps:.0f} tok/s, context {conv.n_tokens}/{n_ctx}, "
+            f"{n_ctx - conv.n_tokens} left{drafts}{stop}; {saved}]{note}")
+
+
+def stats_lines(conv) -> list[str]:
+    """/stats: the context used, the cache's size in memory and on disk, the last answer's speeds."""
+    cache, saving = conv.model.cache, conv.saving
+    lines = [f"context: {conv.n_tokens} of {conv.model.n_ctx} tokens, {conv.exchanges()} exchange(s)",
+             f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
+             f"{format_size(conv.n_tokens * cache.record_bytes)} in use"]
+    if saving.session:
+        lines.append(f"session {saving.session.name}: {format_size(saving.disk_bytes())} on disk")
+    else:
+        lines.append("session: not saved yet" if saving.store else "session: saving is off (--no-save)")
+    s = conv.last_stats
+    if s:
+        lines.append(f"last answer: {s.generated} tokens at {s.decode_tps:.1f} tok/s; "
+                     f"prefill {s.prompt_tokens} tokens at {s.prefill_tps:.0f} tok/s")
+    return lines
+
+
+def ways_out(conv) -> str:
+    """What frees context: the commands, and a larger --ctx only when the model allows one."""
+    ways = ["/rewind N drops the last exchanges", "/new starts a new conversation"]
+    if conv.exchanges() > 1:
+        ways.append("/forget N continues in a new one without the N oldest exchanges")
+    if conv.model.n_ctx < conv.model.cfg.n_ctx_train:
+        ways.append(f"or restart with a larger --ctx (this model takes up to {conv.model.cfg.n_ctx_train})")
+    return "; ".join(ways)
+
+
+def no_room(conv, needs: int, room: int) -> str:
+    """Why a message of `needs` tokens is not sent when `room` tokens of context are left."""
+    n_ctx, most = conv.model.n_ctx, conv.model.cfg.n_ctx_train
+    if needs + 1 >= n_ctx:  # not even a new conversation would hold it
+        more = f" or restart with a larger --ctx (this model takes up to {most})" if n_ctx < most else ""
+        return f"the message needs {needs} tokens, more than the whole context of {n_ctx}: shorten it{more}"
+    return (f"the message needs {needs} tokens but only {room} of the context of {n_ctx} are left; "
+            f"it was not sent: {ways_out(conv)}")

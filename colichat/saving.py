@@ -1,0 +1,181 @@
+"""Where a conversation is kept: the session (persist.Session) it is saved into, in the Store.
+
+With saving on, the session file is created at the first answer (named --session NAME, else from
+the first message), so starting colichat and quitting leaves nothing behind. With `save_new` off
+(one-shot and piped runs without --session), a new conversation is saved only by /save NAME; a
+resumed one is still saved after every answer. `store` None means saving is off (--no-save);
+`read_only` that sessions can be read, not saved (a read-only file system).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import ChatError
+from .persist import CacheLayout, Session, SessionError, SessionExists, Store, check_name, slug
+from .units import format_size
+
+
+class Saving:
+    def __init__(self, store: Store | None, ident: dict | None, layout: CacheLayout, name: str | None = None,
+                 save_new: bool = True, read_only: bool = False):
+        self.store, self.ident, self.layout = store, ident, layout
+        self.session: Session | None = None  # once created, claimed or resumed
+        self.name = name
+        self.save_new = save_new
+        self.read_only = read_only
+
+    # --- the session in use -----------------------------------------------------------------------
+
+    def claim(self, name: str, settings: dict) -> None:
+        """Take --session NAME at start (saving is on): it is ours from now on, so a second colichat
+        started with the same name is refused before its first answer. The first answer's save
+        creates the files."""
+        try:
+            self.session = self.store.claim(self.ident, name, self.layout, settings)
+        except SessionExists:
+            raise ChatError(f"session {name} already exists: add --resume to continue it, "
+                            "or choose another name") from None
+        self.name = name
+
+    def open(self, name: str | None) -> tuple[Session, str]:
+        """Open saved session NAME (the latest by default) to load; it is not in use until `adopt`."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing to resume")
+        if name is None:
+            info = self.store.latest(self.ident)
+            if info is None:
+                raise ChatError("no saved conversation for this model yet")
+            name = info.name
+        if self.session and self.session.name == name:
+            raise ChatError(f"already in session {name}")
+        return self.store.open(self.ident, name, self.layout, read_only=self.read_only), name
+
+    def adopt(self, session: Session, name: str) -> None:
+        """Go on in `session` (loaded); the one in use is closed."""
+        if self.session:
+            self.session.close()
+        self.session, self.name = session, name
+
+    def leave(self) -> str | None:
+        """The next conversation is a new one: close the session in use; its name if it is on disk."""
+        old = self.session.name if self.session and self.session.on_disk else None
+        self.close()
+        self.name = None
+        return old
+
+    def close(self) -> None:
+        if self.session:
+            self.session.close()
+            self.session = None
+
+    def rename(self, new: str) -> str:
+        """Give the current conversation another name (its files are renamed, nothing is rewritten)."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing to rename")
+        if not self.session:
+            raise ChatError("this conversation is not saved yet: /save NAME saves it under that name")
+        old = self.session.name
+        self.store.rename(self.session, new)
+        self.name = new
+        return f"renamed session {old} to {new}"
+
+    def disk_bytes(self) -> int:
+        if not self.session:
+            return 0
+        total = 0
+        for path in (self.session.kv_path, self.session.json_path):
+            try:
+                total += os.path.getsize(path)
+            except OSError:
+                pass
+        return total
+
+    # --- writing ----------------------------------------------------------------------------------
+
+    def save(self, cache, turns: list, settings: dict, stats) -> None:
+        """Append the unsaved turns; a failure is reported in `stats` and the conversation goes on
+        in memory."""
+        if not self.store or self.read_only:
+            return
+        if self.session is None and not self.save_new:
+            return
+        try:
+            if self.session is None:
+                first = next((t.text for t in turns if t.role == "user"), "")
+                self.session = self.store.create(self.ident, self.layout, self.name, settings, stem=slug(first))
+                self.name = self.session.name
+            self.session.append(cache, turns)
+            stats.saved = True
+            stats.save_note = "; ".join(self.session.notes) or None
+            self.session.notes.clear()
+        except (SessionError, OSError) as e:
+            stats.saved = False
+            stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+    def save_settings(self, settings: dict) -> None:
+        if self.session and not self.read_only:
+            try:
+                self.session.save_sampler(settings)
+            except (SessionError, OSError):
+                pass  # saved again with the next answer
+
+    def truncate(self, kept_turns: int) -> None:
+        """The saved session keeps its first kept_turns turns (the cache was cut to match)."""
+        if self.session and not self.read_only:
+            try:
+                self.session.truncate(kept_turns)
+            except SessionError as e:
+                raise ChatError(f"{e} (the conversation goes on in memory)") from None
+
+    def save_as(self, name: str, cache, turns: list, settings: dict) -> str:
+        """Write the conversation from the cache into a new session NAME (no forward pass). An
+        unsaved conversation goes on in it; a saved one goes on in its own, NAME is a copy."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): nothing can be saved")
+        if not turns:
+            raise ChatError("nothing to save yet: the conversation is empty")
+        copy = self.store.create(self.ident, self.layout, check_name(name), settings)
+        try:
+            copy.append(cache, turns)
+        except BaseException:
+            copy.close()
+            try:
+                self.store.delete(self.ident, name)  # a partial copy: the conversation is still in memory
+            except SessionError:
+                pass
+            raise
+        if self.session is None:
+            self.session, self.name = copy, name
+            return f"saved to session {name}; the conversation goes on in it"
+        copy.close()
+        return f"saved a copy as session {name} (the conversation goes on in {self.session.name})"
+
+    # --- the other saved conversations of this model ------------------------------------------------
+
+    def latest_hint(self) -> str | None:
+        if not self.store:
+            return None
+        info = self.store.latest(self.ident)
+        if info is None:
+            return None
+        return f"latest saved conversation: {info.describe()} (/resume to continue it)"
+
+    def names(self) -> list[str]:
+        """This model's saved conversations, newest first (for Tab completion)."""
+        return [i.name for i in self.store.list(self.ident)] if self.store else []
+
+    def listing(self) -> list[str]:
+        if not self.store:
+            raise ChatError("saving is off (--no-save): no sessions")
+        current = self.session.name if self.session else None
+        return [("* " if i.name == current else "  ") + i.describe() for i in self.store.list(self.ident)]
+
+    def delete(self, name: str) -> str:
+        """Delete a saved conversation of this model (not the one in use)."""
+        if not self.store:
+            raise ChatError("saving is off (--no-save): no sessions")
+        if self.session and self.session.name == name:
+            raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
+        freed = self.store.delete(self.ident, name)
+        return f"deleted session {name} ({format_size(freed)})"
