@@ -1,4 +1,4 @@
-"""Speculative decoding (prompt lookup) and the BLAS thread policy, measured side by side in one run.
+"""Speculative decoding (prompt lookup, MTP drafts) and the BLAS thread policy, measured side by side in one run.
 
     python benchmarks/speculative.py            # SmolLM2 and the V2-Lite-shaped MLA model
     python benchmarks/speculative.py --quick    # fewer tokens
@@ -14,6 +14,13 @@
 2. The verify pass: one pass over k + 1 tokens (k = 1..8) against one decode step, at a 512-token context.
 3. Threads: prefill, decode and a verify pass with one thread, two sharing fixed row blocks and
    OpenBLAS's two (benchmarks/threads.py), on the machine as it is and with one core kept busy.
+4. MTP drafts, on the V2-Lite-shaped model with one MTP block (random weights, so its drafts are
+   not meant to be kept): one MTP draft step (1 and 2 new positions) and the verify pass of one
+   draft against one decode step, the block's catch-up over a prompt against the prompt's prefill,
+   and the chat task's greedy answer with prompt lookup alone and with MTP drafts too (the same
+   tokens; MTP's rejected drafts pause it, so the answer must not be slower).
+
+    python benchmarks/speculative.py --mtp-only   # part 4 alone
 """
 
 from __future__ import annotations
@@ -89,8 +96,9 @@ def prompt_ids(tok, text: str) -> list[int]:
     return tok.encode_prompt(chat_template_for(tok).render([{"role": "user", "content": text}], True))
 
 
-def answer(model, ids: list[int], draft: int, max_tokens: int) -> dict:
-    """One greedy answer after `ids`: its tokens, decode seconds, drafts checked and kept."""
+def answer(model, ids: list[int], draft: int, max_tokens: int, mtp: bool = False) -> dict:
+    """One greedy answer after `ids`: its tokens, decode seconds, drafts checked and kept (prompt
+    lookup, and the model's MTP block too if `mtp`)."""
     from colichat.engine import Sampler, SamplerSettings
     from colichat.engine.generate import Generation
     from colichat.engine.speculative import PromptLookup
@@ -98,12 +106,12 @@ def answer(model, ids: list[int], draft: int, max_tokens: int) -> dict:
     model.reset()
     logits = model.prefill(ids, all_logits=False)[-1]
     gen = Generation(model, logits, Sampler(SamplerSettings(temperature=0)), model.tokenizer.eog_ids, max_tokens,
-                     drafts=PromptLookup(), draft=draft)
+                     drafts=[PromptLookup()] + [model.mtp] * mtp, draft=draft)
     t0 = time.perf_counter()
     tokens = [t.id for t in gen]
     dt = time.perf_counter() - t0
     return {"tokens": tokens, "decode_s": dt, "tps": len(tokens) / dt, "drafted": gen.n_drafted,
-            "accepted": gen.n_accepted}
+            "accepted": gen.n_accepted, "by_source": gen.by_source}
 
 
 def bench_tasks(model, tok, drafts: list[int], max_tokens: int) -> list[dict]:
@@ -149,7 +157,86 @@ def bench_verify(model, ctx: int = 512, reps: int = 3) -> list[dict]:
     return rows
 
 
-def run(models: list[tuple[str, Path]], quick: bool = False) -> dict:
+def mtp_gguf(n_ff: int) -> Path:
+    """The V2-Lite-shaped GGUF (dense FFN of width n_ff) with one MTP block, written once under benchmarks/out/."""
+    from bench import OUT
+    from gguf_factory import V2_LITE_DENSE, write_deepseek2
+
+    path = OUT / f"v2lite-dense-ff{n_ff}-mtp.gguf"
+    if not path.exists():
+        say(f"writing {path.name} (random Q8_0 weights)")
+        tmp = path.with_suffix(".tmp.gguf")
+        write_deepseek2(tmp, V2_LITE_DENSE, n_ff=n_ff, n_nextn=1, n_dense=V2_LITE_DENSE.n_layer + 1)
+        tmp.replace(path)
+    return path
+
+
+def bench_mtp(path: Path, ctx: int = 512, reps: int = 5, max_tokens: int = 16) -> dict:
+    """Part 4 (module docstring): seconds as ratios to one decode step after `ctx` cached tokens."""
+    from colichat.engine import load
+    from colichat.engine.mtp import step_cost
+
+    say(f"MTP drafts: {path.name}")
+    model = load(str(path), n_ctx=2048)
+    mtp, rng = model.mtp, np.random.default_rng(7)
+    ids = rng.integers(0, model.cfg.n_vocab, ctx)
+    model.reset()
+    t0 = time.perf_counter()
+    model.prefill(ids, all_logits=False)
+    prefill = time.perf_counter() - t0
+    tid = int(rng.integers(0, model.cfg.n_vocab))
+    hist = np.append(ids, tid).astype(np.int32)
+    t0 = time.perf_counter()
+    draft = mtp.propose(hist, 1)[0]  # the block catches up over the prompt
+    catch_up = time.perf_counter() - t0
+
+    def best(fn) -> float:
+        fn()  # warm-up
+        out = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    def decode():
+        model.decode(tid)
+        model.cache.truncate(ctx)
+
+    def verify():
+        model.prefill([tid, draft], all_logits=True)
+        model.cache.truncate(ctx)
+
+    def mtp_step(new: int):
+        def fn():
+            mtp.block.truncate(ctx + 1 - new - mtp.base)  # the block has seen all but the last `new` positions
+            mtp.propose(hist, 1)
+        return fn
+
+    step = best(decode)
+    r = {"label": f"{path.name}", "ctx": ctx, "decode_s": step, "estimate": step_cost(model),
+         "mtp1": best(mtp_step(1)) / step, "mtp2": best(mtp_step(2)) / step, "verify1": best(verify) / step,
+         "catch_up_vs_prefill": catch_up / prefill}
+    r["break_even"] = r["verify1"] + r["mtp1"] - 1  # acceptance above which one MTP draft per step pays
+    say(f"  decode {step:.3f} s; MTP draft step {r['mtp1']:.3f}x (2 new positions {r['mtp2']:.3f}x, estimate "
+        f"{r['estimate']:.3f}x); verify of 1 draft {r['verify1']:.2f}x; pays above {100 * r['break_even']:.0f}% kept; "
+        f"catch-up over {ctx} prompt tokens {r['catch_up_vs_prefill']:.3f}x their prefill")
+    label, _, text = TASKS[2]
+    ids = prompt_ids(model.tokenizer, text)
+    best = {}
+    for mtp_on in (False, True, False, True):  # interleaved, best of 2 each: the machine's load drifts
+        a = answer(model, ids, 4, max_tokens, mtp=mtp_on)
+        say(f"  {label}, draft 4, {'lookup + MTP' if mtp_on else 'lookup only'}: {a['tps']:.3f} tok/s, "
+            f"drafts {a['by_source']}")
+        if mtp_on not in best or a["tps"] > best[mtp_on]["tps"]:
+            best[mtp_on] = {"mtp": mtp_on, "tps": a["tps"], "tokens": a["tokens"], "by_source": a["by_source"]}
+    r["chat"] = [best[False], best[True]]
+    r["chat_same_tokens"] = r["chat"][0]["tokens"] == r["chat"][1]["tokens"]
+    r["chat_speedup"] = r["chat"][1]["tps"] / r["chat"][0]["tps"]
+    return r
+
+
+def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | None = None) -> dict:
     from colichat.engine import load, load_tokenizer
     from colichat.models import default_model_path
 
@@ -166,6 +253,8 @@ def run(models: list[tuple[str, Path]], quick: bool = False) -> dict:
             m["threads"] = threads.bench_threads(model, 16 if small else 4, 256 if small else 64)
         out["models"].append(m)
         del model
+    if mtp_path is not None:
+        out["mtp"] = bench_mtp(mtp_path, max_tokens=8 if quick else 16)
     return out
 
 
@@ -183,7 +272,20 @@ def report(res: dict) -> str:
                   + ", ".join(f"k={r['k']}: {r['vs_decode']:.2f}x" for r in m["verify"][1:]), ""]
         if "threads" in m:
             lines += threads.table(m["threads"]) + [""]
+    if "mtp" in res:
+        lines += ["", mtp_report(res["mtp"])]
     return "\n".join(lines)
+
+
+def mtp_report(r: dict) -> str:
+    chat = r["chat"]
+    return (f"MTP drafts ({r['label']}, {r['ctx']} cached tokens; one decode step {r['decode_s']:.3f} s): "
+            f"MTP draft step {r['mtp1']:.3f}x a decode step with 1 new position, {r['mtp2']:.3f}x with 2 "
+            f"(estimate from the bytes read: {r['estimate']:.3f}x); verify pass of 1 draft {r['verify1']:.2f}x; "
+            f"so one MTP draft per step pays when more than {100 * r['break_even']:.0f}% are kept. "
+            f"Catch-up over the prompt: {r['catch_up_vs_prefill']:.3f}x its prefill. Chat task, draft 4: "
+            f"lookup only {chat[0]['tps']:.3f} tok/s, lookup + MTP {chat[1]['tps']:.3f} tok/s "
+            f"({r['chat_speedup']:.2f}x; drafts {chat[1]['by_source']}; same tokens: {r['chat_same_tokens']}).")
 
 
 def main(argv=None) -> int:
@@ -191,16 +293,24 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-deepseek", action="store_true")
     p.add_argument("--ff", type=int, default=2816)
+    p.add_argument("--mtp-only", action="store_true", help="only part 4 (MTP drafts)")
     args = p.parse_args(argv)
     from bench import OUT, deepseek_gguf
 
     from colichat.models import default_model_path
 
+    if args.mtp_only:
+        OUT.mkdir(parents=True, exist_ok=True)
+        r = bench_mtp(mtp_gguf(args.ff), max_tokens=8 if args.quick else 16)
+        (OUT / "speculative-mtp.json").write_text(json.dumps(r, indent=1))
+        print(mtp_report(r))
+        return 0
+
     models = [("SmolLM2-135M", Path(default_model_path()))]
     if not args.skip_deepseek:
         OUT.mkdir(parents=True, exist_ok=True)
         models.append((f"V2-Lite-shaped (FFN {args.ff})", deepseek_gguf(args.ff)))
-    res = run(models, args.quick)
+    res = run(models, args.quick, None if args.skip_deepseek else mtp_gguf(args.ff))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "speculative.json").write_text(json.dumps(res, indent=1))
     print(report(res))

@@ -236,8 +236,9 @@ class Conversation:
         stream = self.tok.stream()
         pieces: list[str] = []
         t0 = time.perf_counter()
+        drafts = [PromptLookup()] + ([self.model.mtp] if self.model.mtp is not None else [])
         gen = Generation(self.model, logits, self.prefs.sampler, self.tok.eog_ids, self.settings.max_tokens,
-                         drafts=PromptLookup(), draft=self._draft(), recent=self.settings.repeat_last_n)
+                         drafts=drafts, draft=self._draft(), recent=self.settings.repeat_last_n)
         stats.stopped = "interrupt"
         tokens = iter(gen)
         try:
@@ -261,6 +262,8 @@ class Conversation:
                 on_text(tail)
         stats.decode_s = time.perf_counter() - t0
         stats.drafted, stats.accepted = gen.n_drafted, gen.n_accepted
+        if len(drafts) > 1:  # which source the drafts came from
+            stats.by_source = {name: tuple(c) for name, c in gen.by_source.items() if c[0]}
         return "".join(pieces), stats
 
     # --- a full context ---------------------------------------------------------------------------

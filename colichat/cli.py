@@ -360,7 +360,7 @@ def model_title(name: str, path: str) -> str:
     return stem
 
 
-def load_model(args, say, status: StatusLine):
+def load_model(args, say, status: StatusLine, mtp: bool = True):
     path = args.model or default_model_path()
     t0 = time.perf_counter()
     name = os.path.basename(path)
@@ -372,7 +372,7 @@ def load_model(args, say, status: StatusLine):
 
     notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
-                 expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics)
+                 expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp)
     status.clear()
     cfg = model.cfg
     where = f" from {path}" if args.verbose else ""
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
             check_rope_factors(args)
         read_only = saving_mode(args, problem)
         interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
-        model = load_model(args, say, status)
+        model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
                             save_new=interactive or args.session is not None or args.resume, read_only=read_only)
     except USER_ERRORS as e:

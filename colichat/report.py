@@ -3,7 +3,7 @@ after the answer, the /stats lines, and the ways out of a full context."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .units import format_size
 
@@ -20,6 +20,7 @@ class TurnStats:
     save_note: str | None = None  # something the save did that the user should hear of
     drafted: int = 0  # speculative decoding: drafts checked, and kept
     accepted: int = 0
+    by_source: dict = field(default_factory=dict)  # with several sources: name -> (checked, kept) of those used
 
     @property
     def prefill_tps(self) -> float:
@@ -39,8 +40,11 @@ def footer(conv, stats: TurnStats) -> str:
              False: f"NOT saved: {stats.save_error}"}[stats.saved]
     stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
             "context": ", context full"}.get(stats.stopped, "")
-    drafts = (f", drafts {stats.accepted}/{stats.drafted} accepted ({100 * stats.accepted / stats.drafted:.0f}%)"
-              if stats.drafted else "")
+    drafts = ""
+    if stats.drafted:
+        each = "".join(f"; {name} {kept}/{checked}" for name, (checked, kept) in stats.by_source.items())
+        share = 100 * stats.accepted / stats.drafted
+        drafts = f", drafts {stats.accepted}/{stats.drafted} accepted ({share:.0f}%{each})"
     note = f"\nnote: {stats.save_note}" if stats.save_note else ""
     n_ctx = conv.model.n_ctx
     return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "

@@ -98,7 +98,7 @@ TABLE: tuple[Setting, ...] = (
             lambda v: v >= 1, "must be at least 1"),
     # speculative decoding: the largest number of drafts per pass (BENCHMARKS.md: 4 did best, none slowed chat)
     Setting("draft", int, 4, "speculative decoding: at most this many tokens guessed from the conversation "
-            "are checked per step (0 = off; the answer is the same)",
+            "(or by the model's MTP block) are checked per step (0 = off; the answer is the same)",
             lambda v: 0 <= v <= 15, "must be between 0 (off) and 15"),
     Setting("system", str, None, "the system prompt (none = no system prompt); a new one applies from "
             "the next conversation when this one has started", optional=True, metavar="TEXT"),

@@ -65,7 +65,7 @@ class DS2Spec:
     qk_rope: int = 8
     v_head: int = 16
     n_ff: int = 96                # dense FFN width (leading dense layers)
-    n_dense: int = 1              # leading dense layers; n_dense >= n_layer: no MoE at all
+    n_dense: int = 1              # leading dense layers; n_dense >= n_layer + n_nextn: no MoE at all
     n_expert: int = 8
     n_expert_used: int = 2
     n_expert_shared: int = 1
@@ -346,7 +346,7 @@ def metadata(spec: DS2Spec) -> list[tuple[str, object, gguf.GGUFValueType]]:
         (f"{a}.vocab_size", spec.n_vocab, T.UINT32),
         (f"{a}.rope.freq_base", spec.rope_base, T.FLOAT32),
         (f"{a}.rope.dimension_count", spec.qk_rope, T.UINT32),
-        (f"{a}.leading_dense_block_count", min(spec.n_dense, spec.n_layer), T.UINT32),
+        (f"{a}.leading_dense_block_count", min(spec.n_dense, spec.n_layer + spec.n_nextn), T.UINT32),
         (f"{a}.attention.kv_lora_rank", spec.kv_lora_rank, T.UINT32),
         (f"{a}.expert_feed_forward_length", spec.n_ff_exp, T.UINT32),
         (f"{a}.expert_shared_count", spec.n_expert_shared, T.UINT32),

@@ -13,7 +13,7 @@ from conftest import TINY
 from colichat.chat import Conversation
 from colichat.engine import Sampler, SamplerSettings, load
 from colichat.engine.generate import Generation
-from colichat.engine.speculative import PromptLookup, accept
+from colichat.engine.speculative import DraftSource, PromptLookup, accept
 from colichat.persist import Store
 from colichat.settings import SettingError, Settings
 
@@ -112,7 +112,7 @@ def test_smollm2_echo_answer_is_the_same_with_drafts(default_model, tmp_path):
     assert runs[6][3] > 20  # most of the echoed paragraph came from drafts
 
 
-class FixedDrafts:
+class FixedDrafts(DraftSource):
     """Always the same guesses (a point-mass draft distribution, whatever the history)."""
 
     def __init__(self, tokens):

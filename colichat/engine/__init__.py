@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from .cache import record_bytes
 from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
-from .model import Model, architecture, available_memory, prepare_weights, rope_factors_problem
+from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
+from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
@@ -36,7 +37,7 @@ def load_tokenizer(path_or_reader):
 
 
 def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, expert_cache: float | None = None,
-         on_note=None, numerics: str = "fast") -> Model:
+         on_note=None, numerics: str = "fast", mtp: bool = True) -> Model:
     """Open a GGUF, check it, dequantize its weights, and return a Model with an empty cache.
 
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
@@ -45,6 +46,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     expert_cache: MiB of dequantized routed experts kept (MoE models; default: model.auto_expert_cache_mib).
     on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
     numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic bit for bit (slow).
+    mtp: draft with the file's MTP block, if it has one (its rows count in the context's memory).
     """
     from .prepared import load_prepared, save_prepared
     from .tokenizer import load_tokenizer as _load_tokenizer
@@ -68,6 +70,8 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     check_memory(path, dense)
     a, b = architecture(cfg).cache_widths(cfg)
     record = record_bytes(cfg.n_layer, a, b, cfg.index_head_dim, cfg.n_index_layers)  # Model's KVCache record
+    if mtp and mtp_drafting(cfg, numerics):
+        record += mtp_bytes_per_token(cfg)  # what Model.mtp keeps per token
     check_context(n_ctx, cfg.n_ctx_train, record, dense)
     if weights is None:
         weights = prepare_weights(cfg, tensors, progress)
@@ -77,7 +81,15 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 size = sum(a.nbytes for a in weights.values()) >> 20
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
-    return Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics)
+    return Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp)
+
+
+def mtp_drafting(cfg: ModelConfig, numerics: str) -> bool:
+    """Whether a Model of cfg drafts with an MTP block (Model.mtp): the file has one and the numerics'
+    passes give decode's rows (Model.exact_passes)."""
+    if not cfg.n_nextn or numerics != "fast":
+        return False
+    return bool(getattr(forward_class(architecture(cfg), numerics), "exact_passes", False))
 
 
 def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:

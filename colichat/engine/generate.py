@@ -5,10 +5,13 @@
         ...                   # breaking out early leaves exactly the yielded tokens in the cache
     gen.stopped               # "eog" | "length" | "context" (None if the caller stopped first)
 
-With a draft source (speculative.py) and draft > 0, each step feeds the chosen token and up to
-`draft` guessed continuations in one batched pass, keeps the longest prefix the sampler accepts
-(speculative.accept: the same tokens as plain decoding when greedy, the same distribution when
-sampling) and cuts the cache back past it. Knows no text and no turns.
+With draft sources (speculative.py: prompt lookup; mtp.py: an MTP block) and draft > 0, each step
+feeds the chosen token and up to `draft` guessed continuations in one batched pass, keeps the
+longest prefix the sampler accepts (speculative.accept: the same tokens as plain decoding when
+greedy, the same distribution when sampling) and cuts the cache back past it. Each source keeps
+its own acceptance rate; a step checks the proposal with the best expected gain (speculative.gain:
+tokens kept per unit of time, the proposal's own cost included), asking a costly source only when
+it could beat the free ones already asked. Knows no text and no turns.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .speculative import AcceptanceRate, accept, draft_size
+from .speculative import AcceptanceRate, accept, draft_size, gain
 
 
 @dataclass(frozen=True)
@@ -33,17 +36,19 @@ class Generation:
     def __init__(self, model, logits: np.ndarray, sampler, stop_ids, max_tokens: int,
                  drafts=None, draft: int = 0, recent: int = 64):
         """logits: (V,) after the last cached token; stop_ids: tokens that end the answer (never fed);
-        drafts: a draft source (`propose(history, k) -> list[int]`) or None; draft: at most this many
-        drafts per pass (fewer while drafts are being rejected: speculative.draft_size); recent: how
-        many cached tokens the sampler's repeat penalty sees."""
+        drafts: a speculative.DraftSource, a list of them (asked in order: free ones first), or None;
+        draft: at most this many drafts per pass (fewer while drafts are being rejected:
+        speculative.draft_size); recent: how many cached tokens the sampler's repeat penalty sees."""
         self.model, self.logits, self.sampler = model, logits, sampler
         self.stop_ids = frozenset(int(i) for i in stop_ids)
-        self.max_tokens, self.drafts, self.draft, self.recent = max_tokens, drafts, draft, recent
+        self.max_tokens, self.draft, self.recent = max_tokens, draft, recent
+        self.sources = [] if drafts is None else list(drafts) if isinstance(drafts, (list, tuple)) else [drafts]
         self.stopped: str | None = None
         self.generated = 0
         self.n_drafted = 0   # drafts checked by verify passes
         self.n_accepted = 0  # drafts kept
-        self.rate = AcceptanceRate()
+        self.by_source = {s.name: [0, 0] for s in self.sources}  # name -> [drafts checked, kept]
+        self.rates = [AcceptanceRate() for _ in self.sources]
 
     def _window(self, end: int) -> np.ndarray:
         return self.model.cache.tokens[max(0, end - self.recent) : end]
@@ -64,10 +69,11 @@ class Generation:
                     self.stopped = "context"
                     return
                 k = min(self.draft, self.max_tokens - self.generated - 1, cache.room() - 2)
-                k = draft_size(self.rate.value, k) if k > 0 and self.drafts is not None else 0
-                guess = self._propose(n, tid, k) if k > 0 else []
+                guess, src = self._propose(n, tid, k) if k > 0 else ([], None)
+                for i, rate in enumerate(self.rates):
+                    if i != src:  # not checked this step: drift back toward the prior
+                        rate.plain_step()
                 if not guess:
-                    self.rate.plain_step()
                     logits = model.decode(tid)
                     self.generated += 1
                     shown = cache.length
@@ -82,10 +88,12 @@ class Generation:
                         break
                     kept += 1
                 cache.truncate(n + 1 + kept)  # rejected drafts' rows are dead
-                self.rate.checked(kept, kept < len(guess))
+                self.rates[src].checked(kept, kept < len(guess))
                 logits = rows[kept]
                 self.n_drafted += len(guess)
                 self.n_accepted += kept
+                counts = self.by_source[self.sources[src].name]
+                counts[0], counts[1] = counts[0] + len(guess), counts[1] + kept
                 for t in [tid] + guess[:kept]:
                     self.generated += 1
                     shown += 1
@@ -95,11 +103,20 @@ class Generation:
             if cache.length > shown:  # the caller stopped inside a pass: keep only what it saw
                 cache.truncate(shown)
 
-    def _propose(self, n: int, tid: int, k: int) -> list[int]:
+    def _propose(self, n: int, tid: int, k: int) -> tuple[list[int], int | None]:
+        """The drafts to check after `tid` (at most k) and the index of their source (None: none)."""
         history = np.append(self.model.cache.tokens[:n], np.int32(tid))  # (n+1,)
-        out = []
-        for d in self.drafts.propose(history, k)[:k]:
-            if d in self.stop_ids:  # a stop token is never fed to the cache
-                break
-            out.append(int(d))
-        return out
+        best, best_gain, best_src = [], 1.0, None  # plain decoding gains 1
+        for i, src in enumerate(self.sources):
+            rate = self.rates[i].value
+            size = draft_size(rate, k if src.most is None else min(k, src.most), cost=src.cost)
+            if size == 0 or gain(rate, size, src.cost) <= best_gain:
+                continue  # paused, or it cannot beat what an earlier source offers
+            out = []
+            for d in src.propose(history, size)[:size]:
+                if d in self.stop_ids:  # a stop token is never fed to the cache
+                    break
+                out.append(int(d))
+            if out and gain(rate, len(out), src.cost) > best_gain:
+                best, best_gain, best_src = out, gain(rate, len(out), src.cost), i
+        return best, best_src

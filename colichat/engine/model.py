@@ -40,6 +40,8 @@ from ..units import format_size
 from . import deepseek2, dsa, llama, minicpm3, plm
 from .cache import KVCache
 from .gguf import ModelConfig, ModelError, Tensors
+from .mtp import MTPDrafts
+from .mtp import bytes_per_token as mtp_bytes_per_token
 from .ops import rms_norm
 from .threads import ThreadPolicy
 
@@ -134,10 +136,11 @@ class MemoryEstimate:
     experts_f32: int    # what all routed experts would take as f32 (not held)
     kv_per_token: int   # cache bytes per token (record: token id + every layer's rows)
     n_ctx: int
+    mtp_per_token: int = 0  # MTP drafting: the block's cache record and a hidden state per token
 
     @property
     def total(self) -> int:
-        return self.dense + self.experts + self.kv_per_token * self.n_ctx
+        return self.dense + self.experts + (self.kv_per_token + self.mtp_per_token) * self.n_ctx
 
     def __str__(self) -> str:
         def mib(n: int) -> str:
@@ -147,6 +150,8 @@ class MemoryEstimate:
         if self.experts_f32:
             s += f" + expert cache <= {mib(self.experts)} (all experts as f32: {mib(self.experts_f32)})"
         s += f" + KV {format_size(self.kv_per_token)}/token x {self.n_ctx:,} = {mib(self.kv_per_token * self.n_ctx)}"
+        if self.mtp_per_token:
+            s += f" + MTP drafts {format_size(self.mtp_per_token)}/token = {mib(self.mtp_per_token * self.n_ctx)}"
         return s + f"; total <= {mib(self.total)}"
 
 
@@ -162,10 +167,12 @@ class Model:
         tensors: Tensors | None = None,
         expert_cache: float | None = None,
         numerics: str = "fast",
+        mtp: bool = True,
     ):
         """expert_cache: MiB of dequantized routed experts to keep (MoE models; default:
         auto_expert_cache_mib of what the weights and the cache leave). Routed experts are read
-        from `tensors` (the GGUF memory map). numerics: see forward_class."""
+        from `tensors` (the GGUF memory map). numerics: see forward_class. mtp: draft with the
+        file's MTP block (`self.mtp`, fed by every forward) where it has one and passes are exact."""
         self.cfg = cfg
         self.w = weights
         self.tokenizer = tokenizer
@@ -187,13 +194,14 @@ class Model:
         # speculative decoding needs a pass of a few tokens to give decode's exact rows
         self.exact_passes = numerics == "fast" and getattr(self.fwd, "exact_passes", False)
         self.threads = ThreadPolicy()
+        self.mtp = MTPDrafts(self) if mtp and cfg.n_nextn and self.exact_passes else None
 
     # --- public API -------------------------------------------------------------------------------
 
     def prefill(self, ids, all_logits: bool = True, hidden: bool = False):
         """Run new tokens after the cache; logits (T, V) for every new token, or (1, V) for the last.
         hidden=True: (logits, h) with h (T, D) the output_norm'd hidden states of every new token
-        (what an MTP block takes, mtp.py)."""
+        (what an MTP block takes, mtp.py; self.mtp is given them of every forward)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -208,9 +216,14 @@ class Model:
             for start in range(0, ids.size, PREFILL_CHUNK):
                 chunk = ids[start : start + PREFILL_CHUNK]
                 last = start + chunk.size == ids.size
+                pos0 = self.cache.length
                 x = self._forward(chunk)  # (T, D)
-                if hidden:
-                    hs.append(rms_norm(x, self.w["output_norm"], self.cfg.rms_eps))  # (T, D)
+                if hidden or self.mtp is not None:
+                    h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
+                    if self.mtp is not None:
+                        self.mtp.observe(pos0, h)
+                    if hidden:
+                        hs.append(h)
                 if all_logits:
                     out.append(self.fwd.logits(x))
                 elif last:
@@ -262,7 +275,8 @@ class Model:
             per_expert = 3 * cfg.n_ff_exp * cfg.n_embd * 4  # gate, up, down as f32
             all_f32 = per_expert * cfg.n_expert * len(self.experts.layers)
         bound = min(self.experts.capacity, all_f32) if self.experts is not None else 0
-        return MemoryEstimate(self.weight_bytes, bound, all_f32, self.cache.record_bytes, self.n_ctx)
+        return MemoryEstimate(self.weight_bytes, bound, all_f32, self.cache.record_bytes, self.n_ctx,
+                              mtp_bytes_per_token(cfg) if self.mtp is not None else 0)
 
     # --- internals --------------------------------------------------------------------------------
 

@@ -4,6 +4,12 @@ A draft source guesses the next few tokens cheaply; Generation (generate.py) che
 one batched pass and keeps the longest prefix `accept` allows. Decode is memory-bound, so the pass
 over 1 + k tokens reads the weights once, as one decode step does.
 
+Two sources: PromptLookup here (free; up to k tokens where the answer repeats the conversation)
+and mtp.MTPDrafts (one token per step from the model's MTP block, at a cost: its layer and output
+head). Generation asks the free one first and the MTP block only when its expected gain (`gain`,
+with each source's own running acceptance rate and cost) beats the lookup's match: a lookup match
+of several tokens wins where text is being copied, MTP elsewhere (BENCHMARKS.md has the numbers).
+
 accept() is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023) for a
 deterministic draft (q is a point mass on d): keep d with probability p(d); otherwise draw from
 normalize(max(p - q, 0)), i.e. p without d. Every token is then distributed exactly as p, and
@@ -22,15 +28,33 @@ RATE_STEP = 0.25  # weight of each checked draft in the running acceptance rate
 RATE_RECOVER = 0.05  # per plain decode step, the rate drifts back toward the prior (to try again)
 
 
-def draft_size(rate: float, k_max: int, row_cost: float = ROW_COST) -> int:
-    """How many drafts to check: the k <= k_max that maximizes the expected tokens per unit of time,
-    (1 + r + ... + r^k) / (1 + row_cost k) with r the acceptance rate; 0 if no k beats plain decoding."""
-    best, best_k, tokens = 1.0, 0, 1.0
+def gain(rate: float, k: int, cost: float = 0.0, row_cost: float = ROW_COST) -> float:
+    """Expected tokens per decode step's time of checking k drafts kept at rate r that took `cost`
+    decode steps to make: (1 + r + ... + r^k) / (1 + cost + row_cost k); plain decoding is 1."""
+    return sum(rate**i for i in range(k + 1)) / (1 + cost + row_cost * k)
+
+
+def draft_size(rate: float, k_max: int, row_cost: float = ROW_COST, cost: float = 0.0) -> int:
+    """How many drafts to check: the k <= k_max that maximizes `gain`; 0 if no k beats plain decoding."""
+    best, best_k = 1.0, 0
     for k in range(1, k_max + 1):
-        tokens += rate**k
-        if tokens / (1 + row_cost * k) > best:
-            best, best_k = tokens / (1 + row_cost * k), k
+        g = gain(rate, k, cost, row_cost)
+        if g > best:
+            best, best_k = g, k
     return best_k
+
+
+class DraftSource:
+    """What Generation asks for drafts: `propose(history, k)` -> up to k guessed token ids to follow
+    `history` (N,) (the cached tokens and the token just chosen). `cost`: what one proposal costs, in
+    decode steps; `most`: the most drafts one proposal gives (None: any number)."""
+
+    name = "drafts"
+    cost = 0.0
+    most: int | None = None
+
+    def propose(self, history: np.ndarray, k: int) -> list[int]:
+        raise NotImplementedError
 
 
 class AcceptanceRate:
@@ -68,11 +92,13 @@ def accept(sampler, logits: np.ndarray, recent, draft: int) -> tuple[bool, int]:
     return False, int(cand[sampler.rng.choice(p.size, p=p)])
 
 
-class PromptLookup:
+class PromptLookup(DraftSource):
     """Drafts by prompt lookup (n-gram matching, as llama.cpp's lookup decoding): find the latest
     earlier occurrence of the history's last n tokens (n from NGRAM_MAX down to NGRAM_MIN, longest
     first) and propose the tokens that followed it. Costs no model pass; pays off when the answer
     repeats text from the conversation (rewriting, code edits, quoting)."""
+
+    name = "lookup"
 
     def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
