@@ -337,9 +337,11 @@ def wrapped(text: str, width: int) -> list[str]:
     return [line.rstrip() for line in (w.feed(text) + w.flush()).split("\n")]
 
 
-def rows_after(shown: list[str], question: str) -> list[str]:
-    """The rows after the one `> question` row, up to its footer (or the last row shown)."""
-    assert shown.count(f"> {question}") == 1, shown  # shown once
+def rows_after(shown: list[str], question: str) -> list[str] | None:
+    """The rows after the `> question` row, up to its footer (or the last row shown); None unless
+    that row is shown, once."""
+    if shown.count(f"> {question}") != 1:
+        return None
     start = shown.index(f"> {question}") + 1
     end = next((i for i in range(start, len(shown)) if shown[i].startswith("[")), len(shown))
     return shown[start:end]
@@ -361,7 +363,7 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
         t.keys("Enter")
         t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), MODEL_WAIT, "the answer")
         answer = saved_answers(colichat_home, "r")[0]
-        assert max(map(len, rows_after(visible(t), first))) > 50  # laid out for 100 columns
+        assert max(map(len, rows_after(visible(t), first) or [""])) > 50  # laid out for 100 columns
 
         # narrower while the next answer streams: at its next words the window is drawn again, the
         # answer before re-wrapped at word boundaries; keys typed meanwhile wait for the prompt
@@ -376,6 +378,7 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
         t.wait_for(lambda s: rows_after(visible(t), first) == wrapped(answer, 50) and FOOTER.findall(s)[1:] == [],
                    SCREEN_WAIT, "the window drawn again at 50 columns while the answer streams")
         partial = rows_after(visible(t), second)
+        assert partial and all(len(row) <= 50 for row in partial)  # the answer so far, drawn again too
         t.type("typed ahead")
         t.wait_for(lambda s: len(FOOTER.findall(s)) == 2 and s.rstrip().endswith("> typed ahead"), MODEL_WAIT,
                    "the second answer and the typed-ahead text at the prompt")
@@ -398,7 +401,16 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
         t.keys("Enter")  # the typed-ahead text is sent as it was typed
         screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 3 and s.rstrip().endswith(">"), MODEL_WAIT,
                             "the third answer")
-        assert saved_answers(colichat_home, "r")[2] and "user> typed ahead" not in screen
+        assert len(saved_answers(colichat_home, "r")) == 3
+
+        # a line dropped with Ctrl-C stays as it showed, once, through a redraw
+        t.type("dropped")
+        t.keys("C-c")
+        t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> dropped^C\n>"), SCREEN_WAIT, "the dropped line")
+        resize(t, 60)
+        t.wait_for(lambda s: rows_after(visible(t), second) == wrapped(answers[1], 60), SCREEN_WAIT,
+                   "the window drawn again at 60 columns")
+        assert [row for row in visible(t) if row][-2:] == ["> dropped^C", ">"]
         t.keys("C-d")
         screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
         assert "Traceback" not in screen
