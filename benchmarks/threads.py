@@ -55,11 +55,14 @@ class OpenBLASThreads:
 
 
 def variants() -> list[tuple[str, object]]:
-    """(label, thread policy): one thread, two sharing row blocks, OpenBLAS's two. (The engine's
-    default is one of the first two per phase: threads.ThreadPolicy.)"""
+    """(label, thread policy): one thread; two sharing row blocks (prefill, verify) with decode's
+    matrix-vector products on OpenBLAS's two threads; OpenBLAS's two on whole products (the policy before
+    the row blocks). The engine's default, which picks decode's threads by timing them, is measured too
+    (bench_threads: one policy for the whole run, as a running program has)."""
     from colichat.engine.threads import ThreadPolicy
 
-    return [("1", ThreadPolicy(decode=1, prefill=1)), ("2, row blocks", ThreadPolicy(decode=2, prefill=2)),
+    return [("1", ThreadPolicy(decode=1, prefill=1, one_token=(1,))),
+            ("2, row blocks", ThreadPolicy(decode=2, prefill=2, one_token=(2,))),
             ("2, OpenBLAS", OpenBLASThreads(2))]
 
 
@@ -74,7 +77,9 @@ def bench_threads(model, decode_tokens: int = 16, prefill_tokens: int = 256, rou
     rng = np.random.default_rng(9)
     ids = rng.integers(0, model.cfg.n_vocab, prefill_tokens)
     toks = rng.integers(0, model.cfg.n_vocab, decode_tokens)
-    saved, rows = model.threads, []
+    from colichat.engine.threads import ThreadPolicy
+
+    saved, rows, engine = model.threads, [], ThreadPolicy()
     for busy in (False, True):
         stop = multiprocessing.Event()
         spinner = multiprocessing.Process(target=_spin, args=(stop,), daemon=True) if busy else None
@@ -83,7 +88,7 @@ def bench_threads(model, decode_tokens: int = 16, prefill_tokens: int = 256, rou
         try:
             times: dict[str, list] = {}
             for _ in range(rounds):
-                for label, policy in variants():
+                for label, policy in variants() + [("engine (decode timed)", engine)]:
                     model.threads = policy
                     model.reset()
                     t0 = time.perf_counter()
@@ -143,7 +148,7 @@ def main(argv=None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     models = [("SmolLM2-135M", Path(default_model_path()), 16, 256)]
     if not args.skip_deepseek:
-        models.append((f"V2-Lite-shaped (FFN {args.ff})", deepseek_gguf(args.ff), 4, 64))
+        models.append((f"V2-Lite-shaped (FFN {args.ff})", deepseek_gguf(args.ff), 8, 64))
     res, lines = {}, []
     for label, path, decode_tokens, prefill_tokens in models:
         say(f"threads: {label}")
@@ -152,8 +157,10 @@ def main(argv=None) -> int:
         lines += [f"### {label} (prefill of {prefill_tokens} tokens, decode after 64)", ""] + table(res[label]) + [""]
         del model
     policy = ThreadPolicy()
-    lines.append(f"The engine's default (engine/threads.py): prefill {policy.prefill} threads on row blocks, "
-                 f"decode and verify passes {policy.decode}.")
+    counts = " or ".join(map(str, policy.one_token.counts))
+    lines.append(f"The engine's default (engine/threads.py): prefill {policy.prefill} threads on row blocks, verify "
+                 f"passes {policy.decode}, decode's matrix-vector products on {counts} OpenBLAS threads, whichever "
+                 "its timed passes find faster.")
     (OUT / "threads.json").write_text(json.dumps(res, indent=1))
     print("\n".join(lines))
     return 0

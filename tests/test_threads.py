@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 from conftest import TINY
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from colichat.engine import load, ops
 from colichat.engine.ops import ROW_ALIGN, ROW_BLOCKS, SMALL_BATCH, WORKERS, linear, row_blocks
-from colichat.engine.threads import ThreadPolicy, Workers
+from colichat.engine.threads import PROBE_EVERY, PROBE_MAX, Faster, ThreadPolicy, Workers
 
 TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3", "plm", "minicpm3"]
 
@@ -133,10 +133,10 @@ def assert_same_with_one_and_two_threads(model, n_prompt, monkeypatch):
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, model.cfg.n_vocab, n_prompt).tolist()
     toks = rng.integers(0, model.cfg.n_vocab, 6).tolist()
-    ref = run_model(model, ThreadPolicy(decode=1, prefill=1), prompt, toks)
+    ref = run_model(model, ThreadPolicy(decode=1, prefill=1, one_token=(1,)), prompt, toks)
     try:
-        for decode, prefill in ((1, 2), (2, 2), (2, 3)):
-            got = run_model(model, ThreadPolicy(decode=decode, prefill=prefill), prompt, toks)
+        for decode, prefill, one_token in ((1, 2, (1,)), (2, 2, (2,)), (2, 3, (3,))):
+            got = run_model(model, ThreadPolicy(decode, prefill, one_token), prompt, toks)
             assert all(np.array_equal(a, b) for a, b in zip(got[0], ref[0], strict=True))
             assert got[1:] == ref[1:]
     finally:
@@ -150,3 +150,70 @@ def test_tiny_model_logits_and_cache_are_the_same_with_one_and_two_threads(name,
 
 def test_smollm2_logits_and_cache_are_the_same_with_one_and_two_threads(default_model, monkeypatch):
     assert_same_with_one_and_two_threads(default_model, 100, monkeypatch)
+
+
+def run_faster(faster, seconds, passes: int) -> list[int]:
+    """The thread counts Faster picks for `passes` passes whose times are seconds[n]."""
+    picked = []
+    for _ in range(passes):
+        n = faster.pick()
+        faster.record(n, seconds[n])
+        picked.append(n)
+    return picked
+
+
+def test_one_token_passes_take_the_faster_thread_count():
+    faster = Faster((1, 2))
+    picked = run_faster(faster, {1: 0.040, 2: 0.027}, 200)
+    assert picked[:2] == [1, 2] and faster.best == 2
+    assert picked[2:].count(1) == 3  # tried again after 16, 32 and 64 passes, losing each time
+
+
+def test_a_thread_count_that_keeps_losing_is_tried_ever_less_often():
+    faster = Faster((1, 2))
+    picked = run_faster(faster, {1: 0.040, 2: 0.100}, 3000)
+    tries = [i for i, n in enumerate(picked) if n == 2]
+    gaps = np.diff(tries)
+    assert faster.best == 1 and gaps[0] == PROBE_EVERY
+    assert all(b == min(2 * a, PROBE_MAX) for a, b in zip(gaps[:-1], gaps[1:], strict=True))  # doubling
+    assert len(tries) < 20  # of 3000 passes: the tries cost under 1% here
+
+
+def test_a_core_taken_mid_answer_sends_one_token_passes_back_to_one_thread():
+    faster = Faster((1, 2))
+    run_faster(faster, {1: 0.040, 2: 0.027}, 500)
+    assert faster.best == 2
+    picked = run_faster(faster, {1: 0.045, 2: 0.100}, 3)  # another process takes a core
+    assert picked == [2, 1, 1] and faster.best == 1
+
+
+def test_a_core_freed_again_is_used_within_probe_max_passes():
+    faster = Faster((1, 2))
+    run_faster(faster, {1: 0.045, 2: 0.100}, 2000)
+    assert faster.best == 1
+    picked = run_faster(faster, {1: 0.040, 2: 0.027}, PROBE_MAX + 1)
+    assert faster.best == 2 and picked[-1] == 2
+
+
+def blas_threads() -> int:
+    return threadpool_info()[0]["num_threads"]
+
+
+def test_a_decode_pass_runs_its_matrix_vector_products_alone_on_openblas_threads():
+    """On two threads, a one-token pass's ops.linear sees two OpenBLAS threads and every other BLAS
+    call of the pass one (OpenBLAS's matrix products, attention's, round differently with two)."""
+    seen = []
+
+    class Spy(np.ndarray):  # records the OpenBLAS threads when a product reads it
+        def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+            seen.append(blas_threads())
+            return getattr(ufunc, method)(*(np.asarray(a) for a in inputs), **kwargs)
+
+    x, w = np.ones((1, 8), np.float32), np.ones((4, 8), np.float32)
+    with ThreadPolicy(one_token=(2,)).limit(1):
+        before = blas_threads()
+        assert ops.linear(x, w.view(Spy)).tolist() == [[8.0] * 4]
+        after = blas_threads()
+    with ThreadPolicy(one_token=(1,)).limit(1):
+        ops.linear(x, w.view(Spy))
+    assert (before, seen, after) == (1, [2, 1], 1)

@@ -171,7 +171,7 @@ class MTPDrafts(DraftSource):
         while e <= n:  # position q gets (h_{q-1}, token q); h_{-1} = 0
             stop = min(n + 1, e + CHUNK)
             h_prev = h[e - 1 : stop - 1] if e else np.concatenate([np.zeros_like(h[:1]), h[: stop - 1]])
-            with self.model.threads.limit(stop - e):
+            with self.model.threads.limit(stop - e, timed=False):  # not a decode step: not timed
                 logits = blk.forward(h_prev, hist[e:stop], e - self.base, last_only=True)  # (1, V)
             e = stop
         self.tokens[: n + 1] = hist

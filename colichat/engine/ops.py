@@ -15,6 +15,9 @@ MATVEC_SPLIT = 8 << 20  # bytes of weights from which a matrix-vector product is
 # Who computes the row blocks of the current pass's products: a threads.Workers (set per pass by
 # threads.ThreadPolicy.limit), or None for this thread alone. Either way the blocks are the same.
 WORKERS: ContextVar = ContextVar("workers", default=None)
+# How a one-token pass computes x @ w.T: a threads.BlasMatvec (OpenBLAS's threads, set per pass by
+# threads.ThreadPolicy.limit), or None for one BLAS call on this thread. The bits are the same.
+MATVEC: ContextVar = ContextVar("matvec", default=None)
 
 
 def row_blocks(o: int) -> list[int]:
@@ -59,7 +62,8 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if 1 < t <= SMALL_BATCH:
         return _matvec_rows(x, w, workers)
     if t == 1 and workers is None:
-        return x @ w.T
+        matvec = MATVEC.get()
+        return x @ w.T if matvec is None else matvec(x, w)
     edges = row_blocks(w.shape[0])
     out = np.empty((t, w.shape[0]), dtype=np.result_type(x, w))  # (T, O)
 

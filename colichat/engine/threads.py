@@ -1,5 +1,6 @@
-"""How a forward pass uses the cores: OpenBLAS runs one thread per call, and the blocks of outputs of
-each product (ops.row_blocks) are shared out among a few Python threads (numpy releases the GIL in BLAS).
+"""How a forward pass uses the cores: OpenBLAS runs one thread per call (but for decode's matrix-vector
+products, below), and the blocks of outputs of each product (ops.row_blocks) are shared out among a few
+Python threads (numpy releases the GIL in BLAS).
 
 Why not OpenBLAS's own threads (measured on a 2-core machine, BENCHMARKS.md "Threads"): they wait for
 each other at every product, so when another process holds a core decode and prefill run several times
@@ -14,9 +15,11 @@ rather than wait for a descheduled thread (Workers.run). The result has the same
 of threads or the load (tests/test_threads.py). GQA prefill attention shares its KV heads the same way.
 
 Per phase: prefill (passes of more than ops.SMALL_BATCH tokens, compute-bound) uses every core this
-process may run on (at most ROW_BLOCKS). Decode and verify passes (matrix-vector products, bound by
-memory bandwidth) use DECODE_THREADS. Their bits never depend on a split; whether a second thread pays
-there is a matter of speed alone (benchmarks/threads.py).
+process may run on (at most ROW_BLOCKS). Verify passes (2..SMALL_BATCH tokens) use DECODE_THREADS.
+Decode (one-token passes: matrix-vector products, bound by memory bandwidth, and attention over the
+cache) is where OpenBLAS's own threads do pay on an idle machine (a matrix-vector product split among
+them gives the same bits, tests/test_threads.py) and cost several times over when another process holds
+a core: so the OpenBLAS thread count of one-token passes follows their measured times (Faster).
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ from contextlib import contextmanager
 
 from threadpoolctl import ThreadpoolController
 
-from .ops import ROW_BLOCKS, SMALL_BATCH, WORKERS
+from .ops import MATVEC, ROW_BLOCKS, SMALL_BATCH, WORKERS
 
-# decode and verify passes (up to SMALL_BATCH tokens): a second thread did not pay on a shared machine
+# verify passes (2..SMALL_BATCH tokens): a second thread sharing row blocks did not pay on a shared machine
 # (BENCHMARKS.md "Threads"); products under ops.MATVEC_SPLIT bytes stay one call in any case
 DECODE_THREADS = 1
+PROBE_EVERY = 16  # one-token passes between tries of a thread count that is not the faster one ...
+PROBE_MAX = 256  # ... doubling after each try it loses, up to this
+SLOWER = 1.5  # a pass of the current choice this much slower than its average has fewer threads tried at once
 
 
 def cores() -> int:
@@ -103,13 +109,84 @@ class Workers:
             raise
 
 
-class ThreadPolicy:
-    """Per pass: one OpenBLAS thread, and the workers for the pass's products (None: this thread)."""
+class Faster:
+    """The faster of a few OpenBLAS thread counts for a recurring pass, chosen by timing the passes.
 
-    def __init__(self, decode: int = DECODE_THREADS, prefill: int | None = None):
+    The current choice runs every pass and its time is a running average; every other count is tried
+    again after `wait` passes and taken over when one try beats that average. A count that loses waits
+    twice as long before its next try (PROBE_EVERY .. PROBE_MAX passes), so on a machine where it keeps
+    losing (another process holding a core: OpenBLAS's threads then wait for each other at every call,
+    several times slower) the tries cost a few percent at most, and it is back within PROBE_MAX passes
+    once the core is free again. A pass of the current choice SLOWER than its average (another process
+    may have taken a core) has the smaller counts tried at the next pass."""
+
+    def __init__(self, counts: tuple[int, ...]):
+        self.counts, self.best = counts, counts[0]
+        self.seconds: float | None = None  # running average of the best count's passes
+        self.passes = 0
+        self.wait = dict.fromkeys(counts, PROBE_EVERY)
+        self.due = dict.fromkeys(counts, 2)  # the pass at which a count is tried next (the first is timed)
+
+    def pick(self) -> int:
+        """The thread count for the next pass."""
+        self.passes += 1
+        return next((n for n in self.counts if n != self.best and self.passes >= self.due[n]), self.best)
+
+    def record(self, n: int, seconds: float) -> None:
+        """The pass run with n threads took `seconds`."""
+        if n == self.best:
+            if self.seconds is not None and seconds > SLOWER * self.seconds:  # another process took a core?
+                for m in self.counts:
+                    if m < n:
+                        self.due[m] = self.passes + 1
+            self.seconds = seconds if self.seconds is None else 0.7 * self.seconds + 0.3 * seconds
+        elif self.seconds is None or seconds < self.seconds:  # a try that wins: it becomes the choice
+            self.due[self.best], self.wait[self.best] = self.passes + PROBE_EVERY, 2 * PROBE_EVERY
+            self.best, self.seconds = n, seconds
+        else:
+            self.due[n] = self.passes + self.wait[n]
+            self.wait[n] = min(2 * self.wait[n], PROBE_MAX)
+
+
+class BlasMatvec:
+    """x @ w.T for one x row on `n` OpenBLAS threads, the pass's other BLAS calls staying on one.
+
+    OpenBLAS splits a matrix-vector product by outputs, each still its row's dot product: the bits of
+    one thread (tests/test_threads.py). Its matrix products (attention's query rows against the cache)
+    round differently with the thread count, so they stay on one thread: hence per call, not per pass
+    (setting the count costs about a microsecond)."""
+
+    def __init__(self, libs, n: int):
+        self.libs, self.n = libs, n
+
+    def __call__(self, x, w):
+        for lib in self.libs:
+            lib.set_num_threads(self.n)
+        try:
+            return x @ w.T
+        finally:
+            for lib in self.libs:
+                lib.set_num_threads(1)
+
+
+class ThreadPolicy:
+    """Per pass: the OpenBLAS threads, and the workers for the pass's products (None: this thread).
+
+    decode: Python threads sharing the row blocks of verify passes' large products (ops.MATVEC_SPLIT).
+    prefill: Python threads sharing prefill's row blocks (default: the cores).
+    one_token: the OpenBLAS thread counts one-token passes choose from by their times (Faster); one
+    count fixes it (default: 1 and the cores)."""
+
+    def __init__(self, decode: int = DECODE_THREADS, prefill: int | None = None,
+                 one_token: tuple[int, ...] | None = None):
         self.controller = ThreadpoolController()
         self.decode, self.prefill = decode, cores() if prefill is None else prefill
+        self.blas = self.controller.select(user_api="blas").lib_controllers
+        if not self.blas:  # a BLAS threadpoolctl does not know: its own threads stay as they are
+            one_token = (1,)
+        self.one_token = Faster(one_token or tuple(sorted({1, cores()})))
         self._workers: dict[int, Workers] = {}
+        self._matvec = {n: BlasMatvec(self.blas, n) for n in self.one_token.counts if n > 1}
 
     def threads(self, tokens: int) -> int:
         return self.decode if tokens <= SMALL_BATCH else self.prefill
@@ -123,11 +200,26 @@ class ThreadPolicy:
         return self._workers[n]
 
     @contextmanager
-    def limit(self, tokens: int):
-        """A context manager for a pass over `tokens` tokens."""
+    def limit(self, tokens: int, timed: bool = True):
+        """A context manager for a pass over `tokens` tokens. A one-token pass runs on the OpenBLAS
+        threads Faster picks and, if `timed` (the trunk's decode steps, alike from one to the next),
+        tells it how long it took; an untimed one (an MTP draft step) takes the current choice."""
+        if tokens != 1:
+            with self.controller.limit(limits=1, user_api="blas"):
+                token = WORKERS.set(self.workers(tokens))
+                try:
+                    yield
+                finally:
+                    WORKERS.reset(token)
+            return
+        n = self.one_token.pick() if timed else self.one_token.best
         with self.controller.limit(limits=1, user_api="blas"):
-            token = WORKERS.set(self.workers(tokens))
+            token, matvec = WORKERS.set(None), MATVEC.set(self._matvec.get(n))
+            t0 = time.perf_counter()
             try:
                 yield
             finally:
+                MATVEC.reset(matvec)
                 WORKERS.reset(token)
+            if timed:
+                self.one_token.record(n, time.perf_counter() - t0)
