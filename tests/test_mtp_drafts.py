@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY
+from drafting_helpers import chi2_critical, load
 from gguf_factory import DS2Spec, write_deepseek2
-from test_speculative import chi2_critical
 
 import colichat.engine as engine
 from colichat.chat import Conversation
-from colichat.engine import ModelError, Sampler, SamplerSettings, load
+from colichat.engine import ModelError, Sampler, SamplerSettings
 from colichat.engine.generate import Generation
 from colichat.engine.mtp import MTPBlock, bytes_per_token
 from colichat.engine.speculative import DraftSource

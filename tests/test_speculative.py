@@ -3,17 +3,18 @@ are the same with and without drafts, and with sampling every token keeps its di
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import TINY
+from drafting_helpers import chi2_critical, load
 
 from colichat.chat import Conversation
-from colichat.engine import Sampler, SamplerSettings, load
+from colichat.engine import Sampler, SamplerSettings
 from colichat.engine.generate import Generation
-from colichat.engine.speculative import DraftSource, PromptLookup, accept
+from colichat.engine.speculative import EXPLORE_EVERY, DraftSource, PromptLookup, accept, draft_size
+from colichat.engine.threads import ThreadPolicy
 from colichat.persist import Store
 from colichat.settings import SettingError, Settings
 
@@ -97,17 +98,22 @@ def test_greedy_answers_and_saved_sessions_are_the_same_with_drafts(tiny, tmp_pa
 def test_smollm2_echo_answer_is_the_same_with_drafts(default_model, tmp_path):
     paragraph = ("The quick brown fox jumps over the lazy dog. The dog does not move, and the fox runs "
                  "into the forest where it finds a small river and drinks from it before the night comes.")
-    runs = {}
-    for draft in (0, 6):
-        store = Store(tmp_path / str(draft))
-        settings = Settings(temperature=0, max_tokens=60, draft=draft)
-        default_model.reset()
-        conv = Conversation(default_model, settings, store=store, session_name="s")
-        a1, s1 = conv.ask(f"Repeat this text exactly: {paragraph}")
-        conv.rewind(1)
-        a2, s2 = conv.ask(f"Copy this paragraph word for word: {paragraph}")
-        runs[draft] = (a1, a2, Path(conv.saving.session.kv_path).read_bytes(), s1.accepted + s2.accepted, s2.drafted)
-        conv.close()
+    runs, saved = {}, default_model.threads
+    default_model.threads = ThreadPolicy(one_token=(1,))  # draft counts independent of timing (drafting_helpers)
+    try:
+        for draft in (0, 6):
+            store = Store(tmp_path / str(draft))
+            settings = Settings(temperature=0, max_tokens=60, draft=draft)
+            default_model.reset()
+            conv = Conversation(default_model, settings, store=store, session_name="s")
+            a1, s1 = conv.ask(f"Repeat this text exactly: {paragraph}")
+            conv.rewind(1)
+            a2, s2 = conv.ask(f"Copy this paragraph word for word: {paragraph}")
+            runs[draft] = (a1, a2, Path(conv.saving.session.kv_path).read_bytes(), s1.accepted + s2.accepted,
+                           s2.drafted)
+            conv.close()
+    finally:
+        default_model.threads = saved
     assert runs[6][:3] == runs[0][:3]
     assert runs[6][3] > 20  # most of the echoed paragraph came from drafts
 
@@ -120,11 +126,6 @@ class FixedDrafts(DraftSource):
 
     def propose(self, history, k):
         return self.tokens[:k]
-
-
-def chi2_critical(df: int, z: float = 3.09) -> float:
-    """The chi-square quantile at 1 - 0.001 (z = 3.09), Wilson-Hilferty approximation."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def test_sampling_with_drafts_keeps_the_distribution():
@@ -228,3 +229,66 @@ def test_sparse_attention_models_answer_without_drafts(name):
     conv = Conversation(model, Settings(temperature=0, max_tokens=8, draft=4), save=False)
     _, stats = conv.ask("copy this: one two three one two three")
     assert stats.accepted == 0 and conv._draft() == 0
+
+
+class FasterDecode(ThreadPolicy):
+    """A thread policy whose one-token passes are measured `speedup` times faster than one thread's."""
+
+    def __init__(self, speedup: float):
+        super().__init__(one_token=(1,))
+        self.fixed = speedup
+
+    def speedup(self) -> float:
+        return self.fixed
+
+
+def test_a_verify_pass_is_weighed_against_decode_at_its_measured_speed():
+    """A verify pass runs on one thread: when decode runs 1.5x faster on two, drafts kept 73% of the
+    time no longer pay (plain decoding is faster), while drafts that are nearly always kept still do."""
+    assert draft_size(0.73, 4) == 2  # (one thread: 2 drafts a pass)
+    assert draft_size(0.73, 4, speedup=1.5) == 0
+    assert draft_size(0.97, 8, speedup=1.5) == 8
+
+
+def greedy_run(model, prompt, n, **kwargs):
+    """The Tokens of a greedy answer of n tokens to `prompt`, and its Generation."""
+    model.cache.truncate(0)
+    first = model.prefill(prompt, all_logits=False)[-1]
+    gen = Generation(model, first, Sampler(SamplerSettings(temperature=0)), (), n, **kwargs)
+    return list(gen), gen
+
+
+class Oracle(DraftSource):
+    """Drafts the tokens that follow in a known token stream (greedy's own answer): always kept."""
+
+    name = "oracle"
+
+    def __init__(self, stream):
+        self.stream = list(stream)
+
+    def propose(self, history, k):
+        return self.stream[len(history) : len(history) + k]
+
+
+def test_a_paused_source_is_tried_again_and_drafts_resume_when_they_are_kept():
+    """With decode 1.5x faster than a verify pass's thread, the prior acceptance rate does not pay: the
+    source is paused, tried after EXPLORE_EVERY plain steps and, its drafts kept, drafts again."""
+    model = load(str(TINY / "llama.gguf"), n_ctx=256)
+    prompt = [1, 5, 9, 5, 12]
+    ref = [t.id for t in greedy_run(model, prompt, 120)[0]]
+    model.threads = FasterDecode(1.5)
+    toks, gen = greedy_run(model, prompt, 120, drafts=Oracle(prompt + ref), draft=8)
+    assert [t.id for t in toks] == ref
+    assert next(i for i, t in enumerate(toks) if t.drafted) == EXPLORE_EVERY  # plain steps until then
+    assert gen.n_accepted > 80  # then most tokens came from drafts
+
+
+def test_a_paused_source_whose_drafts_fail_is_tried_ever_less_often():
+    model = load(str(TINY / "llama.gguf"), n_ctx=512)
+    prompt = [1, 5, 9, 5, 12]
+    ref = [t.id for t in greedy_run(model, prompt, 400)[0]]
+    never = next(i for i in range(model.cfg.n_vocab) if i not in ref)
+    model.threads = FasterDecode(1.5)
+    toks, gen = greedy_run(model, prompt, 400, drafts=FixedDrafts([never] * 8), draft=8)
+    assert [t.id for t in toks] == ref
+    assert gen.n_accepted == 0 and gen.n_drafted == 4 * 4  # tried after 16, 32, 64 and 128 more plain steps

@@ -185,6 +185,10 @@ def test_a_core_taken_mid_answer_sends_one_token_passes_back_to_one_thread():
     assert faster.best == 2
     picked = run_faster(faster, {1: 0.045, 2: 0.100}, 3)  # another process takes a core
     assert picked == [2, 1, 1] and faster.best == 1
+    faster = Faster((1, 2))
+    run_faster(faster, {1: 0.040, 2: 0.027}, 500)
+    picked = run_faster(faster, {1: 0.060, 2: 0.100}, 3)  # one thread slower too than two were before
+    assert picked == [2, 1, 1] and faster.best == 1
 
 
 def test_a_core_freed_again_is_used_within_probe_max_passes():

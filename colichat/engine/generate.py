@@ -10,8 +10,10 @@ feeds the chosen token and up to `draft` guessed continuations in one batched pa
 longest prefix the sampler accepts (speculative.accept: the same tokens as plain decoding when
 greedy, the same distribution when sampling) and cuts the cache back past it. Each source keeps
 its own acceptance rate; a step checks the proposal with the best expected gain (speculative.gain:
-tokens kept per unit of time, the proposal's own cost included), asking a costly source only when
-it could beat the free ones already asked. Knows no text and no turns.
+tokens kept per unit of time, the proposal's own cost included, against decode at its measured speed
+on the current threads), asking a costly source only when it could beat the free ones already asked.
+A source paused for a while whose drafts would pay if kept has a few checked anyway (speculative.EXPLORE_*).
+Knows no text and no turns.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .speculative import AcceptanceRate, accept, draft_size, gain
+from .speculative import EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_SIZE, AcceptanceRate, accept, draft_size, gain
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class Generation:
         self.n_accepted = 0  # drafts kept
         self.by_source = {s.name: [0, 0] for s in self.sources}  # name -> [drafts checked, kept]
         self.rates = [AcceptanceRate() for _ in self.sources]
+        self.idle = [0] * len(self.sources)  # plain steps since each source's drafts were last checked
+        self.explore_wait = [EXPLORE_EVERY] * len(self.sources)  # idle steps before a paused source is tried
+        self.exploring = False  # the drafts being checked were asked of a paused source
 
     def _window(self, end: int) -> np.ndarray:
         return self.model.cache.tokens[max(0, end - self.recent) : end]
@@ -73,6 +78,9 @@ class Generation:
                 for i, rate in enumerate(self.rates):
                     if i != src:  # not checked this step: drift back toward the prior
                         rate.plain_step()
+                        self.idle[i] += 1
+                    else:
+                        self.idle[i] = 0
                 if not guess:
                     logits = model.decode(tid)
                     self.generated += 1
@@ -89,6 +97,9 @@ class Generation:
                     kept += 1
                 cache.truncate(n + 1 + kept)  # rejected drafts' rows are dead
                 self.rates[src].checked(kept, kept < len(guess))
+                if self.exploring:  # kept whole: try again soon if paused again; else wait twice as long
+                    wait = self.explore_wait[src]
+                    self.explore_wait[src] = EXPLORE_EVERY if kept == len(guess) else min(2 * wait, EXPLORE_MAX)
                 logits = rows[kept]
                 self.n_drafted += len(guess)
                 self.n_accepted += kept
@@ -107,16 +118,25 @@ class Generation:
         """The drafts to check after `tid` (at most k) and the index of their source (None: none)."""
         history = np.append(self.model.cache.tokens[:n], np.int32(tid))  # (n+1,)
         best, best_gain, best_src = [], 1.0, None  # plain decoding gains 1
+        speedup = self.model.threads.speedup()
         for i, src in enumerate(self.sources):
-            rate = self.rates[i].value
-            size = draft_size(rate, k if src.most is None else min(k, src.most), cost=src.cost)
-            if size == 0 or gain(rate, size, src.cost) <= best_gain:
+            rate, most = self.rates[i].value, k if src.most is None else min(k, src.most)
+
+            def g(r: float, size: int, cost: float = src.cost) -> float:
+                return gain(r, size, cost, speedup=speedup)
+
+            size = draft_size(rate, most, cost=src.cost, speedup=speedup)
+            # paused for long, but its drafts would pay if kept: check a few, or it stays paused for good
+            explore = size == 0 and best_src is None and self.idle[i] >= self.explore_wait[i] and g(1.0, most) > 1
+            if explore:
+                size = min(most, EXPLORE_SIZE)
+            elif size == 0 or g(rate, size) <= best_gain:
                 continue  # paused, or it cannot beat what an earlier source offers
             out = []
             for d in src.propose(history, size)[:size]:
                 if d in self.stop_ids:  # a stop token is never fed to the cache
                     break
                 out.append(int(d))
-            if out and gain(rate, len(out), src.cost) > best_gain:
-                best, best_gain, best_src = out, gain(rate, len(out), src.cost), i
+            if out and (explore or g(rate, len(out)) > best_gain):
+                best, best_gain, best_src, self.exploring = out, g(rate, len(out)), i, explore
         return best, best_src

@@ -39,6 +39,7 @@ from .ops import MATVEC, ROW_BLOCKS, SMALL_BATCH, WORKERS
 DECODE_THREADS = 1
 PROBE_EVERY = 16  # one-token passes between tries of a thread count that is not the faster one ...
 PROBE_MAX = 256  # ... doubling after each try it loses, up to this
+MIN_SPEEDUP = 1.2  # a smaller measured speed-up of the choice over one thread is taken as noise (1.0)
 SLOWER = 1.5  # a pass of the current choice this much slower than its average has fewer threads tried at once
 
 
@@ -118,7 +119,7 @@ class Faster:
     losing (another process holding a core: OpenBLAS's threads then wait for each other at every call,
     several times slower) the tries cost a few percent at most, and it is back within PROBE_MAX passes
     once the core is free again. A pass of the current choice SLOWER than its average (another process
-    may have taken a core) has the smaller counts tried at the next pass."""
+    may have taken a core) has the smaller counts tried at the next pass, against that pass's time."""
 
     def __init__(self, counts: tuple[int, ...]):
         self.counts, self.best = counts, counts[0]
@@ -126,6 +127,16 @@ class Faster:
         self.passes = 0
         self.wait = dict.fromkeys(counts, PROBE_EVERY)
         self.due = dict.fromkeys(counts, 2)  # the pass at which a count is tried next (the first is timed)
+        self.tried: dict[int, float] = {}  # seconds of each count's last pass while it was not the choice
+
+    def speedup(self) -> float:
+        """How many times faster the current choice's passes are than one thread's, as last measured
+        (1.0 when it is one thread, when one thread was not measured, or under MIN_SPEEDUP: noise)."""
+        one = self.tried.get(1)
+        if self.best == 1 or one is None or self.seconds is None:
+            return 1.0
+        s = one / self.seconds
+        return s if s >= MIN_SPEEDUP else 1.0
 
     def pick(self) -> int:
         """The thread count for the next pass."""
@@ -139,11 +150,16 @@ class Faster:
                 for m in self.counts:
                     if m < n:
                         self.due[m] = self.passes + 1
-            self.seconds = seconds if self.seconds is None else 0.7 * self.seconds + 0.3 * seconds
+                self.seconds = seconds  # the average before is stale: a try is measured against this pass
+            else:
+                self.seconds = seconds if self.seconds is None else 0.7 * self.seconds + 0.3 * seconds
         elif self.seconds is None or seconds < self.seconds:  # a try that wins: it becomes the choice
             self.due[self.best], self.wait[self.best] = self.passes + PROBE_EVERY, 2 * PROBE_EVERY
+            if self.seconds is not None:
+                self.tried[self.best] = self.seconds
             self.best, self.seconds = n, seconds
         else:
+            self.tried[n] = seconds
             self.due[n] = self.passes + self.wait[n]
             self.wait[n] = min(2 * self.wait[n], PROBE_MAX)
 
@@ -187,6 +203,11 @@ class ThreadPolicy:
         self.one_token = Faster(one_token or tuple(sorted({1, cores()})))
         self._workers: dict[int, Workers] = {}
         self._matvec = {n: BlasMatvec(self.blas, n) for n in self.one_token.counts if n > 1}
+
+    def speedup(self) -> float:
+        """How many times faster one-token passes run than on one thread (Faster.speedup): what a verify
+        pass, on one thread, does not share (speculative.gain)."""
+        return self.one_token.speedup()
 
     def threads(self, tokens: int) -> int:
         return self.decode if tokens <= SMALL_BATCH else self.prefill
