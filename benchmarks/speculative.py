@@ -238,6 +238,7 @@ def bench_mtp(path: Path, ctx: int = 512, reps: int = 5, max_tokens: int = 16) -
 
 def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | None = None) -> dict:
     from colichat.engine import load, load_tokenizer
+    from colichat.engine.threads import ThreadPolicy
     from colichat.models import default_model_path
 
     tok = load_tokenizer(str(default_model_path()))
@@ -249,6 +250,12 @@ def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | No
         drafts = [0, 2, 4, 8] if small else [0, 8]
         max_tokens = (64 if quick else 160) if small else (12 if quick else 24)
         m = {"label": label, "tasks": bench_tasks(model, tok, drafts, max_tokens), "verify": bench_verify(model)}
+        if small:  # again with decode held to one thread, as on a machine with one free core
+            say("  the same with decode on one thread")
+            model.threads = ThreadPolicy(one_token=(1,))
+            m["tasks_one_thread"] = bench_tasks(model, tok, drafts, max_tokens)
+            m["verify_one_thread"] = bench_verify(model)
+            model.threads = ThreadPolicy()
         if i == 0 or not quick:
             m["threads"] = threads.bench_threads(model, 16 if small else 4, 256 if small else 64)
         out["models"].append(m)
@@ -258,18 +265,23 @@ def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | No
     return out
 
 
+def tasks_table(tasks: list[dict], verify: list[dict]) -> list[str]:
+    lines = ["| task | prompt | draft | tokens | tok/s | vs draft 0 | drafts kept | same tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in tasks:
+        acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+        lines.append(f"| {r['task']} | {r['prompt_tokens']} | {r['draft']} | {r['generated']} | {r['tps']:.2f} | "
+                     f"{r['speedup']:.2f}x | {acc} | {'yes' if r['same_tokens'] else 'NO'} |")
+    return lines + ["", "verify pass of k + 1 tokens / one decode step (512 cached tokens): "
+                    + ", ".join(f"k={r['k']}: {r['vs_decode']:.2f}x" for r in verify[1:]), ""]
+
+
 def report(res: dict) -> str:
     lines = []
     for m in res["models"]:
-        lines += [f"### {m['label']}", "",
-                  "| task | prompt | draft | tokens | tok/s | vs draft 0 | drafts kept | same tokens |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
-        for r in m["tasks"]:
-            acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
-            lines.append(f"| {r['task']} | {r['prompt_tokens']} | {r['draft']} | {r['generated']} | {r['tps']:.2f} | "
-                         f"{r['speedup']:.2f}x | {acc} | {'yes' if r['same_tokens'] else 'NO'} |")
-        lines += ["", "verify pass of k + 1 tokens / one decode step (512 cached tokens): "
-                  + ", ".join(f"k={r['k']}: {r['vs_decode']:.2f}x" for r in m["verify"][1:]), ""]
+        lines += [f"### {m['label']}", ""] + tasks_table(m["tasks"], m["verify"])
+        if "tasks_one_thread" in m:
+            lines += ["Decode held to one thread:", ""] + tasks_table(m["tasks_one_thread"], m["verify_one_thread"])
         if "threads" in m:
             lines += threads.table(m["threads"]) + [""]
     if "mtp" in res:
