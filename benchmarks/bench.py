@@ -246,15 +246,17 @@ def sgemm_avx512_kernels() -> dict | None:
 # --- models -------------------------------------------------------------------------------------------
 
 
-def deepseek_gguf(n_ff: int) -> Path:
-    """The V2-Lite-shaped deepseek2 GGUF (dense FFN of width n_ff), written once under benchmarks/out/."""
+def deepseek_gguf(n_ff: int, mtp: bool = False) -> Path:
+    """The V2-Lite-shaped deepseek2 GGUF (dense FFN of width n_ff; with one dense MTP block if `mtp`),
+    written once under benchmarks/out/."""
     from gguf_factory import V2_LITE_DENSE, write_deepseek2
 
-    path = OUT / f"v2lite-dense-ff{n_ff}.gguf"
+    path = OUT / f"v2lite-dense-ff{n_ff}{'-mtp' if mtp else ''}.gguf"
+    extra = {"n_nextn": 1, "n_dense": V2_LITE_DENSE.n_layer + 1} if mtp else {}
     if not path.exists():
         say(f"writing {path.name} (random Q8_0 weights)")
         tmp = path.with_suffix(".tmp.gguf")
-        write_deepseek2(tmp, V2_LITE_DENSE, n_ff=n_ff)
+        write_deepseek2(tmp, V2_LITE_DENSE, n_ff=n_ff, **extra)
         os.replace(tmp, path)
     return path
 

@@ -157,20 +157,6 @@ def bench_verify(model, ctx: int = 512, reps: int = 3) -> list[dict]:
     return rows
 
 
-def mtp_gguf(n_ff: int) -> Path:
-    """The V2-Lite-shaped GGUF (dense FFN of width n_ff) with one MTP block, written once under benchmarks/out/."""
-    from bench import OUT
-    from gguf_factory import V2_LITE_DENSE, write_deepseek2
-
-    path = OUT / f"v2lite-dense-ff{n_ff}-mtp.gguf"
-    if not path.exists():
-        say(f"writing {path.name} (random Q8_0 weights)")
-        tmp = path.with_suffix(".tmp.gguf")
-        write_deepseek2(tmp, V2_LITE_DENSE, n_ff=n_ff, n_nextn=1, n_dense=V2_LITE_DENSE.n_layer + 1)
-        tmp.replace(path)
-    return path
-
-
 def bench_mtp(path: Path, ctx: int = 512, reps: int = 5, max_tokens: int = 16) -> dict:
     """Part 4 (module docstring): seconds as ratios to one decode step after `ctx` cached tokens."""
     from colichat.engine import load
@@ -313,7 +299,7 @@ def main(argv=None) -> int:
 
     if args.mtp_only:
         OUT.mkdir(parents=True, exist_ok=True)
-        r = bench_mtp(mtp_gguf(args.ff), max_tokens=8 if args.quick else 16)
+        r = bench_mtp(deepseek_gguf(args.ff, mtp=True), max_tokens=8 if args.quick else 16)
         (OUT / "speculative-mtp.json").write_text(json.dumps(r, indent=1))
         print(mtp_report(r))
         return 0
@@ -322,7 +308,7 @@ def main(argv=None) -> int:
     if not args.skip_deepseek:
         OUT.mkdir(parents=True, exist_ok=True)
         models.append((f"V2-Lite-shaped (FFN {args.ff})", deepseek_gguf(args.ff)))
-    res = run(models, args.quick, None if args.skip_deepseek else mtp_gguf(args.ff))
+    res = run(models, args.quick, None if args.skip_deepseek else deepseek_gguf(args.ff, mtp=True))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "speculative.json").write_text(json.dumps(res, indent=1))
     print(report(res))

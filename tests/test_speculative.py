@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY
-from drafting_helpers import chi2_critical, load
+from drafting_helpers import assert_drawn_from, load, three_token_distribution
 
 from colichat.chat import Conversation
 from colichat.engine import Sampler, SamplerSettings
@@ -140,19 +140,7 @@ def test_sampling_with_drafts_keeps_the_distribution():
     cand, _ = probe.distribution(first, prompt)
     drafts = FixedDrafts([int(cand[0]), int(cand[1])])  # guesses the sampler often makes
 
-    def exact(prefix, logits):
-        ids, p = probe.distribution(logits, prefix)
-        return dict(zip(ids.tolist(), p.tolist(), strict=True))
-
-    want: dict[tuple, float] = {}
-    for t1, p1 in exact(prompt, first).items():
-        model.cache.truncate(len(prompt))
-        l2 = model.prefill([t1], all_logits=False)[-1]
-        for t2, p2 in exact(prompt + [t1], l2).items():
-            model.cache.truncate(len(prompt) + 1)
-            l3 = model.prefill([t2], all_logits=False)[-1]
-            for t3, p3 in exact(prompt + [t1, t2], l3).items():
-                want[(t1, t2, t3)] = p1 * p2 * p3
+    want = three_token_distribution(model, prompt, first, probe)
 
     n_runs, counts, drafted, kept = 1500, {}, 0, 0
     for seed in range(n_runs):
@@ -163,15 +151,7 @@ def test_sampling_with_drafts_keeps_the_distribution():
         drafted, kept = drafted + gen.n_drafted, kept + gen.n_accepted
         assert model.cache.length == len(prompt) + 3
     assert 0 < kept < drafted  # both branches of the rule ran
-    assert set(counts) <= set(want)
-    # cells with few expected draws are pooled into one
-    big = [k for k, p in want.items() if p * n_runs >= 5]
-    obs = [counts.get(k, 0) for k in big] + [n_runs - sum(counts.get(k, 0) for k in big)]
-    exp = [want[k] * n_runs for k in big] + [n_runs * (1 - sum(want[k] for k in big))]
-    if exp[-1] < 5:
-        obs, exp = obs[:-2] + [obs[-2] + obs[-1]], exp[:-2] + [exp[-2] + exp[-1]]
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
-    assert stat < chi2_critical(len(obs) - 1), (stat, len(obs))
+    assert_drawn_from(counts, want, n_runs)
 
 
 def test_accept_greedy_keeps_only_the_argmax():
@@ -208,15 +188,11 @@ def test_drafts_that_keep_failing_are_paused():
     """Drafts that are always rejected cost a verify row each: after a few, drafting pauses (plain
     decoding), and it is tried again now and then; the tokens are those of plain decoding."""
     model = load(str(TINY / "llama.gguf"), n_ctx=256)
-    model.reset()
     prompt = [1, 5, 9, 5, 12]
-    first = model.prefill(prompt, all_logits=False)[-1]
-    greedy = Sampler(SamplerSettings(temperature=0))
-    ref = [t.id for t in Generation(model, first, greedy, (), 100)]
+    ref = [t.id for t in greedy_run(model, prompt, 100)[0]]
     never = next(i for i in range(model.cfg.n_vocab) if i not in ref)  # a token greedy never picks here
-    model.cache.truncate(len(prompt))
-    gen = Generation(model, first, greedy, (), 100, drafts=FixedDrafts([never] * 8), draft=8)
-    assert [t.id for t in gen] == ref
+    toks, gen = greedy_run(model, prompt, 100, drafts=FixedDrafts([never] * 8), draft=8)
+    assert [t.id for t in toks] == ref
     assert gen.n_accepted == 0 and 3 <= gen.n_drafted <= 20
 
 
