@@ -334,6 +334,21 @@ def test_default_model_conversation_and_resume(default_home):
 
 
 @pytest.mark.default_model
+def test_draft_option_and_set_draft_change_the_speed_not_the_answer(default_home):
+    """--draft 0 turns speculative decoding off and /set draft turns it on: the same answer, and the
+    footer counts drafts only where they were checked (text to repeat: prompt lookup has drafts)."""
+    text = ("Repeat exactly: the cat sat on the mat, the dog sat on the log, "
+            "the cat sat on the mat, the dog sat on the log.")
+    args = [*GREEDY, "--ctx", "1024", "--max-tokens", "40", "--draft", "0"]
+    off = chat(default_home, args, lines("/show", text)).ok()
+    on = chat(default_home, args, lines("/set draft 6", "/show", text)).ok()
+    assert re.search(r"^draft +0$", off.err, re.M) and re.search(r"^draft +6$", on.err, re.M)
+    assert on.out == off.out and b"the dog sat on the log" in on.out
+    assert "drafts" not in off.footers()[0]
+    assert re.search(r", drafts [1-9]\d*/\d+ accepted \(\d+%\)", on.footers()[0])
+
+
+@pytest.mark.default_model
 def test_default_model_interrupt(default_home):
     question = "Write a long story about a dragon."
     run = interrupt_after_first_output(default_home, [*GREEDY, "--ctx", "1024", "--max-tokens", "900",
