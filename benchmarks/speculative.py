@@ -77,11 +77,11 @@ CODE = '''def summarize(records):
     return {"total": total, "count": count, "average": average, "smallest": smallest, "largest": largest}
 '''
 
-TASKS = [
+TASKS = [  # phrased so that SmolLM2-135M does echo (other phrasings get a summary instead: BENCHMARKS.md)
     ("echo: correct a paragraph", "echo",
-     f"Correct the spelling and grammar mistakes in this paragraph and write it out in full:\n\n{PARAGRAPH}"),
+     f"Proofread this paragraph and write out the corrected paragraph in full:\n\n\"{PARAGRAPH}\""),
     ("echo: edit code", "echo",
-     f"Rename the variable `value` to `amount` in this Python function and show the whole function:\n\n{CODE}"),
+     f"```python\n{CODE}```\n\nRewrite this function with `value` renamed to `amount`."),
     ("chat: a question", "chat", "What are three good habits for a healthy life? Explain each one briefly."),
 ]
 

@@ -5,15 +5,20 @@ from __future__ import annotations
 import math
 
 from colichat.engine import load as engine_load
-from colichat.engine.threads import ThreadPolicy
+from colichat.engine.threads import ROW_COST, ThreadPolicy
+
+
+def pinned() -> ThreadPolicy:
+    """A thread policy whose verify passes cost ROW_COST per draft: how many drafts a step checks weighs
+    a verify pass's measured cost (threads.RowCost), so with the default policy the draft counts would
+    follow the machine's load; pinned, they are the same on every run."""
+    return ThreadPolicy(one_token=(1,), row_cost=ROW_COST)
 
 
 def load(*args, **kwargs):
-    """engine.load with decode pinned to one thread: how many drafts a step checks weighs a verify pass
-    against decode at its measured speed (speculative.gain's speedup), so with the default policy the
-    draft counts would follow the machine's load; with one thread they are the same on every run."""
+    """engine.load with the pinned() thread policy."""
     model = engine_load(*args, **kwargs)
-    model.threads = ThreadPolicy(one_token=(1,))
+    model.threads = pinned()
     return model
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY
-from drafting_helpers import assert_drawn_from, load, three_token_distribution
+from drafting_helpers import assert_drawn_from, load, pinned, three_token_distribution
 
 from colichat.chat import Conversation
 from colichat.engine import Sampler, SamplerSettings
 from colichat.engine.generate import Generation
 from colichat.engine.speculative import EXPLORE_EVERY, DraftSource, PromptLookup, accept, draft_size
-from colichat.engine.threads import ThreadPolicy
+from colichat.engine.threads import ROW_COST, ROW_COST_MAX, RowCost, ThreadPolicy
 from colichat.persist import Store
 from colichat.settings import SettingError, Settings
 
@@ -99,7 +99,7 @@ def test_smollm2_echo_answer_is_the_same_with_drafts(default_model, tmp_path):
     paragraph = ("The quick brown fox jumps over the lazy dog. The dog does not move, and the fox runs "
                  "into the forest where it finds a small river and drinks from it before the night comes.")
     runs, saved = {}, default_model.threads
-    default_model.threads = ThreadPolicy(one_token=(1,))  # draft counts independent of timing (drafting_helpers)
+    default_model.threads = pinned()  # draft counts independent of timing
     try:
         for draft in (0, 6):
             store = Store(tmp_path / str(draft))
@@ -207,23 +207,33 @@ def test_sparse_attention_models_answer_without_drafts(name):
     assert stats.accepted == 0 and conv._draft() == 0
 
 
-class FasterDecode(ThreadPolicy):
-    """A thread policy whose one-token passes are measured `speedup` times faster than one thread's."""
+def test_a_verify_pass_is_weighed_by_its_cost_per_draft():
+    """Drafts kept 73% of the time pay when each adds 0.3 decode steps to the verify pass, not when
+    each adds 0.8 (long contexts: each query's attention is its own); drafts nearly always kept still
+    do, fewer of them."""
+    assert draft_size(0.73, 4, row_cost=0.3) == 2
+    assert draft_size(0.73, 4, row_cost=0.8) == 0
+    assert draft_size(0.97, 8, row_cost=0.3) == 8
+    assert draft_size(0.97, 8, row_cost=0.8) == 3
 
-    def __init__(self, speedup: float):
-        super().__init__(one_token=(1,))
-        self.fixed = speedup
 
-    def speedup(self) -> float:
-        return self.fixed
-
-
-def test_a_verify_pass_is_weighed_against_decode_at_its_measured_speed():
-    """A verify pass runs on one thread: when decode runs 1.5x faster on two, drafts kept 73% of the
-    time no longer pay (plain decoding is faster), while drafts that are nearly always kept still do."""
-    assert draft_size(0.73, 4) == 2  # (one thread: 2 drafts a pass)
-    assert draft_size(0.73, 4, speedup=1.5) == 0
-    assert draft_size(0.97, 8, speedup=1.5) == 8
+def test_the_cost_per_draft_is_measured_from_the_passes():
+    """RowCost: from ROW_COST, toward what verify passes take over the one-token passes' running
+    average on the same thread count; a pass that was descheduled counts at most ROW_COST_MAX."""
+    rows = RowCost()
+    assert rows.value == ROW_COST
+    rows.record(2, 5, 0.100)  # no one-token pass measured on two threads yet: nothing to compare with
+    assert rows.value == ROW_COST
+    for _ in range(30):
+        rows.record(2, 1, 0.020)
+        rows.record(2, 5, 0.020 * (1 + 0.5 * 4))
+    assert rows.value == pytest.approx(0.5, abs=1e-3)
+    rows.record(2, 3, 10.0)
+    assert rows.value == pytest.approx(0.8 * 0.5 + 0.2 * ROW_COST_MAX, abs=1e-3)
+    model = load(str(TINY / "llama.gguf"), n_ctx=256)
+    model.threads = ThreadPolicy(one_token=(1,))
+    toks, gen = greedy_run(model, [1, 5, 9, 5, 12], 60, drafts=FixedDrafts([7] * 8), draft=4)
+    assert gen.n_drafted and model.threads.row_cost() != ROW_COST  # measured on this model's passes
 
 
 def greedy_run(model, prompt, n, **kwargs):
@@ -247,12 +257,12 @@ class Oracle(DraftSource):
 
 
 def test_a_paused_source_is_tried_again_and_drafts_resume_when_they_are_kept():
-    """With decode 1.5x faster than a verify pass's thread, the prior acceptance rate does not pay: the
-    source is paused, tried after EXPLORE_EVERY plain steps and, its drafts kept, drafts again."""
+    """With drafts costing 0.6 decode steps each, the prior acceptance rate does not pay: the source is
+    paused, tried after EXPLORE_EVERY plain steps and, its drafts kept, drafts again."""
     model = load(str(TINY / "llama.gguf"), n_ctx=256)
     prompt = [1, 5, 9, 5, 12]
     ref = [t.id for t in greedy_run(model, prompt, 120)[0]]
-    model.threads = FasterDecode(1.5)
+    model.threads = ThreadPolicy(one_token=(1,), row_cost=0.6)
     toks, gen = greedy_run(model, prompt, 120, drafts=Oracle(prompt + ref), draft=8)
     assert [t.id for t in toks] == ref
     assert next(i for i, t in enumerate(toks) if t.drafted) == EXPLORE_EVERY  # plain steps until then
@@ -264,7 +274,7 @@ def test_a_paused_source_whose_drafts_fail_is_tried_ever_less_often():
     prompt = [1, 5, 9, 5, 12]
     ref = [t.id for t in greedy_run(model, prompt, 400)[0]]
     never = next(i for i in range(model.cfg.n_vocab) if i not in ref)
-    model.threads = FasterDecode(1.5)
+    model.threads = ThreadPolicy(one_token=(1,), row_cost=0.6)
     toks, gen = greedy_run(model, prompt, 400, drafts=FixedDrafts([never] * 8), draft=8)
     assert [t.id for t in toks] == ref
     assert gen.n_accepted == 0 and gen.n_drafted == 4 * 4  # tried after 16, 32, 64 and 128 more plain steps

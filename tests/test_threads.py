@@ -203,21 +203,64 @@ def blas_threads() -> int:
     return threadpool_info()[0]["num_threads"]
 
 
+class Spy(np.ndarray):
+    """An array that records the OpenBLAS thread count whenever a ufunc (a product) reads it."""
+
+    seen: list[int] = []
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        Spy.seen.append(blas_threads())
+        inputs = tuple(np.asarray(a) for a in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(np.asarray(a) for a in kwargs["out"])
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+
 def test_a_decode_pass_runs_its_matrix_vector_products_alone_on_openblas_threads():
     """On two threads, a one-token pass's ops.linear sees two OpenBLAS threads and every other BLAS
     call of the pass one (OpenBLAS's matrix products, attention's, round differently with two)."""
-    seen = []
-
-    class Spy(np.ndarray):  # records the OpenBLAS threads when a product reads it
-        def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-            seen.append(blas_threads())
-            return getattr(ufunc, method)(*(np.asarray(a) for a in inputs), **kwargs)
-
-    x, w = np.ones((1, 8), np.float32), np.ones((4, 8), np.float32)
+    Spy.seen = []
+    x, w = np.ones((1, 8), np.float32), np.ones((64, 8), np.float32)
     with ThreadPolicy(one_token=(2,)).limit(1):
         before = blas_threads()
-        assert ops.linear(x, w.view(Spy)).tolist() == [[8.0] * 4]
+        assert ops.linear(x, w.view(Spy)).tolist() == [[8.0] * 64]
         after = blas_threads()
     with ThreadPolicy(one_token=(1,)).limit(1):
         ops.linear(x, w.view(Spy))
-    assert (before, seen, after) == (1, [2, 1], 1)
+    assert (before, Spy.seen, after) == (1, [2, 1], 1)
+
+
+@pytest.mark.parametrize("o", [2820, 1004, 3072])
+@pytest.mark.parametrize("n", [2, 3])
+def test_any_number_of_outputs_gives_one_threads_bits_on_openblas_threads(o, n):
+    """OpenBLAS's kernel computes outputs in groups: a thread's share that ended inside a group would
+    round differently; BlasMatvec's shares are whole groups (2820 and 1004 outputs do not divide evenly)."""
+    rng = np.random.default_rng(o + n)
+    w = rng.standard_normal((o, 2048), dtype=np.float32)  # large enough for OpenBLAS to use its threads
+    x = rng.standard_normal((3, 2048), dtype=np.float32)
+    with ThreadPolicy(one_token=(1,)).limit(1):
+        one = [ops.linear(x[i : i + 1], w)[0] for i in range(3)]
+    policy = ThreadPolicy(one_token=(n,))
+    with policy.limit(1):
+        assert np.array_equal(ops.linear(x[:1], w)[0], one[0])
+    with policy.limit(3):
+        assert np.array_equal(ops.linear(x, w), np.stack(one))
+
+
+def test_a_verify_pass_runs_its_matrix_vector_products_on_openblas_threads_with_decode_bits():
+    """On two threads, each row of a pass of 2..SMALL_BATCH tokens is computed by matrix-vector products
+    on two OpenBLAS threads (per block of ops.SHARED_BLOCK bytes of weights): bit for bit the row a
+    one-token pass gives."""
+    Spy.seen = []
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((3072, 576), dtype=np.float32)  # 7 MB: two blocks, each split by OpenBLAS
+    x = rng.standard_normal((5, 576), dtype=np.float32)
+    policy = ThreadPolicy(one_token=(2,))
+    with policy.limit(5):
+        rows = ops.linear(x, w.view(Spy))
+    assert Spy.seen == [2] * 10  # 2 blocks x 5 rows
+    for i in range(5):
+        with policy.limit(1):
+            assert np.array_equal(rows[i], ops.linear(x[i : i + 1], w)[0])
+        with ThreadPolicy(one_token=(1,)).limit(1):
+            assert np.array_equal(rows[i], ops.linear(x[i : i + 1], w)[0])

@@ -10,8 +10,8 @@ feeds the chosen token and up to `draft` guessed continuations in one batched pa
 longest prefix the sampler accepts (speculative.accept: the same tokens as plain decoding when
 greedy, the same distribution when sampling) and cuts the cache back past it. Each source keeps
 its own acceptance rate; a step checks the proposal with the best expected gain (speculative.gain:
-tokens kept per unit of time, the proposal's own cost included, against decode at its measured speed
-on the current threads), asking a costly source only when it could beat the free ones already asked.
+tokens kept per unit of time, the proposal's own cost included, with a verify pass's measured cost
+per draft), asking a costly source only when it could beat the free ones already asked.
 A source paused for a while whose drafts would pay if kept has a few checked anyway (speculative.EXPLORE_*).
 Knows no text and no turns.
 """
@@ -118,14 +118,14 @@ class Generation:
         """The drafts to check after `tid` (at most k) and the index of their source (None: none)."""
         history = np.append(self.model.cache.tokens[:n], np.int32(tid))  # (n+1,)
         best, best_gain, best_src = [], 1.0, None  # plain decoding gains 1
-        speedup = self.model.threads.speedup()
+        row_cost = self.model.threads.row_cost()
         for i, src in enumerate(self.sources):
             rate, most = self.rates[i].value, k if src.most is None else min(k, src.most)
 
             def g(r: float, size: int, cost: float = src.cost) -> float:
-                return gain(r, size, cost, speedup=speedup)
+                return gain(r, size, cost, row_cost)
 
-            size = draft_size(rate, most, cost=src.cost, speedup=speedup)
+            size = draft_size(rate, most, row_cost, cost=src.cost)
             # paused for long, but its drafts would pay if kept: check a few, or it stays paused for good
             explore = size == 0 and best_src is None and self.idle[i] >= self.explore_wait[i] and g(1.0, most) > 1
             if explore:

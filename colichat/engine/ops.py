@@ -11,12 +11,14 @@ MATVEC_BLOCK = 256 << 10  # bytes of a weight block kept in L2 while every row o
 ROW_BLOCKS = 8  # a product's outputs split into this many blocks (fewer for matrices under 128 rows)
 ROW_ALIGN = 16  # block edges on multiples of this many outputs (whole BLAS kernel tiles)
 MATVEC_SPLIT = 8 << 20  # bytes of weights from which a matrix-vector product is shared among threads
+SHARED_BLOCK = 4 << 20  # bytes of a weight block every row of a small batch reads on OpenBLAS's threads (L2 + L3)
 
 # Who computes the row blocks of the current pass's products: a threads.Workers (set per pass by
 # threads.ThreadPolicy.limit), or None for this thread alone. Either way the blocks are the same.
 WORKERS: ContextVar = ContextVar("workers", default=None)
-# How a one-token pass computes x @ w.T: a threads.BlasMatvec (OpenBLAS's threads, set per pass by
-# threads.ThreadPolicy.limit), or None for one BLAS call on this thread. The bits are the same.
+# How a pass of 1..SMALL_BATCH tokens computes its matrix-vector products: a threads.BlasMatvec
+# (OpenBLAS's threads, set per pass by threads.ThreadPolicy.limit), or None for BLAS calls on this
+# thread (or the WORKERS). The bits are the same.
 MATVEC: ContextVar = ContextVar("matvec", default=None)
 
 
@@ -47,23 +49,27 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     call each, whether one thread or several compute them: a prompt gives the same bits either way.
 
     For T <= SMALL_BATCH every output is a matrix-vector product, its weight row's dot product with
-    one x row alone, so any split gives the same bits: matrices under MATVEC_SPLIT bytes are one call
+    one x row alone, so any split gives the same bits. On OpenBLAS's threads (MATVEC) each row is
+    one such product per SHARED_BLOCK of weights. Else matrices under MATVEC_SPLIT bytes are one call
     (handing a block to another thread costs more than it saves), larger ones row_blocks(O) shared
     by the workers. For 2 <= T <= SMALL_BATCH, row i is bit for bit linear(x[i:i+1], w), so a verify
     pass of speculative decoding writes the same cache rows and logits as decoding its tokens one by
-    one. The weights still stream from memory once: each block of MATVEC_BLOCK bytes serves all T
-    rows from the CPU cache (a matrix-vector product per row and block). OpenBLAS's small-T matrix
-    product is both slower here (it repacks the weights) and rounds differently.
+    one. The weights still stream from memory once: each block (MATVEC_BLOCK bytes on one thread)
+    serves all T rows from the CPU cache. OpenBLAS's small-T matrix product is both slower here (it
+    repacks the weights, 3-5x a matrix-vector product) and rounds differently.
     """
     t = x.shape[0]
     workers = WORKERS.get()
-    if t <= SMALL_BATCH and w.nbytes < MATVEC_SPLIT:
-        workers = None
+    if t <= SMALL_BATCH:
+        matvec = MATVEC.get()
+        if matvec is not None:
+            return matvec(x, w) if t == 1 else matvec.rows(x, w)
+        if w.nbytes < MATVEC_SPLIT:
+            workers = None
     if 1 < t <= SMALL_BATCH:
         return _matvec_rows(x, w, workers)
     if t == 1 and workers is None:
-        matvec = MATVEC.get()
-        return x @ w.T if matvec is None else matvec(x, w)
+        return x @ w.T
     edges = row_blocks(w.shape[0])
     out = np.empty((t, w.shape[0]), dtype=np.result_type(x, w))  # (T, O)
 

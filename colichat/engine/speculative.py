@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .threads import ROW_COST
+
 NGRAM_MAX = 4  # prompt lookup: the longest suffix looked for in the history
 NGRAM_MIN = 2  # and the shortest (single tokens match too often to be worth a check)
-ROW_COST = 0.3  # a verify pass's cost per drafted token, in decode steps (measured: BENCHMARKS.md)
 RATE_PRIOR = 0.6  # the acceptance rate assumed at the start of an answer
 RATE_STEP = 0.25  # weight of each checked draft in the running acceptance rate
 RATE_RECOVER = 0.05  # per plain decode step, the rate drifts back toward the prior (to try again)
@@ -31,19 +32,18 @@ EXPLORE_SIZE = 4  # ... with this many drafts; twice as long a wait after each s
 EXPLORE_MAX = 512  # up to this many steps
 
 
-def gain(rate: float, k: int, cost: float = 0.0, row_cost: float = ROW_COST, speedup: float = 1.0) -> float:
+def gain(rate: float, k: int, cost: float = 0.0, row_cost: float = ROW_COST) -> float:
     """Expected tokens per decode step's time of checking k drafts kept at rate r that took `cost`
-    decode steps to make: (1 + r + ... + r^k) / (speedup (1 + row_cost k) + cost); plain decoding is 1.
-    speedup: how many times faster decode runs than one thread (threads.Faster.speedup), which a verify
-    pass (one thread) does not share."""
-    return sum(rate**i for i in range(k + 1)) / (speedup * (1 + row_cost * k) + cost)
+    decode steps to make, each adding `row_cost` decode steps to the verify pass (threads.RowCost):
+    (1 + r + ... + r^k) / (1 + row_cost k + cost); plain decoding is 1."""
+    return sum(rate**i for i in range(k + 1)) / (1 + row_cost * k + cost)
 
 
-def draft_size(rate: float, k_max: int, row_cost: float = ROW_COST, cost: float = 0.0, speedup: float = 1.0) -> int:
+def draft_size(rate: float, k_max: int, row_cost: float = ROW_COST, cost: float = 0.0) -> int:
     """How many drafts to check: the k <= k_max that maximizes `gain`; 0 if no k beats plain decoding."""
     best, best_k = 1.0, 0
     for k in range(1, k_max + 1):
-        g = gain(rate, k, cost, row_cost, speedup)
+        g = gain(rate, k, cost, row_cost)
         if g > best:
             best, best_k = g, k
     return best_k

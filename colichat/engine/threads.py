@@ -1,6 +1,6 @@
-"""How a forward pass uses the cores: OpenBLAS runs one thread per call (but for decode's matrix-vector
-products, below), and the blocks of outputs of each product (ops.row_blocks) are shared out among a few
-Python threads (numpy releases the GIL in BLAS).
+"""How a forward pass uses the cores: OpenBLAS runs one thread per call (but for the matrix-vector
+products of decode and verify passes, below), and the blocks of outputs of each product (ops.row_blocks)
+are shared out among a few Python threads (numpy releases the GIL in BLAS).
 
 Why not OpenBLAS's own threads (measured on a 2-core machine, BENCHMARKS.md "Threads"): they wait for
 each other at every product, so when another process holds a core decode and prefill run several times
@@ -15,11 +15,12 @@ rather than wait for a descheduled thread (Workers.run). The result has the same
 of threads or the load (tests/test_threads.py). GQA prefill attention shares its KV heads the same way.
 
 Per phase: prefill (passes of more than ops.SMALL_BATCH tokens, compute-bound) uses every core this
-process may run on (at most ROW_BLOCKS). Verify passes (2..SMALL_BATCH tokens) use DECODE_THREADS.
-Decode (one-token passes: matrix-vector products, bound by memory bandwidth, and attention over the
-cache) is where OpenBLAS's own threads do pay on an idle machine (a matrix-vector product split among
-them gives the same bits, tests/test_threads.py) and cost several times over when another process holds
-a core: so the OpenBLAS thread count of one-token passes follows their measured times (Faster).
+process may run on (at most ROW_BLOCKS). Small passes (decode's one token, a verify pass's 2..SMALL_BATCH:
+matrix-vector products, bound by memory bandwidth, and attention over the cache) are where OpenBLAS's own
+threads do pay on an idle machine (a matrix-vector product split among them gives the same bits,
+tests/test_threads.py) and cost several times over when another process holds a core: so the OpenBLAS
+thread count of their matrix-vector products follows their measured times (Faster), and on one thread
+a verify pass's products use DECODE_THREADS.
 """
 
 from __future__ import annotations
@@ -30,16 +31,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from .ops import MATVEC, ROW_BLOCKS, SMALL_BATCH, WORKERS
+from .ops import MATVEC, ROW_ALIGN, ROW_BLOCKS, SHARED_BLOCK, SMALL_BATCH, WORKERS
 
-# verify passes (2..SMALL_BATCH tokens): a second thread sharing row blocks did not pay on a shared machine
-# (BENCHMARKS.md "Threads"); products under ops.MATVEC_SPLIT bytes stay one call in any case
+# verify passes (2..SMALL_BATCH tokens) on one OpenBLAS thread: a second Python thread sharing row blocks
+# did not pay on a shared machine (BENCHMARKS.md "Threads"); products under ops.MATVEC_SPLIT bytes stay one
+# call in any case
 DECODE_THREADS = 1
-PROBE_EVERY = 16  # one-token passes between tries of a thread count that is not the faster one ...
+PROBE_EVERY = 16  # small passes between tries of a thread count that is not the faster one ...
 PROBE_MAX = 256  # ... doubling after each try it loses, up to this
-MIN_SPEEDUP = 1.2  # a smaller measured speed-up of the choice over one thread is taken as noise (1.0)
+ROW_COST = 0.3  # what each token after the first adds to a pass of up to SMALL_BATCH, in one-token passes,
+ROW_COST_MAX = 2.0  # before it is measured (BENCHMARKS.md), and the most one pass can say (RowCost)
 SLOWER = 1.5  # a pass of the current choice this much slower than its average has fewer threads tried at once
 
 
@@ -50,6 +54,11 @@ def cores() -> int:
     except AttributeError:  # not Linux
         n = os.cpu_count() or 1
     return max(1, min(ROW_BLOCKS, n))
+
+
+def pass_units(tokens: int) -> float:
+    """A pass of 1..SMALL_BATCH tokens' expected time, in one-token passes: what Faster compares."""
+    return 1.0 + ROW_COST * (tokens - 1)
 
 
 class Workers:
@@ -127,16 +136,6 @@ class Faster:
         self.passes = 0
         self.wait = dict.fromkeys(counts, PROBE_EVERY)
         self.due = dict.fromkeys(counts, 2)  # the pass at which a count is tried next (the first is timed)
-        self.tried: dict[int, float] = {}  # seconds of each count's last pass while it was not the choice
-
-    def speedup(self) -> float:
-        """How many times faster the current choice's passes are than one thread's, as last measured
-        (1.0 when it is one thread, when one thread was not measured, or under MIN_SPEEDUP: noise)."""
-        one = self.tried.get(1)
-        if self.best == 1 or one is None or self.seconds is None:
-            return 1.0
-        s = one / self.seconds
-        return s if s >= MIN_SPEEDUP else 1.0
 
     def pick(self) -> int:
         """The thread count for the next pass."""
@@ -155,46 +154,93 @@ class Faster:
                 self.seconds = seconds if self.seconds is None else 0.7 * self.seconds + 0.3 * seconds
         elif self.seconds is None or seconds < self.seconds:  # a try that wins: it becomes the choice
             self.due[self.best], self.wait[self.best] = self.passes + PROBE_EVERY, 2 * PROBE_EVERY
-            if self.seconds is not None:
-                self.tried[self.best] = self.seconds
             self.best, self.seconds = n, seconds
         else:
-            self.tried[n] = seconds
             self.due[n] = self.passes + self.wait[n]
             self.wait[n] = min(2 * self.wait[n], PROBE_MAX)
 
 
-class BlasMatvec:
-    """x @ w.T for one x row on `n` OpenBLAS threads, the pass's other BLAS calls staying on one.
+class RowCost:
+    """What each token after the first adds to a pass of up to SMALL_BATCH tokens, in one-token passes
+    on the same thread count: a running average over timed passes, from ROW_COST. It grows with the
+    context (each query's attention over the cache is its own), and with the machine's load."""
 
-    OpenBLAS splits a matrix-vector product by outputs, each still its row's dot product: the bits of
-    one thread (tests/test_threads.py). Its matrix products (attention's query rows against the cache)
-    round differently with the thread count, so they stay on one thread: hence per call, not per pass
-    (setting the count costs about a microsecond)."""
+    def __init__(self):
+        self.value = ROW_COST
+        self.one: dict[int, float] = {}  # thread count -> running average seconds of its one-token passes
+
+    def record(self, n: int, tokens: int, seconds: float) -> None:
+        """A timed pass of `tokens` tokens on n threads took `seconds`."""
+        one = self.one.get(n)
+        if tokens == 1:
+            self.one[n] = seconds if one is None else 0.7 * one + 0.3 * seconds
+        elif one is not None:  # a descheduled pass counts at most ROW_COST_MAX
+            row = min(ROW_COST_MAX, max(0.0, (seconds / one - 1) / (tokens - 1)))
+            self.value = 0.8 * self.value + 0.2 * row
+
+
+class BlasMatvec:
+    """x @ w.T for the rows x of a pass of 1..SMALL_BATCH tokens on `n` OpenBLAS threads, the pass's other
+    BLAS calls staying on one.
+
+    OpenBLAS splits a matrix-vector product by outputs, each still its row's dot product, but its kernel
+    computes outputs in groups, and an output left over at the end of a thread's share would round as a
+    lone one: so each call here has a multiple of ROW_ALIGN * n outputs (equal shares of whole groups),
+    and the last few outputs are one call on one thread. The bits are then one thread's
+    (tests/test_threads.py). Its matrix products (attention's query rows against the cache) round
+    differently with the thread count, so they stay on one thread: hence per call, not per pass (setting
+    the count costs about a microsecond)."""
 
     def __init__(self, libs, n: int):
         self.libs, self.n = libs, n
 
-    def __call__(self, x, w):
+    def _set(self, n: int) -> None:
         for lib in self.libs:
-            lib.set_num_threads(self.n)
+            lib.set_num_threads(n)
+
+    def _product(self, x, w, out) -> None:
+        """out (O,) = w (O, Z) @ x (Z,), with n threads set; leaves n threads set."""
+        a = w.shape[0] // (ROW_ALIGN * self.n) * (ROW_ALIGN * self.n)
+        np.matmul(w[:a], x, out=out[:a])
+        if a < w.shape[0]:
+            self._set(1)
+            np.matmul(w[a:], x, out=out[a:])
+            self._set(self.n)
+
+    def __call__(self, x, w):
+        """x (1, Z) @ w.T."""
+        return self.rows(x, w)
+
+    def rows(self, x, w):
+        """x (T, Z) @ w.T, row i bit for bit self(x[i:i+1], w): per block of ops.SHARED_BLOCK bytes of
+        weights, a matrix-vector product per row, the later rows reading the block from the CPU cache
+        (one thread's L2 is too small for a block worth sharing among threads; L3 holds it)."""
+        t, (o, z) = x.shape[0], w.shape
+        step = ROW_ALIGN * self.n
+        blk = max(step, SHARED_BLOCK // (4 * z) // step * step)  # weight rows per block: whole shares
+        out = np.empty((t, o), dtype=np.result_type(x, w))  # (T, O)
+        self._set(self.n)
         try:
-            return x @ w.T
+            for a in range(0, o, blk):
+                for i in range(t):
+                    self._product(x[i], w[a : a + blk], out[i, a : a + blk])
         finally:
-            for lib in self.libs:
-                lib.set_num_threads(1)
+            self._set(1)
+        return out
 
 
 class ThreadPolicy:
     """Per pass: the OpenBLAS threads, and the workers for the pass's products (None: this thread).
 
-    decode: Python threads sharing the row blocks of verify passes' large products (ops.MATVEC_SPLIT).
+    decode: Python threads sharing the row blocks of verify passes' large products (ops.MATVEC_SPLIT)
+    when small passes run on one OpenBLAS thread.
     prefill: Python threads sharing prefill's row blocks (default: the cores).
-    one_token: the OpenBLAS thread counts one-token passes choose from by their times (Faster); one
-    count fixes it (default: 1 and the cores)."""
+    one_token: the OpenBLAS thread counts small passes (up to SMALL_BATCH tokens: decode, verify) choose
+    from by their times (Faster); one count fixes it (default: 1 and the cores).
+    row_cost: what a verify pass's drafts cost (speculative.gain); None: as measured (RowCost)."""
 
     def __init__(self, decode: int = DECODE_THREADS, prefill: int | None = None,
-                 one_token: tuple[int, ...] | None = None):
+                 one_token: tuple[int, ...] | None = None, row_cost: float | None = None):
         self.controller = ThreadpoolController()
         self.decode, self.prefill = decode, cores() if prefill is None else prefill
         self.blas = self.controller.select(user_api="blas").lib_controllers
@@ -203,11 +249,12 @@ class ThreadPolicy:
         self.one_token = Faster(one_token or tuple(sorted({1, cores()})))
         self._workers: dict[int, Workers] = {}
         self._matvec = {n: BlasMatvec(self.blas, n) for n in self.one_token.counts if n > 1}
+        self.rows, self.fixed_row_cost = RowCost(), row_cost
 
-    def speedup(self) -> float:
-        """How many times faster one-token passes run than on one thread (Faster.speedup): what a verify
-        pass, on one thread, does not share (speculative.gain)."""
-        return self.one_token.speedup()
+    def row_cost(self) -> float:
+        """What each drafted token adds to a verify pass, in decode steps (speculative.gain): as measured
+        (RowCost), or as fixed by the constructor."""
+        return self.rows.value if self.fixed_row_cost is None else self.fixed_row_cost
 
     def threads(self, tokens: int) -> int:
         return self.decode if tokens <= SMALL_BATCH else self.prefill
@@ -222,10 +269,11 @@ class ThreadPolicy:
 
     @contextmanager
     def limit(self, tokens: int, timed: bool = True):
-        """A context manager for a pass over `tokens` tokens. A one-token pass runs on the OpenBLAS
-        threads Faster picks and, if `timed` (the trunk's decode steps, alike from one to the next),
-        tells it how long it took; an untimed one (an MTP draft step) takes the current choice."""
-        if tokens != 1:
+        """A context manager for a pass over `tokens` tokens. A pass of up to SMALL_BATCH tokens (decode,
+        a verify pass) runs its matrix-vector products on the OpenBLAS threads Faster picks and, if
+        `timed` (the trunk's passes), tells it how long the pass took per unit of work (pass_units);
+        an untimed one (an MTP draft step) takes the current choice."""
+        if tokens > SMALL_BATCH:
             with self.controller.limit(limits=1, user_api="blas"):
                 token = WORKERS.set(self.workers(tokens))
                 try:
@@ -235,7 +283,8 @@ class ThreadPolicy:
             return
         n = self.one_token.pick() if timed else self.one_token.best
         with self.controller.limit(limits=1, user_api="blas"):
-            token, matvec = WORKERS.set(None), MATVEC.set(self._matvec.get(n))
+            token = WORKERS.set(self.workers(tokens) if n == 1 and tokens > 1 else None)
+            matvec = MATVEC.set(self._matvec.get(n))
             t0 = time.perf_counter()
             try:
                 yield
@@ -243,4 +292,6 @@ class ThreadPolicy:
                 MATVEC.reset(matvec)
                 WORKERS.reset(token)
             if timed:
-                self.one_token.record(n, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                self.one_token.record(n, seconds / pass_units(tokens))
+                self.rows.record(n, tokens, seconds)
