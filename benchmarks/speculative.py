@@ -233,7 +233,7 @@ def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | No
         say(f"speculative decoding: {label}")
         model = load(str(path), n_ctx=2048)
         small = model.cfg.n_embd < 1024
-        drafts = [0, 2, 4, 8] if small else [0, 8]
+        drafts = [0, 4, 8, 15] if small else [0, 8]
         max_tokens = (64 if quick else 160) if small else (12 if quick else 24)
         m = {"label": label, "tasks": bench_tasks(model, tok, drafts, max_tokens), "verify": bench_verify(model)}
         if small:  # again with decode held to one thread, as on a machine with one free core
