@@ -4,8 +4,9 @@
     python benchmarks/speculative.py --quick    # fewer tokens
 (bench.py runs it as part of `make bench`.)
 
-1. Greedy answers to three tasks with draft = 0 (plain decoding) and several draft limits (the number
-   of drafts per pass adapts to the acceptance rate up to the limit: speculative.draft_size): decode
+1. Greedy answers to three tasks with draft = 0 (plain decoding) and several draft limits, taking turns
+   for 3 rounds (1 with --quick), the median of each (the number of drafts per pass adapts to the
+   acceptance rate up to the limit: speculative.draft_size): decode
    tok/s, the speedup over draft 0, the drafts' acceptance rate, and whether the tokens are the same
    (they must be). Tasks: (a) echo-heavy: correct a 300-word paragraph given in the prompt; edit a
    function given in the prompt; (b) ordinary chat: a question with nothing to copy. The prompt is the
@@ -114,20 +115,27 @@ def answer(model, ids: list[int], draft: int, max_tokens: int, mtp: bool = False
             "accepted": gen.n_accepted, "by_source": gen.by_source}
 
 
-def bench_tasks(model, tok, drafts: list[int], max_tokens: int) -> list[dict]:
+def bench_tasks(model, tok, drafts: list[int], max_tokens: int, rounds: int = 3) -> list[dict]:
+    """Each task answered with every draft limit in turn, `rounds` times: the median tok/s of each limit
+    (the rounds interleave the limits, so a slow minute of the machine falls on all of them)."""
     rows = []
     for label, kind, text in TASKS:
         ids = prompt_ids(tok, text)
-        base = None
+        runs: dict[int, list[dict]] = {d: [] for d in drafts}
+        for _ in range(rounds):
+            for d in drafts:
+                runs[d].append(answer(model, ids, d, max_tokens))
+        base_tps = float(np.median([r["tps"] for r in runs[drafts[0]]]))
         for d in drafts:
-            r = answer(model, ids, d, max_tokens)
-            base = base or r
+            r, tps = runs[d][0], float(np.median([x["tps"] for x in runs[d]]))
             rows.append({"task": label, "kind": kind, "prompt_tokens": len(ids), "draft": d,
-                         "generated": len(r["tokens"]), "tps": r["tps"], "speedup": r["tps"] / base["tps"],
+                         "generated": len(r["tokens"]), "tps": tps, "speedup": tps / base_tps,
+                         "tps_runs": [x["tps"] for x in runs[d]],
                          "acceptance": r["accepted"] / r["drafted"] if r["drafted"] else None,
-                         "same_tokens": r["tokens"] == base["tokens"]})
-            say(f"  {label:<28} draft {d}: {r['tps']:.2f} tok/s ({rows[-1]['speedup']:.2f}x), "
-                f"{r['accepted']}/{r['drafted']} drafts kept, same tokens {rows[-1]['same_tokens']}")
+                         "same_tokens": all(x["tokens"] == runs[drafts[0]][0]["tokens"] for x in runs[d])})
+            say(f"  {label:<28} draft {d}: {tps:.2f} tok/s ({rows[-1]['speedup']:.2f}x; runs "
+                + " ".join(f"{x['tps']:.1f}" for x in runs[d])
+                + f"), {r['accepted']}/{r['drafted']} drafts kept, same tokens {rows[-1]['same_tokens']}")
     return rows
 
 
@@ -235,11 +243,13 @@ def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | No
         small = model.cfg.n_embd < 1024
         drafts = [0, 4, 8, 15] if small else [0, 8]
         max_tokens = (64 if quick else 160) if small else (12 if quick else 24)
-        m = {"label": label, "tasks": bench_tasks(model, tok, drafts, max_tokens), "verify": bench_verify(model)}
+        rounds = 1 if quick else 3
+        m = {"label": label, "tasks": bench_tasks(model, tok, drafts, max_tokens, rounds),
+             "verify": bench_verify(model)}
         if small:  # again with decode held to one thread, as on a machine with one free core
             say("  the same with decode on one thread")
             model.threads = ThreadPolicy(one_token=(1,))
-            m["tasks_one_thread"] = bench_tasks(model, tok, drafts, max_tokens)
+            m["tasks_one_thread"] = bench_tasks(model, tok, drafts, max_tokens, rounds)
             m["verify_one_thread"] = bench_verify(model)
             model.threads = ThreadPolicy()
         if i == 0 or not quick:

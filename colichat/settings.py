@@ -96,8 +96,9 @@ TABLE: tuple[Setting, ...] = (
             lambda v: v >= 0, "must be >= 0", optional=True),
     Setting("max_tokens", int, 512, "the longest answer, in tokens",
             lambda v: v >= 1, "must be at least 1"),
-    # speculative decoding: the largest number of drafts per pass (BENCHMARKS.md: 4 did best, none slowed chat)
-    Setting("draft", int, 4, "speculative decoding: at most this many tokens guessed from the conversation "
+    # speculative decoding: the largest number of drafts per pass (BENCHMARKS.md: 15 did best on the echo
+    # tasks, none slowed chat beyond the noise); 15 is the most a pass checks exactly (ops.SMALL_BATCH - 1)
+    Setting("draft", int, 15, "speculative decoding: at most this many tokens guessed from the conversation "
             "(or by the model's MTP block) are checked per step (0 = off; the answer is the same)",
             lambda v: 0 <= v <= 15, "must be between 0 (off) and 15"),
     Setting("system", str, None, "the system prompt (none = no system prompt); a new one applies from "

@@ -8,11 +8,11 @@ from colichat.engine import load as engine_load
 from colichat.engine.threads import ROW_COST, ThreadPolicy
 
 
-def pinned() -> ThreadPolicy:
-    """A thread policy whose verify passes cost ROW_COST per draft: how many drafts a step checks weighs
+def pinned(row_cost: float = ROW_COST) -> ThreadPolicy:
+    """A thread policy whose verify passes cost `row_cost` per draft: how many drafts a step checks weighs
     a verify pass's measured cost (threads.RowCost), so with the default policy the draft counts would
     follow the machine's load; pinned, they are the same on every run."""
-    return ThreadPolicy(one_token=(1,), row_cost=ROW_COST)
+    return ThreadPolicy(one_token=(1,), row_cost=row_cost)
 
 
 def load(*args, **kwargs):

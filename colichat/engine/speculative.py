@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .threads import ROW_COST
+from .threads import ROW_COST, pass_units
 
 NGRAM_MAX = 4  # prompt lookup: the longest suffix looked for in the history
 NGRAM_MIN = 2  # and the shortest (single tokens match too often to be worth a check)
@@ -34,9 +34,9 @@ EXPLORE_MAX = 512  # up to this many steps
 
 def gain(rate: float, k: int, cost: float = 0.0, row_cost: float = ROW_COST) -> float:
     """Expected tokens per decode step's time of checking k drafts kept at rate r that took `cost`
-    decode steps to make, each adding `row_cost` decode steps to the verify pass (threads.RowCost):
-    (1 + r + ... + r^k) / (1 + row_cost k + cost); plain decoding is 1."""
-    return sum(rate**i for i in range(k + 1)) / (1 + row_cost * k + cost)
+    decode steps to make, in a verify pass of k + 1 tokens (threads.pass_units with `row_cost`, as
+    measured by threads.RowCost): (1 + r + ... + r^k) / (pass_units(k + 1) + cost); plain decoding is 1."""
+    return sum(rate**i for i in range(k + 1)) / (pass_units(k + 1, row_cost) + cost)
 
 
 def draft_size(rate: float, k_max: int, row_cost: float = ROW_COST, cost: float = 0.0) -> int:

@@ -44,6 +44,7 @@ PROBE_EVERY = 16  # small passes between tries of a thread count that is not the
 PROBE_MAX = 256  # ... doubling after each try it loses, up to this
 ROW_COST = 0.3  # what each token after the first adds to a pass of up to SMALL_BATCH, in one-token passes,
 ROW_COST_MAX = 2.0  # before it is measured (BENCHMARKS.md), and the most one pass can say (RowCost)
+ROW_EXTRA = 0.5  # a pass of 2..SMALL_BATCH tokens costs as if it had this many more (BENCHMARKS.md)
 SLOWER = 1.5  # a pass of the current choice this much slower than its average has fewer threads tried at once
 
 
@@ -56,9 +57,10 @@ def cores() -> int:
     return max(1, min(ROW_BLOCKS, n))
 
 
-def pass_units(tokens: int) -> float:
-    """A pass of 1..SMALL_BATCH tokens' expected time, in one-token passes: what Faster compares."""
-    return 1.0 + ROW_COST * (tokens - 1)
+def pass_units(tokens: int, row_cost: float = ROW_COST) -> float:
+    """A pass of 1..SMALL_BATCH tokens' expected time, in one-token passes (what Faster compares, and what
+    speculative.gain weighs drafts by): 1 + row_cost (tokens - 1 + ROW_EXTRA) for more than one token."""
+    return 1.0 if tokens == 1 else 1.0 + row_cost * (tokens - 1 + ROW_EXTRA)
 
 
 class Workers:
@@ -162,8 +164,9 @@ class Faster:
 
 class RowCost:
     """What each token after the first adds to a pass of up to SMALL_BATCH tokens, in one-token passes
-    on the same thread count: a running average over timed passes, from ROW_COST. It grows with the
-    context (each query's attention over the cache is its own), and with the machine's load."""
+    on the same thread count (pass_units' row_cost): a running average over timed passes, from ROW_COST.
+    It grows with the context (each query's attention over the cache is its own), and with the machine's
+    load."""
 
     def __init__(self):
         self.value = ROW_COST
@@ -175,7 +178,7 @@ class RowCost:
         if tokens == 1:
             self.one[n] = seconds if one is None else 0.7 * one + 0.3 * seconds
         elif one is not None:  # a descheduled pass counts at most ROW_COST_MAX
-            row = min(ROW_COST_MAX, max(0.0, (seconds / one - 1) / (tokens - 1)))
+            row = min(ROW_COST_MAX, max(0.0, (seconds / one - 1) / (tokens - 1 + ROW_EXTRA)))  # pass_units
             self.value = 0.8 * self.value + 0.2 * row
 
 
