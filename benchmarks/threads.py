@@ -55,9 +55,9 @@ class OpenBLASThreads:
 
 
 def variants() -> list[tuple[str, object]]:
-    """(label, thread policy): one thread; two sharing row blocks (prefill, verify) with decode's
-    matrix-vector products on OpenBLAS's two threads; OpenBLAS's two on whole products (the policy before
-    the row blocks). The engine's default, which picks decode's threads by timing them, is measured too
+    """(label, thread policy): one thread; two sharing prefill's row blocks with the matrix-vector products
+    of decode and verify passes on OpenBLAS's two threads; OpenBLAS's two on whole products (the policy
+    before the row blocks). The engine's default, which picks decode's threads by timing them, is measured too
     (bench_threads: one policy for the whole run, as a running program has)."""
     from colichat.engine.threads import ThreadPolicy
 
@@ -158,9 +158,9 @@ def main(argv=None) -> int:
         del model
     policy = ThreadPolicy()
     counts = " or ".join(map(str, policy.one_token.counts))
-    lines.append(f"The engine's default (engine/threads.py): prefill {policy.prefill} threads on row blocks, verify "
-                 f"passes {policy.decode}, decode's matrix-vector products on {counts} OpenBLAS threads, whichever "
-                 "its timed passes find faster.")
+    lines.append(f"The engine's default (engine/threads.py): prefill {policy.prefill} threads on row blocks; the "
+                 f"matrix-vector products of decode and verify passes on {counts} OpenBLAS threads, whichever "
+                 "their timed passes find faster.")
     (OUT / "threads.json").write_text(json.dumps(res, indent=1))
     print("\n".join(lines))
     return 0

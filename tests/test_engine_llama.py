@@ -71,15 +71,13 @@ def test_smollm2_matches_llama_cpp(default_model):
     assert agree / total >= 0.9
 
 
-def test_decode_past_the_block_threshold_matches_prefill(tiny_llama):
-    """Decode switches to the block-diagonal product past DECODE_BLOCK_MIN cached tokens."""
-    from colichat.engine.attention import DECODE_BLOCK_MIN
-
+def test_decode_after_a_long_prompt_matches_prefill(tiny_llama):
+    """Decoding the tokens after 252 cached ones gives the logits one prefill of them all gives."""
     ids = np.load(TINY / "llama.long.ref.npz")["tokens_0"]
-    assert len(ids) > DECODE_BLOCK_MIN + 8
+    assert len(ids) > 260
     tiny_llama.reset()
     whole = tiny_llama.prefill(ids)
     tiny_llama.reset()
-    tiny_llama.prefill(ids[: DECODE_BLOCK_MIN - 4])
-    steps = np.stack([tiny_llama.decode(int(i)) for i in ids[DECODE_BLOCK_MIN - 4 :]])
-    assert np.allclose(steps, whole[DECODE_BLOCK_MIN - 4 :], atol=1e-4)
+    tiny_llama.prefill(ids[:252])
+    steps = np.stack([tiny_llama.decode(int(i)) for i in ids[252:]])
+    assert np.allclose(steps, whole[252:], atol=1e-4)

@@ -25,9 +25,6 @@ def _exp_rows(s: np.ndarray) -> np.ndarray:
     return s.sum(axis=-1, keepdims=True)
 
 
-DECODE_BLOCK_MIN = 256  # cached tokens from which one decode query is faster as a block-diagonal product
-
-
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
     """Grouped-query attention; query head h uses KV head h // J (ggml broadcast, HF repeat_kv).
 
@@ -41,8 +38,6 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     if 1 < t <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
         return np.concatenate([gqa_attention(q[i : i + 1], k[: pos0 + i + 1], v[: pos0 + i + 1], pos0 + i, scale)
                                for i in range(t)])
-    if t == 1 and n > DECODE_BLOCK_MIN:
-        return _gqa_decode(q[0], k.reshape(n, g * e), v.reshape(n, g * e), g, scale)
     workers = WORKERS.get()
     if t > 1 and g > 1 and workers is not None:  # prefill: the pass's threads share the KV heads (same bits)
         o = np.empty((t, g, qpk * e), dtype=np.float32)  # (T, G, J*E)
@@ -66,27 +61,6 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     o = np.matmul(s, v.transpose(1, 0, 2))  # (G, J*T, E)
     o = o.reshape(g, qpk, t, e).transpose(2, 0, 1, 3)  # (T, G, J, E)
     return o.reshape(t, h * e)
-
-
-def _gqa_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: int, scale: float) -> np.ndarray:
-    """One query token: all heads in two long matrix products over the cache rows.
-
-    q: (H, E); k, v: (N, G*E) cache views (strided rows are fine for BLAS). The queries go in
-    block-diagonal rows (H, G*E) (head h's row holds q[h] in its KV head's columns), so the scores
-    of every head come from one (H, G*E) @ (G*E, N) product instead of G tiny ones, already in the
-    (H, N) order the softmax wants; the outputs are the diagonal blocks of (H, N) @ (N, G*E),
-    divided by the softmax sums there (H x E values rather than H x N probabilities).
-    """
-    h, e = q.shape
-    qpk = h // g
-    idx = np.arange(g)
-    qb = np.zeros((g, qpk, g, e), dtype=np.float32)  # (G, J, G, E) -> (H, G*E)
-    qb[idx, :, idx, :] = q.reshape(g, qpk, e) * np.float32(scale)  # (G, J, E)
-    s = qb.reshape(h, g * e) @ k.T  # (H, N)
-    z = _exp_rows(s)  # (H, 1) row sums; s now holds unnormalized probabilities
-    o = (s @ v).reshape(g, qpk, g, e)[idx, :, idx, :]  # (G, J, E): the blocks where both G agree
-    o /= z.reshape(g, qpk, 1)
-    return o.reshape(1, h * e)
 
 
 def mla_absorbed(
