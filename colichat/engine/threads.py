@@ -42,9 +42,9 @@ from .ops import MATVEC, ROW_ALIGN, ROW_BLOCKS, SHARED_BLOCK, SMALL_BATCH, WORKE
 DECODE_THREADS = 1
 PROBE_EVERY = 16  # small passes between tries of a thread count that is not the faster one ...
 PROBE_MAX = 256  # ... doubling after each try it loses, up to this
-ROW_COST = 0.3  # what each token after the first adds to a pass of up to SMALL_BATCH, in one-token passes,
-ROW_COST_MAX = 2.0  # before it is measured (BENCHMARKS.md), and the most one pass can say (RowCost)
-ROW_EXTRA = 0.5  # a pass of 2..SMALL_BATCH tokens costs as if it had this many more (BENCHMARKS.md)
+ROW_COST = 0.3  # what each token after a pass's first adds to it, in one-token passes, until measured (RowCost)
+ROW_COST_MAX = 2.0  # the most one timed pass can add to that measure (a descheduled pass would say more)
+ROW_EXTRA = 0.5  # a pass of 2..SMALL_BATCH tokens costs as if it had this many tokens more (fitted: BENCHMARKS.md)
 SLOWER = 1.5  # a pass of the current choice this much slower than its average has fewer threads tried at once
 
 
