@@ -77,16 +77,21 @@ def chat(home, args, stdin: str | bytes = "", timeout: float = 300, env_extra=No
     return Run(p.returncode, p.stdout, p.stderr.decode("utf-8", "replace"))
 
 
-def _usable(prefix: list[str]) -> list[str]:
-    """`prefix` if a command runs under it here; else the test is skipped, saying what is missing."""
+NAMESPACES = ("needs user namespaces (util-linux `unshare`; allowed by the kernel, e.g. "
+              "sysctl kernel.unprivileged_userns_clone=1, and by the container)")
+
+
+def _usable(prefix: list[str], what: str) -> list[str]:
+    """`prefix` if a command runs under it here; else the test is skipped, saying what it does, what
+    is missing and what it needs."""
     import pytest
 
     try:
         p = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=60)
     except OSError as e:
-        pytest.skip(f"{prefix[0]} cannot run here ({e})")
+        pytest.skip(f"{what} {NAMESPACES}; {prefix[0]} cannot run here ({e})")
     if p.returncode != 0:
-        pytest.skip(f"{' '.join(prefix)} does not work here: {p.stderr.strip()}")
+        pytest.skip(f"{what} {NAMESPACES}; `{' '.join(prefix)}` failed here: {p.stderr.strip()}")
     return prefix
 
 
@@ -95,14 +100,16 @@ def unprivileged() -> list[str]:
     process is uid 1000 (execve drops its capabilities), so a mode-000 directory is refused."""
     if os.geteuid() != 0:
         return []
-    return _usable(["unshare", "--user", "--map-user=1000", "--map-group=1000"])
+    return _usable(["unshare", "--user", "--map-user=1000", "--map-group=1000"],
+                   "running colichat as a user that file permissions apply to (the tests run as root)")
 
 
 def read_only(directory) -> list[str]:
     """A command prefix that runs the command with `directory` remounted read-only (a private mount
     namespace: nothing outside sees it)."""
     script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
-    return _usable(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, str(directory)])
+    return _usable(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, str(directory)],
+                   "running colichat on a read-only file system")
 
 
 def start(home, args, **popen) -> subprocess.Popen:

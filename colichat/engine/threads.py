@@ -211,22 +211,19 @@ class BlasMatvec:
             self._set(self.n)
 
     def __call__(self, x, w):
-        """x (1, Z) @ w.T."""
-        out = np.empty((1, w.shape[0]), dtype=np.result_type(x, w))  # (1, O)
-        self._set(self.n)
-        try:
-            self._product(x[0], w, out[0])
-        finally:
-            self._set(1)
-        return out
+        """x (1, Z) @ w.T: one product over the whole matrix."""
+        return self._rows(x, w, w.shape[0])
 
     def rows(self, x, w):
         """x (T, Z) @ w.T, row i bit for bit self(x[i:i+1], w): per block of ops.SHARED_BLOCK bytes of
         weights, a matrix-vector product per row, the later rows reading the block from the CPU cache
         (one thread's L2 is too small for a block worth sharing among threads; L3 holds it)."""
-        t, (o, z) = x.shape[0], w.shape
         step = ROW_ALIGN * self.n
-        blk = max(step, SHARED_BLOCK // (4 * z) // step * step)  # weight rows per block: whole shares
+        return self._rows(x, w, max(step, SHARED_BLOCK // (4 * w.shape[1]) // step * step))  # whole shares
+
+    def _rows(self, x, w, blk: int):
+        """x (T, Z) @ w.T by blocks of `blk` weight rows (a multiple of ROW_ALIGN * n, or all of them)."""
+        t, o = x.shape[0], w.shape[0]
         out = np.empty((t, o), dtype=np.result_type(x, w))  # (T, O)
         self._set(self.n)
         try:
