@@ -941,7 +941,7 @@ def main(argv=None) -> int:
                 m["starts"] = measure_starts(path if kind else None, root / "home", kind or "default", lengths)
             results["models"].append(m)
         if not args.no_speculative:
-            mtp = None if args.skip_deepseek or args.plm_only else speculative.mtp_gguf(args.ff)
+            mtp = None if args.skip_deepseek or args.plm_only else deepseek_gguf(args.ff, mtp=True)
             results["speculative"] = speculative.run([(m[0], m[1]) for m in models], args.quick, mtp)
         if args.plm or args.plm_only:
             results["models"].append(bench_rates_only("PLM-1.8B-shaped", plm_gguf(), args.quick))

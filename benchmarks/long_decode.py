@@ -12,7 +12,10 @@ after each), so both see the same machine load; the best step of each counts. Th
 With --before REV, a third case alternates with them: decode at context N with the attention functions
 of colichat/engine/attention.py as it was at git revision REV (a before/after ratio from one run).
 Then a profiled pass per case: every engine function a decode step calls (linear, rms_norm, rope, attention, ...)
-is wrapped in a timer, and each op's exclusive time is reported as a share of the step.
+is wrapped in a timer, and each op's exclusive time is reported as a share of the step. Last, the engine's
+attention with its rows already in the CPU cache (one layer's rows again and again, one thread): attention's
+cost without any memory traffic, and from it the most a step at context N could reach even with the weights
+streamed at the roofline and that attention shared perfectly by every core.
 """
 
 from __future__ import annotations
@@ -172,12 +175,45 @@ def attention_work(model, ctx: int) -> dict:
             "flops": 2.0 * ctx * cfg.n_layer * cfg.n_head * per_key_head}
 
 
+def attention_in_cache(model, ctx: int, reps: int = 15) -> float:
+    """Seconds per step of the engine's attention over ctx cached rows with those rows already in the CPU
+    cache: one layer's rows (the cache's own strided view) attended to by one random query again and again
+    on one BLAS thread, as decode runs it; the best call times the layers. Attention with no memory
+    traffic at all: its floor in this engine on one core."""
+    from threadpoolctl import threadpool_limits
+
+    from colichat.engine import attention
+
+    cfg, fwd, cache = model.cfg, model.fwd, model.cache
+    rng = np.random.default_rng(5)
+    if cache.kind == "mla":
+        k_b, v_b = fwd.w["blk.0.attn_k_b"], fwd.w["blk.0.attn_v_b"]  # (H, C, Dn), (H, Dv, C)
+        q_nope = rng.standard_normal((1, cfg.n_head, k_b.shape[2]), dtype=np.float32)  # (1, H, Dn)
+        q_pe = rng.standard_normal((1, cfg.n_head, cfg.rope_dim), dtype=np.float32)  # (1, H, R)
+        kv = cache.records["kv"][:ctx, 0]  # (N, C+R)
+
+        def call():
+            attention.mla_absorbed(q_nope, q_pe, kv, k_b, v_b, ctx - 1, fwd.kq_scale)
+    else:
+        g, e = cfg.n_head_kv, cfg.head_dim
+        q = rng.standard_normal((1, cfg.n_head, e), dtype=np.float32)  # (1, H, E)
+        k, v = cache.a[0][:ctx].reshape(ctx, g, e), cache.b[0][:ctx].reshape(ctx, g, e)  # (N, G, E)
+
+        def call():
+            attention.gqa_attention(q, k, v, ctx - 1, fwd.kq_scale)
+    with threadpool_limits(1, "blas"):
+        call()
+        best = min(bench_timed(call) for _ in range(reps))
+    return best * cfg.n_layer
+
+
 def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: int, before=None) -> dict:
     """Decode at SHORT_CTX and ctx, alternating (and at ctx with `before`'s attention functions when given,
     as a third alternating case), the limits around them, then the per-op profiles."""
     import bench
 
     from colichat.engine import attention, load
+    from colichat.engine.threads import cores
 
     bench.say(f"{label}: loading {path.name}")
     model = load(str(path), n_ctx=ctx + 16)
@@ -221,11 +257,12 @@ def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: in
                      "tok_s": 1 / min(ts), "roofline_tok_s": 1 / roof, "fraction": roof / min(ts),
                      "fraction_of_one_thread_roofline": roof_one / min(ts)})
     work = attention_work(model, ctx)
+    work["in_cache_s"] = attention_in_cache(model, ctx)
     del model
     return {"label": label, "path": str(path), "roofline_terms": terms, "limits_before": lim_before,
             "limits_after": lim_after, "matvec_gbps": gbps, "others_cpu": other.share, "decode": rows,
             "profile": prof, "attention_work": work,
-            "one_thread": {k: max(one_before[k], one_after[k]) for k in one_before}}
+            "one_thread": {k: max(one_before[k], one_after[k]) for k in one_before}, "cores": cores()}
 
 
 def run(models: list[tuple[str, Path]], ctx: int = 4096, rounds: int | None = None, profile_steps: int = 9,
@@ -275,6 +312,18 @@ def report(res: dict, markdown: bool = True) -> str:
                      f"ctx {SHORT_CTX} ({d64['s_per_token'] * 1e3:.1f} ms) plus that floor would be "
                      f"{(d64['s_per_token'] + floor) * 1e3:.1f} ms at ctx {res['ctx']}: "
                      f"{bound:.0%} of the roofline (measured: {dlong['fraction']:.0%}).")
+        hot = w["in_cache_s"]
+        roof = 1 / dlong["roofline_tok_s"]
+        parts.append(f"{m['label']}: the same attention with its rows already in the CPU cache (one layer's rows "
+                     f"again and again, one thread) takes {hot * 1e3:.1f} ms per step ({w['flops'] / hot / 1e9:.1f} "
+                     f"GFLOP/s); the step at ctx {SHORT_CTX} plus that would be "
+                     f"{(d64['s_per_token'] + hot) * 1e3:.1f} ms: {roof / (d64['s_per_token'] + hot):.0%} of the "
+                     f"roofline. 75% would leave attention {(roof / 0.75 - d64['s_per_token']) * 1e3:.1f} ms.")
+        roof64, n = 1 / d64["roofline_tok_s"], m["cores"]
+        parts.append(f"{m['label']}: even with the weights' part of a step at the roofline ({roof64 * 1e3:.1f} ms, "
+                     f"the ctx-{SHORT_CTX} roofline) and that in-cache attention shared perfectly by all {n} cores "
+                     f"({hot / n * 1e3:.1f} ms), a step at ctx {res['ctx']} would take "
+                     f"{(roof64 + hot / n) * 1e3:.1f} ms: at most {roof / (roof64 + hot / n):.0%} of the roofline.")
         if res.get("before"):
             b = next(d for d in m["decode"] if d["case"] != dlong["case"] and d["ctx"] == res["ctx"])
             parts.append(f"{m['label']}: decode at ctx {res['ctx']}, this code / attention of {res['before']}: "

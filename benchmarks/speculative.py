@@ -6,12 +6,13 @@
 
 1. Greedy answers to three tasks with draft = 0 (plain decoding) and several draft limits, taking turns
    for 3 rounds (1 with --quick), the median of each (the number of drafts per pass adapts to the
-   acceptance rate up to the limit: speculative.draft_size): decode
-   tok/s, the speedup over draft 0, the drafts' acceptance rate, and whether the tokens are the same
-   (they must be). Tasks: (a) echo-heavy: correct a 300-word paragraph given in the prompt; edit a
-   function given in the prompt; (b) ordinary chat: a question with nothing to copy. The prompt is the
-   SmolLM2 chat template's rendering, the same token ids for both models (the V2-Lite-shaped model has
-   random weights: its "answers" are whatever it generates).
+   acceptance rate up to the limit: speculative.draft_size): decode tok/s, the speedup over draft 0,
+   the drafts' acceptance rate, whether the tokens are the same (they must be), and prompt lookup's
+   ceiling on the answer (lookup_ceiling: each pass checking with foresight exactly the drafts that
+   will be kept, at the draft cost measured in the runs). Tasks: (a) echo-heavy: correct a 300-word
+   paragraph given in the prompt; edit a function given in the prompt; (b) ordinary chat: a question
+   with nothing to copy. The prompt is the SmolLM2 chat template's rendering, the same token ids for
+   both models (the V2-Lite-shaped model has random weights: its "answers" are whatever it generates).
 2. The verify pass: one pass over k + 1 tokens (k = 1..8) against one decode step, at a 512-token context.
 3. Threads: prefill, decode and a verify pass with one thread, two sharing fixed row blocks and
    OpenBLAS's two (benchmarks/threads.py), on the machine as it is and with one core kept busy.
@@ -126,17 +127,42 @@ def bench_tasks(model, tok, drafts: list[int], max_tokens: int, rounds: int = 3)
             for d in drafts:
                 runs[d].append(answer(model, ids, d, max_tokens))
         base_tps = float(np.median([r["tps"] for r in runs[drafts[0]]]))
+        row_cost = model.threads.row_cost()
+        ceiling = lookup_ceiling(ids, runs[drafts[0]][0]["tokens"], drafts[-1], row_cost)
+        say(f"  {label:<28} prompt lookup's ceiling: {ceiling:.2f}x (measured draft cost {row_cost:.2f} steps)")
         for d in drafts:
             r, tps = runs[d][0], float(np.median([x["tps"] for x in runs[d]]))
             rows.append({"task": label, "kind": kind, "prompt_tokens": len(ids), "draft": d,
                          "generated": len(r["tokens"]), "tps": tps, "speedup": tps / base_tps,
-                         "tps_runs": [x["tps"] for x in runs[d]],
+                         "tps_runs": [x["tps"] for x in runs[d]], "ceiling": ceiling, "row_cost": row_cost,
                          "acceptance": r["accepted"] / r["drafted"] if r["drafted"] else None,
                          "same_tokens": all(x["tokens"] == runs[drafts[0]][0]["tokens"] for x in runs[d])})
             say(f"  {label:<28} draft {d}: {tps:.2f} tok/s ({rows[-1]['speedup']:.2f}x; runs "
                 + " ".join(f"{x['tps']:.1f}" for x in runs[d])
                 + f"), {r['accepted']}/{r['drafted']} drafts kept, same tokens {rows[-1]['same_tokens']}")
     return rows
+
+
+def lookup_ceiling(ids: list[int], tokens: list[int], k_max: int, row_cost: float) -> float:
+    """The most prompt lookup could speed up this greedy answer, as a multiple of plain decoding: the
+    answer replayed with foresight, each pass checking exactly the drafts (at most k_max) the answer
+    keeps, or none (a plain step), and costing threads.pass_units with the measured `row_cost`. A real
+    pass cannot know how many of its drafts will be kept, so measured speed-ups stay below this, up to
+    the cost model's error (a few percent)."""
+    from colichat.engine.speculative import PromptLookup
+    from colichat.engine.threads import pass_units
+
+    lookup, text = PromptLookup(), np.array(list(ids) + list(tokens), dtype=np.int64)  # (P + answer,)
+    i, steps = 0, 0.0  # answer tokens chosen, and their passes' cost in decode steps
+    while i < len(tokens):
+        kept = 0  # the pass feeds answer token i and the drafts after it that the answer keeps
+        for d, t in zip(lookup.propose(text[: len(ids) + i + 1], k_max), tokens[i + 1 :], strict=False):
+            if d != t:
+                break
+            kept += 1
+        steps += pass_units(kept + 1, row_cost)
+        i += kept + 1
+    return len(tokens) / steps
 
 
 def bench_verify(model, ctx: int = 512, reps: int = 3) -> list[dict]:
@@ -262,12 +288,13 @@ def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | No
 
 
 def tasks_table(tasks: list[dict], verify: list[dict]) -> list[str]:
-    lines = ["| task | prompt | draft | tokens | tok/s | vs draft 0 | drafts kept | same tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| task | prompt | draft | tokens | tok/s | vs draft 0 | drafts kept | same tokens | lookup's ceiling |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in tasks:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+        ceiling = f"{r['ceiling']:.2f}x (draft cost {r['row_cost']:.2f})" if r["draft"] == 0 else ""
         lines.append(f"| {r['task']} | {r['prompt_tokens']} | {r['draft']} | {r['generated']} | {r['tps']:.2f} | "
-                     f"{r['speedup']:.2f}x | {acc} | {'yes' if r['same_tokens'] else 'NO'} |")
+                     f"{r['speedup']:.2f}x | {acc} | {'yes' if r['same_tokens'] else 'NO'} | {ceiling} |")
     return lines + ["", "verify pass of k + 1 tokens / one decode step (512 cached tokens): "
                     + ", ".join(f"k={r['k']}: {r['vs_decode']:.2f}x" for r in verify[1:]), ""]
 
