@@ -61,9 +61,13 @@ def test_interactive_session(tmux_chat):
 
     t.type("/history")
     t.keys("Enter")
-    screen = t.wait_for(lambda s: "assistant> " in s.split("/history")[-1] and "dragon" in s, SCREEN_WAIT, "history")
-    partial = screen.split("user> Write a long story")[-1]
-    assert "assistant> " in partial
+
+    def story_kept(s: str) -> bool:  # /history prints the story's question and, after it, the answer so far
+        return "user> Write a long story" in s and "assistant> " in s.split("user> Write a long story")[-1]
+
+    screen = t.wait_for(story_kept, SCREEN_WAIT, "the interrupted answer in /history")
+    partial = screen.split("user> Write a long story")[-1].split("assistant> ", 1)[1]
+    assert len(partial.split()) > 8  # the words streamed before Ctrl-C
 
     # the conversation continues after the interruption
     t.type("/set max_tokens 24")
