@@ -21,8 +21,14 @@
    draft against one decode step, the block's catch-up over a prompt against the prompt's prefill,
    and the chat task's greedy answer with prompt lookup alone and with MTP drafts too (the same
    tokens; MTP's rejected drafts pause it, so the answer must not be slower).
+5. Ordinary chat, more of it (SmolLM2): ten questions (CHAT_MIX), each answered greedily with draft 0
+   and draft 15, the order alternating over 3 rounds (1 with --quick): the median of the rounds'
+   paired tok/s ratios, and the same ratio by the engine's cost model (model_speedup: the passes the
+   answer took, each weighed by threads.pass_units at the draft cost measured in the runs), which the
+   machine's noise does not move.
 
     python benchmarks/speculative.py --mtp-only   # part 4 alone
+    python benchmarks/speculative.py --chat-only  # part 5 alone
 """
 
 from __future__ import annotations
@@ -87,6 +93,17 @@ TASKS = [  # phrased so that SmolLM2-135M does echo (other phrasings get a summa
     ("chat: a question", "chat", "What are three good habits for a healthy life? Explain each one briefly."),
 ]
 
+CHAT_MIX = [TASKS[2][2],  # part 5: questions whose answers have little or nothing to copy
+            "Why is the sky blue? Answer for a ten-year-old.",
+            "Write a short poem about autumn in a small town.",
+            "What should I pack for a weekend hiking trip in the mountains?",
+            "How do I make a simple tomato pasta sauce?",
+            "Explain what a black hole is in two paragraphs.",
+            "Give me some tips for sleeping better.",
+            "What is the difference between weather and climate?",
+            "Tell me a short story about a cat who learns to fly.",
+            "How does a computer store numbers?"]
+
 
 def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -110,10 +127,22 @@ def answer(model, ids: list[int], draft: int, max_tokens: int, mtp: bool = False
     gen = Generation(model, logits, Sampler(SamplerSettings(temperature=0)), model.tokenizer.eog_ids, max_tokens,
                      drafts=[PromptLookup()] + [model.mtp] * mtp, draft=draft)
     t0 = time.perf_counter()
-    tokens = [t.id for t in gen]
+    out = list(gen)
     dt = time.perf_counter() - t0
-    return {"tokens": tokens, "decode_s": dt, "tps": len(tokens) / dt, "drafted": gen.n_drafted,
-            "accepted": gen.n_accepted, "by_source": gen.by_source}
+    passes, i = [], 0  # drafts checked by each pass of the answer (0: a plain decode step)
+    while i < len(out):
+        passes.append(out[i].drafted)
+        i += out[i].accepted + 1 if out[i].drafted else 1
+    return {"tokens": [t.id for t in out], "decode_s": dt, "tps": len(out) / dt, "drafted": gen.n_drafted,
+            "accepted": gen.n_accepted, "by_source": gen.by_source, "passes": passes}
+
+
+def model_speedup(r: dict, row_cost: float) -> float:
+    """An answer's speed-up over plain decoding by the engine's cost model: its tokens over its passes,
+    each weighed in decode steps by threads.pass_units (a plain step 1)."""
+    from colichat.engine.threads import pass_units
+
+    return len(r["tokens"]) / sum(pass_units(d + 1, row_cost) for d in r["passes"])
 
 
 def bench_tasks(model, tok, drafts: list[int], max_tokens: int, rounds: int = 3) -> list[dict]:
@@ -141,6 +170,45 @@ def bench_tasks(model, tok, drafts: list[int], max_tokens: int, rounds: int = 3)
                 + " ".join(f"{x['tps']:.1f}" for x in runs[d])
                 + f"), {r['accepted']}/{r['drafted']} drafts kept, same tokens {rows[-1]['same_tokens']}")
     return rows
+
+
+def bench_chat_mix(model, tok, max_tokens: int, rounds: int = 3, draft: int = 15) -> list[dict]:
+    """Part 5: each CHAT_MIX question answered with draft 0 and `draft`, the order alternating over
+    `rounds` rounds: measured and modelled (model_speedup) speed-ups of `draft` over draft 0."""
+    rows = []
+    for text in CHAT_MIX:
+        ids = prompt_ids(tok, text)
+        runs: dict[int, list[dict]] = {0: [], draft: []}
+        for i in range(rounds):
+            for d in (0, draft) if i % 2 == 0 else (draft, 0):
+                runs[d].append(answer(model, ids, d, max_tokens))
+        on, off = runs[draft], runs[0]
+        row_cost = model.threads.row_cost()
+        rows.append({"question": text, "generated": len(on[0]["tokens"]),
+                     "tps_off": float(np.median([r["tps"] for r in off])),
+                     "tps_on": float(np.median([r["tps"] for r in on])),
+                     "paired": float(np.median([a["tps"] / b["tps"] for a, b in zip(on, off, strict=True)])),
+                     "model": model_speedup(on[0], row_cost), "row_cost": row_cost,
+                     "kept": on[0]["accepted"], "checked": on[0]["drafted"],
+                     "same_tokens": all(r["tokens"] == off[0]["tokens"] for r in on + off)})
+        r = rows[-1]
+        say(f"  {text[:44]:<44} {r['generated']} tokens, {r['tps_off']:.2f} -> {r['tps_on']:.2f} tok/s, paired "
+            f"{r['paired']:.3f}x, model {r['model']:.3f}x, {r['kept']}/{r['checked']} kept, "
+            f"same tokens {r['same_tokens']}")
+    return rows
+
+
+def chat_mix_table(rows: list[dict], draft: int = 15) -> list[str]:
+    lines = [f"| question | tokens | tok/s, draft 0 | tok/s, draft {draft} | measured (paired) | cost model | "
+             "drafts kept | same tokens |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['question']} | {r['generated']} | {r['tps_off']:.2f} | {r['tps_on']:.2f} | "
+                     f"{r['paired']:.3f}x | {r['model']:.3f}x | {r['kept']}/{r['checked']} | "
+                     f"{'yes' if r['same_tokens'] else 'NO'} |")
+    paired, modelled = [r["paired"] for r in rows], [r["model"] for r in rows]
+    return lines + ["", f"Over the {len(rows)} questions: measured median {np.median(paired):.3f}x, mean "
+                    f"{np.mean(paired):.3f}x, lowest {min(paired):.3f}x; cost model median {np.median(modelled):.3f}x, "
+                    f"mean {np.mean(modelled):.3f}x, lowest {min(modelled):.3f}x.", ""]
 
 
 def lookup_ceiling(ids: list[int], tokens: list[int], k_max: int, row_cost: float) -> float:
@@ -278,6 +346,8 @@ def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | No
             m["tasks_one_thread"] = bench_tasks(model, tok, drafts, max_tokens, rounds)
             m["verify_one_thread"] = bench_verify(model)
             model.threads = ThreadPolicy()
+            say("  ordinary chat, ten questions")
+            m["chat_mix"] = bench_chat_mix(model, tok, max_tokens, rounds)
         if i == 0 or not quick:
             m["threads"] = threads.bench_threads(model, 16 if small else 4, 256 if small else 64)
         out["models"].append(m)
@@ -305,6 +375,8 @@ def report(res: dict) -> str:
         lines += [f"### {m['label']}", ""] + tasks_table(m["tasks"], m["verify"])
         if "tasks_one_thread" in m:
             lines += ["Decode held to one thread:", ""] + tasks_table(m["tasks_one_thread"], m["verify_one_thread"])
+        if "chat_mix" in m:
+            lines += ["Ordinary chat, ten questions:", ""] + chat_mix_table(m["chat_mix"])
         if "threads" in m:
             lines += threads.table(m["threads"]) + [""]
     if "mtp" in res:
@@ -329,6 +401,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-deepseek", action="store_true")
     p.add_argument("--ff", type=int, default=2816)
     p.add_argument("--mtp-only", action="store_true", help="only part 4 (MTP drafts)")
+    p.add_argument("--chat-only", action="store_true", help="only part 5 (ordinary chat, ten questions)")
     args = p.parse_args(argv)
     from bench import OUT, deepseek_gguf
 
@@ -339,6 +412,16 @@ def main(argv=None) -> int:
         r = bench_mtp(deepseek_gguf(args.ff, mtp=True), max_tokens=8 if args.quick else 16)
         (OUT / "speculative-mtp.json").write_text(json.dumps(r, indent=1))
         print(mtp_report(r))
+        return 0
+
+    if args.chat_only:
+        from colichat.engine import load
+
+        OUT.mkdir(parents=True, exist_ok=True)
+        model = load(str(default_model_path()), n_ctx=2048)
+        rows = bench_chat_mix(model, model.tokenizer, 64 if args.quick else 160, 1 if args.quick else 3)
+        (OUT / "speculative-chat.json").write_text(json.dumps(rows, indent=1))
+        print("\n".join(chat_mix_table(rows)))
         return 0
 
     models = [("SmolLM2-135M", Path(default_model_path()))]

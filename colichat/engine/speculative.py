@@ -65,7 +65,8 @@ class DraftSource:
 class AcceptanceRate:
     """A running estimate of how often drafts are kept: each checked draft moves it by RATE_STEP;
     every plain step moves it back toward RATE_PRIOR, so that a stretch of rejected drafts pauses
-    drafting (ordinary chat is not slowed down) and later text that repeats is still caught."""
+    drafting (an answer with nothing to copy pays only a few checks: a few percent, BENCHMARKS.md
+    "Ordinary chat, ten questions") and later text that repeats is still caught."""
 
     def __init__(self):
         self.value = RATE_PRIOR
