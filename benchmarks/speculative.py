@@ -93,7 +93,7 @@ TASKS = [  # phrased so that SmolLM2-135M does echo (other phrasings get a summa
     ("chat: a question", "chat", "What are three good habits for a healthy life? Explain each one briefly."),
 ]
 
-CHAT_MIX = [TASKS[2][2],  # part 5: questions whose answers have little or nothing to copy
+CHAT_MIX = [TASKS[2][2],  # part 5: ordinary questions, nothing in the prompt for the answer to copy
             "Why is the sky blue? Answer for a ten-year-old.",
             "Write a short poem about autumn in a small town.",
             "What should I pack for a weekend hiking trip in the mountains?",
