@@ -137,12 +137,12 @@ def answer(model, ids: list[int], draft: int, max_tokens: int, mtp: bool = False
             "accepted": gen.n_accepted, "by_source": gen.by_source, "passes": passes}
 
 
-def model_speedup(r: dict, row_cost: float) -> float:
-    """An answer's speed-up over plain decoding by the engine's cost model: its tokens over its passes,
-    each weighed in decode steps by threads.pass_units (a plain step 1)."""
+def model_speedup(tokens: int, passes: list[int], row_cost: float) -> float:
+    """An answer's speed-up over plain decoding by the engine's cost model: its tokens over its passes
+    (the drafts each checked; 0: a plain step), each weighed in decode steps by threads.pass_units."""
     from colichat.engine.threads import pass_units
 
-    return len(r["tokens"]) / sum(pass_units(d + 1, row_cost) for d in r["passes"])
+    return tokens / sum(pass_units(d + 1, row_cost) for d in passes)
 
 
 def bench_tasks(model, tok, drafts: list[int], max_tokens: int, rounds: int = 3) -> list[dict]:
@@ -188,7 +188,7 @@ def bench_chat_mix(model, tok, max_tokens: int, rounds: int = 3, draft: int = 15
                      "tps_off": float(np.median([r["tps"] for r in off])),
                      "tps_on": float(np.median([r["tps"] for r in on])),
                      "paired": float(np.median([a["tps"] / b["tps"] for a, b in zip(on, off, strict=True)])),
-                     "model": model_speedup(on[0], row_cost), "row_cost": row_cost,
+                     "model": model_speedup(len(on[0]["tokens"]), on[0]["passes"], row_cost), "row_cost": row_cost,
                      "kept": on[0]["accepted"], "checked": on[0]["drafted"],
                      "same_tokens": all(r["tokens"] == off[0]["tokens"] for r in on + off)})
         r = rows[-1]
@@ -218,19 +218,18 @@ def lookup_ceiling(ids: list[int], tokens: list[int], k_max: int, row_cost: floa
     pass cannot know how many of its drafts will be kept, so measured speed-ups stay below this, up to
     the cost model's error (a few percent)."""
     from colichat.engine.speculative import PromptLookup
-    from colichat.engine.threads import pass_units
 
     lookup, text = PromptLookup(), np.array(list(ids) + list(tokens), dtype=np.int64)  # (P + answer,)
-    i, steps = 0, 0.0  # answer tokens chosen, and their passes' cost in decode steps
+    i, passes = 0, []  # answer tokens chosen, and the drafts each pass checked
     while i < len(tokens):
         kept = 0  # the pass feeds answer token i and the drafts after it that the answer keeps
         for d, t in zip(lookup.propose(text[: len(ids) + i + 1], k_max), tokens[i + 1 :], strict=False):
             if d != t:
                 break
             kept += 1
-        steps += pass_units(kept + 1, row_cost)
+        passes.append(kept)
         i += kept + 1
-    return len(tokens) / steps
+    return model_speedup(len(tokens), passes, row_cost)
 
 
 def bench_verify(model, ctx: int = 512, reps: int = 3) -> list[dict]:
