@@ -4,7 +4,7 @@
     make bench ARGS="--quick"                     # 512 and 2048 only, fewer repetitions
     make bench ARGS="--skip-deepseek --publish"   # --publish also writes benchmarks/results.json, resume.png
     make bench ARGS="--plm"                       # also decode/prefill of a PLM-1.8B-shaped model (~9 GiB RAM)
-    make bench ARGS="--dsa"                       # only: sparse attention (DeepSeek-V3.2-shaped) vs dense
+    make bench ARGS="--dsa"                       # only: sparse attention (V3.2-shaped) vs dense, its verify passes
     make bench ARGS="--speculative-only"          # speculative decoding and threads only (speculative.py)
     make bench ARGS="--long-decode"               # only: decode at 64 and 4096 tokens, per-op profile (long_decode.py)
     make bench ARGS="--threads-only"              # the thread policy only (threads.py)
@@ -836,6 +836,7 @@ def bench_dsa(quick: bool) -> dict:
             row[mode] = {"s_per_token": min(ts[1:]), "median_s": float(np.median(ts[1:])), "tok_s": 1.0 / min(ts[1:])}
         rows.append(row)
     model.fwd.sparse = True
+    verify = dsa_verify(model, max(DSA_CONTEXTS), reps)
     say("sparse attention: attention alone, one layer")
     alone = [attention_only(n, 3 if quick else 5) for n in (4096, 16384, 65536)]
     real = V32_REAL
@@ -847,9 +848,29 @@ def bench_dsa(quick: bool) -> dict:
         "real_v32_record_bytes": 4 + 4 * real["n_layer"] * (real["kv_lora"] + real["qk_rope"] + real["index_hd"]),
         "real_v3_record_bytes": 4 + 4 * real["n_layer"] * (real["kv_lora"] + real["qk_rope"]),
         "decode": rows,
+        "verify": verify,
         "attention_alone": alone,
         "sgemm_gflops": {"before": sgemm_before, "after": measure_sgemm(reps=4)},
     }
+
+
+def dsa_verify(model, ctx: int, reps: int) -> dict:
+    """A verify pass of speculative decoding (1 + k tokens, each query selecting its own keys) against
+    one decode step, after `ctx` cached rows (the indexer on): seconds, best of reps, taking turns."""
+    cache = model.cache
+    ids = [int(t) for t in cache.tokens[ctx : ctx + 9]]
+    ks = (1, 2, 4, 8)
+    times: dict[int, list[float]] = {k: [] for k in (0, *ks)}
+    say(f"sparse attention: verify passes of 1 + k tokens at {ctx} tokens of context")
+    for i in range(reps + 1):  # rep 0 warms up
+        for k in times:
+            cache.set_length(ctx)
+            t = timed(model.decode, ids[0])[0] if k == 0 else timed(model.prefill, ids[: k + 1], all_logits=True)[0]
+            if i:
+                times[k].append(t)
+    cache.set_length(ctx)
+    decode = min(times[0])
+    return {"ctx": ctx, "decode_s": decode, "k": {k: min(times[k]) / decode for k in ks}}
 
 
 def dsa_report(d: dict, markdown: bool) -> str:
@@ -858,6 +879,9 @@ def dsa_report(d: dict, markdown: bool) -> str:
             for r in d["decode"]]
     out = [table(["context", "decode tok/s, indexer (top_k 2048)", "decode tok/s, indexer off (dense)",
                   "speedup", "others' CPU"], rows, markdown)]
+    v = d["verify"]
+    out.append(f"verify pass of 1 + k tokens / one decode step ({v['ctx']} cached tokens, indexer on; decode "
+               f"{v['decode_s'] * 1e3:.0f} ms): " + ", ".join(f"k={k}: {r:.2f}x" for k, r in v["k"].items()))
     rows = [[a["ctx"], f"{a['sparse_s'] * 1e3:.2f}", f"{a['dense_s'] * 1e3:.2f}",
              f"{a['dense_s'] / a['sparse_s']:.2f}x"] for a in d["attention_alone"]]
     out.append(table(["context", "indexer + top-k + attention over 2048 keys, ms", "dense attention, ms",
@@ -890,7 +914,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also decode/prefill rates of a PLM-1.8B-shaped model (needs about 9 GiB of memory)")
     p.add_argument("--plm-only", action="store_true", help="only the machine limits and the PLM-1.8B-shaped rates")
     p.add_argument("--dsa", action="store_true",
-                   help="only the sparse-attention comparison (DeepSeek-V3.2-shaped model, indexer on vs off)")
+                   help="only sparse attention (DeepSeek-V3.2-shaped model): indexer on vs off, verify passes")
     p.add_argument("--publish", action="store_true",
                    help="also write benchmarks/results.json and benchmarks/resume.png (the committed copies)")
     return p.parse_args(argv)

@@ -228,8 +228,8 @@ class Conversation:
 
     def _draft(self) -> int:
         """Drafts per pass. Speculation relies on a pass giving decode's exact rows; llama.cpp numerics
-        and sparse attention compute a batch differently from single tokens (Model.exact_passes), so
-        they decode one token at a time."""
+        compute a batch differently from single tokens (Model.exact_passes), so they decode one token
+        at a time."""
         return self.settings.draft if self.model.exact_passes else 0
 
     def _generate(self, logits, stats: TurnStats, on_text) -> tuple[str, TurnStats]:

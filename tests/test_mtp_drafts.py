@@ -2,10 +2,11 @@
 /rewind and /resume), the MTP block's state follows the trunk's cache and never reaches the disk,
 sampling keeps its distribution, the memory check counts the block's rows, and the footer names them.
 
-Two models: the reference ds-v3-mtp (random weights: its MTP block's drafts are almost never kept, so
-only rejections run) and `copying`, a tiny deepseek2 model with an MTP block whose drafts are mostly
-right: attention and FFN outputs scaled down make the trunk nearly a bigram model, and the block,
-given the next token's embedding and the trunk's own output head, predicts the same bigram.
+Three models: the reference ds-v3-mtp and glm-dsa (sparse attention; random weights: their MTP
+blocks' drafts are almost never kept, so only rejections run) and `copying`, a tiny deepseek2 model
+with an MTP block whose drafts are mostly right: attention and FFN outputs scaled down make the
+trunk nearly a bigram model, and the block, given the next token's embedding and the trunk's own
+output head, predicts the same bigram.
 """
 
 from __future__ import annotations
@@ -49,15 +50,17 @@ def copying_model(path, n_ctx: int = 512):
     return m
 
 
-def tiny_mtp_model(n_ctx: int = 512):
-    m = load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=n_ctx)
+def tiny_mtp_model(name: str = "ds-v3-mtp", n_ctx: int = 512):
+    m = load(str(TINY / f"{name}.gguf"), n_ctx=n_ctx)
     m.mtp.cost = 0.0  # draft on a model this small, where the output head is most of a step
     return m
 
 
-@pytest.fixture(params=["copying", "ds-v3-mtp"])
+@pytest.fixture(params=["copying", "ds-v3-mtp", "glm-dsa"])
 def make_model(request, copying_path):
-    return (lambda: copying_model(copying_path)) if request.param == "copying" else tiny_mtp_model
+    if request.param == "copying":
+        return lambda: copying_model(copying_path)
+    return lambda: tiny_mtp_model(request.param)
 
 
 def converse(make_model, home, draft: int):
@@ -211,9 +214,10 @@ def test_memory_check_counts_the_mtp_rows(monkeypatch):
 
 
 def test_no_mtp_drafts_where_passes_are_not_exact():
-    """glm-dsa carries an MTP block, but sparse attention decodes one token at a time: no MTP state."""
-    assert load(str(TINY / "glm-dsa.gguf"), n_ctx=64).mtp is None
+    """llama.cpp's numerics compute a pass of several tokens differently from decoding: no MTP state.
+    Sparse attention's passes are exact (each query selects alone), so glm-dsa's block drafts."""
     assert load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=64, numerics="llama.cpp").mtp is None
+    assert load(str(TINY / "glm-dsa.gguf"), n_ctx=64).mtp is not None
 
 
 def test_footer_counts_mtp_drafts(copying_path):

@@ -18,11 +18,16 @@ from colichat.engine.threads import ROW_COST, ROW_COST_MAX, RowCost, ThreadPolic
 from colichat.persist import Store
 from colichat.settings import SettingError, Settings
 
-TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3", "plm", "minicpm3"]
+TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3", "plm", "minicpm3", "glm-dsa"]
 
 
 @pytest.fixture(scope="module", params=TINY_MODELS)
 def tiny(request):
+    return load(str(TINY / f"{request.param}.gguf"), n_ctx=1024)
+
+
+@pytest.fixture(scope="module", params=TINY_MODELS + ["ds-v32"])  # ds-v32's answers repeat nothing to draft
+def any_tiny(request):
     return load(str(TINY / f"{request.param}.gguf"), n_ctx=1024)
 
 
@@ -37,8 +42,10 @@ def test_prompt_lookup_continues_the_latest_longest_match():
     assert look.propose(np.array([3, 4, 3, 4]), 5) == [3, 4]  # the continuation runs up to the end
 
 
-def test_a_verify_pass_writes_the_rows_and_logits_decoding_would(tiny):
-    """Tokens fed in passes of 2..9 give the bits of feeding them one at a time (cache and logits)."""
+def test_a_verify_pass_writes_the_rows_and_logits_decoding_would(any_tiny):
+    """Tokens fed in passes of 2..9 give the bits of feeding them one at a time (cache and logits;
+    for sparse attention past its top_k, the Ic rows and each query's own selection of keys)."""
+    tiny = any_tiny
     rng = np.random.default_rng(1)
     prompt, toks = rng.integers(0, tiny.cfg.n_vocab, 30).tolist(), rng.integers(0, tiny.cfg.n_vocab, 40).tolist()
     tiny.reset()
@@ -198,14 +205,20 @@ def test_drafts_that_keep_failing_are_paused():
 
 
 @pytest.mark.parametrize("name", ["ds-v32", "glm-dsa"])
-def test_sparse_attention_models_answer_without_drafts(name):
-    """The indexer's scores of a batch round differently from one token's: no drafting, so the
-    answer is plain decoding's."""
+def test_sparse_attention_answers_and_cache_are_the_same_with_drafts(name):
+    """Sparse attention past its top_k (each query's own selection of keys) with drafts kept and
+    rejected: the tokens and every cache row (Ic included) are plain decoding's."""
     model = load(str(TINY / f"{name}.gguf"), n_ctx=256)
-    assert not model.exact_passes
-    conv = Conversation(model, Settings(temperature=0, max_tokens=8, draft=4), save=False)
-    _, stats = conv.ask("copy this: one two three one two three")
-    assert stats.accepted == 0 and conv._draft() == 0
+    model.threads = pinned(row_cost=0.1)
+    assert model.exact_passes and model.cfg.index_top_k < 30
+    prompt = np.random.default_rng(3).integers(0, model.cfg.n_vocab, 30).tolist()
+    ref = [t.id for t in greedy_run(model, prompt, 60)[0]]
+    ref_rows = bytes(model.cache.raw(0, model.cache.length))
+    wrong = [t if i % 5 != 4 else (t + 1) % model.cfg.n_vocab for i, t in enumerate(ref)]  # every fifth guess wrong
+    toks, gen = greedy_run(model, prompt, 60, drafts=Oracle(prompt + wrong), draft=6)
+    assert [t.id for t in toks] == ref
+    assert bytes(model.cache.raw(0, model.cache.length)) == ref_rows
+    assert 20 < gen.n_accepted < gen.n_drafted  # drafts kept and rejected
 
 
 def test_a_verify_pass_is_weighed_by_its_cost_per_draft():

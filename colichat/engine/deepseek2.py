@@ -277,12 +277,26 @@ class Forward:
             q_scale = (1.0 + cfg.attn_temp_scale * np.log(np.floor(p / cfg.attn_temp_length) + 1.0))
             q_scale = q_scale.astype(np.float32)  # (T,)
         kv = cache.records["kv"][:n, slot]  # (N, C+R) view of the cache rows [c | k_pe]
-        kv, qpos, mask = self.select_keys(l, u, qr, pos0, cache, kv)
-        k_b, v_b = w[b + "attn_k_b"], w[b + "attn_v_b"]  # (H, C, Dn), (H, Dv, C)
-        # decode and short chunks: absorbed; long prefill chunks: decompressed (faster there)
-        form = mla_naive if prefer_naive(t, kv.shape[0], h, c, dn, cfg.v_head_dim) else mla_absorbed
-        o = form(q[:, :, :dn], q_pe, kv, k_b, v_b, qpos, self.kq_scale, q_scale, mask)  # (T, H*Dv)
+        o = self.attend(l, q[:, :, :dn], q_pe, q_scale, u, qr, pos0, cache, kv)  # (T, H*Dv)
         return linear(o, w[b + "attn_output"])  # (T, D)
+
+    def attend(self, l: int, q_nope: np.ndarray, q_pe: np.ndarray, q_scale: np.ndarray | None, u: np.ndarray,
+               qr: np.ndarray | None, pos0: int, cache: KVCache, kv: np.ndarray) -> np.ndarray:
+        """MLA of layer l's queries over the keys select_keys leaves of kv (N, C+R), the cache rows
+        with the new ones written. q_nope (T, H, Dn), q_pe (T, H, R) roped, q_scale (T,) or None;
+        u, qr: as select_keys takes them. Returns (T, H*Dv)."""
+        kv, qpos, mask = self.select_keys(l, u, qr, pos0, cache, kv)
+        return self.mla(l, q_nope, q_pe, q_scale, kv, qpos, mask)
+
+    def mla(self, l: int, q_nope, q_pe, q_scale, kv: np.ndarray, qpos: int, mask: np.ndarray | None) -> np.ndarray:
+        """The attention of `attend` over the rows kv (M, C+R), the first query at row qpos, with an
+        additive (T, M) mask or None (causal). Returns (T, H*Dv)."""
+        cfg, b = self.cfg, f"blk.{l}."
+        k_b, v_b = self.w[b + "attn_k_b"], self.w[b + "attn_v_b"]  # (H, C, Dn), (H, Dv, C)
+        # decode and short chunks: absorbed; long prefill chunks: decompressed (faster there)
+        naive = prefer_naive(q_nope.shape[0], kv.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope, cfg.v_head_dim)
+        form = mla_naive if naive else mla_absorbed
+        return form(q_nope, q_pe, kv, k_b, v_b, qpos, self.kq_scale, q_scale, mask)
 
     def select_keys(self, l: int, u: np.ndarray, qr: np.ndarray | None, pos0: int, cache: KVCache,
                     kv: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:

@@ -7,7 +7,8 @@ each other ("shared") layer reuses the selection of the nearest earlier full lay
 The cache record gains Ic, one indexer key per token for each full layer (cache.py).
 
 The architecture module (model.ARCHITECTURES) for both: config, cache_widths, prepare and
-Forward, built from deepseek2's pieces; Forward overrides only deepseek2.Forward.select_keys.
+Forward, built from deepseek2's pieces; Forward overrides deepseek2.Forward.select_keys, and
+attend for passes of a few tokens.
 
 Axis letters: engine/__init__.py; Hi indexer heads, Di indexer head size (indexer.py).
 """
@@ -19,6 +20,7 @@ import numpy as np
 from . import deepseek2
 from . import indexer as I
 from .gguf import ModelConfig, ModelError, Tensors
+from .ops import SMALL_BATCH
 
 CACHE_KIND = deepseek2.CACHE_KIND
 cache_widths = deepseek2.cache_widths
@@ -116,17 +118,37 @@ class Forward(deepseek2.Forward):
     """deepseek2's blocks, each query attending to the keys the indexer selects. Within one forward
     pass a full layer computes the selection (and writes its Ic rows), shared layers reuse it.
 
-    A batch's indexer scores round differently from one token's, so a pass is not decode's rows
-    bit for bit: speculative drafting is off for these architectures."""
+    A pass of 2..SMALL_BATCH tokens (a verify pass of speculative decoding, a short message) selects
+    and attends for each query alone, as decoding does: its scores over the keys it sees, then
+    attention over the rows it keeps (a batch's indexer scores and masked attention round
+    differently from one token's). The projections, the indexer's included, stay batched (ops.linear
+    gives each row decode's bits), so the pass's rows and logits are decode's, bit for bit."""
 
-    exact_passes = False
+    exact_passes = True
 
     def __init__(self, cfg: ModelConfig, weights: dict, tensors: Tensors | None, n_ctx: int,
                  expert_cache_mib: float | None = None):
         super().__init__(cfg, weights, tensors, n_ctx, expert_cache_mib)
         self.slots = index_slots(cfg)
         self.keep: np.ndarray | None = None  # (T, N) bool of the last full layer of this pass
+        self.query_keeps: list = []  # a small pass: each query's (1, N) selection (or None) of that layer
         self.sparse = True  # False: the indexer off, dense attention over every key (for comparisons)
+
+    def attend(self, l, q_nope, q_pe, q_scale, u, qr, pos0, cache, kv):
+        t = q_nope.shape[0]
+        if not 1 < t <= SMALL_BATCH or l >= self.cfg.n_layer or not self.sparse:
+            return super().attend(l, q_nope, q_pe, q_scale, u, qr, pos0, cache, kv)
+        if self.slots[l] >= 0:  # a full layer: each query's own selection; a shared one reuses them
+            q, hw = self.index_rows(l, u, qr, pos0, cache)
+            ic = cache.ic[self.slots[l]]  # (N, Di)
+            self.query_keeps = [None if q is None else self.selection(q[i : i + 1], hw[i : i + 1], ic, pos0 + i)
+                                for i in range(t)]  # (None while no query has more than K keys)
+        out = []
+        for i, keep in enumerate(self.query_keeps):  # query i as decode computes it, over keys 0..pos0+i
+            rows, qpos, mask = restrict(kv[: pos0 + i + 1], keep, pos0 + i)
+            out.append(self.mla(l, q_nope[i : i + 1], q_pe[i : i + 1],
+                                None if q_scale is None else q_scale[i : i + 1], rows, qpos, mask))
+        return np.concatenate(out)  # (T, H*Dv)
 
     def select_keys(self, l, u, qr, pos0, cache, kv):
         if l >= self.cfg.n_layer or not self.sparse:  # an MTP block attends densely over its own cache
@@ -142,21 +164,32 @@ class Forward(deepseek2.Forward):
         if j < 0:
             assert self.keep is None or self.keep.shape[0] == u.shape[0]
             return self.keep
-        cfg, w, b = self.cfg, self.w, f"blk.{l}."
-        t = u.shape[0]
-        n = pos0 + t
-        rot = self.rot[pos0:n]  # (T, I) the main rope's angles
-        ic = cache.ic[j]  # (N, Di) view of this layer's Ic rows
-        ic[pos0:n] = I.indexer_keys(u, w[b + "indexer.attn_k"], w[b + "indexer.k_norm"],
-                                    w[b + "indexer.k_norm.bias"], cfg.index_eps, rot, cfg.index_neox)
-        if n <= cfg.index_top_k:  # every query keeps all its causal keys: nothing to score
-            self.keep = None
-            return None
-        q = I.indexer_queries(qr, w[b + "indexer.attn_q_b"], cfg.index_n_head, rot, cfg.index_neox)  # (T, Hi, Di)
-        hw = I.indexer_head_weights(u, w[b + "indexer.proj"], cfg.index_head_dim)  # (T, Hi)
-        scores = I.indexer_scores(q, hw, ic[:n], pos0)  # (T, N)
-        self.keep = I.top_k_mask(scores, cfg.index_top_k)
+        q, hw = self.index_rows(l, u, qr, pos0, cache)
+        self.keep = self.selection(q, hw, cache.ic[j], pos0)
         return self.keep
+
+    def index_rows(self, l: int, u: np.ndarray, qr: np.ndarray, pos0: int, cache):
+        """Full layer l's indexer projections of the new tokens: writes their Ic rows into the cache,
+        returns the queries (T, Hi, Di) and head weights (T, Hi), or (None, None) while no query has
+        more than K keys to choose from (nothing to score)."""
+        cfg, w, b = self.cfg, self.w, f"blk.{l}."
+        n = pos0 + u.shape[0]
+        rot = self.rot[pos0:n]  # (T, I) the main rope's angles
+        cache.ic[self.slots[l]][pos0:n] = I.indexer_keys(u, w[b + "indexer.attn_k"], w[b + "indexer.k_norm"],
+                                                         w[b + "indexer.k_norm.bias"], cfg.index_eps, rot,
+                                                         cfg.index_neox)
+        if n <= cfg.index_top_k:
+            return None, None
+        q = I.indexer_queries(qr, w[b + "indexer.attn_q_b"], cfg.index_n_head, rot, cfg.index_neox)  # (T, Hi, Di)
+        return q, I.indexer_head_weights(u, w[b + "indexer.proj"], cfg.index_head_dim)  # (T, Hi)
+
+    def selection(self, q: np.ndarray | None, hw: np.ndarray | None, ic: np.ndarray, pos0: int) -> np.ndarray | None:
+        """(T, N) bool: the K best-scoring keys of queries q (T, Hi, Di) with head weights hw (T, Hi) at
+        positions pos0.., over the Ic rows ic (>= N rows); None when every causal key is kept (N <= K)."""
+        if q is None or pos0 + q.shape[0] <= self.cfg.index_top_k:  # all causal keys kept: nothing to score
+            return None
+        n = pos0 + q.shape[0]
+        return I.top_k_mask(I.indexer_scores(q, hw, ic[:n], pos0), self.cfg.index_top_k)
 
 
 def restrict(kv: np.ndarray, keep: np.ndarray | None, pos0: int):
