@@ -56,10 +56,18 @@ def tiny_mtp_model(name: str = "ds-v3-mtp", n_ctx: int = 512):
     return m
 
 
-@pytest.fixture(params=["copying", "ds-v3-mtp", "glm-dsa"])
-def make_model(request, copying_path):
-    if request.param == "copying":
-        return lambda: copying_model(copying_path)
+@pytest.fixture(scope="module")
+def sparse_copying_path(tmp_path_factory):
+    """The `copying` model with DeepSeek-V3.2's sparse attention (top_k 8: the answers run past it)."""
+    spec = DS2Spec(arch="deepseek32", n_nextn=1, index_heads=4, index_dim=16, index_top_k=8)
+    return write_deepseek2(tmp_path_factory.mktemp("mtp") / "copying-v32.gguf", spec)
+
+
+@pytest.fixture(params=["copying", "copying-deepseek32", "ds-v3-mtp", "glm-dsa"])
+def make_model(request, copying_path, sparse_copying_path):
+    if request.param.startswith("copying"):
+        path = copying_path if request.param == "copying" else sparse_copying_path
+        return lambda: copying_model(path)
     return lambda: tiny_mtp_model(request.param)
 
 
@@ -110,9 +118,12 @@ def test_greedy_answers_and_saved_sessions_are_the_same_with_mtp_drafts(make_mod
     assert base == resumed + 1  # after the resume the block started afresh (no hidden state before it)
 
 
-def test_copying_model_keeps_and_rejects_mtp_drafts(copying_path, tmp_path):
-    """The model above exercises both outcomes of a check (kept drafts and rejected ones)."""
-    _, _, counts, _ = converse(lambda: copying_model(copying_path), tmp_path, draft=4)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_copying_model_keeps_and_rejects_mtp_drafts(copying_path, sparse_copying_path, sparse, tmp_path):
+    """The models above exercise both outcomes of a check (kept drafts and rejected ones), with dense
+    and with sparse attention."""
+    path = sparse_copying_path if sparse else copying_path
+    _, _, counts, _ = converse(lambda: copying_model(path), tmp_path, draft=4)
     checked, kept = counts["MTP"]
     assert 0 < kept < checked
 
