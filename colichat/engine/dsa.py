@@ -141,8 +141,8 @@ class Forward(deepseek2.Forward):
         if self.slots[l] >= 0:  # a full layer: each query's own selection; a shared one reuses them
             q, hw = self.index_rows(l, u, qr, pos0, cache)
             ic = cache.ic[self.slots[l]]  # (N, Di)
-            self.query_keeps = [None if q is None else self.selection(q[i : i + 1], hw[i : i + 1], ic, pos0 + i)
-                                for i in range(t)]  # (None while no query has more than K keys)
+            self.query_keeps = ([None] * t if q is None  # no query has more than K keys yet
+                                else [self.selection(q[i : i + 1], hw[i : i + 1], ic, pos0 + i) for i in range(t)])
         out = []
         for i, keep in enumerate(self.query_keeps):  # query i as decode computes it, over keys 0..pos0+i
             rows, qpos, mask = restrict(kv[: pos0 + i + 1], keep, pos0 + i)
