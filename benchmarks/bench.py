@@ -836,7 +836,8 @@ def bench_dsa(quick: bool) -> dict:
             row[mode] = {"s_per_token": min(ts[1:]), "median_s": float(np.median(ts[1:])), "tok_s": 1.0 / min(ts[1:])}
         rows.append(row)
     model.fwd.sparse = True
-    verify = dsa_verify(model, max(DSA_CONTEXTS), reps)
+    say(f"sparse attention: verify passes of 1 + k tokens at {n} tokens of context")
+    verify = {"ctx": n, "rows": speculative.bench_verify(model, n, reps, filled=True)}
     say("sparse attention: attention alone, one layer")
     alone = [attention_only(n, 3 if quick else 5) for n in (4096, 16384, 65536)]
     real = V32_REAL
@@ -854,25 +855,6 @@ def bench_dsa(quick: bool) -> dict:
     }
 
 
-def dsa_verify(model, ctx: int, reps: int) -> dict:
-    """A verify pass of speculative decoding (1 + k tokens, each query selecting its own keys) against
-    one decode step, after `ctx` cached rows (the indexer on): seconds, best of reps, taking turns."""
-    cache = model.cache
-    ids = [int(t) for t in cache.tokens[ctx : ctx + 9]]
-    ks = (1, 2, 4, 8)
-    times: dict[int, list[float]] = {k: [] for k in (0, *ks)}
-    say(f"sparse attention: verify passes of 1 + k tokens at {ctx} tokens of context")
-    for i in range(reps + 1):  # rep 0 warms up
-        for k in times:
-            cache.set_length(ctx)
-            t = timed(model.decode, ids[0])[0] if k == 0 else timed(model.prefill, ids[: k + 1], all_logits=True)[0]
-            if i:
-                times[k].append(t)
-    cache.set_length(ctx)
-    decode = min(times[0])
-    return {"ctx": ctx, "decode_s": decode, "k": {k: min(times[k]) / decode for k in ks}}
-
-
 def dsa_report(d: dict, markdown: bool) -> str:
     rows = [[r["ctx"], f"{r['sparse']['tok_s']:.2f}", f"{r['dense']['tok_s']:.2f}",
              f"{r['dense']['s_per_token'] / r['sparse']['s_per_token']:.2f}x", f"{r['others_cpu']:.0%}"]
@@ -881,7 +863,8 @@ def dsa_report(d: dict, markdown: bool) -> str:
                   "speedup", "others' CPU"], rows, markdown)]
     v = d["verify"]
     out.append(f"verify pass of 1 + k tokens / one decode step ({v['ctx']} cached tokens, indexer on; decode "
-               f"{v['decode_s'] * 1e3:.0f} ms): " + ", ".join(f"k={k}: {r:.2f}x" for k, r in v["k"].items()))
+               f"{v['rows'][0]['s'] * 1e3:.0f} ms): "
+               + ", ".join(f"k={r['k']}: {r['vs_decode']:.2f}x" for r in v["rows"][1:]))
     rows = [[a["ctx"], f"{a['sparse_s'] * 1e3:.2f}", f"{a['dense_s'] * 1e3:.2f}",
              f"{a['dense_s'] / a['sparse_s']:.2f}x"] for a in d["attention_alone"]]
     out.append(table(["context", "indexer + top-k + attention over 2048 keys, ms", "dense attention, ms",

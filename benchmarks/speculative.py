@@ -232,11 +232,15 @@ def lookup_ceiling(ids: list[int], tokens: list[int], k_max: int, row_cost: floa
     return model_speedup(len(tokens), passes, row_cost)
 
 
-def bench_verify(model, ctx: int = 512, reps: int = 3) -> list[dict]:
-    """Seconds of one pass over k + 1 tokens after `ctx` cached ones, against one decode step (best of reps)."""
+def bench_verify(model, ctx: int = 512, reps: int = 3, filled: bool = False) -> list[dict]:
+    """Seconds of one pass over k + 1 tokens after `ctx` cached ones, against one decode step (best of reps).
+    filled: the cache already holds `ctx` rows (set from outside; a long prefill would take minutes)."""
     rng = np.random.default_rng(5)
-    model.reset()
-    model.prefill(rng.integers(0, model.cfg.n_vocab, ctx), all_logits=False)
+    if filled:
+        model.cache.set_length(ctx)
+    else:
+        model.reset()
+        model.prefill(rng.integers(0, model.cfg.n_vocab, ctx), all_logits=False)
 
     def one(k: int) -> float:
         ids = rng.integers(0, model.cfg.n_vocab, k + 1)
