@@ -10,11 +10,14 @@ import pytest
 from cli_helpers import TINY_ARGS
 from tmux_helpers import Tmux
 
+# only reached when something is wrong: generous, as a busy machine is many times slower
+WAIT = 300.0
+
 
 def start(home, *args: str) -> Tmux:
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS, *args])
     t = Tmux(f"cd {shlex.quote(str(home))} && COLICHAT_HOME={shlex.quote(str(home))} {cmd}; echo EXITED $?; sleep 600")
-    t.wait_for(lambda s: "Type a message" in s, 120, "the prompt")
+    t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
     return t
 
 
@@ -30,16 +33,16 @@ def test_exit_alone_asks_whether_quit_was_meant(terminal):
     t = terminal("--session", "ex")
     t.type("exit")
     t.keys("Enter")
-    t.wait_for(lambda s: "Did you mean /quit?" in s, 30, "the question")
+    t.wait_for(lambda s: "Did you mean /quit?" in s, WAIT, "the question")
     t.type("n")
     t.keys("Enter")
-    t.wait_for(lambda s: "saved to ex]" in s, 60, "the answer to 'exit'")
+    t.wait_for(lambda s: "saved to ex]" in s, WAIT, "the answer to 'exit'")
     t.type("quit")
     t.keys("Enter")
-    t.wait_for(lambda s: s.count("Did you mean /quit?") == 2, 30, "the second question")
+    t.wait_for(lambda s: s.count("Did you mean /quit?") == 2, WAIT, "the second question")
     t.type("y")
     t.keys("Enter")
-    t.wait_for(lambda s: "EXITED 0" in s, 30, "a clean exit")
+    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
 
 
 def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_home):
@@ -50,14 +53,14 @@ def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_
     t = terminal()
     t.type("/resume rec")
     t.keys("Tab")
-    t.wait_for(lambda s: s.rstrip().endswith("> /resume recipes"), 30, "/resume completed to recipes")
+    t.wait_for(lambda s: s.rstrip().endswith("> /resume recipes"), WAIT, "/resume completed to recipes")
     t.keys("Enter")
-    t.wait_for(lambda s: "turns from recipes in" in s, 30, "the resume")
+    t.wait_for(lambda s: "turns from recipes in" in s, WAIT, "the resume")
     t.type("/delete trip-to-o")
     t.keys("Tab")
-    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-oslo"), 30, "/delete completed to trip-to-oslo")
+    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-oslo"), WAIT, "/delete completed to trip-to-oslo")
     t.keys("Enter")
-    t.wait_for(lambda s: "deleted session trip-to-oslo" in s, 30, "the delete")
+    t.wait_for(lambda s: "deleted session trip-to-oslo" in s, WAIT, "the delete")
     t.type("/delete trip")
     t.keys("Tab")  # one left that starts so: completed at once
-    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-rome"), 30, "the one trip left")
+    t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-rome"), WAIT, "the one trip left")

@@ -35,7 +35,8 @@ def test_interactive_session(tmux_chat):
     # a question: the answer streams, then the footer
     t.type("What is the capital of France?")
     t.keys("Enter")
-    screen = t.wait_for(lambda s: len(FOOTER.findall(s)) >= 1, MODEL_WAIT, "the first footer")
+    screen = t.wait_for(lambda s: len(FOOTER.findall(s)) >= 1 and s.rstrip().endswith(">"), MODEL_WAIT,
+                        "the first footer and the next prompt")
     assert "Paris" in screen
     assert "saved to" in screen
 
@@ -63,7 +64,8 @@ def test_interactive_session(tmux_chat):
     t.keys("Enter")
 
     def story_kept(s: str) -> bool:  # /history prints the story's question and, after it, the answer so far
-        return "user> Write a long story" in s and "assistant> " in s.split("user> Write a long story")[-1]
+        return ("user> Write a long story" in s and "assistant> " in s.split("user> Write a long story")[-1]
+                and s.rstrip().endswith(">"))
 
     screen = t.wait_for(story_kept, SCREEN_WAIT, "the interrupted answer in /history")
     partial = screen.split("user> Write a long story")[-1].split("assistant> ", 1)[1]
@@ -97,7 +99,8 @@ def test_interactive_session(tmux_chat):
     t.wait_for(lambda s: len(FOOTER.findall(s)) >= 5, MODEL_WAIT, "the fifth footer")
     t.type("/history")
     t.keys("Enter")
-    screen = t.wait_for(lambda s: "user> /not a command" in s, SCREEN_WAIT, "the block as a message in /history")
+    screen = t.wait_for(lambda s: "user> /not a command" in s.split("> /history")[-1] and s.rstrip().endswith(">"),
+                        SCREEN_WAIT, "the block as a message in /history")
     assert "user> Say yes.\nOnly yes." in screen
 
     # Ctrl-C at the prompt drops the line (it stays on screen marked ^C, as in a shell); Ctrl-D quits cleanly
@@ -396,12 +399,12 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
         assert sum(FOOTER.search(line) is not None for line in visible(t, joined=True)) == 2
 
         # wider at the prompt: the window is drawn again above it; the typed text stays as it was
+        # (the redraw reaches the terminal in more than one write: wait for all of it, the prompt last)
         resize(t, 80)
-        t.wait_for(lambda s: rows_after(visible(t), second) == wrapped(answers[1], 80), SCREEN_WAIT,
-                   "the window drawn again at 80 columns")
-        shown = visible(t)
-        assert rows_after(shown, first) == wrapped(answers[0], 80)
-        assert [row for row in shown if row][-1] == "> typed ahead"
+        t.wait_for(lambda s: rows_after(visible(t), second) == wrapped(answers[1], 80)
+                   and [row for row in visible(t) if row][-1] == "> typed ahead", SCREEN_WAIT,
+                   "the window drawn again at 80 columns, the typed text at its prompt")
+        assert rows_after(visible(t), first) == wrapped(answers[0], 80)
         t.keys("Enter")  # the typed-ahead text is sent as it was typed
         screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 3 and s.rstrip().endswith(">"), MODEL_WAIT,
                             "the third answer")
@@ -412,9 +415,9 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
         t.keys("C-c")
         t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> dropped^C\n>"), SCREEN_WAIT, "the dropped line")
         resize(t, 60)
-        t.wait_for(lambda s: rows_after(visible(t), second) == wrapped(answers[1], 60), SCREEN_WAIT,
-                   "the window drawn again at 60 columns")
-        assert [row for row in visible(t) if row][-2:] == ["> dropped^C", ">"]
+        t.wait_for(lambda s: rows_after(visible(t), second) == wrapped(answers[1], 60)
+                   and [row for row in visible(t) if row][-2:] == ["> dropped^C", ">"], SCREEN_WAIT,
+                   "the window drawn again at 60 columns, the dropped line and a new prompt below")
         t.keys("C-d")
         screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
         assert "Traceback" not in screen
