@@ -169,6 +169,12 @@ class App:
         self.conv.stop_requested = True
         self.hushed = True
 
+    def resume(self, name: str | None) -> None:
+        """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
+        self.say(self.conv.resume(name))
+        for line in report.recap(self.conv.turns) if self.interactive else ():
+            self.say(line)
+
     def quit(self) -> None:
         self.quitting = True
 
@@ -449,7 +455,7 @@ def main(argv=None) -> int:
     try:
         if args.resume:
             status.show(BUSY["/resume"])
-            say(conv.resume(args.session))
+            app.resume(args.session)
         else:
             if args.session is not None and not args.no_save:
                 conv.saving.claim(args.session, conv.settings.to_dict())

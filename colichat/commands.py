@@ -59,7 +59,7 @@ def cmd_help(app, arg: str) -> None:
 
 
 def cmd_resume(app, arg: str) -> None:
-    app.say(app.conv.resume(arg.strip() or None))
+    app.resume(arg.strip() or None)
 
 
 def cmd_sessions(app, arg: str) -> None:

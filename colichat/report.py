@@ -1,5 +1,5 @@
 """What the user is told about a conversation: one exchange's numbers (TurnStats) and the footer
-after the answer, the /stats lines, and the ways out of a full context."""
+after the answer, the /stats lines, the ways out of a full context, and where a resumed one stands."""
 
 from __future__ import annotations
 
@@ -87,3 +87,14 @@ def no_room(conv, needs: int, room: int) -> str:
         return f"the message needs {needs} tokens, more than the whole context of {n_ctx}: shorten it{more}"
     return (f"the message needs {needs} tokens but only {room} of the context of {n_ctx} are left; "
             f"it was not sent: {ways_out(conv)}")
+
+
+def recap(turns) -> list[str]:
+    """Where a resumed conversation stands, on the terminal: its last exchange as /history shows it,
+    after a line counting the exchanges before it."""
+    users = [i for i, t in enumerate(turns) if t.role == "user"]
+    if not users:
+        return []
+    earlier = len(users) - 1
+    head = [f"({earlier} earlier exchange{'s' * (earlier != 1)}; /history shows them)"] if earlier else []
+    return head + [f"{t.role}> {t.text}" for t in turns[users[-1]:]]

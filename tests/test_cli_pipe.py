@@ -110,6 +110,7 @@ def test_resume_by_name_continues_byte_for_byte(tiny_ref, colichat_home):
     c = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "b"], lines(Q[2], "/history")).ok()
     assert c.out == answers_bytes(ref[2:])
     assert c.resumed() == (last_context(b), 4, "b")
+    # piped, the resume shows no last exchange: the only "user> " lines are /history's
     assert [line for line in c.err.splitlines() if line.startswith("user> ")] == [f"user> {q}" for q in Q]
     assert saved_answers(colichat_home, "b") == ref
 

@@ -444,3 +444,37 @@ def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
         assert out.read_text() == saved_answers(colichat_home, "p")[0] + "\n"  # the text alone: no escape, no redraw
     finally:
         t.close()
+
+
+def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
+    """Back after a week: the conversation reopens with its last exchange on the screen, as /history
+    shows it, above the prompt (earlier ones counted; /history has them)."""
+    from cli_helpers import chat, lines, saved_answers
+
+    args = ["--temperature", "0", "--max-tokens", "16"]
+    chat(colichat_home, [*args, "--session", "food"], lines("Name a fruit.", "Name a vegetable.")).ok()
+    chat(colichat_home, [*args, "--session", "sky"], lines("Why is the sky blue?")).ok()
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli {' '.join(args)} --session food; "
+             "echo EXITED $?; sleep 600", width=100)
+    try:
+        screen = t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+        shown = lines_of(screen)
+        answer = saved_answers(colichat_home, "food")[1]
+        start = shown.index("user> Name a vegetable.")
+        assert shown[start - 1:start] == ["(1 earlier exchange; /history shows them)"]
+        assert shown[start + 1].startswith("assistant> ")
+        assert " ".join(shown[start + 1:-2]).split() == ["assistant>", *answer.split()]  # then the hint, the prompt
+        assert "Name a fruit." not in screen
+
+        t.type("/resume sky")  # reopened by the command: the same, with nothing earlier to count
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: "user> Why is the sky blue?" in s and s.rstrip().endswith(">"), SCREEN_WAIT,
+                            "the last exchange of sky")
+        shown = lines_of(screen.split("> /resume sky", 1)[1])
+        answer = saved_answers(colichat_home, "sky")[0]
+        assert shown[0].startswith("resumed ") and shown[1] == "user> Why is the sky blue?"
+        assert " ".join(shown[2:-1]).split() == ["assistant>", *answer.split()]
+        t.keys("C-d")
+        t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+    finally:
+        t.close()
