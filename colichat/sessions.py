@@ -48,7 +48,7 @@ def before_load(store: Store, model_path: str, session: str | None, resume: bool
             if others:
                 raise SessionError(f"session {session} belongs to another model ({', '.join(others)}); "
                                    "start colichat with that model to resume it")
-            raise SessionError(f"no session named {session} for this model (/sessions lists them)")
+            raise SessionError(f"no session named {session} for this model (colichat --sessions lists them)")
         return False
     if resume and not [i for i in store.list() if i.model_dir.endswith("-" + fp[:12])]:
         raise SessionError("no saved conversation for this model yet")

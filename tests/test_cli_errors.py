@@ -163,7 +163,8 @@ def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeyp
 
 def test_a_session_name_that_cannot_exist_is_refused_before_the_model_loads(colichat_home):
     for args, problem in ((["--session", "../up"], "invalid session name '../up'"),
-                          (["--resume", "--session", "nosuch"], "no session named nosuch for this model"),
+                          (["--resume", "--session", "nosuch"],
+                           "no session named nosuch for this model (colichat --sessions lists them)"),
                           (["--resume"], "no saved conversation for this model yet")):
         run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[0])).failed()
         [line] = run.err.splitlines()  # no model load line before it
