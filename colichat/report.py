@@ -96,5 +96,6 @@ def recap(turns) -> list[str]:
     if not users:
         return []
     earlier = len(users) - 1
-    head = [f"({earlier} earlier exchange{'s' * (earlier != 1)}; /history shows them)"] if earlier else []
+    plural = "s" * (earlier != 1)
+    head = [f"({earlier} earlier exchange{plural}; /history shows the whole conversation)"] if earlier else []
     return head + [f"{t.role}> {t.text}" for t in turns[users[-1]:]]

@@ -461,7 +461,7 @@ def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
         shown = lines_of(screen)
         answer = saved_answers(colichat_home, "food")[1]
         start = shown.index("user> Name a vegetable.")
-        assert shown[start - 1:start] == ["(1 earlier exchange; /history shows them)"]
+        assert shown[start - 1:start] == ["(1 earlier exchange; /history shows the whole conversation)"]
         assert shown[start + 1].startswith("assistant> ")
         assert " ".join(shown[start + 1:-2]).split() == ["assistant>", *answer.split()]  # then the hint, the prompt
         assert "Name a fruit." not in screen
