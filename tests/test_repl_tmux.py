@@ -457,7 +457,7 @@ def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
     t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli {' '.join(args)} --session food; "
              "echo EXITED $?; sleep 600", width=100)
     try:
-        screen = t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+        screen = t.wait_for(lambda s: "Type a message" in s and s.rstrip().endswith(">"), MODEL_WAIT, "the prompt")
         shown = lines_of(screen)
         answer = saved_answers(colichat_home, "food")[1]
         start = shown.index("user> Name a vegetable.")
