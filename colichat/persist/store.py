@@ -114,14 +114,14 @@ def weights_fingerprint(path: str) -> str:
 
 
 def model_identity(gguf_path: str, arch: str, name: str, rope_factors: str | None = None) -> dict:
-    """What a session records about its model: {"arch", "name", "fingerprint"}, and "rope_factors"
-    (the rope frequency factors the cache rows are rotated with, Model.rope_factors) where the
-    architecture picks them by context size."""
+    """What a session records about its model: {"arch", "name", "fingerprint", "file"} ("file": the
+    GGUF's file name, for listings only), and "rope_factors" (the rope frequency factors the cache
+    rows are rotated with, Model.rope_factors) where the architecture picks them by context size."""
     try:
         fp = weights_fingerprint(str(gguf_path))
     except OSError as e:
         raise SessionError(f"cannot fingerprint model {gguf_path}: {oserror_text(e)}") from None
-    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp}
+    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp, "file": os.path.basename(str(gguf_path))}
     return ident if rope_factors is None else {**ident, "rope_factors": str(rope_factors)}
 
 
@@ -179,6 +179,7 @@ class SessionInfo:
     path: Path  # the .coli_kv file
     first: str = ""  # the first user message's first line
     damage: str | None = None  # why this is not a loadable session (then /delete NAME clears it)
+    model_file: str = ""  # the GGUF's file name as saved in the sidecar (sessions of older versions: "")
 
 
     def describe(self, now: float | None = None) -> str:
@@ -213,7 +214,7 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
     """Read-only summary of one session (with `damage` set if it cannot load); None if nothing is
     there under that name."""
     kv, side = directory / (name + KV_EXT), directory / (name + SIDECAR_EXT)
-    turns, tokens, model, first = 0, 0, directory.name, ""
+    turns, tokens, model, first, file = 0, 0, directory.name, "", ""
     try:
         st = kv.lstat()
     except FileNotFoundError:
@@ -256,7 +257,9 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
         pass  # a damaged sidecar: list what the header says; loading reports the damage
     if isinstance(doc, dict) and isinstance(doc.get("turns"), list) and all(isinstance(t, dict) for t in doc["turns"]):
         turns, tokens, model, first, last_used = _sidecar_summary(doc, tokens, model, last_used)
-    return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv, first)
+        file = doc["model"].get("file") if isinstance(doc.get("model"), dict) else None
+        file = file if isinstance(file, str) else ""
+    return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv, first, model_file=file)
 
 
 def _sidecar_summary(doc: dict, tokens: int, model: str, last_used: float) -> tuple[int, int, str, str, float]:
