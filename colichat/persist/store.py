@@ -256,24 +256,25 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         pass  # a damaged sidecar: list what the header says; loading reports the damage
     if isinstance(doc, dict) and isinstance(doc.get("turns"), list) and all(isinstance(t, dict) for t in doc["turns"]):
-        turns, tokens, model, first, last_used = _sidecar_summary(doc, tokens, model, last_used)
-        file = doc["model"].get("file") if isinstance(doc.get("model"), dict) else None
-        file = file if isinstance(file, str) else ""
+        turns, tokens, model, file, first, last_used = _sidecar_summary(doc, tokens, model, last_used)
     return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv, first, model_file=file)
 
 
-def _sidecar_summary(doc: dict, tokens: int, model: str, last_used: float) -> tuple[int, int, str, str, float]:
-    """(turns, tokens, model name, first line of the first message, last used) from a sidecar whose
-    turns are a list of objects; a damaged value gives way to the header's (tokens, model, last_used)."""
+def _sidecar_summary(doc: dict, tokens: int, model: str,
+                     last_used: float) -> tuple[int, int, str, str, str, float]:
+    """(turns, tokens, model name, model file name, first line of the first message, last used) from a
+    sidecar whose turns are a list of objects; a damaged value gives way to the header's (tokens, model,
+    last_used), a missing or damaged file name to ""."""
     turns = doc["turns"]
     last = turns[-1].get("last") if turns else 0
     if type(last) is int:
         tokens = last
-    name = doc["model"].get("name") if isinstance(doc.get("model"), dict) else None
-    model = str(name or model)
+    saved = doc["model"] if isinstance(doc.get("model"), dict) else {}
+    model = str(saved.get("name") or model)
+    file = saved.get("file") if isinstance(saved.get("file"), str) else ""
     text = next((t.get("text") for t in turns if t.get("role") == "user"), "")
     first = next((x.strip() for x in text.splitlines() if x.strip()), "") if isinstance(text, str) else ""
-    return len(turns), tokens, model, first, _timestamp(doc.get("updated"), last_used)
+    return len(turns), tokens, model, file, first, _timestamp(doc.get("updated"), last_used)
 
 
 def _timestamp(text, default: float) -> float:
