@@ -33,7 +33,7 @@ try:
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
-    from .sessions import before_load, export_saved, listing, resume_rope_factors
+    from .sessions import before_load, export_saved, listing, model_to_reopen, resume_rope_factors
     from .settings import TABLE, SettingError, Settings
     from .wrap import Screen
 except BaseException:
@@ -287,6 +287,25 @@ def pipe_mode(app: App, inputs=None) -> int:
     return 1 if app.errors else 0
 
 
+def choose_model(args, say) -> str:
+    """--model, else the model that saved the conversation --session NAME or --resume reopens (where
+    its file still is), else the default model."""
+    if args.model is not None:
+        return args.model
+    try:
+        default, missing = default_model_path(), None
+    except DefaultModelMissing as e:
+        default, missing = None, e
+    found = None if args.no_save else model_to_reopen(Store(), default, args.session, args.resume)
+    if found:
+        name, path, title = found
+        say(f"session {name} was saved with {title}: loading {path}")
+        return path
+    if missing:
+        raise missing
+    return default
+
+
 def check_model_file(path: str) -> None:
     """Refuse a --model that is not a regular file (a FIFO or a device would hang the reads)."""
     try:
@@ -423,7 +442,7 @@ def main(argv=None) -> int:
         settings, given = settings_from(args)
         if args.sessions or args.export is not None:
             return from_the_shell(args)
-        args.model = args.model or default_model_path()
+        args.model = choose_model(args, say)
         check_model_file(args.model)
         args.interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
         problem = check_saving(args)

@@ -1,6 +1,7 @@
 """The saved conversations as the command line sees them, decided before any model loads: what
 --session NAME and --resume mean, `colichat --sessions`, `--export NAME`; and the Markdown export.
 
+    found = model_to_reopen(store, default_path, session, resume)  # (name, path, title) or None
     resume = before_load(store, model_path, session, resume)   # SessionError, else reopen or not
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     listing(store) -> [line]          # every saved conversation, by model
@@ -31,6 +32,45 @@ def _exists(directory, name: str) -> bool:
     return any(os.path.lexists(os.path.join(directory, name + ext)) for ext in (KV_EXT, SIDECAR_EXT))
 
 
+def _mine(info, fp: str | None) -> bool:
+    return fp is not None and info.model_dir.endswith("-" + fp[:12])
+
+
+def model_to_reopen(store: Store, default_path: str | None, session: str | None,
+                    resume: bool) -> tuple[str, str, str] | None:
+    """For a start without --model: (session name, path, title) of the model that saved the
+    conversation --session NAME or --resume reopens, where that is not the default model and the
+    model's file is still where the session last used it (the same weights); None to start with the
+    default model.
+    A name the default model has is the default model's; --resume alone takes the newest
+    conversation of any model. A name only other models have, none of them where the session
+    last used it, is a SessionError (never a new conversation of that name beside it)."""
+    if session is None and not resume:
+        return None
+    if session is not None:
+        check_name(session)
+    fp = _fingerprint(default_path) if default_path else None
+    infos = [i for i in store.list() if session is None or i.name == session]  # newest first
+    if session is not None and any(_mine(i, fp) for i in infos):
+        return None
+    seen: dict[str, bool] = {}
+    for info in infos:
+        if info.damage:
+            continue
+        if _mine(info, fp):
+            return None
+        path = info.model_path
+        if path and path not in seen:  # a regular file only (a FIFO named by a damaged sidecar would hang)
+            other = _fingerprint(path) if os.path.isfile(path) else None
+            seen[path] = other is not None and _mine(info, other)
+        if path and seen[path]:
+            return info.name, path, model_title(info.model, info.model_file)
+    if session is not None:  # only other models have it, none of their files is where it was
+        store.refuse_elsewhere(session, "start colichat with --model PATH of that model to reopen it, "
+                                        "or choose another name")
+    return None
+
+
 def before_load(store: Store, model_path: str, session: str | None, resume: bool) -> bool:
     """Whether to reopen a saved conversation at start, decided without loading the model:
     --session NAME of an existing conversation reopens it; a name that cannot exist, --resume of
@@ -45,13 +85,10 @@ def before_load(store: Store, model_path: str, session: str | None, resume: bool
         if any(_exists(d, session) for d in mine):
             return True
         if resume:
-            others = sorted({i.model for i in store.list() if i.name == session})
-            if others:
-                raise SessionError(f"session {session} belongs to another model ({', '.join(others)}); "
-                                   "start colichat with that model to resume it")
+            store.refuse_elsewhere(session)
             raise SessionError(f"no session named {session} for this model (colichat --sessions lists them)")
         return False
-    if resume and not [i for i in store.list() if i.model_dir.endswith("-" + fp[:12])]:
+    if resume and not any(_mine(i, fp) for i in store.list()):
         raise SessionError("no saved conversation for this model yet")
     return resume
 
@@ -63,7 +100,7 @@ def resume_rope_factors(store: Store, model_path: str, session: str | None) -> t
     fp = _fingerprint(model_path)
     if fp is None:
         return None
-    found = [i for i in store.list() if i.model_dir.endswith("-" + fp[:12]) and not i.damage
+    found = [i for i in store.list() if _mine(i, fp) and not i.damage
              and (session is None or i.name == session)]
     if not found:
         return None
@@ -93,7 +130,7 @@ def export_saved(store: Store, model_path: str | None, name: str) -> str:
     check_name(name)
     fp = _fingerprint(model_path) if model_path else None
     found = [i for i in store.list() if i.name == name]
-    mine = [i for i in found if fp and i.model_dir.endswith("-" + fp[:12])]
+    mine = [i for i in found if _mine(i, fp)]
     if mine:
         found = mine
     if not found:

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 
 import pytest
 from cli_helpers import (
     TINY_ARGS,
+    TINY_LLAMA,
     answers_bytes,
     chat,
+    copy_gguf,
     lines,
     saved_answers,
     saved_turns,
@@ -18,7 +23,9 @@ from cli_helpers import (
     session_names,
 )
 
+from colichat.persist import SessionError, Store
 from colichat.persist.store import slug
+from colichat.sessions import model_to_reopen
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 
@@ -93,6 +100,67 @@ def test_session_name_of_a_saved_conversation_reopens_it(ref, colichat_home):
     run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[2])).ok()
     assert run.resumed()[1:] == (4, "s") and run.out == answers_bytes(ref[2:])
     assert saved_users(colichat_home, "s") == Q
+
+
+def test_a_conversation_reopens_with_the_model_that_saved_it(ref, colichat_home, tmp_path):
+    # A conversation with a model given by --model, reopened a week later by its name alone.
+    (tmp_path / "models").mkdir()
+    model = shutil.copy(TINY_LLAMA, tmp_path / "models" / "llama.gguf")
+    settings = TINY_ARGS[2:]  # no --model
+    chat(colichat_home, ["--model", model, *settings, "--session", "trip"], lines(Q[0], Q[1])).ok()
+    run = chat(colichat_home, [*settings, "--session", "trip"], lines(Q[2])).ok()
+    assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {model}"
+    assert run.resumed()[1:] == (4, "trip") and run.out == answers_bytes(ref[2:])
+    # --resume alone: the newest conversation, whichever model saved it
+    run = chat(colichat_home, [*settings, "--resume"], lines("/history")).ok()
+    assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {model}"
+    assert run.resumed()[1:] == (6, "trip")
+    # The model's file moved: the name is refused, not taken for a new conversation of the default model.
+    moved = tmp_path / "moved"
+    os.rename(tmp_path / "models", moved)
+    for args in (["--session", "trip"], ["--resume", "--session", "trip"]):
+        assert chat(colichat_home, [*settings, *args], lines(Q[0])).failed().errors() == [
+            f"colichat: session trip belongs to another model (llama.gguf, last run from {model}, not there "
+            "now); start colichat with --model PATH of that model to reopen it, or choose another name"]
+    assert names_on_disk(colichat_home) == ["trip"]
+    # Run once from its new place, the session finds it there from then on.
+    chat(colichat_home, ["--model", moved / "llama.gguf", *settings, "--resume", "--session", "trip"]).ok()
+    run = chat(colichat_home, [*settings, "--session", "trip"], lines("/history")).ok()
+    assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {moved / 'llama.gguf'}"
+
+
+def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
+    # Two models of the same shapes and file name, other weights; `a` stands for the default model.
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
+    b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    for model, name in ((a, "both"), (b, "both"), (b, "only-b")):
+        chat(colichat_home, ["--model", model, *TINY_ARGS[2:], "--session", name], lines(Q[0])).ok()
+    store = Store(colichat_home / "data" / "sessions")
+    assert model_to_reopen(store, a, "both", False) is None  # a name the default model has is its own
+    assert model_to_reopen(store, a, "only-b", False) == ("only-b", b, "llama")
+    assert model_to_reopen(store, a, "only-b", True) == ("only-b", b, "llama")
+    assert model_to_reopen(store, a, None, True) == ("only-b", b, "llama")  # the newest of any model
+    assert model_to_reopen(store, a, None, False) is None  # a new conversation
+    assert model_to_reopen(store, a, "new", False) is None
+    assert model_to_reopen(store, None, "both", False) == ("both", b, "llama")  # no default model: the newest
+    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "newer"], lines(Q[1])).ok()
+    assert model_to_reopen(store, a, None, True) is None  # the default model's is the newest now
+    # b's file now holds other weights: b's conversations are not opened with it
+    copy_gguf(TINY_LLAMA, b, scale={"blk.0.ffn_up.weight": 2.0})
+    with pytest.raises(SessionError, match=f"^session only-b belongs to another model \\(llama.gguf, last run "
+                                           f"from {re.escape(b)}\\); start colichat with --model PATH"):
+        model_to_reopen(store, a, "only-b", False)
+    # A sidecar naming a FIFO (damage, or a hand edit): not read (it would hang), the name refused
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    [side] = [p for p in session_files(colichat_home) if p.name == "only-b.json"]
+    doc = json.loads(side.read_text("utf-8"))
+    doc["model"]["path"] = str(fifo)
+    side.write_text(json.dumps(doc), "utf-8")
+    with pytest.raises(SessionError, match=f"last run from {re.escape(str(fifo))}\\); start colichat"):
+        model_to_reopen(store, a, "only-b", False)
 
 
 def test_export_from_the_chat_and_from_the_shell(colichat_home):

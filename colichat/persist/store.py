@@ -2,7 +2,7 @@
 
     paths() -> Paths(data, state, cache)       # COLICHAT_HOME/{data,state,cache}, else the XDG dirs
     ident = model_identity(gguf_path, arch, name, rope_factors=None)   # reads ~2 MB: {"arch", "name",
-                                               # "fingerprint"} (+ "rope_factors", Model.rope_factors)
+                                               # "fingerprint", "file", "path"} (+ "rope_factors")
     store = Store()                            # sessions under paths().data / "sessions"
     sess = store.create(ident, layout, name=None, sampler=None)   # new empty session, locked
     sess = store.claim(ident, name, layout, sampler=None)   # the same, its files made by the first save
@@ -11,6 +11,7 @@
     store.latest(ident) -> SessionInfo | None
     store.rename(sess, new)                    # an open session under another name
     store.dirs_for(fingerprint) -> [Path]      # a model's session directories, before it loads
+    store.refuse_elsewhere(name, hint=...)     # SessionError if another model has session NAME
 
 Layout on disk: <data>/sessions/<model dir>/NAME.{coli_kv,json,lock}, where the model dir is the
 sanitized model name plus 12 hex digits of the weights fingerprint, so two fine-tunes of one base
@@ -114,14 +115,17 @@ def weights_fingerprint(path: str) -> str:
 
 
 def model_identity(gguf_path: str, arch: str, name: str, rope_factors: str | None = None) -> dict:
-    """What a session records about its model: {"arch", "name", "fingerprint", "file"} ("file": the
-    GGUF's file name, for listings only), and "rope_factors" (the rope frequency factors the cache
-    rows are rotated with, Model.rope_factors) where the architecture picks them by context size."""
+    """What a session records about its model: {"arch", "name", "fingerprint", "file", "path"} ("file":
+    the GGUF's file name, for listings; "path": its absolute path, to find the model again when the
+    session is reopened without --model; both never compared), and "rope_factors" (the rope
+    frequency factors the cache rows are rotated with, Model.rope_factors) where the architecture
+    picks them by context size."""
     try:
         fp = weights_fingerprint(str(gguf_path))
     except OSError as e:
         raise SessionError(f"cannot fingerprint model {gguf_path}: {oserror_text(e)}") from None
-    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp, "file": os.path.basename(str(gguf_path))}
+    path = os.path.abspath(str(gguf_path))
+    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp, "file": os.path.basename(path), "path": path}
     return ident if rope_factors is None else {**ident, "rope_factors": str(rope_factors)}
 
 
@@ -180,6 +184,7 @@ class SessionInfo:
     first: str = ""  # the first user message's first line
     damage: str | None = None  # why this is not a loadable session (then /delete NAME clears it)
     model_file: str = ""  # the GGUF's file name as saved in the sidecar (sessions of older versions: "")
+    model_path: str = ""  # the GGUF's absolute path as saved in the sidecar (sessions of older versions: "")
 
 
     def describe(self, now: float | None = None) -> str:
@@ -214,7 +219,7 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
     """Read-only summary of one session (with `damage` set if it cannot load); None if nothing is
     there under that name."""
     kv, side = directory / (name + KV_EXT), directory / (name + SIDECAR_EXT)
-    turns, tokens, model, first, file = 0, 0, directory.name, "", ""
+    tokens, model = 0, directory.name
     try:
         st = kv.lstat()
     except FileNotFoundError:
@@ -256,25 +261,28 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         pass  # a damaged sidecar: list what the header says; loading reports the damage
     if isinstance(doc, dict) and isinstance(doc.get("turns"), list) and all(isinstance(t, dict) for t in doc["turns"]):
-        turns, tokens, model, file, first, last_used = _sidecar_summary(doc, tokens, model, last_used)
-    return SessionInfo(name, model, directory.name, turns, tokens, size, last_used, kv, first, model_file=file)
+        return SessionInfo(name, model_dir=directory.name, size=size, path=kv,
+                           **_sidecar_summary(doc, tokens, model, last_used))
+    return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
 
 
-def _sidecar_summary(doc: dict, tokens: int, model: str,
-                     last_used: float) -> tuple[int, int, str, str, str, float]:
-    """(turns, tokens, model name, model file name, first line of the first message, last used) from a
-    sidecar whose turns are a list of objects; a damaged value gives way to the header's (tokens, model,
-    last_used), a missing or damaged file name to ""."""
+def _sidecar_summary(doc: dict, tokens: int, model: str, last_used: float) -> dict:
+    """SessionInfo's turns, tokens, model (name, file name, path), first (line of the first message)
+    and last_used from a sidecar whose turns are a list of objects; a damaged value gives way to the
+    header's (tokens, model, last_used), a missing or damaged file name or path to ""."""
     turns = doc["turns"]
     last = turns[-1].get("last") if turns else 0
-    if type(last) is int:
-        tokens = last
     saved = doc["model"] if isinstance(doc.get("model"), dict) else {}
-    model = str(saved.get("name") or model)
-    file = saved.get("file") if isinstance(saved.get("file"), str) else ""
     text = next((t.get("text") for t in turns if t.get("role") == "user"), "")
-    first = next((x.strip() for x in text.splitlines() if x.strip()), "") if isinstance(text, str) else ""
-    return len(turns), tokens, model, file, first, _timestamp(doc.get("updated"), last_used)
+    return {
+        "turns": len(turns),
+        "tokens": last if type(last) is int else tokens,
+        "model": str(saved.get("name") or model),
+        "model_file": saved.get("file") if isinstance(saved.get("file"), str) else "",
+        "model_path": saved.get("path") if isinstance(saved.get("path"), str) else "",
+        "first": next((x.strip() for x in text.splitlines() if x.strip()), "") if isinstance(text, str) else "",
+        "last_used": _timestamp(doc.get("updated"), last_used),
+    }
 
 
 def _timestamp(text, default: float) -> float:
@@ -338,12 +346,18 @@ class Store:
         directory = self.model_dir(ident)
         check_name(name)
         if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
-            others = sorted({i.model for i in self.list() if i.name == name and not i.damage})
-            if others:
-                raise SessionError(f"session {name} belongs to another model ({', '.join(others)}); "
-                                   "start colichat with that model to resume it")
+            self.refuse_elsewhere(name)
         self._refuse_damaged(directory, name)
         return Session.open(directory, name, ident, layout, read_only)
+
+    def refuse_elsewhere(self, name: str, hint: str = "start colichat with that model to resume it") -> None:
+        """SessionError 'session NAME belongs to another model (MODEL, last run from PATH); HINT' if
+        another model has a loadable session NAME (asked where the model in use has none of that name)."""
+        others = sorted({(i.model, i.model_path) for i in self.list() if i.name == name and not i.damage})
+        if others:
+            whose = "; ".join(model if not path else f"{model}, last run from {path}" if os.path.exists(path)
+                              else f"{model}, last run from {path}, not there now" for model, path in others)
+            raise SessionError(f"session {name} belongs to another model ({whose}); {hint}")
 
     @staticmethod
     def _refuse_damaged(directory: Path, name: str) -> None:
