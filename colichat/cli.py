@@ -51,10 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Chat with a GGUF model in the terminal; every conversation is kept on disk "
         "as its KV cache and reopens instantly with /resume.",
     )
-    p.add_argument("--model", metavar="PATH", help="a GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", metavar="PATH", help="a GGUF file (default: the model that saved the conversation "
+                   "--session or --resume reopens, else SmolLM2-135M-Instruct)")
     p.add_argument("--session", metavar="NAME", help="name of the conversation: a new one, or the saved one "
                    "of that name, reopened")
-    p.add_argument("--resume", action="store_true", help="resume the latest (or --session) conversation")
+    p.add_argument("--resume", action="store_true", help="resume the latest conversation (of any model when "
+                   "--model is not given), or --session NAME")
     p.add_argument("--ctx", type=int, metavar="N", help="context size in tokens (default: model's, max 8192)")
     for row in TABLE:  # the chat settings: read as text here, checked by settings_from
         p.add_argument(row.option, metavar=row.metavar, help=f"{row.help} (default {row.show(row.default)})")
