@@ -224,8 +224,9 @@ def test_session_of_another_model_is_refused(tmp_path, colichat_home):
     run = chat(colichat_home, [*ft_args, "--resume", "--session", "mine"], lines(Q[1])).failed()
     assert run.out == b""
     [line] = run.errors()
-    assert line == (f"colichat: session mine belongs to another model (llama.gguf, last run from "
-                    f"{os.path.abspath(TINY_LLAMA)}); start colichat with that model to resume it"), line
+    tiny = os.path.abspath(TINY_LLAMA)  # the command that reopens it
+    assert line == (f"colichat: session mine belongs to another model (llama.gguf, last run from {tiny}); "
+                    f"colichat --model {tiny} --session mine reopens it"), line
     run = chat(colichat_home, ft_args, lines("/resume mine", Q[1], "/sessions")).failed()
     assert run.errors() == [line] and len(run.footers()) == 1
     assert not any(row.strip().startswith("mine:") for row in run.err.splitlines())

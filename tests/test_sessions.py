@@ -159,7 +159,7 @@ def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
     doc = json.loads(side.read_text("utf-8"))
     doc["model"]["path"] = str(fifo)
     side.write_text(json.dumps(doc), "utf-8")
-    with pytest.raises(SessionError, match=f"last run from {re.escape(str(fifo))}\\); start colichat"):
+    with pytest.raises(SessionError, match=f"last run from {re.escape(str(fifo))}, not there now\\); start colichat"):
         model_to_reopen(store, a, "only-b", False)
 
 

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import stat
 import struct
 import time
@@ -350,14 +351,21 @@ class Store:
         self._refuse_damaged(directory, name)
         return Session.open(directory, name, ident, layout, read_only)
 
-    def refuse_elsewhere(self, name: str, hint: str = "start colichat with that model to resume it") -> None:
+    def refuse_elsewhere(self, name: str, hint: str | None = None) -> None:
         """SessionError 'session NAME belongs to another model (MODEL, last run from PATH); HINT' if
-        another model has a loadable session NAME (asked where the model in use has none of that name)."""
-        others = sorted({(i.model, i.model_path) for i in self.list() if i.name == name and not i.damage})
-        if others:
-            whose = "; ".join(model if not path else f"{model}, last run from {path}" if os.path.exists(path)
-                              else f"{model}, last run from {path}, not there now" for model, path in others)
-            raise SessionError(f"session {name} belongs to another model ({whose}); {hint}")
+        another model has a loadable session NAME (asked where the model in use has none of that name).
+        The hint by default: the command that reopens it, where its model's file is still there."""
+        infos = [i for i in self.list() if i.name == name and not i.damage]  # newest first
+        if not infos:
+            return
+        there = [i.model_path for i in infos if i.model_path and os.path.isfile(i.model_path)]
+        whose = "; ".join(model if not path else f"{model}, last run from {path}" if path in there
+                          else f"{model}, last run from {path}, not there now"
+                          for model, path in sorted({(i.model, i.model_path) for i in infos}))
+        if hint is None:
+            hint = (f"colichat --model {shlex.quote(there[0])} --session {name} reopens it" if there
+                    else "start colichat with that model to resume it")
+        raise SessionError(f"session {name} belongs to another model ({whose}); {hint}")
 
     @staticmethod
     def _refuse_damaged(directory: Path, name: str) -> None:
