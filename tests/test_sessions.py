@@ -129,6 +129,17 @@ def test_a_conversation_reopens_with_the_model_that_saved_it(ref, colichat_home,
     assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {moved / 'llama.gguf'}"
 
 
+def test_a_model_whose_path_is_not_utf8_loads_and_reopens(colichat_home, tmp_path):
+    # A directory name in another encoding (bytes that are not UTF-8): loaded, saved, found again.
+    directory = os.path.join(os.fsencode(tmp_path), b"mod\xe9les")
+    os.mkdir(directory)
+    model = os.fsdecode(shutil.copy(os.fsencode(TINY_LLAMA), os.path.join(directory, b"llama.gguf")))
+    chat(colichat_home, ["--model", model, *TINY_ARGS[2:], "--session", "latin"], lines(Q[0])).ok()
+    run = chat(colichat_home, [*TINY_ARGS[2:], "--session", "latin"], lines(Q[1])).ok()
+    assert run.resumed()[1:] == (2, "latin") and saved_users(colichat_home, "latin") == Q[:2]
+    assert run.err.startswith("session latin was saved with llama: loading ")
+
+
 def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
     # Two models of the same shapes and file name, other weights; `a` stands for the default model.
     for d in "ab":

@@ -100,7 +100,7 @@ def _identity(path: str) -> tuple[str, str]:
     real = os.path.realpath(path)
     st = os.stat(real)
     raw = f"{PREPARED_FORMAT}\0{real}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:24], real
+    return hashlib.sha256(raw.encode("utf-8", "surrogateescape")).hexdigest()[:24], real
 
 
 def _map(path: str) -> mmap.mmap:
