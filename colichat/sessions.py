@@ -32,10 +32,6 @@ def _exists(directory, name: str) -> bool:
     return any(os.path.lexists(os.path.join(directory, name + ext)) for ext in (KV_EXT, SIDECAR_EXT))
 
 
-def _mine(info, fp: str | None) -> bool:
-    return fp is not None and info.model_dir.endswith("-" + fp[:12])
-
-
 def model_to_reopen(store: Store, default_path: str | None, session: str | None,
                     resume: bool) -> tuple[str, str, str] | None:
     """For a start without --model: (session name, path, title) of the model that saved the
@@ -51,18 +47,18 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
         check_name(session)
     fp = _fingerprint(default_path) if default_path else None
     infos = [i for i in store.list() if session is None or i.name == session]  # newest first
-    if session is not None and any(_mine(i, fp) for i in infos):
+    if session is not None and any(i.made_by(fp) for i in infos):
         return None
     seen: dict[str, bool] = {}
     for info in infos:
         if info.damage:
             continue
-        if _mine(info, fp):
+        if info.made_by(fp):
             return None
         path = info.model_path
         if path and path not in seen:  # a regular file only (a FIFO named by a damaged sidecar would hang)
             other = _fingerprint(path) if os.path.isfile(path) else None
-            seen[path] = other is not None and _mine(info, other)
+            seen[path] = info.made_by(other)
         if path and seen[path]:
             return info.name, path, model_title(info.model, info.model_file)
     if session is not None:  # only other models have it, none of their files is where it was
@@ -88,7 +84,7 @@ def before_load(store: Store, model_path: str, session: str | None, resume: bool
             store.refuse_elsewhere(session)
             raise SessionError(f"no session named {session} for this model (colichat --sessions lists them)")
         return False
-    if resume and not any(_mine(i, fp) for i in store.list()):
+    if resume and not any(i.made_by(fp) for i in store.list()):
         raise SessionError("no saved conversation for this model yet")
     return resume
 
@@ -100,7 +96,7 @@ def resume_rope_factors(store: Store, model_path: str, session: str | None) -> t
     fp = _fingerprint(model_path)
     if fp is None:
         return None
-    found = [i for i in store.list() if _mine(i, fp) and not i.damage
+    found = [i for i in store.list() if i.made_by(fp) and not i.damage
              and (session is None or i.name == session)]
     if not found:
         return None
@@ -130,7 +126,7 @@ def export_saved(store: Store, model_path: str | None, name: str) -> str:
     check_name(name)
     fp = _fingerprint(model_path) if model_path else None
     found = [i for i in store.list() if i.name == name]
-    mine = [i for i in found if _mine(i, fp)]
+    mine = [i for i in found if i.made_by(fp)]
     if mine:
         found = mine
     if not found:

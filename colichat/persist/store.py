@@ -130,9 +130,13 @@ def model_identity(gguf_path: str, arch: str, name: str, rope_factors: str | Non
     return ident if rope_factors is None else {**ident, "rope_factors": str(rope_factors)}
 
 
+def _dir_suffix(fingerprint: str) -> str:
+    return "-" + fingerprint[:12]
+
+
 def model_dirname(ident: dict) -> str:
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", str(ident.get("name") or "")).strip("-.")[:40]
-    return f"{base or ident.get('arch') or 'model'}-{ident['fingerprint'][:12]}"
+    return f"{base or ident.get('arch') or 'model'}{_dir_suffix(ident['fingerprint'])}"
 
 
 # ---- names ------------------------------------------------------------------------------------
@@ -186,6 +190,10 @@ class SessionInfo:
     damage: str | None = None  # why this is not a loadable session (then /delete NAME clears it)
     model_file: str = ""  # the GGUF's file name as saved in the sidecar (sessions of older versions: "")
     model_path: str = ""  # the GGUF's absolute path as saved in the sidecar (sessions of older versions: "")
+
+    def made_by(self, fingerprint: str | None) -> bool:
+        """Whether the model with this weights fingerprint saved it (its directory says so)."""
+        return fingerprint is not None and self.model_dir.endswith(_dir_suffix(fingerprint))
 
 
     def describe(self, now: float | None = None) -> str:
@@ -450,7 +458,7 @@ class Store:
     def dirs_for(self, fingerprint: str) -> list[Path]:
         """The session directories of the model with this weights fingerprint (found before it loads)."""
         try:
-            return [p for p in self.root.iterdir() if p.name.endswith("-" + fingerprint[:12]) and p.is_dir()
+            return [p for p in self.root.iterdir() if p.name.endswith(_dir_suffix(fingerprint)) and p.is_dir()
                     and not p.is_symlink()]
         except OSError:
             return []
