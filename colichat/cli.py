@@ -86,9 +86,37 @@ def settings_from(args) -> tuple[Settings, frozenset]:
     return Settings(**given), frozenset(given)
 
 
-def say(line: str) -> None:
-    """A status line: to stderr, so that stdout holds only the model's text."""
-    print(line, file=sys.stderr, flush=True)
+def to_stderr(line: str) -> None:
+    """A status line: to stderr, so that stdout holds only the model's text. If stderr cannot be
+    written (a log file on a full disk), its lines are lost, not the answer."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        discard(sys.stderr)
+
+
+def discard(stream) -> None:
+    """Point a standard stream that can no longer be written (its reader gone, its disk full) at
+    /dev/null: what is still buffered, and every later write, goes nowhere quietly, at exit too."""
+    with contextlib.suppress(OSError, ValueError):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, stream.fileno())
+        os.close(fd)
+
+
+def open_standard_streams() -> None:
+    """A standard stream the caller closed (`>&-`) is opened on /dev/null, as if redirected there:
+    no file colichat opens can then take its number (and get the answer, or a status line, written
+    into it), and closed stdin reads as empty, closed stdout or stderr writes nowhere."""
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            new = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)  # the lowest free number
+            if new != fd:
+                os.dup2(new, fd)
+                os.close(new)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
 
 
 class StatusLine:
@@ -135,7 +163,7 @@ class App:
         self.status.clear()
         if self.screen:
             self.write(self.screen.line(line))
-        say(line)
+        to_stderr(line)
 
     def out(self, text: str) -> None:
         if self.output_closed or self.hushed:
@@ -149,16 +177,16 @@ class App:
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
-        except BrokenPipeError:
-            # Nobody reads the answer any more: end it here (what was generated is kept and saved).
+        except OSError as e:
+            # Nobody reads the answer any more, or it cannot be written (a file on a full disk): end it
+            # here (what was generated is kept and saved).
             self.output_closed = True
             self.conv.stop_requested = True
             self.errors += 1
-            self.say("colichat: the output was closed; stopping")
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # a quiet flush at exit
-            except (OSError, ValueError):
-                pass
+            discard(sys.stdout)
+            closed = isinstance(e, BrokenPipeError)
+            self.say(f"colichat: {'the output was closed' if closed else 'cannot write the answer'}"
+                     f"{'' if closed else f' ({e.strerror or type(e).__name__})'}; stopping")
 
     def interrupted(self) -> None:
         """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of
@@ -365,7 +393,7 @@ def saving_mode(args, problem: str | None) -> bool:
         return False
     if not args.resume:
         raise _cannot_save(paths().data / "sessions", problem)
-    say(f"note: {problem}: the conversation opens read-only (you can read and continue it; nothing is saved)")
+    to_stderr(f"note: {problem}: the conversation opens read-only (you can read and continue it; nothing is saved)")
     return True
 
 
@@ -379,7 +407,7 @@ def check_rope_factors(args) -> None:
 
 
 def load_model(args, say, status: StatusLine, mtp: bool = True):
-    path = args.model or default_model_path()
+    path = args.model  # chosen by choose_model
     t0 = time.perf_counter()
     name = os.path.basename(path)
     status.show(f"loading {name} ...")  # the first start of a model reads its metadata for seconds
@@ -409,14 +437,25 @@ def from_the_shell(args) -> int:
     store = Store()
     if args.sessions:
         rows = listing(store)
-        print("\n".join(rows) if rows else "no saved conversations", flush=True)
-        return 0
+        return print_out("\n".join(rows) + "\n" if rows else "no saved conversations\n")
     try:
         model = args.model or default_model_path()
     except DefaultModelMissing:
         model = None
-    sys.stdout.write(export_saved(store, model, args.export))
-    sys.stdout.flush()
+    return print_out(export_saved(store, model, args.export))
+
+
+def print_out(text: str) -> int:
+    """Write `text` to stdout: 0, or 1 with one line if it cannot be written (a full disk). A reader
+    that stopped early (`| head`) has what it wanted: 0, quietly."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        discard(sys.stdout)
+    except OSError as e:
+        discard(sys.stdout)
+        raise ChatError(f"cannot write to standard output: {e.strerror or type(e).__name__}") from None
     return 0
 
 
@@ -427,6 +466,7 @@ def interrupted() -> int:
 
 
 def main(argv=None) -> int:
+    open_standard_streams()
     args = parse_args(argv)
     status = StatusLine()
     banner: list[str] = []  # the lines shown before the REPL (it draws them again on a resize)
@@ -434,7 +474,7 @@ def main(argv=None) -> int:
     def say(line):  # a status line that replaces the progress shown, if any
         status.clear()
         banner.append(line)
-        print(line, file=sys.stderr, flush=True)
+        to_stderr(line)
 
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
@@ -452,7 +492,7 @@ def main(argv=None) -> int:
             args.resume = before_load(Store(), args.model, args.session, args.resume)
             check_rope_factors(args)
         read_only = saving_mode(args, problem)
-        interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
+        interactive = args.interactive
         model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
                             save_new=interactive or args.session is not None or args.resume, read_only=read_only)

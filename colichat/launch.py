@@ -10,7 +10,7 @@ import sys
 
 
 def main() -> int:
-    shown = sys.stderr.isatty()
+    shown = sys.stderr is not None and sys.stderr.isatty()  # None: closed by the caller (cli opens it)
     if shown:
         sys.stderr.write("starting colichat ...")
         sys.stderr.flush()

@@ -10,20 +10,26 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import subprocess
+import sys
 
 import pytest
 from cli_helpers import (
+    CHAT,
     GREEDY,
     TINY_ARGS,
     TINY_LLAMA,
+    Run,
     answers_bytes,
     chat,
     copy_gguf,
+    env_for,
     finish,
     lines,
     read_only,
     read_until,
     saved_answers,
+    saved_turns,
     saved_users,
     session_files,
     start,
@@ -414,6 +420,63 @@ def test_closed_stdout_stops_quietly_and_keeps_the_answer(colichat_home):
     assert "colichat: the output was closed; stopping" in err
     assert ", interrupted; saved to s]" in err
     assert saved_users(colichat_home, "s") == ["hello"] and saved_answers(colichat_home, "s")[0]
+
+
+def _run(home, args, shell: str = "", stdin: bytes = b"", **popen) -> Run:
+    """colichat with its standard streams set up by `shell` (e.g. `>&-`, `2>/dev/full`) and `popen`."""
+    p = subprocess.run(["sh", "-c", f'exec "$@" {shell}', "sh", *CHAT, *map(str, args)], input=stdin,
+                       env=env_for(home), cwd=str(home), timeout=300,
+                       **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen})
+    return Run(p.returncode, p.stdout or b"", (p.stderr or b"").decode("utf-8", "replace"))
+
+
+def test_an_answer_that_cannot_be_written_stops_in_one_line_and_is_kept(colichat_home):
+    """stdout a file on a full disk (/dev/full): one line, exit 1, and what was generated is saved."""
+    with open("/dev/full", "wb") as full:
+        run = _run(colichat_home, [*TINY_ARGS, "--session", "s", "-p", Q[0]], stdout=full)
+    run.failed()
+    assert run.errors() == ["colichat: cannot write the answer (No space left on device); stopping"], run.err
+    assert ", interrupted; saved to s]" in run.err
+    assert saved_users(colichat_home, "s") == [Q[0]] and len(saved_answers(colichat_home, "s")) == 1
+
+
+def test_listing_and_export_that_cannot_be_written_say_so_in_one_line(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    for args in (["--sessions"], ["--export", "s"]):
+        with open("/dev/full", "wb") as full:
+            run = _run(colichat_home, args, stdout=full)
+        run.failed()
+        assert run.errors() == ["colichat: cannot write to standard output: No space left on device"], run.err
+        r, w = os.pipe()
+        os.close(r)  # a reader that has stopped reading (`| head -1`): it has what it wanted
+        try:
+            run = _run(colichat_home, args, stdout=w)
+        finally:
+            os.close(w)
+        run.ok()
+        assert run.err == ""
+
+
+def test_closed_or_full_standard_streams_lose_only_what_went_to_them(colichat_home):
+    """A closed stream is as if it were /dev/null, never a file colichat opens: the answers and the
+    saved session are those of an ordinary run. A full stderr loses the status lines, not the answer."""
+    args = [*TINY_ARGS, "-p", Q[0]]
+    plain = chat(colichat_home, [*args, "--session", "plain"]).ok()
+    no_out = _run(colichat_home, [*args, "--session", "no-out"], ">&-").ok()
+    assert no_out.out == b"" and "saved to no-out]" in no_out.err
+    no_err = _run(colichat_home, [*args, "--session", "no-err"], "2>&-").ok()
+    full_err = _run(colichat_home, [*args, "--session", "full-err"], "2>/dev/full").ok()
+    assert no_err.out == full_err.out == plain.out and no_err.err == full_err.err == ""
+    names = ("no-out", "no-err", "full-err")
+    assert all(saved_turns(colichat_home, name) == saved_turns(colichat_home, "plain") for name in names)
+    go_on = [chat(colichat_home, [*TINY_ARGS, "--resume", "--session", name], lines(Q[1])).ok()
+             for name in ("plain", *names)]  # the caches on disk: the next answer is the same from each
+    assert [r.resumed()[2] for r in go_on] == ["plain", *names] and len({r.out for r in go_on}) == 1
+    no_in = _run(colichat_home, TINY_ARGS, "<&-").ok()
+    assert no_in.out == b"" and not no_in.errors()
+    launched = subprocess.run(["sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, "-m", "colichat.launch", *args],
+                              capture_output=True, env=env_for(colichat_home), cwd=str(colichat_home), timeout=300)
+    assert launched.returncode == 0 and launched.stdout == plain.out  # the command itself, not only colichat.cli
 
 
 def test_unencodable_answer_text_is_replaced_not_fatal(colichat_home):
