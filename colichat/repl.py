@@ -108,7 +108,8 @@ def echo(text: str) -> str:
 
 def make_session(app) -> PromptSession:
     session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
-                            complete_while_typing=False, prompt_continuation=_continuation)
+                            complete_while_typing=False, prompt_continuation=_continuation,
+                            enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering
     if app.screen:
         session.app.before_render += _redraw_on_resize(session, app.screen)
     return session

@@ -64,3 +64,32 @@ def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_
     t.type("/delete trip")
     t.keys("Tab")  # one left that starts so: completed at once
     t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-rome"), WAIT, "the one trip left")
+
+
+def test_ctrl_z_at_the_prompt_goes_back_to_the_shell_and_fg_returns_to_the_typed_line(colichat_home):
+    """As in a shell: Ctrl-Z stops colichat (a job of the shell), `fg` brings back its prompt with the
+    half-typed line; the line is never sent with a ^Z in it."""
+    t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
+    try:
+        cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS])
+        t.type(f"cd {shlex.quote(str(colichat_home))} && COLICHAT_HOME={shlex.quote(str(colichat_home))} {cmd}")
+        t.keys("Enter")
+        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+        t.type("half typed")
+        t.keys("C-z")
+        t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
+        t.type("fg")
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("> half typed"), WAIT, "colichat's prompt and the typed line")
+        t.type(" and done")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: "saved to half-typed-and-done]" in s, WAIT, "the answer, saved")
+        assert "\x1a" not in screen and "^Z" not in screen
+        t.type("/quit")
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
+        t.type("echo EXITED $?")  # the status of the job `fg` brought back
+        t.keys("Enter")
+        t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    finally:
+        t.close()
