@@ -1,5 +1,6 @@
 """argv -> a running chat: load the model, then the terminal REPL or pipe mode. Exit codes:
-0 done, 1 error (bad model, bad input in pipe/one-shot mode), 130 interrupted.
+0 done, 1 error (bad model, bad input in pipe/one-shot mode), 130 interrupted, 143 and 129 ended by
+SIGTERM and SIGHUP (the answer so far kept and saved).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ class App:
         self.quitting = False
         self.errors = 0
         self.output_closed = False  # stdout's reader went away (broken pipe)
+        self.ended_by = 0  # the signal (SIGTERM, SIGHUP) that ends colichat after this input, if any
         self.status = status or StatusLine()
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
         # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
@@ -198,6 +200,27 @@ class App:
                 os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
         self.conv.stop_requested = True
         self.hushed = True
+
+    @contextlib.contextmanager
+    def ending_signals(self):
+        """While an input is handled, SIGTERM (a shutdown, `kill`) and SIGHUP (the terminal closed)
+        end the answer after the current token, as Ctrl-C does: what was generated is kept and saved,
+        then colichat ends (`ended_by`; exit status 128 + the signal). Between inputs they end it at
+        once, the default: nothing is unsaved then."""
+
+        def on_signal(signum, frame):
+            self.ended_by = signum
+            self.conv.stop_requested = True
+            self.quitting = True
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+        if self.ended_by:
+            self.say(f"colichat: ended by {signal.Signals(self.ended_by).name}")
 
     def resume(self, name: str | None) -> None:
         """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
@@ -305,9 +328,12 @@ def pipe_mode(app: App, inputs=None) -> int:
     old = signal.signal(signal.SIGINT, on_sigint)
     try:
         for line in inputs_of(sys.stdin) if inputs is None else inputs:
-            app.handle(line)
+            with app.ending_signals():
+                app.handle(line)
             if interrupted:
                 return 130
+            if app.ended_by:
+                return 128 + app.ended_by
             if app.quitting or app.output_closed:
                 break
     except KeyboardInterrupt:

@@ -190,9 +190,10 @@ def run(app) -> int:
                 break
             old = signal.signal(signal.SIGINT, on_sigint)
             try:
-                app.handle(text)
+                with app.ending_signals():
+                    app.handle(text)
             except KeyboardInterrupt:
                 app.say("(interrupted)")
             finally:
                 signal.signal(signal.SIGINT, old)
-    return 0
+    return 128 + app.ended_by if app.ended_by else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -420,6 +421,24 @@ def test_closed_stdout_stops_quietly_and_keeps_the_answer(colichat_home):
     assert "colichat: the output was closed; stopping" in err
     assert ", interrupted; saved to s]" in err
     assert saved_users(colichat_home, "s") == ["hello"] and saved_answers(colichat_home, "s")[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_shutdown_or_a_closed_terminal_keeps_the_answer_so_far(sig, colichat_home):
+    """SIGTERM (a shutdown, `kill`) or SIGHUP (the terminal closed) during an answer: it ends after the
+    current token, what was generated is saved, no further input is read; exit 128 + the signal."""
+    p = start(colichat_home, ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000",
+                              "--session", "s"])
+    p.stdin.write(lines("hello", "not answered").encode())
+    p.stdin.flush()
+    head = read_until(p.stdout)  # the answer has begun
+    p.send_signal(sig)
+    run = finish(p, head)
+    run.exits(128 + sig)
+    assert run.errors() == [f"colichat: ended by {sig.name}"], run.err
+    assert ", interrupted; saved to s]" in run.err
+    assert saved_users(colichat_home, "s") == ["hello"]
+    assert run.out.decode().startswith(saved_answers(colichat_home, "s")[0])  # all it showed, and saved
 
 
 def _run(home, args, shell: str = "", stdin: bytes = b"", **popen) -> Run:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 
 import pytest
-from cli_helpers import TINY_ARGS
+from cli_helpers import GREEDY, TINY_ARGS, TINY_LLAMA
 from tmux_helpers import Tmux
 
 # only reached when something is wrong: generous, as a busy machine is many times slower
@@ -93,3 +94,26 @@ def test_ctrl_z_at_the_prompt_goes_back_to_the_shell_and_fg_returns_to_the_typed
         t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
     finally:
         t.close()
+
+
+def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_home):
+    """The window closed mid-answer (SIGHUP, then a terminal that cannot be written): the answer so far
+    is saved and colichat ends."""
+    from cli_helpers import saved_turns
+
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", "--model", TINY_LLAMA, *GREEDY,
+                                             "--ctx", "2048", "--max-tokens", "2000", "--session", "s"])
+    t = Tmux(f"cd {shlex.quote(str(colichat_home))} && COLICHAT_HOME={shlex.quote(str(colichat_home))} {cmd}")
+    t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+    t.type("hello")
+    t.keys("Enter")
+    t.wait_for(lambda s: "> hello\n" in s and len(s.split("> hello\n", 1)[1].split()) > 3, WAIT,
+               "the answer to stream")
+    t.close()  # the window goes: colichat gets SIGHUP
+    deadline = time.monotonic() + WAIT
+    sidecars = (colichat_home / "data" / "sessions").glob
+    while len(saved_turns(colichat_home, "s") if list(sidecars("*/s.json")) else []) < 2:
+        assert time.monotonic() < deadline, "the answer so far was not saved"
+        time.sleep(0.2)
+    assert [role for role, _ in saved_turns(colichat_home, "s")] == ["user", "assistant"]
+    assert saved_turns(colichat_home, "s")[1][1].strip()
