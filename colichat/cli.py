@@ -186,9 +186,9 @@ class App:
             self.conv.stop_requested = True
             self.errors += 1
             discard(sys.stdout)
-            closed = isinstance(e, BrokenPipeError)
-            self.say(f"colichat: {'the output was closed' if closed else 'cannot write the answer'}"
-                     f"{'' if closed else f' ({e.strerror or type(e).__name__})'}; stopping")
+            why = ("the output was closed" if isinstance(e, BrokenPipeError)
+                   else f"cannot write the answer ({e.strerror or type(e).__name__})")
+            self.say(f"colichat: {why}; stopping")
 
     def interrupted(self) -> None:
         """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of
