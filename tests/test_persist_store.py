@@ -24,7 +24,7 @@ from colichat.persist import SessionError, Store, model_identity, weights_finger
                                   "a\\b", "a\0b"])
 def test_bad_names_are_refused(colichat_home, name):
     cache = make_cache()
-    with pytest.raises(SessionError, match="invalid session name"):
+    with pytest.raises(SessionError, match="invalid session name .*: use 1 to 64 ASCII letters, digits"):
         Store().create(IDENT, layout_of(cache), name=name)
     with pytest.raises(SessionError, match="invalid session name"):
         Store().open(IDENT, name, layout_of(cache))

@@ -145,8 +145,8 @@ def model_dirname(ident: dict) -> str:
 def check_name(name) -> str:
     """A session name, or SessionError: up to 64 of A-Z a-z 0-9 - _ . (not first), no '..'."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
-        raise SessionError(f"invalid session name {name!r}: use 1 to 64 letters, digits, '-', '_' "
-                           "or '.' (not first, no '..')")
+        raise SessionError(f"invalid session name {name!r}: use 1 to 64 ASCII letters, digits, "
+                           "'-', '_' or '.' (not first, no '..')")
     return name
 
 
