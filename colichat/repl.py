@@ -151,7 +151,8 @@ def read_input(session: PromptSession, screen: Screen | None = None) -> str:
 @contextlib.contextmanager
 def keys_wait():
     """No echo and no line editing on the terminal outside prompt_toolkit's prompts (while an answer
-    streams): typed keys wait in the input queue for the next prompt. Ctrl-C still raises SIGINT."""
+    streams): typed keys wait in the input queue for the next prompt. Ctrl-C still raises SIGINT.
+    Ctrl-Z (SIGTSTP) gives the shell the terminal as it was; `fg` (SIGCONT) sets this mode again."""
     try:
         import termios
 
@@ -164,12 +165,25 @@ def keys_wait():
     new[3] &= ~(termios.ECHO | termios.ICANON)
     new[6] = list(old[6])
     new[6][termios.VMIN], new[6][termios.VTIME] = 1, 0
+
+    def mode(attrs) -> None:
+        with contextlib.suppress(OSError):
+            termios.tcsetattr(fd, termios.TCSANOW, attrs)  # TCSANOW: the typed-ahead keys stay queued
+
+    def on_stop(signum, frame):
+        mode(old)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until `fg`
+        signal.signal(signal.SIGTSTP, on_stop)
+        mode(new)
+
+    handler = signal.signal(signal.SIGTSTP, on_stop)
     try:
-        termios.tcsetattr(fd, termios.TCSANOW, new)
+        mode(new)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            termios.tcsetattr(fd, termios.TCSANOW, old)  # TCSANOW: the typed-ahead keys stay queued
+        signal.signal(signal.SIGTSTP, handler)
+        mode(old)
 
 
 def run(app) -> int:

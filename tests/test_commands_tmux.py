@@ -117,3 +117,33 @@ def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_
         time.sleep(0.2)
     assert [role for role, _ in saved_turns(colichat_home, "s")] == ["user", "assistant"]
     assert saved_turns(colichat_home, "s")[1][1].strip()
+
+
+def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(colichat_home):
+    """Stopped mid-answer and brought back with `fg` (the shell has set the terminal its own way
+    meanwhile): the answer goes on, and keys typed then still wait for the next prompt."""
+    t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
+    try:
+        cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", "--model", TINY_LLAMA,
+                                                 *GREEDY, "--ctx", "2048", "--max-tokens", "2000"])
+        t.type(f"cd {shlex.quote(str(colichat_home))} && COLICHAT_HOME={shlex.quote(str(colichat_home))} {cmd}")
+        t.keys("Enter")
+        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+        t.type("hello")
+        t.keys("Enter")
+        t.wait_for(lambda s: "> hello\n" in s and len(s.split("> hello\n", 1)[1].split()) > 3, WAIT,
+                   "the answer to stream")
+        t.keys("C-z")
+        t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
+        t.type("fg")
+        t.keys("Enter")
+        t.type("qqqzzz")
+        screen = t.wait_for(lambda s: "saved to hello]" in s and s.rstrip().endswith("> qqqzzz"), WAIT,
+                            "the answer's end, and the keys typed at the next prompt")
+        assert screen.count("qqqzzz") == 1  # not echoed into the answer
+        t.keys("C-u")
+        t.type("/quit")
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
+    finally:
+        t.close()
