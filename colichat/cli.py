@@ -159,7 +159,8 @@ class App:
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
         # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
         self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty()) if interactive else None
-        self.dim = sys.stderr.isatty()  # the footer is dim, apart from the answer
+        # the footer is dim, apart from the answer; not for a terminal without styles, nor with NO_COLOR
+        self.dim = sys.stderr.isatty() and os.environ.get("TERM") != "dumb" and not os.environ.get("NO_COLOR")
 
     def say(self, line: str) -> None:
         self.status.clear()

@@ -4,6 +4,7 @@ on the tiny model."""
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 import time
 
@@ -145,5 +146,25 @@ def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(colich
         t.type("/quit")
         t.keys("Enter")
         t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("env", ["NO_COLOR=1", "TERM=dumb"])
+def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
+    """The footer is dim on a terminal (tests/test_repl_tmux.py), but not with NO_COLOR (no-color.org)
+    or on a terminal that shows no styles."""
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS])
+    t = Tmux(f"cd {shlex.quote(str(colichat_home))} && {env} COLICHAT_HOME={shlex.quote(str(colichat_home))} "
+             f"{cmd}; sleep 600")
+    try:
+        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+        t.type("hello")
+        t.keys("Enter")
+        t.wait_for(lambda s: "saved to hello]" in s, WAIT, "the answer")
+        raw = subprocess.run(["tmux", "capture-pane", "-p", "-e", "-S", "-", "-t", t.name], capture_output=True,
+                             text=True, check=True).stdout
+        footer = next(line for line in raw.splitlines() if "saved to hello]" in line)
+        assert footer.startswith("[") and "\x1b[2m" not in raw, footer
     finally:
         t.close()
