@@ -1,5 +1,5 @@
-"""Commands whose behaviour only a terminal shows (a question asked back, Tab completion), in tmux
-on the tiny model."""
+"""Commands whose behaviour only a terminal shows (a question asked back, Tab completion), and the
+terminal's own keys and signals (Ctrl-Z, a closed window), in tmux on the tiny model."""
 
 from __future__ import annotations
 
@@ -9,24 +9,53 @@ import sys
 import time
 
 import pytest
-from cli_helpers import GREEDY, TINY_ARGS, TINY_LLAMA
+from cli_helpers import TINY_ARGS, saved_turns
 from tmux_helpers import Tmux
 
 # only reached when something is wrong: generous, as a busy machine is many times slower
 WAIT = 300.0
+LONG = ("--ctx", "2048", "--max-tokens", "2000")  # an answer that streams long enough to act on
+
+
+def command(home, *args: str, env: str = "") -> str:
+    """The shell line that runs colichat on the tiny model with COLICHAT_HOME `home` (`args` win over
+    TINY_ARGS; `env`: more variables, e.g. "NO_COLOR=1")."""
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS, *args])
+    return f"cd {shlex.quote(str(home))} && {env} COLICHAT_HOME={shlex.quote(str(home))} {cmd}"
 
 
 def start(home, *args: str) -> Tmux:
-    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS, *args])
-    t = Tmux(f"cd {shlex.quote(str(home))} && COLICHAT_HOME={shlex.quote(str(home))} {cmd}; echo EXITED $?; sleep 600")
+    t = Tmux(f"{command(home, *args)}; echo EXITED $?; sleep 600")
     t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
     return t
+
+
+def in_shell(home, *args: str) -> Tmux:
+    """colichat started from an interactive bash, which has job control (Ctrl-Z, fg), at its prompt."""
+    t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
+    t.type(command(home, *args))
+    t.keys("Enter")
+    t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+    return t
+
+
+def streaming(question: str):
+    """A screen predicate: the answer to `question` has begun."""
+    return lambda s: f"> {question}\n" in s and len(s.split(f"> {question}\n", 1)[1].split()) > 3
 
 
 @pytest.fixture
 def terminal(colichat_home):
     opened = []
     yield lambda *args: opened.append(start(colichat_home, *args)) or opened[-1]
+    for t in opened:
+        t.close()
+
+
+@pytest.fixture
+def shell(colichat_home):
+    opened = []
+    yield lambda *args: opened.append(in_shell(colichat_home, *args)) or opened[-1]
     for t in opened:
         t.close()
 
@@ -68,49 +97,56 @@ def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_
     t.wait_for(lambda s: s.rstrip().endswith("> /delete trip-to-rome"), WAIT, "the one trip left")
 
 
-def test_ctrl_z_at_the_prompt_goes_back_to_the_shell_and_fg_returns_to_the_typed_line(colichat_home):
+def test_ctrl_z_at_the_prompt_goes_back_to_the_shell_and_fg_returns_to_the_typed_line(shell):
     """As in a shell: Ctrl-Z stops colichat (a job of the shell), `fg` brings back its prompt with the
     half-typed line; the line is never sent with a ^Z in it."""
-    t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
-    try:
-        cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS])
-        t.type(f"cd {shlex.quote(str(colichat_home))} && COLICHAT_HOME={shlex.quote(str(colichat_home))} {cmd}")
-        t.keys("Enter")
-        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
-        t.type("half typed")
-        t.keys("C-z")
-        t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
-        t.type("fg")
-        t.keys("Enter")
-        t.wait_for(lambda s: s.rstrip().endswith("> half typed"), WAIT, "colichat's prompt and the typed line")
-        t.type(" and done")
-        t.keys("Enter")
-        screen = t.wait_for(lambda s: "saved to half-typed-and-done]" in s, WAIT, "the answer, saved")
-        assert "\x1a" not in screen and "^Z" not in screen
-        t.type("/quit")
-        t.keys("Enter")
-        t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
-        t.type("echo EXITED $?")  # the status of the job `fg` brought back
-        t.keys("Enter")
-        t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
-    finally:
-        t.close()
+    t = shell()
+    t.type("half typed")
+    t.keys("C-z")
+    t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
+    t.type("fg")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.rstrip().endswith("> half typed"), WAIT, "colichat's prompt and the typed line")
+    t.type(" and done")
+    t.keys("Enter")
+    screen = t.wait_for(lambda s: "saved to half-typed-and-done]" in s, WAIT, "the answer, saved")
+    assert "\x1a" not in screen and "^Z" not in screen
+    t.type("/quit")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
+    t.type("echo EXITED $?")  # the status of the job `fg` brought back
+    t.keys("Enter")
+    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+
+
+def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(shell):
+    """Stopped mid-answer and brought back with `fg` (the shell has set the terminal its own way
+    meanwhile): the answer goes on, and keys typed then still wait for the next prompt."""
+    t = shell(*LONG)
+    t.type("hello")
+    t.keys("Enter")
+    t.wait_for(streaming("hello"), WAIT, "the answer to stream")
+    t.keys("C-z")
+    t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
+    t.type("fg")
+    t.keys("Enter")
+    t.type("qqqzzz")
+    screen = t.wait_for(lambda s: "saved to hello]" in s and s.rstrip().endswith("> qqqzzz"), WAIT,
+                        "the answer's end, and the keys typed at the next prompt")
+    assert screen.count("qqqzzz") == 1  # not echoed into the answer
 
 
 def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_home):
     """The window closed mid-answer (SIGHUP, then a terminal that cannot be written): the answer so far
     is saved and colichat ends."""
-    from cli_helpers import saved_turns
-
-    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", "--model", TINY_LLAMA, *GREEDY,
-                                             "--ctx", "2048", "--max-tokens", "2000", "--session", "s"])
-    t = Tmux(f"cd {shlex.quote(str(colichat_home))} && COLICHAT_HOME={shlex.quote(str(colichat_home))} {cmd}")
-    t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
-    t.type("hello")
-    t.keys("Enter")
-    t.wait_for(lambda s: "> hello\n" in s and len(s.split("> hello\n", 1)[1].split()) > 3, WAIT,
-               "the answer to stream")
-    t.close()  # the window goes: colichat gets SIGHUP
+    t = Tmux(command(colichat_home, *LONG, "--session", "s"))
+    try:
+        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+        t.type("hello")
+        t.keys("Enter")
+        t.wait_for(streaming("hello"), WAIT, "the answer to stream")
+    finally:
+        t.close()  # the window goes: colichat gets SIGHUP
     deadline = time.monotonic() + WAIT
     sidecars = (colichat_home / "data" / "sessions").glob
     while len(saved_turns(colichat_home, "s") if list(sidecars("*/s.json")) else []) < 2:
@@ -120,43 +156,11 @@ def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_
     assert saved_turns(colichat_home, "s")[1][1].strip()
 
 
-def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(colichat_home):
-    """Stopped mid-answer and brought back with `fg` (the shell has set the terminal its own way
-    meanwhile): the answer goes on, and keys typed then still wait for the next prompt."""
-    t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
-    try:
-        cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", "--model", TINY_LLAMA,
-                                                 *GREEDY, "--ctx", "2048", "--max-tokens", "2000"])
-        t.type(f"cd {shlex.quote(str(colichat_home))} && COLICHAT_HOME={shlex.quote(str(colichat_home))} {cmd}")
-        t.keys("Enter")
-        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
-        t.type("hello")
-        t.keys("Enter")
-        t.wait_for(lambda s: "> hello\n" in s and len(s.split("> hello\n", 1)[1].split()) > 3, WAIT,
-                   "the answer to stream")
-        t.keys("C-z")
-        t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
-        t.type("fg")
-        t.keys("Enter")
-        t.type("qqqzzz")
-        screen = t.wait_for(lambda s: "saved to hello]" in s and s.rstrip().endswith("> qqqzzz"), WAIT,
-                            "the answer's end, and the keys typed at the next prompt")
-        assert screen.count("qqqzzz") == 1  # not echoed into the answer
-        t.keys("C-u")
-        t.type("/quit")
-        t.keys("Enter")
-        t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
-    finally:
-        t.close()
-
-
 @pytest.mark.parametrize("env", ["NO_COLOR=1", "TERM=dumb"])
 def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
     """The footer is dim on a terminal (tests/test_repl_tmux.py), but not with NO_COLOR (no-color.org)
     or on a terminal that shows no styles."""
-    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS])
-    t = Tmux(f"cd {shlex.quote(str(colichat_home))} && {env} COLICHAT_HOME={shlex.quote(str(colichat_home))} "
-             f"{cmd}; sleep 600")
+    t = Tmux(f"{command(colichat_home, env=env)}; sleep 600")
     try:
         t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
         t.type("hello")
