@@ -152,7 +152,8 @@ def read_input(session: PromptSession, screen: Screen | None = None) -> str:
 def keys_wait():
     """No echo and no line editing on the terminal outside prompt_toolkit's prompts (while an answer
     streams): typed keys wait in the input queue for the next prompt. Ctrl-C still raises SIGINT.
-    Ctrl-Z (SIGTSTP) gives the shell the terminal as it was; `fg` (SIGCONT) sets this mode again."""
+    Ctrl-Z stops colichat as usual (the shell sets the terminal its own way meanwhile); `fg` (SIGCONT)
+    sets this mode again."""
     try:
         import termios
 
@@ -167,22 +168,15 @@ def keys_wait():
     new[6][termios.VMIN], new[6][termios.VTIME] = 1, 0
 
     def mode(attrs) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, termios.error):  # a terminal gone (SIGHUP) cannot be set
             termios.tcsetattr(fd, termios.TCSANOW, attrs)  # TCSANOW: the typed-ahead keys stay queued
 
-    def on_stop(signum, frame):
-        mode(old)
-        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until `fg`
-        signal.signal(signal.SIGTSTP, on_stop)
-        mode(new)
-
-    handler = signal.signal(signal.SIGTSTP, on_stop)
+    handler = signal.signal(signal.SIGCONT, lambda signum, frame: mode(new))  # `fg` after Ctrl-Z
     try:
         mode(new)
         yield
     finally:
-        signal.signal(signal.SIGTSTP, handler)
+        signal.signal(signal.SIGCONT, handler)
         mode(old)
 
 
@@ -201,6 +195,8 @@ def run(app) -> int:
             except KeyboardInterrupt:
                 continue
             except EOFError:
+                break
+            except OSError:  # the terminal is gone (its window closed with SIGHUP ignored): as at Ctrl-D
                 break
             old = signal.signal(signal.SIGINT, on_sigint)
             try:

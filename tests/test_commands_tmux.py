@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import TINY_ARGS, saved_turns
+from cli_helpers import TINY_ARGS, chat, lines, saved_turns
 from tmux_helpers import Tmux
 
 # only reached when something is wrong: generous, as a busy machine is many times slower
@@ -77,8 +77,6 @@ def test_exit_alone_asks_whether_quit_was_meant(terminal):
 
 
 def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_home):
-    from cli_helpers import chat, lines
-
     for name in ("trip-to-rome", "trip-to-oslo", "recipes"):
         chat(colichat_home, [*TINY_ARGS, "--session", name], lines("hello")).ok()
     t = terminal()
@@ -153,7 +151,9 @@ def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_
         assert time.monotonic() < deadline, "the answer so far was not saved"
         time.sleep(0.2)
     assert [role for role, _ in saved_turns(colichat_home, "s")] == ["user", "assistant"]
-    assert saved_turns(colichat_home, "s")[1][1].strip()
+    whole = chat(colichat_home, [*TINY_ARGS, *LONG], lines("hello")).ok().out.decode()  # not interrupted
+    kept = saved_turns(colichat_home, "s")[1][1]
+    assert kept.strip() and whole.startswith(kept) and len(kept) < len(whole.rstrip("\n"))
 
 
 @pytest.mark.parametrize("env", ["NO_COLOR=1", "TERM=dumb"])
@@ -172,3 +172,24 @@ def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
         assert footer.startswith("[") and "\x1b[2m" not in raw, footer
     finally:
         t.close()
+
+
+def test_a_terminal_gone_at_the_prompt_ends_colichat_as_ctrl_d(colichat_home):
+    """With SIGHUP ignored (as under `nohup`), a closed window leaves colichat at its prompt reading a
+    terminal that is gone: it ends as at Ctrl-D, exit 0 (not a traceback's 1)."""
+    line = f"trap '' HUP; {command(colichat_home, '--session', 's')}; echo $? >rc"
+    t = Tmux(f"sh -c {shlex.quote(line)}")
+    try:
+        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+        t.type("hello")
+        t.keys("Enter")
+        t.wait_for(lambda s: "saved to s]" in s and s.rstrip().endswith(">"), WAIT, "the answer and the next prompt")
+    finally:
+        t.close()
+    rc = colichat_home / "rc"
+    deadline = time.monotonic() + WAIT
+    while not rc.exists() or not rc.read_text():
+        assert time.monotonic() < deadline, "colichat did not end"
+        time.sleep(0.2)
+    assert rc.read_text().strip() == "0"  # a traceback exits 1
+    assert [role for role, _ in saved_turns(colichat_home, "s")] == ["user", "assistant"]
