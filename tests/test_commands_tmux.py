@@ -30,10 +30,12 @@ def start(home, *args: str) -> Tmux:
     return t
 
 
-def in_shell(home, *args: str) -> Tmux:
-    """colichat started from an interactive bash, which has job control (Ctrl-Z, fg), at its prompt."""
+def in_shell(home, *args: str, wrapped: bool = False) -> Tmux:
+    """colichat started from an interactive bash, which has job control (Ctrl-Z, fg), at its prompt;
+    `wrapped`: run by a shell that waits for it, as `make chat` does (not the job's first process)."""
     t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
-    t.type(command(home, *args))
+    line = command(home, *args)
+    t.type(f"sh -c {shlex.quote(line + '; exit $?')}" if wrapped else line)
     t.keys("Enter")
     t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
     return t
@@ -55,7 +57,7 @@ def terminal(colichat_home):
 @pytest.fixture
 def shell(colichat_home):
     opened = []
-    yield lambda *args: opened.append(in_shell(colichat_home, *args)) or opened[-1]
+    yield lambda *args, **kw: opened.append(in_shell(colichat_home, *args, **kw)) or opened[-1]
     for t in opened:
         t.close()
 
@@ -117,10 +119,12 @@ def test_ctrl_z_at_the_prompt_goes_back_to_the_shell_and_fg_returns_to_the_typed
     t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
 
 
-def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(shell):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["run-by-the-shell", "run-by-make"])
+def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(wrapped, shell):
     """Stopped mid-answer and brought back with `fg` (the shell has set the terminal its own way
-    meanwhile): the answer goes on, and keys typed then still wait for the next prompt."""
-    t = shell(*LONG)
+    meanwhile): the answer goes on, and keys typed then still wait for the next prompt. Also when
+    colichat is not the process the shell waits for (`make chat`)."""
+    t = shell(*LONG, wrapped=wrapped)
     t.type("hello")
     t.keys("Enter")
     t.wait_for(streaming("hello"), WAIT, "the answer to stream")
