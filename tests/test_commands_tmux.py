@@ -4,7 +4,6 @@ terminal's own keys and signals (Ctrl-Z, a closed window), in tmux on the tiny m
 from __future__ import annotations
 
 import shlex
-import subprocess
 import sys
 import time
 
@@ -170,8 +169,7 @@ def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
         t.type("hello")
         t.keys("Enter")
         t.wait_for(lambda s: "saved to hello]" in s, WAIT, "the answer")
-        raw = subprocess.run(["tmux", "capture-pane", "-p", "-e", "-S", "-", "-t", t.name], capture_output=True,
-                             text=True, check=True).stdout
+        raw = t.run("capture-pane", "-p", "-e", "-S", "-", "-t", t.name)
         footer = next(line for line in raw.splitlines() if "saved to hello]" in line)
         assert footer.startswith("[") and "\x1b[2m" not in raw, footer
     finally:

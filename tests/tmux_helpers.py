@@ -8,10 +8,20 @@
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
+
+# This test run's own tmux server (no configuration file): its panes get this run's environment, and no
+# other tmux server (the user's, another test run's) is used or touched. It ends with its last session;
+# its socket file is removed when the run ends.
+SOCKET = os.path.join(tempfile.gettempdir(), f"colichat-tests-{os.getpid()}.tmux")
+TMUX = ["tmux", "-S", SOCKET, "-f", os.devnull]
+atexit.register(lambda: os.path.exists(SOCKET) and os.unlink(SOCKET))
 
 
 class Tmux:
@@ -19,20 +29,21 @@ class Tmux:
         if shutil.which("tmux") is None:
             raise RuntimeError("tmux is not installed (make test installs it)")
         self.name = f"colichat-{uuid.uuid4().hex[:8]}"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
-                        command], check=True)
+        self.run("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height), command)
+
+    def run(self, *args: str) -> str:
+        """A tmux command on this test run's server (`-t` this session is for the caller to give); its output."""
+        return subprocess.run([*TMUX, *args], capture_output=True, text=True, check=True).stdout
 
     def keys(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+        self.run("send-keys", "-t", self.name, *keys)
 
     def type(self, text: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
+        self.run("send-keys", "-t", self.name, "-l", text)
 
     def screen(self) -> str:
         """The pane with all its history (a footer scrolled away still counts)."""
-        out = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-", "-t", self.name],
-                             capture_output=True, text=True, check=True)
-        return out.stdout
+        return self.run("capture-pane", "-p", "-J", "-S", "-", "-t", self.name)
 
     def wait_for(self, predicate, timeout: float = 120.0, what: str = "") -> str:
         """The screen once `predicate(screen)` holds; polls the pane until then. `timeout` is only
@@ -47,4 +58,4 @@ class Tmux:
             time.sleep(0.2)  # between two looks at the pane
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        subprocess.run([*TMUX, "kill-session", "-t", self.name], capture_output=True)
