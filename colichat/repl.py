@@ -194,9 +194,7 @@ def run(app) -> int:
                 text = read_input(session, app.screen)  # prompt_toolkit's own terminal mode while it reads
             except KeyboardInterrupt:
                 continue
-            except EOFError:
-                break
-            except OSError:  # the terminal is gone (its window closed with SIGHUP ignored): as at Ctrl-D
+            except (EOFError, OSError):  # Ctrl-D, or the terminal is gone (its window closed, SIGHUP ignored)
                 break
             old = signal.signal(signal.SIGINT, on_sigint)
             try:

@@ -169,7 +169,7 @@ def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
         t.type("hello")
         t.keys("Enter")
         t.wait_for(lambda s: "saved to hello]" in s, WAIT, "the answer")
-        raw = t.run("capture-pane", "-p", "-e", "-S", "-", "-t", t.name)
+        raw = t.run("capture-pane", "-p", "-e", "-S", "-")
         footer = next(line for line in raw.splitlines() if "saved to hello]" in line)
         assert footer.startswith("[") and "\x1b[2m" not in raw, footer
     finally:

@@ -118,7 +118,7 @@ def gated_chat(home, args: str, log, module: str = "colichat.cli") -> Tmux:
     """colichat in tmux, started only once everything it writes is recorded to `log` (the raw bytes,
     escapes included, in order: what a transient status line showed stays there after it is cleared)."""
     t = Tmux(f"read _; COLICHAT_HOME={home} {sys.executable} -m {module} {args}; echo EXITED $?; sleep 600")
-    t.run("pipe-pane", "-t", t.name, "-o", f"cat >> {log}")
+    t.run("pipe-pane", "-o", f"cat >> {log}")
     t.keys("Enter")
     return t
 
@@ -267,7 +267,7 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
 
 def raw_lines(t: Tmux, escapes: bool = False) -> list[str]:
     """The screen's lines as the terminal shows them (not joined where the terminal wrapped)."""
-    return t.run("capture-pane", "-p", *(["-e"] if escapes else []), "-S", "-200", "-t", t.name).splitlines()
+    return t.run("capture-pane", "-p", *(["-e"] if escapes else []), "-S", "-200").splitlines()
 
 
 def shown_answer(t: Tmux, question: str) -> list[str]:
@@ -282,7 +282,7 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
 
     t = gated_chat(colichat_home, "--temperature 0 --max-tokens 70 --session w", tmp_path / "raw.log")
     try:
-        t.run("resize-window", "-t", t.name, "-x", "50", "-y", "60")
+        t.run("resize-window", "-x", "50", "-y", "60")
         t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
 
         # the answer breaks at spaces, never inside a word, within the 50 columns
@@ -300,7 +300,7 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
         assert footer.startswith("\x1b[2m[")
 
         # after a resize, new text wraps to the new width
-        t.run("resize-window", "-t", t.name, "-x", "90", "-y", "60")
+        t.run("resize-window", "-x", "90", "-y", "60")
         question = "Describe a castle."
         t.type(question)
         t.keys("Enter")
@@ -328,7 +328,7 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
 def visible(t: Tmux, joined: bool = False) -> list[str]:
     """The rows the window shows now (the scrollback aside), as the terminal shows them (`joined`:
     a line the terminal wrapped is one)."""
-    out = t.run("capture-pane", "-p", *(["-J"] if joined else []), "-t", t.name)
+    out = t.run("capture-pane", "-p", *(["-J"] if joined else []))
     return [line.rstrip() for line in out.splitlines()]
 
 
@@ -351,7 +351,7 @@ def rows_after(shown: list[str], question: str) -> list[str] | None:
 
 
 def resize(t: Tmux, columns: int) -> None:
-    t.run("resize-window", "-t", t.name, "-x", str(columns), "-y", "60")
+    t.run("resize-window", "-x", str(columns), "-y", "60")
 
 
 def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_path):

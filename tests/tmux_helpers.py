@@ -24,26 +24,30 @@ TMUX = ["tmux", "-S", SOCKET, "-f", os.devnull]
 atexit.register(lambda: os.path.exists(SOCKET) and os.unlink(SOCKET))
 
 
+def _tmux(*args: str) -> str:
+    return subprocess.run([*TMUX, *args], capture_output=True, text=True, check=True).stdout
+
+
 class Tmux:
     def __init__(self, command: str, width: int = 160, height: int = 60):
         if shutil.which("tmux") is None:
             raise RuntimeError("tmux is not installed (make test installs it)")
         self.name = f"colichat-{uuid.uuid4().hex[:8]}"
-        self.run("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height), command)
+        _tmux("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height), command)
 
-    def run(self, *args: str) -> str:
-        """A tmux command on this test run's server (`-t` this session is for the caller to give); its output."""
-        return subprocess.run([*TMUX, *args], capture_output=True, text=True, check=True).stdout
+    def run(self, command: str, *args: str) -> str:
+        """A tmux command on this session (e.g. `run("resize-window", "-x", "50")`); its output."""
+        return _tmux(command, "-t", self.name, *args)
 
     def keys(self, *keys: str) -> None:
-        self.run("send-keys", "-t", self.name, *keys)
+        self.run("send-keys", *keys)
 
     def type(self, text: str) -> None:
-        self.run("send-keys", "-t", self.name, "-l", text)
+        self.run("send-keys", "-l", text)
 
     def screen(self) -> str:
         """The pane with all its history (a footer scrolled away still counts)."""
-        return self.run("capture-pane", "-p", "-J", "-S", "-", "-t", self.name)
+        return self.run("capture-pane", "-p", "-J", "-S", "-")
 
     def wait_for(self, predicate, timeout: float = 120.0, what: str = "") -> str:
         """The screen once `predicate(screen)` holds; polls the pane until then. `timeout` is only
