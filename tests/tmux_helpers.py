@@ -17,11 +17,17 @@ import time
 import uuid
 
 # This test run's own tmux server (no configuration file): its panes get this run's environment, and no
-# other tmux server (the user's, another test run's) is used or touched. It ends with its last session;
-# its socket file is removed when the run ends.
+# other tmux server (the user's, another test run's) is used or touched. It stays up between tests (a
+# server that exits with its last session races with the next test's new session) and ends with the run.
 SOCKET = os.path.join(tempfile.gettempdir(), f"colichat-tests-{os.getpid()}.tmux")
 TMUX = ["tmux", "-S", SOCKET, "-f", os.devnull]
-atexit.register(lambda: os.path.exists(SOCKET) and os.unlink(SOCKET))
+
+
+@atexit.register
+def _end_server() -> None:
+    subprocess.run([*TMUX, "kill-server"], capture_output=True)
+    if os.path.exists(SOCKET):
+        os.unlink(SOCKET)
 
 
 def _tmux(*args: str) -> str:
@@ -33,7 +39,8 @@ class Tmux:
         if shutil.which("tmux") is None:
             raise RuntimeError("tmux is not installed (make test installs it)")
         self.name = f"colichat-{uuid.uuid4().hex[:8]}"
-        _tmux("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height), command)
+        _tmux("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height), command,
+              ";", "set-option", "-g", "exit-empty", "off")
 
     def run(self, command: str, *args: str) -> str:
         """A tmux command on this session (e.g. `run("resize-window", "-x", "50")`); its output."""
