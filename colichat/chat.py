@@ -16,8 +16,6 @@ report.py (the footer, /stats, what frees context).
 
 from __future__ import annotations
 
-import time
-
 from .chat_settings import ChatSettings
 from .engine import Model, ModelError
 from .engine.generate import Generation
@@ -28,6 +26,7 @@ from .persist import CacheLayout, Store, Turn, model_identity
 from .report import TurnStats, no_room, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
+from .stopwatch import Stopwatch
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 # A prompt longer than PROMPT_STEPPED is read PROMPT_STEP tokens at a time: progress is shown and a
@@ -54,6 +53,7 @@ class Conversation:
         self.turns: list[Turn] = []
         self.stop_requested = False
         self.last_stats: TurnStats | None = None
+        self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (cli.App)
         cfg = model.cfg
         self.saving = Saving((store or Store()) if save else None,
                              model_identity(cfg.path, cfg.arch, cfg.name) if save else None,
@@ -198,10 +198,10 @@ class Conversation:
         if start < self.n_tokens:
             self._rebase(start)
         first = self.n_tokens
-        t0 = time.perf_counter()
+        self.clock.start()
         try:
             logits = self._prefill(ids, on_progress)
-            stats.prompt_tokens, stats.prefill_s = len(ids), time.perf_counter() - t0
+            stats.prompt_tokens, stats.prefill_s = len(ids), self.clock.elapsed()
             user = Turn("user", user_text, first, self.n_tokens)
             answer, stats = self._generate(logits, stats, on_text)
         except BaseException:
@@ -220,6 +220,7 @@ class Conversation:
             on_progress(0, len(ids))
         for i in range(0, len(ids), step):
             logits = self.model.prefill(ids[i : i + step], all_logits=False)[-1]
+            self.clock.tick()
             if on_progress and step < len(ids):
                 on_progress(min(i + step, len(ids)), len(ids))
             if self.stop_requested and i + step < len(ids):
@@ -235,7 +236,7 @@ class Conversation:
     def _generate(self, logits, stats: TurnStats, on_text) -> tuple[str, TurnStats]:
         stream = self.tok.stream()
         pieces: list[str] = []
-        t0 = time.perf_counter()
+        self.clock.start()
         drafts = [PromptLookup()] + ([self.model.mtp] if self.model.mtp is not None else [])
         gen = Generation(self.model, logits, self.prefs.sampler, self.tok.eog_ids, self.settings.max_tokens,
                          drafts=drafts, draft=self._draft(), recent=self.settings.repeat_last_n)
@@ -253,6 +254,7 @@ class Conversation:
                     pieces.append(piece)
                     if on_text:
                         on_text(piece)
+                self.clock.tick()
         finally:
             tokens.close()  # a stop inside a batched pass drops the tokens not shown
         tail = stream.flush()
@@ -260,7 +262,7 @@ class Conversation:
             pieces.append(tail)
             if on_text:
                 on_text(tail)
-        stats.decode_s = time.perf_counter() - t0
+        stats.decode_s = self.clock.elapsed()
         stats.drafted, stats.accepted = gen.n_drafted, gen.n_accepted
         if len(drafts) > 1:  # which source the drafts came from
             stats.by_source = {name: tuple(c) for name, c in gen.by_source.items() if c[0]}

@@ -202,6 +202,13 @@ class App:
         self.conv.stop_requested = True
         self.hushed = True
 
+    def continued(self) -> None:
+        """colichat was continued after a stop (Ctrl-Z, `fg`; from a SIGCONT handler): the time
+        stopped does not count in the speeds, and the REPL's window is drawn again."""
+        self.conv.clock.continued()
+        if self.screen:
+            self.screen.continued()
+
     @contextlib.contextmanager
     def ending_signals(self):
         """While an input is handled, SIGTERM (a shutdown, `kill`) and SIGHUP (the terminal closed)
@@ -327,6 +334,7 @@ def pipe_mode(app: App, inputs=None) -> int:
         app.conv.stop_requested = True
 
     old = signal.signal(signal.SIGINT, on_sigint)
+    on_continue = signal.signal(signal.SIGCONT, lambda signum, frame: app.continued())
     try:
         for line in inputs_of(sys.stdin) if inputs is None else inputs:
             with app.ending_signals():
@@ -341,6 +349,7 @@ def pipe_mode(app: App, inputs=None) -> int:
         return 130
     finally:  # once interrupted, the program is ending: a further Ctrl-C must not cut its exit short
         signal.signal(signal.SIGINT, signal.SIG_IGN if interrupted else old)
+        signal.signal(signal.SIGCONT, on_continue)
     return 1 if app.errors else 0
 
 

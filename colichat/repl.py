@@ -117,10 +117,11 @@ def make_session(app) -> PromptSession:
 
 def _redraw_on_resize(session: PromptSession, screen: Screen):
     """A handler of the prompt's before_render event: when the width changed since the screen was
-    laid out, what was shown is drawn again above the prompt, with room left for the prompt."""
+    laid out (or colichat was stopped and continued), what was shown is drawn again above the
+    prompt, with room left for the prompt."""
 
     def before_render(pt_app) -> None:
-        if screen.columns() == screen.width:
+        if screen.current():
             return
         below = len(rows(echo(session.default_buffer.text), screen.columns())) - 1
         pt_app.renderer.erase(leave_alternate_screen=False)  # the prompt as drawn; its renderer starts over
@@ -149,11 +150,11 @@ def read_input(session: PromptSession, screen: Screen | None = None) -> str:
 
 
 @contextlib.contextmanager
-def keys_wait():
+def keys_wait(on_continue=lambda: None):
     """No echo and no line editing on the terminal outside prompt_toolkit's prompts (while an answer
     streams): typed keys wait in the input queue for the next prompt. Ctrl-C still raises SIGINT.
     Ctrl-Z stops colichat as usual (the shell sets the terminal its own way meanwhile); `fg` (SIGCONT)
-    sets this mode again."""
+    sets this mode again, and calls `on_continue`."""
     try:
         import termios
 
@@ -171,7 +172,11 @@ def keys_wait():
         with contextlib.suppress(OSError, termios.error):  # a terminal gone (SIGHUP) cannot be set
             termios.tcsetattr(fd, termios.TCSANOW, attrs)  # TCSANOW: the typed-ahead keys stay queued
 
-    handler = signal.signal(signal.SIGCONT, lambda signum, frame: mode(new))  # `fg` after Ctrl-Z
+    def continued(signum, frame) -> None:  # `fg` after Ctrl-Z
+        mode(new)
+        on_continue()
+
+    handler = signal.signal(signal.SIGCONT, continued)
     try:
         mode(new)
         yield
@@ -188,7 +193,7 @@ def run(app) -> int:
     def on_sigint(signum, frame):
         app.interrupted()  # ^C shown; the answer ends after the current token and shows nothing more
 
-    with keys_wait():  # also between prompts: a key typed as a prompt ends is never echoed out of place
+    with keys_wait(app.continued):  # also between prompts: a key typed as a prompt ends is never echoed out of place
         while not app.quitting:
             try:
                 text = read_input(session, app.screen)  # prompt_toolkit's own terminal mode while it reads

@@ -7,8 +7,9 @@ wrapped: the conversation keeps the model's text.
 
 Screen: the lines printed as they are (banner, the prompt's echo, command output, footers) and the
 answers as the model wrote them. Before anything more is shown, if the width changed since the
-screen was laid out, the window is drawn again from its top: the last rows of everything shown,
-laid out at the new width (answers re-wrapped at word boundaries), ending where the cursor was.
+screen was laid out, or colichat was continued after a stop (Ctrl-Z, `fg`: the shell wrote on the
+window meanwhile), the window is drawn again from its top: the last rows of everything shown, laid
+out at the window's width (answers re-wrapped at word boundaries), ending where the cursor was.
 The scrollback above the window stays as the terminal made it.
 """
 
@@ -121,10 +122,20 @@ class Screen:
         self.lines_on_screen = lines_on_screen  # the printed lines reach the screen (stderr is the terminal)
         self.shown = [Shown(line) for line in banner] if lines_on_screen else []
         self.width = self.columns()  # the width the screen is laid out for
+        self.stale = False  # the window shows something else (colichat was stopped; see continued())
         self.wrap = WordWrap(lambda: self.width)  # the answer arriving
 
     def columns(self) -> int:
         return max(2, self.size()[0])
+
+    def current(self) -> bool:
+        """Whether the window shows what was shown, laid out for its width."""
+        return not self.stale and self.columns() == self.width
+
+    def continued(self) -> None:
+        """colichat was continued after a stop (from a SIGCONT handler): the shell has written on the
+        window, so it is drawn again before anything more is shown."""
+        self.stale = True
 
     # --- what is shown --------------------------------------------------------------------------
 
@@ -181,14 +192,15 @@ class Screen:
     # --- drawing --------------------------------------------------------------------------------
 
     def follow(self, below: int = 0) -> str:
-        """A redraw if the width changed since the screen was laid out, else nothing."""
-        return self.redraw(below) if self.columns() != self.width else ""
+        """A redraw if the window does not show what was shown as laid out now, else nothing."""
+        return "" if self.current() else self.redraw(below)
 
     def redraw(self, below: int = 0) -> str:
         """The window drawn again from its top at the current width: the last rows of what was shown,
         ending on the cursor's row (the answer arriving, or an empty row), with `below` more rows
         left free under it (for a prompt of several rows)."""
         self.width, height = self.columns(), max(1, self.size()[1])
+        self.stale = False
         want = max(1, height - below)
         tail: list[tuple[str, bool]] = []
         cursor = [("", False)]

@@ -8,11 +8,14 @@ that cannot be written is reported after each answer ("NOT saved: ...") and the 
 from __future__ import annotations
 
 import os
+import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from cli_helpers import (
@@ -439,6 +442,34 @@ def test_a_shutdown_or_a_closed_terminal_keeps_the_answer_so_far(sig, colichat_h
     assert ", interrupted; saved to s]" in run.err
     assert saved_users(colichat_home, "s") == ["hello"]
     assert run.out.decode().startswith(saved_answers(colichat_home, "s")[0])  # all it showed, and saved
+
+
+def _answer_seconds(err: str) -> float:
+    """How long the answer took by its footer (its tokens over its tok/s)."""
+    tokens, tps = re.search(r"^\[(\d+) tokens, ([\d.]+) tok/s", err, re.M).groups()
+    return int(tokens) / float(tps)
+
+
+def test_the_time_colichat_was_stopped_does_not_count_in_the_answer_speed(colichat_home):
+    """Stopped mid-answer (Ctrl-Z) and continued later (`fg`: SIGCONT): the footer's tok/s is the
+    model's speed, not one that counts the pause."""
+    args = ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "600"]
+    plain = chat(colichat_home, args, lines("hello")).ok()
+    pause = 3 * _answer_seconds(plain.err) + 1  # longer than the answer takes, even on a busy machine
+    p = start(colichat_home, args)
+    p.stdin.write(lines("hello").encode())
+    p.stdin.flush()
+    head = read_until(p.stdout)  # the answer has begun
+    p.send_signal(signal.SIGSTOP)  # as Ctrl-Z stops it (SIGTSTP, which a process group without a shell may not get)
+    time.sleep(pause)  # (the pause is what is measured)
+    while select.select([p.stdout], [], [], 0)[0] and (chunk := os.read(p.stdout.fileno(), 65536)):
+        head += chunk  # what it wrote before it stopped
+    p.send_signal(signal.SIGCONT)
+    run = finish(p, head)
+    run.ok()
+    assert len(run.out) > len(head), "the answer had ended before the stop"
+    assert run.out == plain.out
+    assert _answer_seconds(run.err) < pause, run.err
 
 
 def _run(home, args, shell: str = "", program=CHAT, **popen) -> Run:

@@ -6,7 +6,7 @@ import re
 import sys
 
 import pytest
-from tmux_helpers import Tmux
+from tmux_helpers import Tmux, rows_after, visible, wrapped
 
 pytestmark = pytest.mark.default_model
 
@@ -265,6 +265,34 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
 # ---- display -------------------------------------------------------------------------------------
 
 
+def test_fg_after_ctrl_z_draws_the_window_again_and_the_answer_goes_on_in_its_place(colichat_home):
+    """While colichat is stopped, the shell writes on its window (`Stopped`, `fg`, the job's line):
+    after `fg` the window is drawn again as colichat left it, and the answer goes on where it stopped,
+    wrapped as if it had never stopped. (tests/test_commands_tmux.py: the keys typed meanwhile.)"""
+    from cli_helpers import saved_answers
+
+    t = Tmux("env PS1='$ ' bash --norc --noprofile -i", width=80, height=60)  # room for the whole answer
+    try:
+        t.type(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 "
+               "--max-tokens 200 --session z")
+        t.keys("Enter")
+        t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+        question = "Write a long story about a dragon who lived in a castle."
+        t.type(question)
+        t.keys("Enter")
+        t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
+        t.keys("C-z")
+        t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), SCREEN_WAIT, "the shell, colichat stopped")
+        t.type("fg")
+        t.keys("Enter")
+        t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), MODEL_WAIT, "the answer's end")
+        shown = visible(t)
+        assert not any("Stopped" in row or row == "$ fg" for row in shown), shown
+        assert rows_after(shown, question) == wrapped(saved_answers(colichat_home, "z")[0], 80), shown
+    finally:
+        t.close()
+
+
 def raw_lines(t: Tmux, escapes: bool = False) -> list[str]:
     """The screen's lines as the terminal shows them (not joined where the terminal wrapped)."""
     return t.run("capture-pane", "-p", *(["-e"] if escapes else []), "-S", "-200").splitlines()
@@ -323,31 +351,6 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
 
 
 # ---- a resize: what is on screen is drawn again for the new width -----------------------------------
-
-
-def visible(t: Tmux, joined: bool = False) -> list[str]:
-    """The rows the window shows now (the scrollback aside), as the terminal shows them (`joined`:
-    a line the terminal wrapped is one)."""
-    out = t.run("capture-pane", "-p", *(["-J"] if joined else []))
-    return [line.rstrip() for line in out.splitlines()]
-
-
-def wrapped(text: str, width: int) -> list[str]:
-    """An answer as it shows wrapped at word boundaries, `width` columns wide."""
-    from colichat.wrap import WordWrap
-
-    w = WordWrap(lambda: width)
-    return [line.rstrip() for line in (w.feed(text) + w.flush()).split("\n")]
-
-
-def rows_after(shown: list[str], question: str) -> list[str] | None:
-    """The rows after the `> question` row, up to its footer (or the last row shown); None unless
-    that row is shown, once."""
-    if shown.count(f"> {question}") != 1:
-        return None
-    start = shown.index(f"> {question}") + 1
-    end = next((i for i in range(start, len(shown)) if shown[i].startswith("[")), len(shown))
-    return shown[start:end]
 
 
 def resize(t: Tmux, columns: int) -> None:

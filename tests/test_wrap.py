@@ -160,6 +160,23 @@ def test_the_redraw_ends_where_the_answer_goes_on_and_keeps_the_word_held():
     assert term.cursor() == (5, 0)
 
 
+def test_after_a_stop_the_window_is_drawn_again_and_the_answer_goes_on_in_its_place():
+    term = Term(40, 30)
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    echo("> Go on.")
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda"
+    answer(["alpha beta gamma delta epsilon zeta eta th"])
+    term.write("\n[1]+  Stopped                 colichat\n$ fg\ncolichat\n")  # the shell, meanwhile
+    screen.continued()  # SIGCONT
+    assert not screen.current()
+    answer(["eta iota kappa lambda"])
+    term.write(screen.end_answer())
+    assert screen.current()
+    assert term.lines()[:3] == ["> Go on."] + wrapped(text, 40)
+    assert not any(term.lines()[3:]) and term.cursor() == (3, 0)
+
+
 def test_only_the_last_rows_that_fit_are_drawn_and_the_prompt_gets_its_rows():
     term = Term(50, 10)
     screen = Screen(lambda: term.size)

@@ -70,3 +70,28 @@ class Tmux:
 
     def close(self) -> None:
         subprocess.run([*TMUX, "kill-session", "-t", self.name], capture_output=True)
+
+
+def visible(t: Tmux, joined: bool = False) -> list[str]:
+    """The rows the window shows now (the scrollback aside), as the terminal shows them (`joined`:
+    a line the terminal wrapped is one)."""
+    out = t.run("capture-pane", "-p", *(["-J"] if joined else []))
+    return [line.rstrip() for line in out.splitlines()]
+
+
+def wrapped(text: str, width: int) -> list[str]:
+    """An answer as it shows wrapped at word boundaries, `width` columns wide."""
+    from colichat.wrap import WordWrap
+
+    w = WordWrap(lambda: width)
+    return [line.rstrip() for line in (w.feed(text) + w.flush()).split("\n")]
+
+
+def rows_after(shown: list[str], question: str) -> list[str] | None:
+    """The rows after the `> question` row, up to its footer (or the last row shown); None unless
+    that row is shown, once."""
+    if shown.count(f"> {question}") != 1:
+        return None
+    start = shown.index(f"> {question}") + 1
+    end = next((i for i in range(start, len(shown)) if shown[i].startswith("[")), len(shown))
+    return shown[start:end]
