@@ -62,8 +62,9 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
         if path and seen[path]:
             return info.name, path, model_title(info.model, info.model_file)
     if session is not None:  # only other models have it, none of their files is where it was
-        store.refuse_elsewhere(session, "start colichat with --model PATH of that model to reopen it, "
-                                        "or choose another name")
+        changed = sorted(path for path, same in seen.items() if not same and os.path.isfile(path))
+        store.refuse_elsewhere(session, (f"{changed[0]} holds another model now: " if changed else "")
+                               + "start colichat with --model PATH of that model to reopen it, or choose another name")
     return None
 
 
@@ -87,6 +88,17 @@ def before_load(store: Store, model_path: str, session: str | None, resume: bool
     if resume and not any(i.made_by(fp) for i in store.list()):
         raise SessionError("no saved conversation for this model yet")
     return resume
+
+
+def namesakes_note(store: Store, model_path: str, session: str) -> str | None:
+    """For a new conversation --session NAME: a note if other models have a conversation NAME (with
+    --model, which a name does not override): theirs stays as it is, this one starts empty."""
+    fp = _fingerprint(model_path)
+    others = [i for i in store.list() if i.name == session and not i.damage and not i.made_by(fp)]
+    if not others:
+        return None
+    return (f"note: session {session} of another model ({store.whose(others)}) stays as it is; "
+            f"this is a new conversation {session} with this model")
 
 
 def resume_rope_factors(store: Store, model_path: str, session: str | None) -> tuple[str, str] | None:

@@ -161,7 +161,8 @@ def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
     # b's file now holds other weights: b's conversations are not opened with it
     copy_gguf(TINY_LLAMA, b, scale={"blk.0.ffn_up.weight": 2.0})
     with pytest.raises(SessionError, match=f"^session only-b belongs to another model \\(llama.gguf, last run "
-                                           f"from {re.escape(b)}\\); start colichat with --model PATH"):
+                                           f"from {re.escape(b)}\\); {re.escape(b)} holds another model now: "
+                                           "start colichat with --model PATH"):
         model_to_reopen(store, a, "only-b", False)
     # A sidecar naming a FIFO (damage, or a hand edit): not read (it would hang), the name refused
     fifo = tmp_path / "fifo.gguf"
@@ -172,6 +173,24 @@ def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
     side.write_text(json.dumps(doc), "utf-8")
     with pytest.raises(SessionError, match=f"last run from {re.escape(str(fifo))}, not there now\\); start colichat"):
         model_to_reopen(store, a, "only-b", False)
+
+
+def test_a_name_only_another_model_has_is_a_new_conversation_with_a_note(colichat_home, tmp_path):
+    """--model given: the name does not choose the model; the other model's conversation stays as it
+    is, and the start says so."""
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
+    b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "trip"], lines(Q[0], Q[1])).ok()
+    run = chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "trip"], lines(Q[2])).ok()
+    assert run.err.splitlines()[0] == (f"note: session trip of another model (llama.gguf, last run from {a}) stays "
+                                       "as it is; this is a new conversation trip with this model")
+    assert "resumed" not in run.err and names_on_disk(colichat_home) == ["trip", "trip"]
+    run = chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "trip"], lines("/history")).ok()
+    assert run.resumed()[1:] == (4, "trip")  # a's, as it was
+    run = chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "trip"], lines("/history")).ok()
+    assert run.resumed()[1:] == (2, "trip") and "note:" not in run.err  # b's own now
 
 
 def test_export_from_the_chat_and_from_the_shell(colichat_home):

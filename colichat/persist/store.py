@@ -367,13 +367,17 @@ class Store:
         if not infos:
             return
         there = [i.model_path for i in infos if i.model_path and os.path.isfile(i.model_path)]
-        whose = "; ".join(model if not path else f"{model}, last run from {path}" if path in there
-                          else f"{model}, last run from {path}, not there now"
-                          for model, path in sorted({(i.model, i.model_path) for i in infos}))
         if hint is None:
             hint = (f"colichat --model {shlex.quote(there[0])} --session {name} reopens it" if there
                     else "start colichat with that model to resume it")
-        raise SessionError(f"session {name} belongs to another model ({whose}); {hint}")
+        raise SessionError(f"session {name} belongs to another model ({self.whose(infos)}); {hint}")
+
+    @staticmethod
+    def whose(infos: list[SessionInfo]) -> str:
+        """'MODEL, last run from PATH[, not there now]; ...': the models that saved these sessions."""
+        return "; ".join(model if not path else f"{model}, last run from {path}" if os.path.isfile(path)
+                         else f"{model}, last run from {path}, not there now"
+                         for model, path in sorted({(i.model, i.model_path) for i in infos}))
 
     @staticmethod
     def _refuse_damaged(directory: Path, name: str) -> None:
