@@ -36,7 +36,7 @@ try:
     from .persist import SessionError, Store, check_name
     from .sessions import before_load, export_saved, listing, model_to_reopen, namesakes_note, resume_rope_factors
     from .settings import TABLE, SettingError, Settings
-    from .wrap import Screen
+    from .wrap import Screen, wrap_line
 except BaseException:
     if not _interrupt_at_start.seen:
         raise
@@ -88,9 +88,12 @@ def settings_from(args) -> tuple[Settings, frozenset]:
 
 
 def to_stderr(line: str) -> None:
-    """A status line: to stderr, so that stdout holds only the model's text. If stderr cannot be
-    written (a log file on a full disk), its lines are lost, not the answer."""
+    """A status line: to stderr, so that stdout holds only the model's text; on a terminal, wrapped
+    at word boundaries. If stderr cannot be written (a log file on a full disk), its lines are
+    lost, not the answer."""
     try:
+        if sys.stderr.isatty():
+            line = wrap_line(line, _columns(sys.stderr))
         print(line, file=sys.stderr, flush=True)
     except OSError:
         discard(sys.stderr)

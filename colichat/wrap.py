@@ -5,8 +5,11 @@ WordWrap: a word is held until it ends (a space or a newline arrives; the next t
 with one), then shown on the current line if it fits, else on the next. Only the display is
 wrapped: the conversation keeps the model's text.
 
-Screen: the lines printed as they are (banner, the prompt's echo, command output, footers) and the
-answers as the model wrote them. Before anything more is shown, if the width changed since the
+wrap_line: a status line (the banner, command output, a footer) as printed on a terminal, wrapped
+at word boundaries the same way.
+
+Screen: the status lines, the prompt's echo (as prompt_toolkit drew it) and the answers as the
+model wrote them. Before anything more is shown, if the width changed since the
 screen was laid out, or colichat was continued after a stop (Ctrl-Z, `fg`: the shell wrote on the
 window meanwhile), the window is drawn again from its top: the last rows of everything shown, laid
 out at the window's width (answers re-wrapped at word boundaries), ending where the cursor was.
@@ -76,6 +79,18 @@ class WordWrap:
         self.col, self.word, self.word_cols = 0, "", 0
 
 
+def wrap_line(text: str, width: int) -> str:
+    """A status line (or lines) as a terminal `width` columns wide shows it: word-wrapped like an
+    answer, its style codes taking no room (a style goes on in the next row, as terminals keep it)."""
+    wrap, out = WordWrap(lambda: width), []
+    for part in SGR.split(text):
+        if SGR.fullmatch(part):
+            wrap.word += part  # held with the word it touches: never alone at a row's start
+        else:
+            out.append(wrap.feed(part))
+    return "".join(out) + wrap.flush()
+
+
 def rows(text: str, width: int) -> list[str]:
     """The rows a terminal `width` columns wide shows for `text`: a line longer than the width goes
     on in the next row (the terminal's own wrap), a tab moves to the next multiple of 8 (as spaces
@@ -106,8 +121,10 @@ def layout(text: str, width: int) -> list[tuple[str, bool]]:
 
 @dataclass
 class Shown:
-    """One thing shown: a line printed as it is, or an answer (word-wrapped at every drawing)."""
+    """One thing shown: a status line (word-wrapped at every drawing, as printed), the prompt's echo
+    (as prompt_toolkit drew it), or an answer (word-wrapped at every drawing)."""
     text: str
+    echo: bool = False
     answer: bool = False
     open: bool = False  # an answer still arriving: the cursor is at its end
     cut: bool = False   # ^C shown after it
@@ -140,7 +157,7 @@ class Screen:
     # --- what is shown --------------------------------------------------------------------------
 
     def line(self, text: str) -> str:
-        """A line (or lines) about to be printed as they are, from the start of a row."""
+        """A status line (or lines) about to be printed (word-wrapped: wrap_line), from the start of a row."""
         before = self.follow()
         if self.lines_on_screen:
             self._close()
@@ -150,7 +167,7 @@ class Screen:
     def echo(self, text: str) -> None:
         """A line already on the screen (the prompt's echo of what was typed)."""
         self._close()
-        self.shown.append(Shown(text))
+        self.shown.append(Shown(text, echo=True))
 
     def answer(self, text: str) -> str:
         """A piece of the answer arriving: it is wrapped at word boundaries."""
@@ -216,8 +233,8 @@ class Screen:
                 break
         tail = (tail + cursor)[-want:]
         # Clear from the second row down, then the first (a clear from the top corner would push
-        # the window into the scrollback in some terminals), then draw. A long line is written
-        # whole, for the terminal to wrap: it stays one line to copy, and to reflow.
+        # the window into the scrollback in some terminals), then draw. A row the terminal wraps
+        # (a long echo, a word longer than a row) is written whole, as it was: one line to copy.
         out = ["\x1b[0m\x1b[2;1H\x1b[J\x1b[H\x1b[2K"]
         for i, (row, cont) in enumerate(tail):
             out.append(row if cont or i == 0 else "\r\n" + row)
@@ -225,8 +242,10 @@ class Screen:
 
     def _laid_out(self, shown: Shown) -> tuple[str, WordWrap | None]:
         """What `shown` writes at the current width (ending with "\n", unless it is an open answer)."""
-        if not shown.answer:
+        if shown.echo:
             return shown.text + "\n", None
+        if not shown.answer:
+            return wrap_line(shown.text, self.width) + "\n", None
         wrap = WordWrap(lambda: self.width)  # (it becomes the live one if the answer is arriving)
         out = wrap.feed(shown.text)
         if shown.cut or not shown.open:

@@ -10,7 +10,8 @@ from tmux_helpers import Tmux, rows_after, visible, wrapped
 
 pytestmark = pytest.mark.default_model
 
-FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+")
+# a footer, also where the terminal's width broke it into rows (at spaces)
+FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+".replace(" ", r"\s+"))
 
 # Limits on waiting for a screen state. They are only reached when something is wrong, so they are
 # generous: a busy machine (another process on every core) makes the model many times slower.
@@ -185,7 +186,7 @@ def answer_after(screen: str, question: str) -> list[str]:
     """The screen lines between the last `> question` line and the footer that follows it."""
     shown = screen.splitlines()
     start = max(i for i, line in enumerate(shown) if line.rstrip() == f"> {question}")
-    end = next(i for i in range(start + 1, len(shown)) if FOOTER.search(shown[i]))
+    end = next(i for i in range(start + 1, len(shown)) if FOOTER.match("\n".join(shown[i:i + 4])))
     return shown[start + 1:end]
 
 
@@ -323,9 +324,16 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
         assert " ".join(shown).split() == answer.split()
         assert all(len(line) <= 50 for line in shown) and len(shown) > answer.count("\n") + 1
 
-        # the footer is dim, on its own line
+        # the footer is dim, on its own line, and wraps at word boundaries as the answer does
         footer = next(line for line in raw_lines(t, escapes=True) if "tokens, " in line and "tok/s" in line)
         assert footer.startswith("\x1b[2m[")
+        rows = [row.rstrip() for row in raw_lines(t)]
+        first = next(i for i, row in enumerate(rows) if row.startswith("[") and "tokens, " in row)
+        last = next(i for i in range(first, len(rows)) if rows[i].endswith("saved to w]"))
+        assert last > first and all(len(row) <= 50 for row in rows[first:last + 1])
+        assert re.fullmatch(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+, \d+ left"
+                            r"(, drafts \d+/\d+ accepted \(\d+%\))?(, max_tokens reached)?; saved to w\]",
+                            " ".join(rows[first:last + 1])), rows[first:last + 1]
 
         # after a resize, new text wraps to the new width
         t.run("resize-window", "-x", "90", "-y", "60")
@@ -395,7 +403,7 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
             assert rows == wrapped(text, 50)  # each row within 50 columns, broken at a space, all words once
             assert all(len(row) <= 50 for row in rows) and " ".join(rows).split() == text.split()
         assert " ".join(partial).split() == answers[1].split()[:len(" ".join(partial).split())]
-        assert sum(FOOTER.search(line) is not None for line in visible(t, joined=True)) == 2
+        assert len(FOOTER.findall("\n".join(visible(t)))) == 2
 
         # wider at the prompt: the window is drawn again above it; the typed text stays as it was
         # (the redraw reaches the terminal in more than one write: wait for all of it, the prompt last)

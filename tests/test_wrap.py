@@ -6,7 +6,7 @@ import pyte
 import pytest
 from wcwidth import wcswidth
 
-from colichat.wrap import Screen, WordWrap, rows
+from colichat.wrap import Screen, WordWrap, rows, wrap_line
 
 
 def render(pieces, width: int) -> list[str]:
@@ -94,11 +94,11 @@ class Term:
 
 
 def shown_by(term: Term, screen: Screen):
-    """Print as the REPL does: a line (stderr, as it is), the prompt's echo, pieces of an answer."""
+    """Print as the REPL does: a status line (stderr, word-wrapped), the prompt's echo, pieces of an answer."""
 
     def say(line: str) -> None:
         term.write(screen.line(line))
-        term.write(line + "\n")
+        term.write(wrap_line(line, term.size[0]) + "\n")
 
     def echo(line: str) -> None:
         term.write(line + "\n")
@@ -127,7 +127,7 @@ def wrapped(text: str, width: int) -> list[str]:
 def test_a_resize_while_an_answer_arrives_redraws_everything_shown_at_the_new_width():
     term = Term(60, 40)
     screen = Screen(lambda: term.size, banner=["Model (llama, 2 layers), loaded in 0.1 s"])
-    term.write("Model (llama, 2 layers), loaded in 0.1 s\n")
+    term.write(wrap_line("Model (llama, 2 layers), loaded in 0.1 s", 60) + "\n")
     say, echo, answer = shown_by(term, screen)
     echo("> Tell me a story about a dragon and a castle, please.")
     pieces = pieces_of(STORY)
@@ -137,10 +137,10 @@ def test_a_resize_while_an_answer_arrives_redraws_everything_shown_at_the_new_wi
     term.write(screen.end_answer())
     say("\x1b[2m[42 tokens, 9.0 tok/s; saved to dragon]\x1b[0m")
 
-    # lines printed as they are, cut by the terminal; the answer word-wrapped
-    expected = (cut("Model (llama, 2 layers), loaded in 0.1 s", 24)
+    # the status lines and the answer word-wrapped; the prompt's echo as the terminal wrapped it
+    expected = (wrapped("Model (llama, 2 layers), loaded in 0.1 s", 24)
                 + cut("> Tell me a story about a dragon and a castle, please.", 24)
-                + wrapped(STORY, 24) + cut("[42 tokens, 9.0 tok/s; saved to dragon]", 24))
+                + wrapped(STORY, 24) + wrapped("[42 tokens, 9.0 tok/s; saved to dragon]", 24))
     assert term.lines()[:len(expected)] == expected
     assert not any(term.lines()[len(expected):])
     assert term.cursor() == (len(expected), 0)  # the next line starts below the footer
@@ -204,7 +204,7 @@ def test_an_interrupted_answer_keeps_its_mark_after_a_redraw():
     say("[footer, interrupted]")
     term.resize(12, 20)
     term.write(screen.redraw())
-    assert term.lines()[:6] == ["> Count.", "one two", "three fo^C", "[footer, int", "errupted]", ""]
+    assert term.lines()[:6] == ["> Count.", "one two", "three fo^C", "[footer,", "interrupted]", ""]
     assert term.cursor() == (5, 0)
 
 
@@ -216,14 +216,24 @@ def test_rows_are_what_the_terminal_shows():
     assert rows("one\ntwo", 10) == ["one", "two"]
 
 
-def test_a_long_line_is_drawn_again_whole_for_the_terminal_to_wrap():
+def test_a_status_line_wraps_at_word_boundaries_and_again_at_the_new_width():
     term = Term(80, 10)
     screen = Screen(lambda: term.size)
     say, echo, answer = shown_by(term, screen)
     footer = "[120 tokens, 8.5 tok/s, prefill 20 at 52 tok/s, context 224/8192; saved to r]"
-    say(footer)
+    say("\x1b[2m" + footer + "\x1b[0m")  # dim, as the footer is
+    assert term.lines()[:2] == [footer, ""]
     term.resize(30, 10)
-    drawn = screen.redraw()
-    assert footer in drawn  # one line to copy and to reflow, not three
-    term.write(drawn)
-    assert term.lines()[:4] == cut(footer, 30) + [""]
+    term.write(screen.redraw())
+    assert term.lines()[:4] == wrapped(footer, 30) + [""] and len(wrapped(footer, 30)) == 3
+    echo("> " + "a long question, " * 3)  # the prompt's echo stays as the terminal wrapped it
+    term.resize(20, 10)
+    term.write(screen.redraw())
+    shown = wrapped(footer, 20) + cut("> " + "a long question, " * 3, 20)
+    assert term.lines()[:len(shown)] == shown
+
+
+def test_wrap_line_keeps_style_codes_with_the_words():
+    assert wrap_line("\x1b[2m[a long footer]\x1b[0m", 8) == "\x1b[2m[a long \nfooter]\x1b[0m"
+    assert wrap_line("short", 8) == "short"
+    assert wrap_line("one two\nthree four", 9) == "one two\nthree \nfour"
