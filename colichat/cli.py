@@ -87,13 +87,13 @@ def settings_from(args) -> tuple[Settings, frozenset]:
     return Settings(**given), frozenset(given)
 
 
-def to_stderr(line: str) -> None:
+def to_stderr(line: str, hang: int = 0) -> None:
     """A status line: to stderr, so that stdout holds only the model's text; on a terminal, wrapped
-    at word boundaries. If stderr cannot be written (a log file on a full disk), its lines are
-    lost, not the answer."""
+    at word boundaries (the rows after a break start at column `hang`). If stderr cannot be written
+    (a log file on a full disk), its lines are lost, not the answer."""
     try:
         if sys.stderr.isatty():
-            line = wrap_line(line, _columns(sys.stderr))
+            line = wrap_line(line, _columns(sys.stderr), hang)
         print(line, file=sys.stderr, flush=True)
     except OSError:
         discard(sys.stderr)
@@ -165,11 +165,12 @@ class App:
         # the footer is dim, apart from the answer; not for a terminal without styles, nor with NO_COLOR
         self.dim = sys.stderr.isatty() and os.environ.get("TERM") != "dumb" and not os.environ.get("NO_COLOR")
 
-    def say(self, line: str) -> None:
+    def say(self, line: str, hang: int = 0) -> None:
+        """A status line; `hang`: where its rows after a break start on a terminal (a table's second column)."""
         self.status.clear()
         if self.screen:
-            self.write(self.screen.line(line))
-        to_stderr(line)
+            self.write(self.screen.line(line, hang))
+        to_stderr(line, hang)
 
     def out(self, text: str) -> None:
         if self.output_closed or self.hushed:

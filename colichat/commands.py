@@ -47,14 +47,14 @@ def cmd_help(app, arg: str) -> None:
     name = arg.strip().lstrip("/")
     if name:
         cmd = find_command("/" + name)
-        app.say(f"{cmd.title} {cmd.args}".rstrip() + f"  {cmd.summary}")
+        app.say(f"{cmd.title} {cmd.args}".rstrip() + f"  {cmd.summary}", hang=4)
         if cmd.name == "/set":
             for row in TABLE:
-                app.say(f"  {row.name:<15}{row.help}")
+                app.say(f"  {row.name:<15}{row.help}", hang=17)
         return
     for cmd in COMMANDS:
         app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{cmd.summary}"
-                + (f" (also {', '.join(cmd.aliases)})" if cmd.aliases else ""))
+                + (f" (also {', '.join(cmd.aliases)})" if cmd.aliases else ""), hang=20)
     app.say('Multi-line input: Esc then Enter for a newline, or a block between """ lines.')
 
 
@@ -68,7 +68,7 @@ def cmd_sessions(app, arg: str) -> None:
         app.say("no saved sessions for this model")
         return
     for line in rows:
-        app.say(line)
+        app.say(line, hang=4)
 
 
 def cmd_delete(app, arg: str) -> None:

@@ -25,12 +25,14 @@ from typing import Callable
 from wcwidth import wcwidth
 
 TAB = 8
+HANG_ROOM = 24  # a hanging indent only where it leaves a row at least this many columns
 SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # a colour or style code: no room on screen
 
 
 class WordWrap:
-    def __init__(self, columns: Callable[[], int]):
+    def __init__(self, columns: Callable[[], int], hang: int = 0):
         self.columns = columns  # the terminal's width now
+        self.hang = hang        # where a row after a break starts (a hanging indent; answers: 0)
         self.col = 0            # where the cursor is on its line (== width: at the right edge)
         self.word = ""          # the word being received
         self.word_cols = 0
@@ -47,8 +49,7 @@ class WordWrap:
                 out.append(self._word(width))
                 n = 1 if ch == " " else TAB - self.col % TAB
                 if self.col + n > width:  # the space at the edge becomes the line break
-                    out.append("\n")
-                    self.col = 0
+                    out.append(self._break(width))
                 else:
                     out.append(ch)
                     self.col += n
@@ -68,21 +69,27 @@ class WordWrap:
             return ""
         out = ""
         if self.col > 0 and self.col + self.word_cols > width:
-            out, self.col = "\n", 0
+            out = self._break(width)
         out += self.word
         end = self.col + self.word_cols
         self.col = end if end <= width else (end % width or width)
         self.word, self.word_cols = "", 0
         return out
 
+    def _break(self, width: int) -> str:
+        """A new row, after the hanging indent where the width leaves room for it."""
+        self.col = self.hang if width - self.hang >= HANG_ROOM else 0
+        return "\n" + " " * self.col
+
     def reset(self) -> None:
         self.col, self.word, self.word_cols = 0, "", 0
 
 
-def wrap_line(text: str, width: int) -> str:
+def wrap_line(text: str, width: int, hang: int = 0) -> str:
     """A status line (or lines) as a terminal `width` columns wide shows it: word-wrapped like an
-    answer, its style codes taking no room (a style goes on in the next row, as terminals keep it)."""
-    wrap, out = WordWrap(lambda: width), []
+    answer, its style codes taking no room (a style goes on in the next row, as terminals keep it);
+    the rows after a break start at column `hang` (a table's second column), room allowing."""
+    wrap, out = WordWrap(lambda: width, hang), []
     for part in SGR.split(text):
         if SGR.fullmatch(part):
             wrap.word += part  # held with the word it touches: never alone at a row's start
@@ -126,6 +133,7 @@ class Shown:
     text: str
     echo: bool = False
     answer: bool = False
+    hang: int = 0       # a status line's hanging indent
     open: bool = False  # an answer still arriving: the cursor is at its end
     cut: bool = False   # ^C shown after it
 
@@ -156,12 +164,12 @@ class Screen:
 
     # --- what is shown --------------------------------------------------------------------------
 
-    def line(self, text: str) -> str:
+    def line(self, text: str, hang: int = 0) -> str:
         """A status line (or lines) about to be printed (word-wrapped: wrap_line), from the start of a row."""
         before = self.follow()
         if self.lines_on_screen:
             self._close()
-            self.shown.append(Shown(text))
+            self.shown.append(Shown(text, hang=hang))
         return before
 
     def echo(self, text: str) -> None:
@@ -245,7 +253,7 @@ class Screen:
         if shown.echo:
             return shown.text + "\n", None
         if not shown.answer:
-            return wrap_line(shown.text, self.width) + "\n", None
+            return wrap_line(shown.text, self.width, shown.hang) + "\n", None
         wrap = WordWrap(lambda: self.width)  # (it becomes the live one if the answer is arriving)
         out = wrap.feed(shown.text)
         if shown.cut or not shown.open:

@@ -25,7 +25,7 @@ class Recorder(App):
         super().__init__(conv, interactive=False)
         self.lines: list[str] = []
 
-    def say(self, line: str) -> None:
+    def say(self, line: str, hang: int = 0) -> None:
         self.lines.append(line)
 
     def out(self, text: str) -> None:

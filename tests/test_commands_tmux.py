@@ -3,6 +3,7 @@ terminal's own keys and signals (Ctrl-Z, a closed window), in tmux on the tiny m
 
 from __future__ import annotations
 
+import itertools
 import shlex
 import sys
 import time
@@ -75,6 +76,29 @@ def test_exit_alone_asks_whether_quit_was_meant(terminal):
     t.type("y")
     t.keys("Enter")
     t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+
+
+def test_help_and_listings_go_on_under_their_second_column(terminal, colichat_home):
+    """On a terminal, a table's long row (/help, /sessions) wraps at word boundaries and goes on
+    under its second column."""
+    for name in ("a-conversation-with-a-rather-long-name", "another-one"):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("hello")).ok()
+    t = terminal()
+    t.run("resize-window", "-x", "60", "-y", "60")
+    t.type("/help")
+    t.keys("Enter")
+    t.wait_for(lambda s: "Multi-line input" in s, WAIT, "the help")
+    t.type("/sessions")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.count("another-one: 2 turns") == 2 and s.rstrip().endswith(">"), WAIT,
+               "the listing (after the start's line on the latest conversation)")
+    rows = [row.rstrip() for row in t.run("capture-pane", "-p").splitlines()]
+    forget = next(i for i, row in enumerate(rows) if row.startswith("/forget [N]"))
+    more = list(itertools.takewhile(lambda row: not row.startswith("/"), rows[forget + 1:]))
+    assert len(more) >= 2 and all(row.startswith(" " * 20) and row[20] != " " for row in more), rows
+    assert all(len(row) <= 60 for row in rows)
+    listed = next(i for i, row in enumerate(rows) if row.startswith("  a-conversation-with-a-rather-long-name: "))
+    assert rows[listed + 1].startswith("    ") and rows[listed + 1][4] != " ", rows
 
 
 def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_home):

@@ -237,3 +237,18 @@ def test_wrap_line_keeps_style_codes_with_the_words():
     assert wrap_line("\x1b[2m[a long footer]\x1b[0m", 8) == "\x1b[2m[a long \nfooter]\x1b[0m"
     assert wrap_line("short", 8) == "short"
     assert wrap_line("one two\nthree four", 9) == "one two\nthree \nfour"
+
+
+ROW = "/forget [N]         continue in a new conversation without the N oldest exchanges"
+
+
+def test_a_table_row_goes_on_under_its_second_column():
+    assert wrap_line(ROW, 50, hang=20) == ("/forget [N]         continue in a new conversation\n" + " " * 20
+                                           + "without the N oldest exchanges")
+    assert wrap_line(ROW, 40, hang=20) == wrap_line(ROW, 40)  # too narrow for the indent: none
+    term = Term(80, 10)
+    screen = Screen(lambda: term.size)
+    term.write(screen.line(ROW, hang=20) + wrap_line(ROW, 80, hang=20) + "\n")
+    term.resize(50, 10)
+    term.write(screen.redraw())  # drawn again with its indent
+    assert term.lines()[:3] == wrap_line(ROW, 50, hang=20).split("\n") + [""]
