@@ -477,6 +477,8 @@ def from_the_shell(args) -> int:
     store = Store()
     if args.sessions:
         rows = listing(store)
+        if sys.stdout.isatty():  # as /sessions shows them
+            rows = [wrap_line(row, _columns(), hang=4) for row in rows]
         return print_out("\n".join(rows) + "\n" if rows else "no saved conversations\n")
     try:
         model = args.model or default_model_path()
