@@ -311,6 +311,9 @@ class Conversation:
             stats = TurnStats()
             if self.turns:
                 self._save(stats)
+        if not kept:
+            return (f"new empty conversation: all {n} exchange(s) forgotten"
+                    + (f" ({old} is still saved as it was)" if old else ""))
         where = {None: "not saved", True: f"saved as {self.saving.name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         return (f"new conversation without the {n} oldest exchange(s)"

@@ -40,3 +40,10 @@ def test_a_note_before_an_answer_that_may_be_cut(colichat_home):
     assert err[note].endswith("(/rewind N drops the last exchanges; /new starts a new conversation; or restart "
                               "with a larger --ctx (this model takes up to 2048))")
     assert note < err.index(run.footers()[0])
+
+
+def test_forgetting_every_exchange_is_a_new_empty_conversation(colichat_home):
+    run = chat(colichat_home, [*FULL, "--session", "one"], lines("hello", "/forget", "/history", "again")).ok()
+    assert "new empty conversation: all 1 exchange(s) forgotten (one is still saved as it was)" in run.err.splitlines()
+    assert "the conversation is empty" in run.err.splitlines()
+    assert saved_users(colichat_home, "one") == ["hello"]
