@@ -27,6 +27,7 @@ from .report import TurnStats, no_room, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
+from .units import count
 
 RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
 # A prompt longer than PROMPT_STEPPED is read PROMPT_STEP tokens at a time: progress is shown and a
@@ -284,7 +285,7 @@ class Conversation:
             n = next(k for k in range(1, len(starts) + 1)
                      if k == len(starts) or self.n_tokens - self.turns[starts[k]].first <= half)
         if not 1 <= n <= len(starts):
-            raise ChatError(f"/forget takes 1 to {len(starts)} exchange(s)")
+            raise ChatError(f"/forget takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
         kept = self.turns[starts[n]:] if n < len(starts) else []
         old = self.saving.session.name if self.saving.session else None
         self.reset()
@@ -312,13 +313,13 @@ class Conversation:
             if self.turns:
                 self._save(stats)
         if not kept:
-            return (f"new empty conversation: all {n} exchange(s) forgotten"
+            return (f"new empty conversation: {'its one exchange' if n == 1 else f'all {n} exchanges'} forgotten"
                     + (f" ({old} is still saved as it was)" if old else ""))
         where = {None: "not saved", True: f"saved as {self.saving.name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
-        return (f"new conversation without the {n} oldest exchange(s)"
+        return (f"new conversation without the {'oldest exchange' if n == 1 else f'{n} oldest exchanges'}"
                 + (f" of {old} (still saved as it was)" if old else "")
-                + f": {self.exchanges()} exchange(s), {self.n_tokens} tokens read again; {where}")
+                + f": {count(self.exchanges(), 'exchange')}, {self.n_tokens} tokens read again; {where}")
 
     # --- history edits ----------------------------------------------------------------------------
 
@@ -328,7 +329,7 @@ class Conversation:
             raise ChatError("/rewind takes a positive number of exchanges")
         starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
         if n > len(starts):
-            raise ChatError(f"cannot rewind {n} exchange(s): the conversation has {len(starts)}")
+            raise ChatError(f"cannot rewind {count(n, 'exchange')}: the conversation has {len(starts)}")
         dropped = self.turns[starts[-n]:]
         self._truncate_records(dropped[0].first)
         return dropped

@@ -18,6 +18,7 @@ from .inputs import Message
 from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
 from .settings import TABLE, key_of, printable
+from .units import count
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def cmd_rewind(app, arg: str) -> None:
     for t in dropped:
         preview = t.text.strip().replace("\n", " ")
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
-    app.say(f"rewound {n} exchange(s); {app.conv.n_tokens} tokens in context")
+    app.say(f"rewound {count(n, 'exchange')}; {app.conv.n_tokens} tokens in context")
 
 
 def cmd_forget(app, arg: str) -> None:

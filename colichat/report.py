@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .units import format_size
+from .units import count, format_size
 
 
 @dataclass
@@ -55,7 +55,7 @@ def footer(conv, stats: TurnStats) -> str:
 def stats_lines(conv) -> list[str]:
     """/stats: the context used, the cache's size in memory and on disk, the last answer's speeds."""
     cache, saving = conv.model.cache, conv.saving
-    lines = [f"context: {conv.n_tokens} of {conv.model.n_ctx} tokens, {conv.exchanges()} exchange(s)",
+    lines = [f"context: {conv.n_tokens} of {conv.model.n_ctx} tokens, {count(conv.exchanges(), 'exchange')}",
              f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
              f"{format_size(conv.n_tokens * cache.record_bytes)} in use"]
     if saving.session:
@@ -96,6 +96,5 @@ def recap(turns) -> list[str]:
     if not users:
         return []
     earlier = len(users) - 1
-    plural = "s" * (earlier != 1)
-    head = [f"({earlier} earlier exchange{plural}; /history shows the whole conversation)"] if earlier else []
+    head = [f"({count(earlier, 'earlier exchange')}; /history shows the whole conversation)"] if earlier else []
     return head + [f"{t.role}> {t.text}" for t in turns[users[-1]:]]

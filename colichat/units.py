@@ -1,4 +1,5 @@
-"""Sizes as every message shows them: binary units (B, KiB, MiB, GiB; 1 MiB = 1,048,576 bytes)."""
+"""Sizes and counts as every message shows them: binary units (B, KiB, MiB, GiB; 1 MiB = 1,048,576
+bytes), and '1 exchange', '2 exchanges'."""
 
 from __future__ import annotations
 
@@ -9,3 +10,8 @@ def format_size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:,.1f} {unit}"
     return f"{int(n)} B"
+
+
+def count(n: int, noun: str) -> str:
+    """'1 exchange', '0 exchanges', '2 exchanges'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

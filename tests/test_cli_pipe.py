@@ -37,7 +37,7 @@ from cli_helpers import (
 from colichat import __version__
 from colichat.cli import model_title
 from colichat.commands import COMMANDS
-from colichat.units import format_size
+from colichat.units import count, format_size
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 
@@ -69,7 +69,7 @@ def test_conversation_stdout_holds_only_the_answers(tiny_ref):
     contexts = [int(f.split("context ")[1].split("/")[0]) for f in footers]
     assert contexts == sorted(contexts) and contexts[-1] < 2048
     assert [line for line in err if line.startswith("user> ")] == [f"user> {q}" for q in Q]
-    assert f"context: {contexts[-1]} of 2048 tokens, 3 exchange(s)" in err
+    assert f"context: {contexts[-1]} of 2048 tokens, 3 exchanges" in err
     assert any(line.startswith("session a: ") and line.endswith(("KiB on disk", "MiB on disk")) for line in err)
     assert run.errors() == []
 
@@ -80,7 +80,7 @@ def test_rewind_then_same_question_gives_the_same_answer(tiny_ref, colichat_home
     assert saved_answers(colichat_home, "rw") == ref[:2]
     assert run.out == answers_bytes([ref[0], ref[1], ref[1]])
     assert f"removed user: {Q[1]}" in run.err.splitlines()
-    assert any(line.startswith("rewound 1 exchange(s); ") for line in run.err.splitlines())
+    assert any(line.startswith("rewound 1 exchange; ") for line in run.err.splitlines())
 
 
 def test_set_show_regen_stats(tiny_ref, colichat_home):
@@ -92,7 +92,7 @@ def test_set_show_regen_stats(tiny_ref, colichat_home):
     assert run.out == answers_bytes([ref[0], ref[0]])  # greedy: /regen answers the same again
     assert saved_answers(colichat_home, "rg") == [ref[0]]
     ctx = last_context(run)
-    assert f"context: {ctx} of 2048 tokens, 1 exchange(s)" in err
+    assert f"context: {ctx} of 2048 tokens, 1 exchange" in err
     assert any(line.startswith("session rg: ") for line in err)
     assert any(line.startswith("last answer: ") for line in err)
     # The settings travel with the session.
@@ -222,6 +222,15 @@ def test_model_title():
 def test_format_size():
     assert [format_size(n) for n in (0, 1023, 1024, 46_084, 3 << 20, 5.2 * (1 << 30))] == \
         ["0 B", "1023 B", "1.0 KiB", "45.0 KiB", "3.0 MiB", "5.2 GiB"]
+
+
+def test_counts_say_one_thing_or_several():
+    assert [count(n, "exchange") for n in (0, 1, 2)] == ["0 exchanges", "1 exchange", "2 exchanges"]
+
+
+def test_forget_out_of_range_says_how_many_there_are(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines("hello", "/forget 2", "/forget 0")).failed()
+    assert run.errors() == ["colichat: /forget takes 1 to 1: the conversation has 1 exchange"] * 2
 
 
 def test_version_and_help_options(colichat_home):

@@ -27,8 +27,8 @@ def test_a_message_that_does_not_fit_is_refused_with_what_helps(colichat_home):
     assert new != "full" and saved_users(colichat_home, new) == LONG[2:4]
     assert saved_turns(colichat_home, new)[:2] == saved_turns(colichat_home, "full")[4:]
     [said] = [line for line in run.err.splitlines() if line.startswith("new conversation without")]
-    assert said.startswith("new conversation without the 2 oldest exchange(s) of full (still saved as it was): "
-                           "1 exchange(s), ") and said.endswith(f" tokens read again; saved as {new}")
+    assert said.startswith("new conversation without the 2 oldest exchanges of full (still saved as it was): "
+                           "1 exchange, ") and said.endswith(f" tokens read again; saved as {new}")
     assert contexts[-1][0] < 1024 + 700
 
 
@@ -44,6 +44,6 @@ def test_a_note_before_an_answer_that_may_be_cut(colichat_home):
 
 def test_forgetting_every_exchange_is_a_new_empty_conversation(colichat_home):
     run = chat(colichat_home, [*FULL, "--session", "one"], lines("hello", "/forget", "/history", "again")).ok()
-    assert "new empty conversation: all 1 exchange(s) forgotten (one is still saved as it was)" in run.err.splitlines()
+    assert "new empty conversation: its one exchange forgotten (one is still saved as it was)" in run.err.splitlines()
     assert "the conversation is empty" in run.err.splitlines()
     assert saved_users(colichat_home, "one") == ["hello"]
