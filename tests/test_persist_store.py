@@ -284,6 +284,25 @@ def test_a_claimed_name_is_locked_and_its_files_come_with_the_first_save(colicha
     assert res.turns == turns and res.sampler == {"temperature": 0.25}
 
 
+def test_a_claimed_session_whose_directory_was_removed_is_saved_there_again(colichat_home):
+    """The sessions directory removed (a clean-up) before a claimed name's first answer: the first
+    save makes it again, with the lock, and the name is still held."""
+    from colichat.persist import SessionBusy
+
+    cache = make_cache()
+    turns = build(cache, 2)
+    store = Store()
+    with store.claim(IDENT, "c", layout_of(cache)) as sess:
+        shutil.rmtree(store.root)
+        sess.append(cache, turns)
+        assert sorted(os.listdir(store.model_dir(IDENT))) == ["c.coli_kv", "c.json", "c.lock"]
+        assert stat.S_IMODE(os.stat(store.root).st_mode) == 0o700
+        with pytest.raises(SessionBusy, match="open in another colichat"):
+            store.open(IDENT, "c", layout_of(cache))
+    with store.open(IDENT, "c", layout_of(cache)) as sess:
+        assert sess.load(make_cache()).turns == turns
+
+
 def test_the_leftover_of_an_interrupted_create_is_replaced(colichat_home):
     """A crash between the KV file's rename and the sidecar leaves a header-only KV file: no
     conversation, so the name is free (an empty sidecar beside it too)."""
@@ -349,10 +368,11 @@ def test_a_hard_linked_kv_file_is_refused(colichat_home, tmp_path):
     assert kv.read_bytes() == before
 
 
-@pytest.mark.parametrize("how", ["removed", "replaced", "hard-linked", "lock removed"])
+@pytest.mark.parametrize("how", ["removed", "replaced", "hard-linked", "lock removed", "directory removed"])
 def test_files_removed_or_replaced_while_open_are_written_again(colichat_home, tmp_path, how):
-    """Another program removes or replaces the open session's KV file: the next save notices (the
-    inode or the link count) and writes the whole session again from the cache, saying so."""
+    """Another program removes or replaces the open session's KV file (or its whole directory): the
+    next save notices (the inode or the link count) and writes the whole session again from the
+    cache, saying so."""
     cache = make_cache()
     turns = build(cache, 4)
     store = Store()
@@ -368,6 +388,8 @@ def test_files_removed_or_replaced_while_open_are_written_again(colichat_home, t
         os.replace(kv + ".other", kv)
     elif how == "hard-linked":
         os.link(kv, tmp_path / "other-name")
+    elif how == "directory removed":
+        shutil.rmtree(store.root)  # every model's sessions
     else:
         os.unlink(os.path.join(sess.directory, "r.lock"))
     sess.append(cache, turns[:3])
@@ -376,7 +398,8 @@ def test_files_removed_or_replaced_while_open_are_written_again(colichat_home, t
         with pytest.raises(SessionError, match="open in another colichat"):  # the new lock file is held
             store.open(IDENT, "r", layout_of(cache))
     else:
-        word = {"removed": "removed", "replaced": "replaced", "hard-linked": "given another name (a hard link)"}[how]
+        word = {"removed": "removed", "replaced": "replaced", "hard-linked": "given another name (a hard link)",
+                "directory removed": "removed with its directory"}[how]
         assert sess.notes == [f"the KV file of session r was {word} by another program: wrote the session "
                               f"again from memory ({turns[1].last} tokens)"]
     sess.truncate(2)  # a rewind after the rewrite works on the new file

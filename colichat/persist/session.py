@@ -32,6 +32,7 @@ try:  # the same CRC-32 as zlib.crc32, several times faster (resume checks every
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
     from zlib import crc32
 
+from ..paths import private_dir
 from .kvfile import (
     HEADER_SIZE,
     INT32_MAX,
@@ -625,12 +626,27 @@ class Session:
     def _ensure_files(self) -> None:
         """Create the files of a claimed session (its first save); SessionError if that fails."""
         if self._kv_fd is None:
+            self._remake_directory()
             self._create_files()
+
+    def _remake_directory(self) -> bool:
+        """If the session's directory was removed (a clean-up while colichat ran), make it again (the
+        files follow: the lock, then the session from memory). True if it did; SessionError if it cannot."""
+        if os.path.isdir(self.directory):
+            return False
+        try:
+            private_dir(self.directory)
+        except OSError as e:
+            raise SessionError(f"could not save session {self.name}: its directory {self.directory} was "
+                               f"removed and cannot be made again: {oserror_text(e)}") from None
+        return True
 
     def _check_files(self, turns: list[Turn], crcs: list[int]) -> bool:
         """Before a save: if another program removed, replaced or hard-linked this session's files
         since they were opened, write the KV file again, holding `turns`, from the cache (and take
-        the lock again if its file went). True if it did (with a note saying so)."""
+        the lock again if its file went, and the directory if it went). True if it did (with a note
+        saying so)."""
+        gone = self._remake_directory()
         self._check_lock()
         st = os.fstat(self._kv_fd)
         try:
@@ -640,7 +656,8 @@ class Session:
         same = cur is not None and (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)
         if same and st.st_nlink == 1:
             return False
-        what = "removed" if cur is None else "given another name (a hard link)" if same else "replaced"
+        what = ("removed with its directory" if gone else "removed") if cur is None else \
+            "given another name (a hard link)" if same else "replaced"
         n = turns[-1].last if turns else 0
         if n and (self._cache is None or self._cache.length < n
                   or any(turn_crc(self._cache, t) != c for t, c in zip(turns, crcs, strict=True))):
