@@ -141,7 +141,7 @@ def cmd_history(app, arg: str) -> None:
     if not app.conv.turns:
         app.say("the conversation is empty")
     for t in app.conv.turns:
-        app.say(f"{t.role}> {t.text}")
+        app.say(report.turn_line(t))
 
 
 def cmd_set(app, arg: str) -> None:

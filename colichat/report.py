@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .units import count, format_size
+from .wrap import displayable
 
 
 @dataclass
@@ -97,4 +98,9 @@ def recap(turns) -> list[str]:
         return []
     earlier = len(users) - 1
     head = [f"({count(earlier, 'earlier exchange')}; /history shows the whole conversation)"] if earlier else []
-    return head + [f"{t.role}> {t.text}" for t in turns[users[-1]:]]
+    return head + [turn_line(t) for t in turns[users[-1]:]]
+
+
+def turn_line(turn) -> str:
+    """A turn as /history shows it: 'user> TEXT', its control characters shown (wrap.displayable)."""
+    return f"{turn.role}> {displayable(turn.text)}"

@@ -8,6 +8,9 @@ wrapped: the conversation keeps the model's text.
 wrap_line: a status line (the banner, command output, a footer) as printed on a terminal, wrapped
 at word boundaries the same way.
 
+displayable: what a model (or a person) wrote, with its control characters shown rather than acted
+on by the terminal (an answer on screen, /history).
+
 Screen: the status lines, the prompt's echo (as prompt_toolkit drew it) and the answers as the
 model wrote them. Before anything more is shown, if the width changed since the
 screen was laid out, or colichat was continued after a stop (Ctrl-Z, `fg`: the shell wrote on the
@@ -25,6 +28,8 @@ from typing import Callable
 from wcwidth import wcwidth
 
 TAB = 8
+# what a terminal acts on instead of showing (an escape sequence, a carriage return, a bell), \t and \n aside
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 HANG_ROOM = 24  # a hanging indent only where it leaves a row at least this many columns
 SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # a colour or style code: no room on screen
 
@@ -83,6 +88,14 @@ class WordWrap:
 
     def reset(self) -> None:
         self.col, self.word, self.word_cols = 0, "", 0
+
+
+def displayable(text: str) -> str:
+    """A model's (or a person's) text as a terminal must show it: its control characters shown, not
+    acted on (an escape sequence in an answer could clear the screen, move the cursor, retitle the
+    window): caret notation (^[, ^M, ^?) for C0 and DEL, U+FFFD for C1; "\r\n" is a line end."""
+    return CONTROL.sub(lambda m: "^" + chr(ord(m[0]) ^ 0x40) if m[0] <= "\x7f" else "\ufffd",
+                       text.replace("\r\n", "\n"))
 
 
 def wrap_line(text: str, width: int, hang: int = 0) -> str:
@@ -178,9 +191,11 @@ class Screen:
         self.shown.append(Shown(text, echo=True))
 
     def answer(self, text: str) -> str:
-        """A piece of the answer arriving: it is wrapped at word boundaries."""
+        """A piece of the answer arriving: it is wrapped at word boundaries, its control characters
+        shown (displayable)."""
         before = self.follow()
         shown = self._open()
+        text = displayable(text)
         shown.text += text
         return before + self.wrap.feed(text)
 

@@ -38,6 +38,7 @@ from colichat import __version__
 from colichat.cli import model_title
 from colichat.commands import COMMANDS
 from colichat.units import count, format_size
+from colichat.wrap import displayable
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 
@@ -276,7 +277,7 @@ def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
     answer = check_interrupted(colichat_home, run, "s", "hello")
     again = chat(colichat_home, [*LONG, "--resume", "--session", "s"], lines("/history")).ok()
     assert again.resumed()[1:] == (2, "s")
-    assert f"assistant> {answer}" in again.err
+    assert f"assistant> {displayable(answer)}" in again.err
 
 
 def test_interrupt_in_one_shot_mode(colichat_home):
@@ -369,7 +370,7 @@ def test_default_model_interrupt(default_home):
     answer = check_interrupted(default_home, run, "story", question)
     assert int(run.footers()[0][1:].split()[0]) < 900
     again = chat(default_home, [*DEFAULT_ARGS, "--resume", "--session", "story"], lines("/history")).ok()
-    assert f"assistant> {answer}" in again.err
+    assert f"assistant> {displayable(answer)}" in again.err
 
 
 def test_delete_removes_another_session_but_not_the_current_one(colichat_home):

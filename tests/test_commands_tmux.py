@@ -9,8 +9,10 @@ import sys
 import time
 
 import pytest
-from cli_helpers import TINY_ARGS, chat, lines, saved_turns
-from tmux_helpers import Tmux
+from cli_helpers import TINY_ARGS, chat, lines, saved_answers, saved_turns
+from tmux_helpers import Tmux, rows_after, visible, wrapped
+
+from colichat.wrap import displayable
 
 # only reached when something is wrong: generous, as a busy machine is many times slower
 WAIT = 300.0
@@ -108,6 +110,25 @@ def test_help_and_listings_go_on_under_their_second_column(terminal, colichat_ho
         assert all(len(row) <= 60 for row in rows), rows
     finally:
         shell.close()
+
+
+def test_control_characters_in_an_answer_are_shown_not_acted_on(terminal, colichat_home):
+    """The tiny model's answer is random bytes: escape sequences, carriage returns, bells. On the
+    terminal they show in caret notation (^[, ^M) where they are, rather than clear the screen or
+    overwrite a line; /history too."""
+    t = terminal("--session", "c", "--max-tokens", "60")
+    t.run("resize-window", "-x", "80", "-y", "60")
+    t.type("hello")
+    t.keys("Enter")
+    t.wait_for(lambda s: "saved to c]" in s and s.rstrip().endswith(">"), WAIT, "the answer")
+    answer = saved_answers(colichat_home, "c")[0]
+    assert "\x1b" in answer and "\r" in answer  # what the test is about
+    assert rows_after(visible(t), "hello") == wrapped(displayable(answer), 80)
+    t.type("/history")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.count("user> hello") == 1 and s.rstrip().endswith(">"), WAIT, "/history")
+    words = " ".join(" ".join(visible(t)).split())  # the rows' line breaks aside
+    assert " ".join(f"assistant> {displayable(answer)}".split()) in words
 
 
 def test_tab_completes_session_names_after_resume_and_delete(terminal, colichat_home):

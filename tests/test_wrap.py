@@ -6,7 +6,7 @@ import pyte
 import pytest
 from wcwidth import wcswidth
 
-from colichat.wrap import Screen, WordWrap, rows, wrap_line
+from colichat.wrap import Screen, WordWrap, displayable, rows, wrap_line
 
 
 def render(pieces, width: int) -> list[str]:
@@ -252,3 +252,14 @@ def test_a_table_row_goes_on_under_its_second_column():
     term.resize(50, 10)
     term.write(screen.redraw())  # drawn again with its indent
     assert term.lines()[:3] == wrap_line(ROW, 50, hang=20).split("\n") + [""]
+
+
+def test_control_characters_in_an_answer_are_shown_not_acted_on():
+    assert displayable("a\x1b[2Jb\r\nc\rd\x07e\x7ff\x9bg\th\n") == "a^[[2Jb\nc^Md^Ge^?f\ufffdg\th\n"
+    term = Term(40, 10)
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    echo("> Go on.")
+    answer(["Some text.", "\x1b[2J\x1b[H", "Still\rhere."])  # would clear the screen, then overwrite a line
+    term.write(screen.end_answer())
+    assert term.lines()[:3] == ["> Go on.", "Some text.^[[2J^[[HStill^Mhere.", ""]
