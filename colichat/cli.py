@@ -34,7 +34,7 @@ try:
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
-    from .sessions import before_load, export_saved, listing, model_to_reopen, namesakes_note, resume_rope_factors
+    from .sessions import before_load, export_saved, listing, model_to_reopen, resume_rope_factors
     from .settings import TABLE, SettingError, Settings
     from .wrap import Screen, wrap_line
 except BaseException:
@@ -531,9 +531,7 @@ def main(argv=None) -> int:
         args.interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
         problem = check_saving(args)
         if not args.no_save:  # what --session and --resume mean, known before the model loads
-            store = Store()
-            args.resume = before_load(store, args.model, args.session, args.resume)
-            note = namesakes_note(store, args.model, args.session) if args.session and not args.resume else None
+            args.resume, note = before_load(Store(), args.model, args.session, args.resume)
             if note:
                 say(note)
             check_rope_factors(args)

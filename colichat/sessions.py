@@ -2,7 +2,7 @@
 --session NAME and --resume mean, `colichat --sessions`, `--export NAME`; and the Markdown export.
 
     found = model_to_reopen(store, default_path, session, resume)  # (name, path, title) or None
-    resume = before_load(store, model_path, session, resume)   # SessionError, else reopen or not
+    resume, note = before_load(store, model_path, session, resume)  # SessionError, else reopen or not, a note
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     listing(store) -> [line]          # every saved conversation, by model
     export_saved(store, model_path, name) -> str      # a saved conversation as Markdown
@@ -68,32 +68,32 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
     return None
 
 
-def before_load(store: Store, model_path: str, session: str | None, resume: bool) -> bool:
-    """Whether to reopen a saved conversation at start, decided without loading the model:
-    --session NAME of an existing conversation reopens it; a name that cannot exist, --resume of
-    a conversation that is not there (or belongs to another model) is a SessionError."""
+def before_load(store: Store, model_path: str, session: str | None, resume: bool) -> tuple[bool, str | None]:
+    """Whether to reopen a saved conversation at start, decided without loading the model, and a
+    note to show first (or None): --session NAME of an existing conversation reopens it; a name
+    that cannot exist, --resume of a conversation that is not there (or belongs to another model)
+    is a SessionError."""
     if session is not None:
         check_name(session)
     fp = _fingerprint(model_path)
     if fp is None:
-        return resume
+        return resume, None
     mine = store.dirs_for(fp)
     if session is not None:
         if any(_exists(d, session) for d in mine):
-            return True
+            return True, None
         if resume:
             store.refuse_elsewhere(session)
             raise SessionError(f"no session named {session} for this model (colichat --sessions lists them)")
-        return False
+        return False, _namesakes_note(store, fp, session)
     if resume and not any(i.made_by(fp) for i in store.list()):
         raise SessionError("no saved conversation for this model yet")
-    return resume
+    return resume, None
 
 
-def namesakes_note(store: Store, model_path: str, session: str) -> str | None:
+def _namesakes_note(store: Store, fp: str, session: str) -> str | None:
     """For a new conversation --session NAME: a note if other models have a conversation NAME (with
     --model, which a name does not override): theirs stays as it is, this one starts empty."""
-    fp = _fingerprint(model_path)
     others = [i for i in store.list() if i.name == session and not i.damage and not i.made_by(fp)]
     if not others:
         return None
