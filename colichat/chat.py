@@ -319,7 +319,7 @@ class Conversation:
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
         return (f"new conversation without the {'oldest exchange' if n == 1 else f'{n} oldest exchanges'}"
                 + (f" of {old} (still saved as it was)" if old else "")
-                + f": {count(self.exchanges(), 'exchange')}, {self.n_tokens} tokens read again; {where}")
+                + f": {count(self.exchanges(), 'exchange')}, {count(self.n_tokens, 'token')} read again; {where}")
 
     # --- history edits ----------------------------------------------------------------------------
 

@@ -108,7 +108,7 @@ def cmd_export(app, arg: str) -> None:
         raise ChatError(f"cannot write '{printable(path)}': not a file name") from None
     except OSError as e:
         raise ChatError(f"cannot write {printable(path)}: {e.strerror or type(e).__name__}") from None
-    app.say(f"exported {len(conv.turns)} turns to {printable(path, 200)}")
+    app.say(f"exported {count(len(conv.turns), 'turn')} to {printable(path, 200)}")
 
 
 def cmd_reset(app, arg: str) -> None:
@@ -121,7 +121,7 @@ def cmd_rewind(app, arg: str) -> None:
     for t in dropped:
         preview = t.text.strip().replace("\n", " ")
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
-    app.say(f"rewound {count(n, 'exchange')}; {app.conv.n_tokens} tokens in context")
+    app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context")
 
 
 def cmd_forget(app, arg: str) -> None:

@@ -48,7 +48,7 @@ def footer(conv, stats: TurnStats) -> str:
         drafts = f", drafts {stats.accepted}/{stats.drafted} accepted ({share:.0f}%{each})"
     note = f"\nnote: {stats.save_note}" if stats.save_note else ""
     n_ctx = conv.model.n_ctx
-    return (f"[{stats.generated} tokens, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
+    return (f"[{count(stats.generated, 'token')}, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
             f"at {stats.prefill_tps:.0f} tok/s, context {conv.n_tokens}/{n_ctx}, "
             f"{n_ctx - conv.n_tokens} left{drafts}{stop}; {saved}]{note}")
 
@@ -65,8 +65,8 @@ def stats_lines(conv) -> list[str]:
         lines.append("session: not saved yet" if saving.store else "session: saving is off (--no-save)")
     s = conv.last_stats
     if s:
-        lines.append(f"last answer: {s.generated} tokens at {s.decode_tps:.1f} tok/s; "
-                     f"prefill {s.prompt_tokens} tokens at {s.prefill_tps:.0f} tok/s")
+        lines.append(f"last answer: {count(s.generated, 'token')} at {s.decode_tps:.1f} tok/s; "
+                     f"prefill {count(s.prompt_tokens, 'token')} at {s.prefill_tps:.0f} tok/s")
     return lines
 
 

@@ -27,8 +27,8 @@ TINY_LLAMA = str(TINY / "llama.gguf")
 CHAT = [sys.executable, "-m", "colichat.cli"]
 GREEDY = ["--temperature", "0", "--repeat-penalty", "1"]  # llama.cpp's greedy decoding (no penalty)
 TINY_ARGS = ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "8"]
-RESUMED_RE = re.compile(r"^resumed (\d+) tokens, (\d+) turns from (\S+) in \d+ ms, no re-prefill$", re.M)
-FOOTER_RE = re.compile(r"^\[\d+ tokens, .*context (\d+)/(\d+).*; "
+RESUMED_RE = re.compile(r"^resumed (\d+) tokens?, (\d+) turns? from (\S+) in \d+ ms, no re-prefill$", re.M)
+FOOTER_RE = re.compile(r"^\[\d+ tokens?, .*context (\d+)/(\d+).*; "
                        r"(saved to \S+|NOT saved: .*|not saved \(.*\))\]$", re.M)
 
 

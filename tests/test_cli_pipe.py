@@ -229,6 +229,13 @@ def test_counts_say_one_thing_or_several():
     assert [count(n, "exchange") for n in (0, 1, 2)] == ["0 exchanges", "1 exchange", "2 exchanges"]
 
 
+def test_a_one_token_answer_says_1_token(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--no-save", "--max-tokens", "1"], lines("hello", "/stats")).ok()
+    [footer] = run.footers()
+    assert footer.startswith("[1 token, "), footer
+    assert re.search(r"^last answer: 1 token at [\d.]+ tok/s; prefill \d+ tokens at", run.err, re.M), run.err
+
+
 def test_forget_out_of_range_says_how_many_there_are(colichat_home):
     run = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines("hello", "/forget 2", "/forget 0")).failed()
     assert run.errors() == ["colichat: /forget takes 1 to 1: the conversation has 1 exchange"] * 2

@@ -11,7 +11,7 @@ from tmux_helpers import Tmux, rows_after, visible, wrapped
 pytestmark = pytest.mark.default_model
 
 # a footer, also where the terminal's width broke it into rows (at spaces)
-FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+".replace(" ", r"\s+"))
+FOOTER = re.compile(r"\[\d+ tokens?, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+".replace(" ", r"\s+"))
 
 # Limits on waiting for a screen state. They are only reached when something is wrong, so they are
 # generous: a busy machine (another process on every core) makes the model many times slower.

@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives ident
     from zlib import crc32
 
 from ..paths import private_dir
+from ..units import count
 from .kvfile import (
     HEADER_SIZE,
     INT32_MAX,
@@ -78,7 +79,7 @@ class LoadResult:
 
     def summary(self) -> str:
         """The line the chat program prints to stderr after a resume."""
-        return (f"resumed {self.tokens} tokens, {len(self.turns)} turns from {self.name} "
+        return (f"resumed {count(self.tokens, 'token')}, {count(len(self.turns), 'turn')} from {self.name} "
                 f"in {self.elapsed_ms:.0f} ms, no re-prefill")
 
 
@@ -688,7 +689,7 @@ class Session:
         self._has_sidecar = False  # the sidecar is written again before any new record
         fsync_dir(self.directory)
         self.notes.append(f"the KV file of session {self.name} was {what} by another program: "
-                          f"wrote the session again from memory ({n} tokens)")
+                          f"wrote the session again from memory ({count(n, 'token')})")
         return True
 
     def _check_lock(self) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..engine.gguf_header import HeaderError, read_header
 from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
-from ..units import format_size
+from ..units import count, format_size
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
@@ -205,7 +205,7 @@ class SessionInfo:
             if age >= secs or unit == "s":
                 break
         first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
-        return (f"{self.name}: {self.turns} turns, {self.tokens} tokens, {format_size(self.size)}, "
+        return (f"{self.name}: {count(self.turns, 'turn')}, {count(self.tokens, 'token')}, {format_size(self.size)}, "
                 f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else ""))
 
 
