@@ -30,7 +30,7 @@ try:
     from .commands import dispatch, is_command, is_quit_word
     from .engine import ModelError, load, resume_problem
     from .errors import USER_ERRORS, ChatError
-    from .inputs import inputs_of
+    from .inputs import FENCE, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp)")
     p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk (one-shot -p "
-                   "and piped runs are saved only with --session NAME or --resume)")
+                   "runs and messages from a pipe are saved only with --session NAME or --resume)")
     p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit")
     p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
@@ -322,27 +322,76 @@ def _columns(stream=None) -> int:
 
 
 BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
+LINE_MODE_HINT = (f"Line mode: type a message and Enter, a {FENCE} line for several lines, /help for commands, "
+                  "Ctrl-D to quit.")
 
 
+def _to_terminal(text: str) -> None:
+    """Text for the person at the terminal, on stderr, without a line end (a prompt)."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except OSError:
+        discard(sys.stderr)
+
+
+def typed_lines(app: App):
+    """The inputs a person types at the terminal in line mode (stdout not a terminal, or --plain): a
+    hint, then the REPL's prompts on stderr before each line. As in the REPL, Ctrl-C at a prompt
+    (KeyboardInterrupt, from pipe_mode's handler) drops what was typed, the line or the block so far,
+    and Ctrl-D at a prompt ends the input (and the prompt's row)."""
+    app.say(LINE_MODE_HINT)
+
+    def next_line(in_block: bool) -> str:
+        _to_terminal("... " if in_block else "> ")
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    while True:
+        try:
+            text = read_input(next_line)
+        except EOFError:
+            _to_terminal("\n")
+            return
+        except KeyboardInterrupt:  # the terminal dropped the line typed so far, and showed ^C
+            _to_terminal("\n")
+            continue
+        yield text
 
 
 def pipe_mode(app: App, inputs=None) -> int:
-    """Read inputs from stdin (or `inputs`, for -p) until the end; only the model's text goes to stdout."""
-    interrupted = False
+    """Read inputs from stdin (or `inputs`, for -p) until the end; only the model's text goes to stdout.
+    Ctrl-C stops the answer, then colichat (130); while it waits for input, at once. With a person
+    typing at the terminal (stdin and stderr terminals: typed_lines), Ctrl-C is the REPL's instead:
+    it stops the answer or drops the input typed so far, and colichat goes on."""
+    interrupted = busy = False
+    typed = inputs is None and sys.stdin.isatty() and sys.stderr.isatty()
+    if inputs is None:
+        inputs = typed_lines(app) if typed else inputs_of(sys.stdin)
 
     def on_sigint(signum, frame):
         nonlocal interrupted
-        if interrupted:  # a second Ctrl-C: stop now
+        if typed and not busy:  # at a prompt: typed_lines drops the input
             raise KeyboardInterrupt
+        if typed:  # the answer ends after the current token, kept; the next prompt follows
+            app.conv.stop_requested = True
+            return
+        stop_now = interrupted or not busy  # a second Ctrl-C, or one while waiting for input
         interrupted = True
-        app.conv.stop_requested = True
+        if stop_now:
+            raise KeyboardInterrupt
+        app.conv.stop_requested = True  # the answer or command ends, what it did is kept
 
     old = signal.signal(signal.SIGINT, on_sigint)
     on_continue = signal.signal(signal.SIGCONT, lambda signum, frame: app.continued())
     try:
-        for line in inputs_of(sys.stdin) if inputs is None else inputs:
+        for line in inputs:
+            busy = True
             with app.ending_signals():
                 app.handle(line)
+            busy = False
             if interrupted:
                 return 130
             if app.ended_by:
@@ -537,9 +586,10 @@ def main(argv=None) -> int:
             check_rope_factors(args)
         read_only = saving_mode(args, problem)
         interactive = args.interactive
+        typed = sys.stdin.isatty() and args.prompt is None  # a person types the messages: saved as in the REPL
         model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
-                            save_new=interactive or args.session is not None or args.resume, read_only=read_only)
+                            save_new=typed or args.session is not None or args.resume, read_only=read_only)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1

@@ -2,8 +2,8 @@
 
 With saving on, the session file is created at the first answer (named --session NAME, else from
 the first message), so starting colichat and quitting leaves nothing behind. With `save_new` off
-(one-shot and piped runs without --session), a new conversation is saved only by /save NAME; a
-resumed one is still saved after every answer. `store` None means saving is off (--no-save);
+(one-shot runs and messages from a pipe, without --session), a new conversation is saved only by
+/save NAME; a resumed one is still saved after every answer. `store` None means saving is off (--no-save);
 `read_only` that sessions can be read, not saved (a read-only file system).
 """
 

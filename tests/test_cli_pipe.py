@@ -265,6 +265,22 @@ def interrupt_after_first_output(home, args, stdin: str = ""):
     return finish(p, head)
 
 
+def test_interrupt_while_waiting_for_input_ends_at_once(colichat_home):
+    """Ctrl-C while colichat waits for the next line (an answer given, the pipe still open) ends it then
+    (130), not after another line comes; the answer before it stays saved."""
+    p = start(colichat_home, [*TINY_ARGS, "--session", "w"])
+    p.stdin.write(b"hello\n")
+    p.stdin.flush()
+    err = read_until(p.stderr, b"; saved to w]")
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(timeout=60)  # the old behaviour: waiting on until the next line, or the end of input
+    finally:
+        run = finish(p, head_err=err)
+    run.exits(130)
+    assert saved_users(colichat_home, "w") == ["hello"]
+
+
 def check_interrupted(home, run, name: str, question: str):
     """Exit 130; the partial answer was shown, saved, and the session resumes with it."""
     run.exits(130)

@@ -453,6 +453,72 @@ def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
         t.close()
 
 
+def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colichat_home, tmp_path):
+    """Typed on the terminal, the answers piped (`colichat | tee FILE`): a hint, then the REPL's prompts on
+    stderr ("> ", and "... " inside a block); the conversation is saved under its first message, as in the
+    REPL (a person typed it: not a script's run); Ctrl-D leaves the prompt's row to the shell's next line."""
+    from cli_helpers import answers_bytes, saved_answers, saved_users
+
+    out = tmp_path / "out.txt"
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 12 "
+             f"| tee {out}; echo EXITED $?; sleep 600", width=100)
+    try:
+        t.wait_for(lambda s: "Line mode: type a message and Enter" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
+                   "the hint, then a prompt")
+        t.type("Name a fruit.")
+        t.keys("Enter")
+        t.wait_for(lambda s: "saved to name-a-fruit]" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
+                   "the footer, then a prompt")
+        t.type('"""')
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith('> """\n...'), SCREEN_WAIT, "the block's prompt")
+        t.type("Name a")
+        t.keys("Enter")
+        t.wait_for(lambda s: s.rstrip().endswith("... Name a\n..."), SCREEN_WAIT, "the block's next prompt")
+        t.type("vegetable.")
+        t.keys("Enter")
+        t.type('"""')
+        t.keys("Enter")
+        t.wait_for(lambda s: s.count("saved to name-a-fruit]") == 2 and s.rstrip().endswith("\n>"), MODEL_WAIT,
+                   "the second footer, then a prompt")
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        assert re.search(r"^> *\nEXITED 0$", screen, re.M), screen  # the prompt's row ended, the shell's below
+        assert saved_users(colichat_home, "name-a-fruit") == ["Name a fruit.", "Name a\nvegetable."]
+        assert out.read_bytes() == answers_bytes(saved_answers(colichat_home, "name-a-fruit"))
+    finally:
+        t.close()
+
+
+def test_line_mode_at_a_terminal_takes_ctrl_c_as_the_repl_does(colichat_home):
+    """In line mode at a terminal (--plain), Ctrl-C at the prompt drops the line typed so far and prompts again,
+    and Ctrl-C during an answer stops it (kept, the footer says so) and prompts again: as in the REPL,
+    colichat goes on until Ctrl-D."""
+    from cli_helpers import saved_users
+
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 400 "
+             "--session c --plain; echo EXITED $?; sleep 600", width=100)
+    try:
+        t.wait_for(lambda s: "Line mode: type a message" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
+                   "the hint, then a prompt")
+        t.type("half a line")
+        t.keys("C-c")
+        t.wait_for(lambda s: re.search(r"^> half a line\^C *\n>\s*$", s, re.M), SCREEN_WAIT,
+                   "the line dropped, a new prompt")
+        t.type("Write a long story about a lighthouse keeper.")
+        t.keys("Enter")
+        t.wait_for(lambda s: len(s.split("lighthouse keeper.", 1)[-1].split()) > 8, MODEL_WAIT, "the answer to stream")
+        t.keys("C-c")
+        t.wait_for(lambda s: re.search(r", interrupted; saved to c\]\s*\n>\s*$", s), SCREEN_WAIT,
+                   "the answer stopped, its footer, a new prompt")
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
+        assert re.search(r"^> *\nEXITED 0$", screen, re.M), screen
+        assert saved_users(colichat_home, "c") == ["Write a long story about a lighthouse keeper."]
+    finally:
+        t.close()
+
+
 def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
     """Back after a week: the conversation reopens with its last exchange on the screen, as /history
     shows it, above the prompt (earlier ones counted; /history has them)."""
