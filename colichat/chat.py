@@ -29,13 +29,13 @@ from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
 from .units import count
 
-RESUME_MARGIN = 16  # a resumed conversation must leave at least this many tokens of context
+FULL_BELOW = 16  # a resumed conversation with fewer tokens of context left is said to be full
 # A prompt longer than PROMPT_STEPPED is read PROMPT_STEP tokens at a time: progress is shown and a
 # stop request is honoured between steps. (The engine cuts each step again by its PREFILL_CHUNK, a
 # bound on memory; SmolLM2 reads a 1024-token prompt as fast in steps of 256 as of 512, within 2%.)
 PROMPT_STEP, PROMPT_STEPPED = 256, 512
 
-__all__ = ["RESUME_MARGIN", "ChatError", "Conversation", "Settings", "TurnStats"]
+__all__ = ["FULL_BELOW", "ChatError", "Conversation", "Settings", "TurnStats"]
 
 
 class Conversation:
@@ -95,7 +95,7 @@ class Conversation:
         rope = self.model.rope_factors
         try:
             self._take_rope_factors(new)
-            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, RESUME_MARGIN)
+            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode)
         except BaseException:
             new.close()
             self.model.use_rope_factors(rope)  # the conversation in memory goes on as it was
@@ -109,6 +109,10 @@ class Conversation:
             self._save_settings()  # the options given now are the session's settings from now on
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
+        left, n_ctx = self.model.n_ctx - self.n_tokens, self.model.n_ctx
+        if left < FULL_BELOW:  # reopened as it was: what makes room
+            full = "full" if left < 2 else "nearly full"
+            lines.append(f"note: the context is {full} ({self.n_tokens} of {n_ctx} tokens): {ways_out(self)}")
         return "\n".join(lines)
 
     def _take_rope_factors(self, sess) -> None:

@@ -47,3 +47,20 @@ def test_forgetting_every_exchange_is_a_new_empty_conversation(colichat_home):
     assert "new empty conversation: its one exchange forgotten (one is still saved as it was)" in run.err.splitlines()
     assert "the conversation is empty" in run.err.splitlines()
     assert saved_users(colichat_home, "one") == ["hello"]
+
+
+def test_a_conversation_that_filled_its_context_reopens_full_and_goes_on_after_a_rewind(colichat_home):
+    """Come back to a conversation whose last answer filled the whole context: it reopens as it was (it
+    was refused, a dead end at the model's largest context, where no --ctx makes room), the resume says
+    the context is full and what helps, and after /rewind it goes on."""
+    args = ["--model", TINY_LLAMA, "--temperature", "0", "--ctx", "64", "--max-tokens", "100"]
+    first = chat(colichat_home, [*args, "--session", "f"], lines("hello")).ok()
+    [footer] = first.footers()
+    assert "context full; saved to f]" in footer, footer
+    run = chat(colichat_home, [*args, "--session", "f"], lines("/history", "/rewind", "hi")).ok()
+    used = int(re.search(r"^resumed (\d+) tokens, 2 turns from f in", run.err, re.M).group(1))
+    assert used >= 63
+    assert (f"note: the context is full ({used} of 64 tokens): /rewind N drops the last exchanges; /new starts a "
+            "new conversation; or restart with a larger --ctx (this model takes up to 2048)") in run.err.splitlines()
+    assert "user> hello" in run.err.splitlines()  # /history: the conversation as it was saved
+    assert saved_users(colichat_home, "f") == ["hi"]

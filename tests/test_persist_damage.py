@@ -168,14 +168,13 @@ def test_other_weights_of_the_same_shapes_are_refused(saved):
         load(store, ident=OTHER_IDENT)
 
 
-def test_saved_length_beyond_the_context_limit_is_refused(saved):
+def test_more_saved_tokens_than_the_context_are_refused_and_a_full_context_loads(saved):
     store, _, turns, original = saved
     n = turns[-1].last
-    with pytest.raises(SessionError, match="context limit"):
-        load(store, ctx_limit=n)
-    with pytest.raises(SessionError, match="context limit"):
-        load(store, ctx_limit=n + 10, margin=10)
-    res, cache = load(store, ctx_limit=n + 10, margin=9)
+    with pytest.raises(SessionError, match=f"holds {n} tokens, more than the context of {n - 1}: start colichat "
+                                           f"with --ctx {n} or more to reopen it"):
+        load(store, ctx_limit=n - 1)
+    res, cache = load(store, ctx_limit=n)  # the context full: as it was saved
     check_prefix(res, cache, turns, original, N_TURNS)
 
 

@@ -69,7 +69,7 @@ def main(phase, path, out):
                 sess.append(model.cache, turns)
     else:
         with Store().open(ident, "resume", layout) as sess:
-            res = sess.load(model.cache, ctx_limit=model.n_ctx, margin=16)
+            res = sess.load(model.cache, ctx_limit=model.n_ctx)
             print(res.summary(), file=sys.stderr)
             after2 = model.cache.records[: model.cache.length].copy()
             new, logits = exchange(model, 2)

@@ -119,7 +119,7 @@ def test_library_same_side_resumes_bit_identically_other_side_is_refused(colicha
 
     same = fresh(models, 200)  # another context size, the same (short) factors
     with open_session(same, "s") as sess:
-        res = sess.load(same.cache, same.n_ctx, margin=16)
+        res = sess.load(same.cache, same.n_ctx)
     assert res.warnings == [] and np.array_equal(same.cache.records[: same.cache.length], rows)
     assert np.array_equal(same.prefill([7, 8, 9]), after)
 
@@ -129,7 +129,7 @@ def test_library_same_side_resumes_bit_identically_other_side_is_refused(colicha
     with open_session(other, "s") as sess:
         assert sess.saved_rope_factors() == "short"
         with pytest.raises(SessionError) as e:
-            sess.load(other.cache, other.n_ctx, margin=16)
+            sess.load(other.cache, other.n_ctx)
     assert str(e.value).count("\n") == 0
     assert "rotated with the 'short' rope factors and this model's with 'long'" in str(e.value)
     assert other.cache.length == 0 and kv.read_bytes() == before
@@ -142,10 +142,10 @@ def test_library_a_long_session_goes_on_with_its_factors_at_a_smaller_context(co
     after = src.prefill([7, 8, 9])
     small = fresh(models, 256)
     with open_session(small, "l") as sess, pytest.raises(SessionError, match="'long' rope factors"):
-        sess.load(small.cache, small.n_ctx, margin=16)
+        sess.load(small.cache, small.n_ctx)
     small.use_rope_factors("long")  # what the chat program does on resume (below)
     with open_session(small, "l") as sess:
-        sess.load(small.cache, small.n_ctx, margin=16)
+        sess.load(small.cache, small.n_ctx)
     assert np.array_equal(small.cache.records[: small.cache.length], rows)
     assert np.array_equal(small.prefill([7, 8, 9]), after)
 

@@ -2,7 +2,7 @@
 
     sess = Session.create(directory, name, ident, layout, sampler=None)   # new, empty, locked
     sess = Session.open(directory, name, ident, layout)                   # existing, locked
-    res = sess.load(cache, ctx_limit=None, detokenize=None, margin=0)     # -> LoadResult
+    res = sess.load(cache, ctx_limit=None, detokenize=None)     # -> LoadResult
     sess.append(cache, turns)     # save the turns not yet on disk (see `append`)
     sess.truncate(n_turns)        # keep the first n_turns turns (rewind)
     sess.close()                  # or use the session as a context manager
@@ -343,14 +343,14 @@ class Session:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def load(self, cache, ctx_limit: int | None = None, detokenize=None, margin: int = 0) -> LoadResult:
+    def load(self, cache, ctx_limit: int | None = None, detokenize=None) -> LoadResult:
         """Fill `cache` with the longest valid prefix of whole turns; modifies no file.
 
         Refuses (SessionError, cache untouched) a file of another model, kind or shape, other
         weights (sidecar fingerprint), rows rotated with other rope factors than the ident's
-        ("rope_factors", where the model has them), or a saved length >= ctx_limit - margin
-        (ctx_limit defaults to the cache capacity). Damage drops turns from the first bad one on,
-        with a warning each.
+        ("rope_factors", where the model has them), or more saved tokens than ctx_limit (the cache
+        capacity by default): a conversation that fills its context reopens, full. Damage drops
+        turns from the first bad one on, with a warning each.
         `detokenize(ids) -> str` names the text of a cache saved without a sidecar (one turn).
         """
         t0 = time.perf_counter()
@@ -383,10 +383,9 @@ class Session:
                             "checksum (the next save adds them)")
         turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
         ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
-        if n > 0 and n >= ctx - margin:
-            raise SessionError(f"session {self.name} holds {n} tokens, at or beyond the context limit "
-                               f"({ctx} tokens, {margin} kept free); start a new session with /reset "
-                               "or use a larger context")
+        if n > ctx:
+            raise SessionError(f"session {self.name} holds {n} tokens, more than the context of {ctx}: "
+                               f"start colichat with --ctx {n} or more to reopen it")
         try:
             read_records(self._kv_fd, cache.raw(0, n), self.layout.record_bytes)
         except (OSError, SessionError) as e:
