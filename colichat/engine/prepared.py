@@ -172,9 +172,9 @@ def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
 def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, weights: dict,
                   tensors: Tensors) -> str | None:
     """Write a cache entry; returns None, or a one-line reason it could not be written (never raises)."""
+    root = Path(cache_dir)
     try:
         key, real = _identity(path)
-        root = Path(cache_dir)
         private_dir(root)
         need = sum(a.nbytes for a in weights.values())
         if shutil.disk_usage(root).free < need + FREE_MARGIN:  # never crowd out the sessions' disk
@@ -183,7 +183,7 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
         _remove_dead_tmp(root)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=root))
     except OSError as e:
-        return f"cannot write the weights cache ({e.strerror or e})"
+        return _unwritable(root, e)
     try:
         arrays, off = {}, 0
         with open(tmp / "weights.f32", "wb", opener=private_file) as f:
@@ -227,7 +227,12 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
         return None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        return f"cannot write the weights cache ({getattr(e, 'strerror', None) or e})"
+        return _unwritable(root, e)
+
+
+def _unwritable(root: Path, e: OSError) -> str:
+    return (f"cannot write the weights cache in {root} ({getattr(e, 'strerror', None) or e}); "
+            "each start dequantizes instead")
 
 
 def _remove_stale(root: Path, real: str, keep: str) -> None:
