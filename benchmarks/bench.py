@@ -391,8 +391,6 @@ def measure_resume(store, ident, layout, model, name: str, next_id: int, reps: i
 
     Also once into the cache that was just used (pages already touched), to show what page faults cost.
     """
-    from colichat.chat import RESUME_MARGIN
-
     def once(fresh: bool):
         if fresh:
             fresh_cache(model)
@@ -401,7 +399,7 @@ def measure_resume(store, ident, layout, model, name: str, next_id: int, reps: i
         t0 = time.perf_counter()
         sess = store.open(ident, name, layout)
         t1 = time.perf_counter()
-        res = sess.load(model.cache, model.n_ctx, None, RESUME_MARGIN)
+        res = sess.load(model.cache, model.n_ctx, None)
         t2 = time.perf_counter()
         logits = model.decode(next_id)
         t3 = time.perf_counter()

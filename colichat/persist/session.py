@@ -2,7 +2,7 @@
 
     sess = Session.create(directory, name, ident, layout, sampler=None)   # new, empty, locked
     sess = Session.open(directory, name, ident, layout)                   # existing, locked
-    res = sess.load(cache, ctx_limit=None, detokenize=None)     # -> LoadResult
+    res = sess.load(cache, ctx_limit=None, detokenize=None)               # -> LoadResult
     sess.append(cache, turns)     # save the turns not yet on disk (see `append`)
     sess.truncate(n_turns)        # keep the first n_turns turns (rewind)
     sess.close()                  # or use the session as a context manager
