@@ -453,6 +453,9 @@ def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
         t.close()
 
 
+SAVED_TO_FRUIT = re.compile(r"saved\s+to\s+name-a-fruit\]")  # the footer's end, where a row may break
+
+
 def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colichat_home, tmp_path):
     """Typed on the terminal, the answers piped (`colichat | tee FILE`): a hint, then the REPL's prompts on
     stderr ("> ", and "... " inside a block); the conversation is saved under its first message, as in the
@@ -467,7 +470,7 @@ def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colic
                    "the hint, then a prompt")
         t.type("Name a fruit.")
         t.keys("Enter")
-        t.wait_for(lambda s: "saved to name-a-fruit]" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
+        t.wait_for(lambda s: len(SAVED_TO_FRUIT.findall(s)) == 1 and s.rstrip().endswith("\n>"), MODEL_WAIT,
                    "the footer, then a prompt")
         t.type('"""')
         t.keys("Enter")
@@ -479,7 +482,7 @@ def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colic
         t.keys("Enter")
         t.type('"""')
         t.keys("Enter")
-        t.wait_for(lambda s: s.count("saved to name-a-fruit]") == 2 and s.rstrip().endswith("\n>"), MODEL_WAIT,
+        t.wait_for(lambda s: len(SAVED_TO_FRUIT.findall(s)) == 2 and s.rstrip().endswith("\n>"), MODEL_WAIT,
                    "the second footer, then a prompt")
         t.keys("C-d")
         screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
@@ -509,7 +512,7 @@ def test_line_mode_at_a_terminal_takes_ctrl_c_as_the_repl_does(colichat_home):
         t.keys("Enter")
         t.wait_for(lambda s: len(s.split("lighthouse keeper.", 1)[-1].split()) > 8, MODEL_WAIT, "the answer to stream")
         t.keys("C-c")
-        t.wait_for(lambda s: re.search(r", interrupted; saved to c\]\s*\n>\s*$", s), SCREEN_WAIT,
+        t.wait_for(lambda s: re.search(r",\s+interrupted;\s+saved\s+to\s+c\]\s*\n>\s*$", s), SCREEN_WAIT,
                    "the answer stopped, its footer, a new prompt")
         t.keys("C-d")
         screen = t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
