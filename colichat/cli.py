@@ -367,25 +367,23 @@ def typed_lines(app: App):
 def pipe_mode(app: App, inputs=None) -> int:
     """Read inputs from stdin (or `inputs`, for -p) until the end; only the model's text goes to stdout.
     Ctrl-C stops the answer, then colichat (130); while it waits for input, at once. With a person
-    typing at the terminal (stdin and stderr terminals: typed_lines), Ctrl-C is the REPL's instead:
-    it stops the answer or drops the input typed so far, and colichat goes on."""
+    typing at the terminal (stdin and stderr terminals: `prompting`, typed_lines), Ctrl-C is the
+    REPL's instead: it stops the answer or drops the input typed so far, and colichat goes on."""
     interrupted = busy = False
-    typed = inputs is None and sys.stdin.isatty() and sys.stderr.isatty()
+    prompting = inputs is None and sys.stdin.isatty() and sys.stderr.isatty()
     if inputs is None:
-        inputs = typed_lines(app) if typed else inputs_of(sys.stdin)
+        inputs = typed_lines(app) if prompting else inputs_of(sys.stdin)
 
     def on_sigint(signum, frame):
         nonlocal interrupted
-        if typed and not busy:  # at a prompt: typed_lines drops the input
+        if not busy:  # waiting for input: at a prompt typed_lines drops the line, else colichat ends
+            interrupted = not prompting
             raise KeyboardInterrupt
-        if typed:  # the answer ends after the current token, kept; the next prompt follows
-            app.conv.stop_requested = True
-            return
-        stop_now = interrupted or not busy  # a second Ctrl-C, or one while waiting for input
-        interrupted = True
-        if stop_now:
-            raise KeyboardInterrupt
-        app.conv.stop_requested = True  # the answer or command ends, what it did is kept
+        app.conv.stop_requested = True  # the answer or command ends after the current token, kept
+        if not prompting:  # then colichat ends; a second Ctrl-C ends it now
+            if interrupted:
+                raise KeyboardInterrupt
+            interrupted = True
 
     old = signal.signal(signal.SIGINT, on_sigint)
     on_continue = signal.signal(signal.SIGCONT, lambda signum, frame: app.continued())
@@ -589,10 +587,10 @@ def main(argv=None) -> int:
             check_rope_factors(args)
         read_only = saving_mode(args, problem)
         interactive = args.interactive
-        typed = sys.stdin.isatty() and args.prompt is None  # a person types the messages: saved as in the REPL
+        person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
         model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
         conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
-                            save_new=typed or args.session is not None or args.resume, read_only=read_only)
+                            save_new=person_types or args.session is not None or args.resume, read_only=read_only)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1
