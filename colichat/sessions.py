@@ -49,6 +49,8 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
     infos = [i for i in store.list() if session is None or i.name == session]  # newest first
     if session is not None and any(i.made_by(fp) for i in infos):
         return None
+    if session is None:  # --resume alone: the newest conversation, or a refusal, never an older one
+        infos = [i for i in infos if not i.damage][:1]
     seen: dict[str, bool] = {}
     for info in infos:
         if info.damage:
@@ -61,10 +63,17 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
             seen[path] = info.made_by(other)
         if path and seen[path]:
             return info.name, path, model_title(info.model, info.model_file)
+    changed = sorted(path for path, same in seen.items() if not same and os.path.isfile(path))
     if session is not None:  # only other models have it, none of their files is where it was
-        changed = sorted(path for path, same in seen.items() if not same and os.path.isfile(path))
         store.refuse_elsewhere(session, (f"{changed[0]} holds another model now: " if changed else "")
                                + "start colichat with --model PATH of that model to reopen it, or choose another name")
+    elif infos:  # the newest conversation's model is not where it was
+        info = infos[0]
+        raise SessionError(
+            f"the newest conversation, {info.name}, belongs to {store.whose(infos)}"
+            + (f"; {changed[0]} holds another model now" if changed else "")
+            + f": start colichat with --model PATH of that model to reopen it, or --session NAME for another"
+            " conversation (colichat --sessions lists them)")
     return None
 
 

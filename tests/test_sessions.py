@@ -175,6 +175,28 @@ def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
         model_to_reopen(store, a, "only-b", False)
 
 
+def test_resume_alone_refuses_the_newest_conversation_when_its_model_is_gone(colichat_home, tmp_path):
+    """--resume means the newest conversation: when its model's file is gone, it is refused with the
+    way out, never an older conversation (of another model) continued in its place."""
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
+    b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "older"], lines(Q[0])).ok()
+    chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "newest"], lines(Q[0])).ok()
+    os.remove(b)
+    run = chat(colichat_home, [*TINY_ARGS[2:], "--resume"], lines(Q[1])).failed()
+    assert run.errors() == [
+        f"colichat: the newest conversation, newest, belongs to llama.gguf, last run from {b}, not there now: "
+        "start colichat with --model PATH of that model to reopen it, or --session NAME for another "
+        "conversation (colichat --sessions lists them)"]
+    assert saved_users(colichat_home, "older") == Q[:1]  # not continued instead
+    store = Store(colichat_home / "data" / "sessions")
+    with pytest.raises(SessionError, match="^the newest conversation, newest, belongs to"):
+        model_to_reopen(store, a, None, True)
+    assert model_to_reopen(store, a, "older", True) is None  # by its name, the older one still reopens
+
+
 def test_a_name_only_another_model_has_is_a_new_conversation_with_a_note(colichat_home, tmp_path):
     """--model given: the name does not choose the model; the other model's conversation stays as it
     is, and the start says so."""
