@@ -72,7 +72,7 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
         raise SessionError(
             f"the newest conversation, {info.name}, belongs to {store.whose(infos)}"
             + (f"; {changed[0]} holds another model now" if changed else "")
-            + f": start colichat with --model PATH of that model to reopen it, or --session NAME for another"
+            + ": start colichat with --model PATH of that model to reopen it, or --session NAME for another"
             " conversation (colichat --sessions lists them)")
     return None
 

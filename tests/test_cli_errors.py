@@ -122,6 +122,19 @@ def test_rewritten_model_loads_when_nothing_is_missing(tmp_path, colichat_home):
     assert mine.out == orig.out != b""
 
 
+def test_a_model_that_computes_nan_is_one_line_and_nothing_is_saved(tmp_path, colichat_home):
+    """A file whose weights give NaN scores (here its output norm) is refused at the first token in one line,
+    greedy (where NaN would be taken as token 0) and sampled (where the draw would fail) alike."""
+    nan = copy_gguf(TINY_LLAMA, tmp_path / "nan.gguf", scale={"output_norm.weight": float("nan")})
+    for temperature in ("0", "0.7"):
+        run = chat(colichat_home, ["--model", nan, "--temperature", temperature, "--session", "n"],
+                   lines(Q[0])).failed()
+        assert run.out == b"" and run.errors() == [
+            "colichat: the model computed NaN for the next token's scores (its weights are damaged or overflow "
+            "float32): the message is dropped"]
+    assert [p.name for p in session_files(colichat_home)] == ["n.lock"]  # the name was claimed, nothing saved
+
+
 # ---- bad options --------------------------------------------------------------------------------
 
 BAD_OPTIONS = {

@@ -70,3 +70,21 @@ def test_bad_settings_are_refused_by_name(bad):
     key = next(iter(bad))
     with pytest.raises(ValueError, match=key):
         SamplerSettings(**bad).validate()
+
+
+def test_a_tiny_temperature_takes_the_best_token_without_nan():
+    # 1e-310 turns every logit / T into an overflow; the differences to the best are taken first.
+    for t in (1e-310, 5e-324, 1e-30):
+        cand, p = Sampler(SamplerSettings(temperature=t, seed=1)).distribution(LOGITS)
+        assert cand[0] == 0 and p[0] == 1.0 and not np.isnan(p).any()
+    assert set(draws(SamplerSettings(temperature=1e-310, seed=1), 20)) == {0}
+
+
+@pytest.mark.parametrize("temperature", [0, 0.7])
+def test_nan_scores_are_a_model_error_not_a_token(temperature):
+    from colichat.engine import ModelError
+
+    logits = LOGITS.copy()
+    logits[3] = np.nan
+    with pytest.raises(ModelError, match="^the model computed NaN for the next token's scores"):
+        Sampler(SamplerSettings(temperature=temperature, seed=1))(logits)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from .gguf import ModelError
+
 
 @dataclass(frozen=True)
 class SamplerSettings:
@@ -71,6 +73,9 @@ class Sampler:
         first) and their probabilities (float64, summing to 1). Greedy: the argmax with probability 1."""
         s = self.settings
         x = np.array(logits, dtype=np.float64)  # (V,) working copy
+        if np.isnan(x).any():
+            raise ModelError("the model computed NaN for the next token's scores (its weights are damaged or "
+                             "overflow float32): the message is dropped")
         if s.repeat_penalty != 1.0 and len(recent) and s.repeat_last_n:
             ids = np.unique(np.asarray(recent[-s.repeat_last_n :], dtype=np.int64))
             v = x[ids]
@@ -81,8 +86,9 @@ class Sampler:
         k = x.size if s.top_k <= 0 else min(s.top_k, x.size)
         cand = np.argpartition(-x, k - 1)[:k] if k < x.size else np.arange(x.size)
         cand = cand[np.argsort(-x[cand], kind="stable")]
-        z = x[cand] / s.temperature
-        p = np.exp(z - z[0])
+        with np.errstate(over="ignore"):  # a tiny temperature: every other candidate's exp is 0
+            z = (x[cand] - x[cand[0]]) / s.temperature  # <= 0, the best is 0
+        p = np.exp(z)
         p /= p.sum()
         keep = p.size
         if s.min_p > 0:
