@@ -30,7 +30,7 @@ try:
     from .commands import dispatch, is_command, is_quit_word
     from .engine import ModelError, load, resume_problem
     from .errors import USER_ERRORS, ChatError
-    from .inputs import FENCE, inputs_of, read_input
+    from .inputs import FENCE, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
@@ -350,7 +350,7 @@ def typed_lines(app: App):
         line = sys.stdin.readline()
         if not line:
             raise EOFError
-        return line.rstrip("\n")
+        return clean_line(line)[0]
 
     while True:
         try:
@@ -372,7 +372,7 @@ def pipe_mode(app: App, inputs=None) -> int:
     interrupted = busy = False
     prompting = inputs is None and sys.stdin.isatty() and sys.stderr.isatty()
     if inputs is None:
-        inputs = typed_lines(app) if prompting else inputs_of(sys.stdin)
+        inputs = typed_lines(app) if prompting else inputs_of(sys.stdin, app.say)
 
     def on_sigint(signum, frame):
         nonlocal interrupted

@@ -6,9 +6,11 @@ line). A block is a Message: sent to the model even if it starts with `/`.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 FENCE = '"""'
+ESCAPED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as stdin's surrogateescape reads it
 
 
 class Message(str):
@@ -35,9 +37,31 @@ def read_input(next_line: Callable[[bool], str]) -> str:
         lines.append(line)
 
 
-def inputs_of(stream):
-    """The inputs in a stream of lines (stdin in pipe mode)."""
-    lines = (raw.rstrip("\n") for raw in stream)
+def clean_line(raw: str, first: bool = False) -> tuple[str, bool]:
+    """A line as read from stdin, without its line end (\\n or a Windows \\r\\n), without the byte order
+    mark an editor may put at the start of a file (first line), and with each byte that is not UTF-8
+    as U+FFFD (as llama.cpp reads it); and whether there was such a byte."""
+    line = raw.removesuffix("\n").removesuffix("\r")
+    if first:
+        line = line.removeprefix("\ufeff")
+    line, n = ESCAPED.subn("\ufffd", line)
+    return line, n > 0
+
+
+def inputs_of(stream, on_note: Callable[[str], None] = lambda note: None):
+    """The inputs in a stream of lines (stdin in pipe mode); `on_note` hears of the first line that
+    is not UTF-8."""
+
+    def cleaned():
+        told = False
+        for i, raw in enumerate(stream):
+            line, bad = clean_line(raw, first=i == 0)
+            if bad and not told:
+                on_note(f"note: line {i + 1} of the input is not UTF-8: its invalid bytes are read as U+FFFD")
+                told = True
+            yield line
+
+    lines = cleaned()
 
     def next_line(in_block: bool) -> str:
         try:

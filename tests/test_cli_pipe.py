@@ -178,6 +178,22 @@ def test_multiline_blocks(colichat_home):
     assert run.errors() == []
 
 
+def test_windows_line_ends_a_byte_order_mark_and_bytes_that_are_not_utf8(colichat_home):
+    """A file written on Windows (\\r\\n, a BOM) reads as the same lines; a byte that is not UTF-8 is
+    U+FFFD in the conversation, its history and its export alike, with one note."""
+    raw = b'\xef\xbb\xbf/help rewind\r\n"""\r\nfirst\r\nsecond\r\n"""\r\ncaf\xe9 ok?\r\ncaf\xe9 again\n'
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "win"], raw).ok()
+    assert "/rewind [N]  drop the last N exchanges (default 1)" in run.err.splitlines()  # a command, not a message
+    assert run.errors() == [] and run.err.count("not UTF-8") == 1
+    assert "note: line 6 of the input is not UTF-8: its invalid bytes are read as U+FFFD" in run.err.splitlines()
+    users = ["first\nsecond", "caf\ufffd ok?", "caf\ufffd again"]
+    assert saved_users(colichat_home, "win") == users
+    clean = chat(colichat_home, [*TINY_ARGS, "--session", "clean"], lines('"""', "first", "second", '"""', *users[1:]))
+    assert run.out == clean.ok().out == answers_bytes(saved_answers(colichat_home, "win"))
+    shown = chat(colichat_home, [*TINY_ARGS, "--session", "win"], lines("/history")).ok()
+    assert "user> caf\ufffd ok?" in shown.err.splitlines()
+
+
 def test_one_shot(tiny_ref, colichat_home):
     ref = tiny_ref[2]
     run = chat(colichat_home, [*TINY_ARGS, "--session", "one", "-p", Q[0]], "stdin is not read\n").ok()
