@@ -167,6 +167,7 @@ class App:
         self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty()) if interactive else None
         # the footer is dim, apart from the answer; not for a terminal without styles, nor with NO_COLOR
         self.dim = sys.stderr.isatty() and os.environ.get("TERM") != "dumb" and not os.environ.get("NO_COLOR")
+        self.keep = "/save NAME"  # what keeps an unsaved conversation (-p: an option, there is no next line)
 
     def say(self, line: str, hang: int = 0) -> None:
         """A status line; `hang`: where its rows after a break start on a terminal (a table's second column)."""
@@ -276,7 +277,7 @@ class App:
                 self.write(self.screen.end_answer())
         if not self.screen:
             self.out("\n")
-        footer = report.footer(self.conv, stats)
+        footer = report.footer(self.conv, stats, self.keep)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
@@ -610,6 +611,7 @@ def main(argv=None) -> int:
             if hint:
                 say(hint)
         if args.prompt is not None:
+            app.keep = "--session NAME"
             return pipe_mode(app, [args.prompt])
         if interactive:
             from .repl import run

@@ -32,11 +32,12 @@ class TurnStats:
         return self.generated / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def footer(conv, stats: TurnStats) -> str:
-    """The line after an answer: its speeds, the context left, and whether it was saved."""
+def footer(conv, stats: TurnStats, keep: str = "/save NAME") -> str:
+    """The line after an answer: its speeds, the context left, and whether it was saved (if not, and it
+    could be, what keeps it: `keep`)."""
     saving = conv.saving
     unsaved = ("not saved (--no-save)" if not saving.store else "not saved (read-only)" if saving.read_only
-               else "not saved (/save NAME keeps it)")
+               else f"not saved ({keep} keeps it)")
     saved = {None: unsaved, True: f"saved to {saving.name}",
              False: f"NOT saved: {stats.save_error}"}[stats.saved]
     stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",

@@ -126,7 +126,8 @@ def test_resume_without_a_name_takes_the_latest(tiny_ref, colichat_home):
     # Piped and one-shot runs without --session are not saved, so they never become the latest.
     unsaved = chat(colichat_home, TINY_ARGS, lines("Not kept.")).ok()
     assert unsaved.footers()[0].endswith("; not saved (/save NAME keeps it)]")
-    chat(colichat_home, [*TINY_ARGS, "-p", "Not kept either."]).ok()
+    one_shot = chat(colichat_home, [*TINY_ARGS, "-p", "Not kept either."]).ok()
+    assert one_shot.footers()[0].endswith("; not saved (--session NAME keeps it)]")  # no next line for /save
     assert sorted(p.stem for p in session_files(colichat_home) if p.suffix == ".json") == ["b", "old"]
     c = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[2])).ok()
     assert c.resumed() == (last_context(b), 4, "b")
