@@ -99,7 +99,7 @@ TABLE: tuple[Setting, ...] = (
     # speculative decoding: the largest number of drafts per pass (BENCHMARKS.md: 15 did best on the echo
     # tasks, none slowed chat beyond the noise); 15 is the most a pass checks exactly (ops.SMALL_BATCH - 1)
     Setting("draft", int, 15, "speculative decoding: at most this many tokens guessed from the conversation "
-            "(or by the model's MTP block) are checked per step (0 = off; the answer is the same)",
+            "(or by the model's MTP block) are checked per step (0 = off; the same answer, greedy or with a seed)",
             lambda v: 0 <= v <= 15, "must be between 0 (off) and 15"),
     Setting("system", str, None, "the system prompt (none = no system prompt); a new one applies from "
             "the next conversation when this one has started", optional=True, metavar="TEXT"),

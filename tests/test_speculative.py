@@ -63,11 +63,12 @@ def test_a_verify_pass_writes_the_rows_and_logits_decoding_would(any_tiny):
     assert bytes(tiny.cache.raw(0, tiny.cache.length)) == ref_rows
 
 
-def converse(model, home, draft: int, max_tokens: int = 40) -> tuple[list[str], bytes, int]:
+def converse(model, home, draft: int, max_tokens: int = 40, **sampling) -> tuple[list[str], bytes, int]:
     """Four exchanges with a /rewind and a /resume in between: the answers, the saved cache file and
-    the drafts accepted. Messages repeat text so that prompt lookup finds something to draft."""
+    the drafts accepted. Messages repeat text so that prompt lookup finds something to draft.
+    Greedy, unless `sampling` gives other settings (temperature, seed, ...)."""
     store = Store(home)
-    settings = Settings(temperature=0, max_tokens=max_tokens, draft=draft)
+    settings = Settings(**{"temperature": 0, **sampling}, max_tokens=max_tokens, draft=draft)
     model.reset()
     conv = Conversation(model, settings, store=store, session_name="s")
     answers, accepted = [], 0
@@ -100,6 +101,20 @@ def test_greedy_answers_and_saved_sessions_are_the_same_with_drafts(tiny, tmp_pa
     assert none == 0 and accepted > 0  # the drafts were used...
     assert fast == plain  # ...and changed no token
     assert kv_fast == kv_plain  # rejected drafts never reached the file
+
+
+def test_seeded_sampled_answers_and_saved_sessions_are_the_same_with_drafts(tiny, tmp_path):
+    """Each token takes one draw of the sampler with drafts as without (speculative.accept), so a seeded
+    answer does not depend on drafting nor on how many drafts a pass checks (which follows timings)."""
+    sampling = {"temperature": 0.3, "repeat_penalty": 1.0, "seed": 11}
+    tiny.threads = pinned(row_cost=0.1)
+    greedy = converse(tiny, tmp_path / "greedy", draft=0)[0]
+    plain, kv_plain, _ = converse(tiny, tmp_path / "plain", draft=0, **sampling)
+    assert plain != greedy  # the draws chose tokens
+    for draft, row_cost in ((5, 0.1), (15, 0.02)):
+        tiny.threads = pinned(row_cost=row_cost)
+        fast, kv_fast, accepted = converse(tiny, tmp_path / f"draft{draft}", draft=draft, **sampling)
+        assert accepted > 0 and fast == plain and kv_fast == kv_plain
 
 
 @pytest.mark.default_model

@@ -12,8 +12,12 @@ of several tokens wins where text is being copied, MTP elsewhere (BENCHMARKS.md 
 
 accept() is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023) for a
 deterministic draft (q is a point mass on d): keep d with probability p(d); otherwise draw from
-normalize(max(p - q, 0)), i.e. p without d. Every token is then distributed exactly as p, and
-with temperature 0 (p a point mass on the argmax) the tokens are those of plain decoding.
+normalize(max(p - q, 0)), i.e. p without d. It draws that way by drawing the token from p exactly
+as plain decoding does (the sampler, the same random numbers) and keeping d when the token drawn is
+d: kept with probability p(d), and a rejection's token is p conditioned on not d. Every token is
+then distributed exactly as p, and more: each token uses one draw of the sampler, as in plain
+decoding, so with a seed (or temperature 0) the tokens are those of plain decoding, whatever was
+drafted and however many drafts each pass checked (which depends on measured timings).
 """
 
 from __future__ import annotations
@@ -80,22 +84,13 @@ class AcceptanceRate:
 
 
 def accept(sampler, logits: np.ndarray, recent, draft: int) -> tuple[bool, int]:
-    """(True, draft) if the draft is kept, else (False, the token to use instead).
+    """(True, draft) if the draft is kept, else (False, the token to use instead): the token plain
+    decoding would draw here (the module's docstring says why that is the speculative-sampling rule).
 
     logits: (V,) the model's output before the draft's position; recent: the tokens the repeat
-    penalty sees there. p is the sampler's final distribution (penalty, temperature, top-k/p, min-p)."""
-    cand, p = sampler.distribution(logits, recent)
-    if sampler.settings.temperature == 0:
-        return int(cand[0]) == draft, int(cand[0])
-    hit = np.flatnonzero(cand == draft)
-    pd = float(p[hit[0]]) if hit.size else 0.0
-    if pd > 0.0 and sampler.rng.random() < pd:
-        return True, draft
-    if hit.size:
-        p = p.copy()
-        p[hit[0]] = 0.0
-        p /= p.sum()
-    return False, int(cand[sampler.rng.choice(p.size, p=p)])
+    penalty sees there."""
+    token = sampler(logits, recent)
+    return token == draft, token
 
 
 class PromptLookup(DraftSource):
