@@ -186,8 +186,9 @@ class Conversation:
     def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None) -> tuple[str, TurnStats]:
         """Append the user's message, generate the answer (streamed through on_text), save both turns.
 
-        `stop_requested` (set from a signal handler) ends the answer after the current token;
-        what was generated stays in the transcript and the cache.
+        `stop_requested` (set from a signal handler) ends the answer: what was shown stays in the
+        transcript and the cache; a token that was being computed when the stop came is dropped (a
+        terminal shows nothing after the ^C, so the conversation goes on from what the user read).
         """
         if not user_text.strip():
             raise ChatError("empty message")
@@ -246,12 +247,14 @@ class Conversation:
         gen = Generation(self.model, logits, self.prefs.sampler, self.tok.eog_ids, self.settings.max_tokens,
                          drafts=drafts, draft=self._draft(), recent=self.settings.repeat_last_n)
         stats.stopped = "interrupt"
-        tokens = iter(gen)
+        tokens, first = iter(gen), self.model.cache.length
         try:
             while not self.stop_requested or stats.generated == self.settings.max_tokens:
                 tok = next(tokens, None)  # the token is in the cache before it is shown
                 if tok is None:
                     stats.stopped = gen.stopped
+                    break
+                if self.stop_requested:  # asked to stop while it was computed: neither shown nor kept
                     break
                 stats.generated += 1
                 piece = stream.push(tok.id)
@@ -262,6 +265,8 @@ class Conversation:
                 self.clock.tick()
         finally:
             tokens.close()  # a stop inside a batched pass drops the tokens not shown
+            if self.model.cache.length > first + stats.generated:  # and the one computed after a stop
+                self.model.cache.truncate(first + stats.generated)
         tail = stream.flush()
         if tail:
             pieces.append(tail)

@@ -45,6 +45,38 @@ def test_stop_during_the_answer_keeps_what_was_said(model):
     assert conv.turns[-1].last == model.cache.length and stats.generated >= 3
 
 
+@pytest.mark.parametrize("draft", [0, 8])
+def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, draft):
+    """Ctrl-C while a decode step (or a verify pass) runs: the terminal shows nothing after the ^C, so
+    that step's tokens are dropped and the conversation goes on from the text that was shown."""
+    model.reset()
+    conv = Conversation(model, Settings(temperature=0, max_tokens=40, draft=draft), save=False)
+    message = "copy: one two three one two three one two three"
+    full, _ = conv.ask(message)
+    full_ids = model.cache.token_ids()[conv.turns[-1].first:]
+    conv.reset()
+    pieces, passes = [], []
+    decode, prefill = model.decode, model.prefill
+
+    def stop_inside(step):
+        def run(*args, **kwargs):
+            passes.append(1)
+            if len(passes) == 5:
+                conv.stop_requested = True  # what Ctrl-C does, arriving while the step computes
+            return step(*args, **kwargs)
+        return run
+
+    model.decode, model.prefill = stop_inside(decode), stop_inside(prefill)
+    try:
+        # shown as the REPL shows it: after the ^C, nothing (App.hushed)
+        answer, stats = conv.ask(message, on_text=lambda piece: conv.stop_requested or pieces.append(piece))
+    finally:
+        model.decode, model.prefill = decode, prefill
+    assert stats.stopped == "interrupt" and answer == "".join(pieces) and full.startswith(answer)
+    assert conv.turns[-1].last == model.cache.length == conv.turns[-1].first + stats.generated
+    assert model.cache.token_ids()[conv.turns[-1].first:] == full_ids[:stats.generated]  # the rows of what was shown
+
+
 REWRITING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% else %}<｜Assistant｜>[{{ m['content'] }}]<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
