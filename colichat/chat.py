@@ -53,6 +53,7 @@ class Conversation:
         self.prefs = ChatSettings(settings, pinned)
         self.turns: list[Turn] = []
         self.stop_requested = False
+        self.unsaved_cut: int | None = None  # /regen: the saved session keeps this many turns from the next save on
         self.last_stats: TurnStats | None = None
         self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (cli.App)
         cfg = model.cfg
@@ -148,6 +149,13 @@ class Conversation:
         self.saving.close()
 
     def _save(self, stats: TurnStats) -> None:
+        if self.unsaved_cut is not None:  # the answer /regen replaces goes from the disk only now
+            try:
+                self.saving.truncate(self.unsaved_cut)
+            except ChatError as e:
+                stats.saved, stats.save_error = False, str(e)
+                return
+            self.unsaved_cut = None
         self.saving.save(self.model.cache, self.turns, self.settings.to_dict(), stats)
 
     def _save_settings(self) -> None:
@@ -267,6 +275,8 @@ class Conversation:
             tokens.close()  # a stop inside a batched pass drops the tokens not shown
             if self.model.cache.length > first + stats.generated:  # and the one computed after a stop
                 self.model.cache.truncate(first + stats.generated)
+        if stats.stopped == "interrupt" and not stats.generated:  # nothing shown: as if it was never sent
+            raise ChatError("interrupted before the answer began; the message was not sent")
         tail = stream.flush()
         if tail:
             pieces.append(tail)
@@ -331,6 +341,28 @@ class Conversation:
                 + f": {count(self.exchanges(), 'exchange')}, {count(self.n_tokens, 'token')} read again; {where}")
 
     # --- history edits ----------------------------------------------------------------------------
+
+    def regen(self, on_text=None, on_progress=None, on_note=None) -> tuple[str, TurnStats]:
+        """Answer the last message again. The answer it replaces stays, in memory and on disk, until
+        the new one exists: a regeneration stopped before its first token, or failing, leaves the
+        conversation as it was."""
+        starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
+        if not starts:
+            raise ChatError("nothing to regenerate: the conversation is empty")
+        cache, old_turns = self.model.cache, self.turns
+        user, end = self.turns[starts[-1]], cache.length
+        old_rows = cache.records[user.first:end].copy()  # (n,) records of the exchange replaced
+        self.turns = self.turns[: starts[-1]]
+        cache.truncate(user.first)
+        cut = self.unsaved_cut
+        self.unsaved_cut = starts[-1] if cut is None else min(cut, starts[-1])
+        try:
+            return self.ask(user.text, on_text, on_progress, on_note)
+        except BaseException:
+            cache.records[user.first:end] = old_rows
+            cache.set_length(end)
+            self.turns, self.unsaved_cut = old_turns, cut
+            raise
 
     def rewind(self, n: int = 1) -> list[Turn]:
         """Drop the last n exchanges (cache truncated to the start of the first dropped one)."""

@@ -266,11 +266,12 @@ class App:
         else:
             self.answer(word)
 
-    def answer(self, text: str) -> None:
+    def answer(self, text: str | None) -> None:
+        """Answer the message `text`, or with None the last message again (/regen)."""
         self.status.show("reading your message ...")
+        shown = {"on_text": self.out, "on_progress": self._prefill_progress, "on_note": self.say}
         try:
-            _, stats = self.conv.ask(text, on_text=self.out, on_progress=self._prefill_progress,
-                                      on_note=self.say)
+            _, stats = self.conv.ask(text, **shown) if text is not None else self.conv.regen(**shown)
         finally:
             self.hushed = False
             if self.screen:

@@ -130,11 +130,7 @@ def cmd_forget(app, arg: str) -> None:
 
 
 def cmd_regen(app, arg: str) -> None:
-    users = [t for t in app.conv.turns if t.role == "user"]
-    if not users:
-        raise ChatError("nothing to regenerate: the conversation is empty")
-    app.conv.rewind(1)
-    app.answer(users[-1].text)
+    app.answer(None)  # the last message, answered again (Conversation.regen)
 
 
 def cmd_history(app, arg: str) -> None:

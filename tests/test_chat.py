@@ -77,6 +77,68 @@ def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, dr
     assert model.cache.token_ids()[conv.turns[-1].first:] == full_ids[:stats.generated]  # the rows of what was shown
 
 
+def stop_at_first_decode(conv, model):
+    """model.decode wrapped: the first call gets a stop request (Ctrl-C) while it computes."""
+    decode = model.decode
+
+    def run(*args, **kwargs):
+        conv.stop_requested = True
+        return decode(*args, **kwargs)
+
+    return run
+
+
+def test_a_stop_before_the_first_token_drops_the_message(model):
+    model.reset()
+    conv = Conversation(model, Settings(temperature=0, max_tokens=8, draft=0), save=False)
+    conv.ask("hello")
+    before = (model.cache.token_ids(), list(conv.turns))
+    model.decode = stop_at_first_decode(conv, model)
+    try:
+        with pytest.raises(ChatError, match="^interrupted before the answer began; the message was not sent$"):
+            conv.ask("and now?")
+    finally:
+        del model.decode
+    assert (model.cache.token_ids(), conv.turns) == before  # no empty answer kept
+    conv.ask("and now?")
+    assert conv.exchanges() == 2
+
+
+def test_regen_keeps_the_old_answer_until_a_new_one_exists(model, tmp_path):
+    from colichat.persist import Store
+
+    model.reset()
+    store = Store(tmp_path)
+    conv = Conversation(model, Settings(temperature=0.9, seed=1, max_tokens=12, draft=0), store=store,
+                        session_name="r")
+    try:
+        conv.ask("hello")
+        first, _ = conv.ask("tell me more")
+        files = {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"}
+        rows = bytes(model.cache.raw(0, model.cache.length))
+        turns = list(conv.turns)
+        model.decode = stop_at_first_decode(conv, model)  # stopped before its first token: nothing changes
+        try:
+            with pytest.raises(ChatError, match="not sent"):
+                conv.regen()
+        finally:
+            del model.decode
+        assert conv.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
+        assert {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"} == files
+        second, stats = conv.regen()  # a new answer replaces it, on disk too
+        assert stats.saved and second != first and [t.text for t in conv.turns][-1] == second
+        rows = bytes(model.cache.raw(0, model.cache.length))
+    finally:
+        conv.close()
+    model.reset()
+    again = Conversation(model, Settings(), store=store)
+    try:
+        again.resume("r")
+        assert again.turns == conv.turns and bytes(model.cache.raw(0, model.cache.length)) == rows
+    finally:
+        again.close()
+
+
 REWRITING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% else %}<｜Assistant｜>[{{ m['content'] }}]<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
