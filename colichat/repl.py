@@ -152,7 +152,7 @@ def read_input(session: PromptSession, screen: Screen | None = None) -> str:
 @contextlib.contextmanager
 def keys_wait(on_continue=lambda: None):
     """No echo and no line editing on the terminal outside prompt_toolkit's prompts (while an answer
-    streams): typed keys wait in the input queue for the next prompt. Ctrl-C still raises SIGINT.
+    streams): typed keys wait in the input queue for the next prompt, a Ctrl-C too. Ctrl-C still raises SIGINT.
     Ctrl-Z stops colichat as usual (the shell sets the terminal its own way meanwhile); `fg` (SIGCONT)
     sets this mode again, and calls `on_continue`."""
     try:
@@ -165,6 +165,7 @@ def keys_wait(on_continue=lambda: None):
         return
     new = list(old)
     new[3] &= ~(termios.ECHO | termios.ICANON)
+    new[3] |= termios.NOFLSH  # Ctrl-C (or Ctrl-Z) keeps the keys typed ahead: the next prompt's text
     new[6] = list(old[6])
     new[6][termios.VMIN], new[6][termios.VTIME] = 1, 0
 

@@ -215,16 +215,20 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
         t.keys("C-u")  # drop it
         t.wait_for(lambda s: s.rstrip().endswith(">"), SCREEN_WAIT, "an empty prompt")
 
-        # Ctrl-C while streaming: ^C, then nothing more of the answer; the footer on its own line
+        # Ctrl-C while streaming: ^C, then nothing more of the answer; the footer on its own line; the keys
+        # typed before it wait at the prompt
         question = "Tell me a long story about a brave knight."
         t.type(question)
         t.keys("Enter")
         t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
+        t.type("then this")
         t.keys("C-c")
-        screen = t.wait_for(lambda s: re.search(r", interrupted[,;]", s) and s.rstrip().endswith(">"), MODEL_WAIT,
-                            "the interrupted footer")
+        screen = t.wait_for(lambda s: re.search(r", interrupted[,;]", s) and s.rstrip().endswith("> then this"),
+                            MODEL_WAIT, "the interrupted footer and the typed-ahead text at the prompt")
         shown = answer_after(screen, question)
         assert shown[-1].endswith("^C") and screen.count("^C") == 1
+        t.keys("C-u")
+        t.wait_for(lambda s: s.rstrip().endswith(">"), SCREEN_WAIT, "an empty prompt")
 
         # a """ block: `... ` on its lines; Ctrl-D inside it ends the block (sent, not quit)
         t.type('"""')
