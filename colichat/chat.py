@@ -105,9 +105,9 @@ class Conversation:
             raise
         self.saving.adopt(new, name)
         self.turns = list(res.turns)
+        # Options given at start are the settings from now on, written with the next save: opening a
+        # conversation to read it changes nothing on disk (FORMAT.md, "Loading reads only").
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
-        if self.prefs.pinned:
-            self._save_settings()  # the options given now are the session's settings from now on
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
         left, n_ctx = self.model.n_ctx - self.n_tokens, self.model.n_ctx
@@ -391,4 +391,4 @@ class Conversation:
     def _cut(self, n: int, kept_turns: int) -> None:
         """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
         self.model.cache.truncate(n)
-        self.saving.truncate(kept_turns)
+        self.saving.truncate(kept_turns, self.settings.to_dict())

@@ -104,8 +104,9 @@ class Saving:
     # --- writing ----------------------------------------------------------------------------------
 
     def save(self, cache, turns: list, settings: dict, stats) -> None:
-        """Append the unsaved turns; a failure is reported in `stats` and the conversation goes on
-        in memory."""
+        """Append the unsaved turns, with the settings in use (options given at start and a /set whose
+        own save failed are written here); a failure is reported in `stats` and the conversation goes
+        on in memory."""
         if not self.store or self.read_only:
             return
         if self.session is None and not self.save_new:
@@ -115,7 +116,7 @@ class Saving:
                 first = next((t.text for t in turns if t.role == "user"), "")
                 self.session = self.store.create(self.ident, self.layout, self.name, settings, stem=slug(first))
                 self.name = self.session.name
-            self.session.append(cache, turns)
+            self.session.append(cache, turns, settings)
             stats.saved = True
             stats.save_note = "; ".join(self.session.notes) or None
             self.session.notes.clear()
@@ -130,11 +131,12 @@ class Saving:
             except (SessionError, OSError):
                 pass  # saved again with the next answer
 
-    def truncate(self, kept_turns: int) -> None:
-        """The saved session keeps its first kept_turns turns (the cache was cut to match)."""
+    def truncate(self, kept_turns: int, settings: dict) -> None:
+        """The saved session keeps its first kept_turns turns (the cache was cut to match), and the
+        settings in use."""
         if self.session and not self.read_only:
             try:
-                self.session.truncate(kept_turns)
+                self.session.truncate(kept_turns, settings)
             except SessionError as e:
                 raise ChatError(f"{e} (the conversation goes on in memory)") from None
 

@@ -433,11 +433,12 @@ def test_options_on_the_command_line_win_over_the_saved_settings(colichat_home):
     args = ["--model", TINY_LLAMA, "--session", "opt"]
     chat(colichat_home, [*args, "--temperature", "0", "--max-tokens", "8", "--top-k", "5"],
          lines("/set seed 7", Q[0])).ok()
-    run = chat(colichat_home, [*args, "--resume", "--temperature", "0.9"], lines("/show")).ok()
+    run = chat(colichat_home, [*args, "--resume", "--temperature", "0.9"], lines("/show", Q[1])).ok()
     shown = dict(line.split(None, 1) for line in run.err.splitlines() if line.split(None, 1)[0] in
                  ("temperature", "max_tokens", "top_k", "seed"))
     assert shown == {"temperature": "0.9", "max_tokens": "8", "top_k": "5", "seed": "7"}, shown
-    # The option given now is the session's setting from now on; the others stay as saved.
+    # The option given now is the session's setting from now on (saved with the answer); the others
+    # stay as saved.
     again = chat(colichat_home, [*args, "--resume"], lines("/show")).ok()
     assert "temperature    0.9" in again.err.splitlines() and "top_k          5" in again.err.splitlines()
 

@@ -3,10 +3,18 @@ damaged or planted session files named with the command that clears them, privat
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 
 from cli_helpers import TINY_ARGS, chat, finish, lines, read_until, saved_users, session_files, start
+from persist_helpers import snapshot
+
+
+def session_dir(home):
+    """The one model's session directory."""
+    [directory] = {p.parent for p in session_files(home)}
+    return directory
 
 
 def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
@@ -65,6 +73,49 @@ def test_a_damaged_session_gets_the_same_advice_everywhere(colichat_home):
     chat(colichat_home, TINY_ARGS, lines("/delete s")).ok()
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
     assert saved_users(colichat_home, "s") == ["Hello there"]
+
+
+def test_opening_a_damaged_conversation_with_options_writes_nothing(colichat_home):
+    """Loading reads only, whatever options are given: the damaged last answer stays on disk (for the
+    user to inspect or restore) until the conversation goes on, at start or by /resume NAME."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Hello there", "Thanks a lot")).ok()
+    directory = session_dir(colichat_home)
+    kv = directory / "e.coli_kv"
+    kv.write_bytes(kv.read_bytes()[:-100])  # the last answer's records cut short
+    before = snapshot(directory)
+    for args, inputs in (([*TINY_ARGS, "--session", "e"], ["/quit"]),
+                         ([*TINY_ARGS, "--resume", "--max-tokens", "5"], ["/history"]),
+                         ([*TINY_ARGS, "--seed", "3"], ["/resume e", "/history"])):
+        run = chat(colichat_home, args, lines(*inputs)).ok()
+        assert run.resumed()[1:] == (3, "e") and "warning: " in run.err
+        assert snapshot(directory) == before, args
+    # the next answer repairs it
+    chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Go on")).ok()
+    assert saved_users(colichat_home, "e") == ["Hello there", "Thanks a lot", "Go on"]
+
+
+def test_options_given_when_reopening_are_saved_with_the_next_answer_only(colichat_home):
+    """--temperature 1.5 on a saved conversation applies at once but changes nothing on disk (the
+    conversation does not become the latest) until an answer or a /set saves it."""
+    chat(colichat_home, [*TINY_ARGS, "--temperature", "0.5", "--session", "st"], lines("Hello there")).ok()
+    chat(colichat_home, [*TINY_ARGS, "--session", "other"], lines("Thanks a lot")).ok()
+    directory = session_dir(colichat_home)
+    before = snapshot(directory)
+    for args, inputs in ((["--session", "st"], ["/show"]), ([], ["/resume st", "/show"])):
+        run = chat(colichat_home, [*TINY_ARGS, "--temperature", "1.5", *args], lines(*inputs)).ok()
+        assert "temperature    1.5" in run.err.splitlines()
+        assert snapshot(directory) == before, args
+    latest = chat(colichat_home, TINY_ARGS, lines("/quit")).ok()
+    assert "latest saved conversation: other: " in latest.err
+
+    def saved_temperature():
+        return json.loads((directory / "st.json").read_text("utf-8"))["sampler"]["temperature"]
+
+    assert saved_temperature() == 0.5
+    chat(colichat_home, [*TINY_ARGS, "--temperature", "1.5", "--session", "st"], lines("Go on")).ok()
+    assert saved_temperature() == 1.5
+    chat(colichat_home, [*TINY_ARGS, "--session", "st"], lines("/set temperature 0.25")).ok()
+    assert saved_temperature() == 0.25
 
 
 def test_a_session_file_removed_between_answers_is_written_again(colichat_home):

@@ -123,8 +123,10 @@ def test_a_conversation_reopens_with_the_model_that_saved_it(ref, colichat_home,
             f"colichat: session trip belongs to another model (llama.gguf, last run from {model}, not there "
             "now); start colichat with --model PATH of that model to reopen it, or choose another name"]
     assert names_on_disk(colichat_home) == ["trip"]
-    # Run once from its new place, the session finds it there from then on.
-    chat(colichat_home, ["--model", moved / "llama.gguf", *settings, "--resume", "--session", "trip"]).ok()
+    # Continued once from its new place (the answer's save records it), the session finds it there
+    # from then on.
+    chat(colichat_home, ["--model", moved / "llama.gguf", *settings, "--resume", "--session", "trip"],
+         lines(Q[0])).ok()
     run = chat(colichat_home, [*settings, "--session", "trip"], lines("/history")).ok()
     assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {moved / 'llama.gguf'}"
 

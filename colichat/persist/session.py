@@ -543,8 +543,9 @@ class Session:
 
     # ---- saving ----------------------------------------------------------------------------
 
-    def append(self, cache, turns: list[Turn]) -> None:
-        """Save the turns not yet on disk: writes records [self.nrec, turns[-1].last) and the sidecar.
+    def append(self, cache, turns: list[Turn], sampler: dict | None = None) -> None:
+        """Save the turns not yet on disk: writes records [self.nrec, turns[-1].last) and the sidecar
+        (with `sampler`, the settings from now on, when given).
 
         `turns` is either the whole conversation (starting at record 0, its head equal to
         `self.turns`) or just the new turns (starting at `self.nrec`). Passing the whole list is
@@ -553,6 +554,8 @@ class Session:
         """
         self._require_loaded()
         self.layout.check_cache(cache)
+        if sampler is not None:
+            self.sampler = dict(sampler)
         turns = [Turn(t.role, t.text, t.first, t.last) for t in turns]  # any object with these fields
         if self.turns and turns and turns[0].first == 0:
             if turns[: len(self.turns)] != self.turns:
@@ -585,10 +588,13 @@ class Session:
         self._crcs += crcs
         self.nrec = prev
 
-    def truncate(self, n_turns: int) -> None:
-        """Keep the first n_turns saved turns: rewrite nrec, then the sidecar; later records become
-        dead space. Keeping more turns than are saved (after a failed save) keeps them all."""
+    def truncate(self, n_turns: int, sampler: dict | None = None) -> None:
+        """Keep the first n_turns saved turns: rewrite nrec, then the sidecar (with `sampler`, the
+        settings from now on, when given); later records become dead space. Keeping more turns than
+        are saved (after a failed save) keeps them all."""
         self._require_loaded()
+        if sampler is not None:
+            self.sampler = dict(sampler)
         if n_turns < 0:
             raise ValueError(f"cannot keep {n_turns} turns")
         n_turns = min(n_turns, len(self.turns))
