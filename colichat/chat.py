@@ -46,7 +46,8 @@ class Conversation:
     """
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
-                 store: Store | None = None, pinned=frozenset(), save_new: bool = True, read_only: bool = False):
+                 store: Store | None = None, pinned=frozenset(), save_new: bool = True, read_only: bool = False,
+                 no_save: bool = False):
         self.model = model
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
@@ -60,7 +61,7 @@ class Conversation:
         self.saving = Saving((store or Store()) if save else None,
                              model_identity(cfg.path, cfg.arch, cfg.name) if save else None,
                              CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new, read_only,
-                             rope_factors=lambda: model.rope_factors)
+                             rope_factors=lambda: model.rope_factors, no_save=no_save)
 
     # --- state ------------------------------------------------------------------------------------
 

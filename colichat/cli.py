@@ -70,8 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--numerics", choices=["fast", "llama.cpp"], default="fast",
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp)")
-    p.add_argument("--no-save", action="store_true", help="do not write the conversation to disk (one-shot -p "
-                   "runs and messages from a pipe are saved only with --session NAME or --resume)")
+    p.add_argument("--no-save", action="store_true", help="write nothing to disk: a saved conversation (--session "
+                   "NAME, --resume, /resume) opens and goes on unsaved (one-shot -p runs and messages from a pipe "
+                   "are saved only with --session NAME or --resume)")
     p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit")
     p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
@@ -418,7 +419,7 @@ def choose_model(args, say) -> str:
         default, missing = default_model_path(), None
     except DefaultModelMissing as e:
         default, missing = None, e
-    found = None if args.no_save else model_to_reopen(Store(), default, args.session, args.resume)
+    found = model_to_reopen(Store(), default, args.session, args.resume)
     if found:
         name, path, title = found
         say(f"session {name} was saved with {title}: loading {path}")
@@ -582,16 +583,16 @@ def main(argv=None) -> int:
         check_model_file(args.model)
         args.interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
         problem = check_saving(args)
-        if not args.no_save:  # what --session and --resume mean, known before the model loads
-            args.resume, note = before_load(Store(), args.model, args.session, args.resume)
-            if note:
-                say(note)
-            check_rope_factors(args)
+        # what --session and --resume mean, known before the model loads (--no-save too: it reads them)
+        args.resume, note = before_load(Store(), args.model, args.session, args.resume)
+        if note:
+            say(note)
+        check_rope_factors(args)
         read_only = saving_mode(args, problem)
         interactive = args.interactive
         person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
         model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
-        conv = Conversation(model, settings, save=not args.no_save, session_name=args.session, pinned=given,
+        conv = Conversation(model, settings, session_name=args.session, pinned=given, no_save=args.no_save,
                             save_new=person_types or args.session is not None or args.resume, read_only=read_only)
     except USER_ERRORS as e:
         say(f"colichat: {e}")

@@ -36,7 +36,7 @@ def footer(conv, stats: TurnStats, keep: str = "/save NAME") -> str:
     """The line after an answer: its speeds, the context left, and whether it was saved (if not, and it
     could be, what keeps it: `keep`)."""
     saving = conv.saving
-    unsaved = ("not saved (--no-save)" if not saving.store else "not saved (read-only)" if saving.read_only
+    unsaved = ("not saved (--no-save)" if saving.no_save else "not saved (read-only)" if saving.read_only
                else f"not saved ({keep} keeps it)")
     saved = {None: unsaved, True: f"saved to {saving.name}",
              False: f"NOT saved: {stats.save_error}"}[stats.saved]
@@ -63,7 +63,7 @@ def stats_lines(conv) -> list[str]:
     if saving.session:
         lines.append(f"session {saving.session.name}: {format_size(saving.disk_bytes())} on disk")
     else:
-        lines.append("session: not saved yet" if saving.store else "session: saving is off (--no-save)")
+        lines.append("session: saving is off (--no-save)" if saving.no_save else "session: not saved yet")
     s = conv.last_stats
     if s:
         lines.append(f"last answer: {count(s.generated, 'token')} at {s.decode_tps:.1f} tok/s; "

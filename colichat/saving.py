@@ -3,8 +3,9 @@
 With saving on, the session file is created at the first answer (named --session NAME, else from
 the first message), so starting colichat and quitting leaves nothing behind. With `save_new` off
 (one-shot runs and messages from a pipe, without --session), a new conversation is saved only by
-/save NAME; a resumed one is still saved after every answer. `store` None means saving is off (--no-save);
-`read_only` that sessions can be read, not saved (a read-only file system).
+/save NAME; a resumed one is still saved after every answer. `store` None means no sessions at all;
+`read_only` that sessions can be read, not saved (a read-only file system), and `no_save` the same
+by choice (--no-save: nothing is written, and what would write, /save, /rename, /delete, is refused).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from .units import format_size
 
 class Saving:
     def __init__(self, store: Store | None, ident: dict | None, layout: CacheLayout, name: str | None = None,
-                 save_new: bool = True, read_only: bool = False, rope_factors=lambda: None):
+                 save_new: bool = True, read_only: bool = False, rope_factors=lambda: None, no_save: bool = False):
         self.store, self.weights_ident, self.layout = store, ident, layout
         self.rope_factors = rope_factors  # () -> the rope factors the cache rows are rotated with now
         self.session: Session | None = None  # once created, claimed or resumed
         self.name = name
         self.save_new = save_new
-        self.read_only = read_only
+        self.read_only = read_only or no_save
+        self.no_save = no_save or store is None
 
     @property
     def ident(self) -> dict | None:
@@ -81,7 +83,7 @@ class Saving:
 
     def rename(self, new: str) -> str:
         """Give the current conversation another name (its files are renamed, nothing is rewritten)."""
-        if not self.store:
+        if self.no_save:
             raise ChatError("saving is off (--no-save): nothing to rename")
         if not self.session:
             raise ChatError("this conversation is not saved yet: /save NAME saves it under that name")
@@ -143,7 +145,7 @@ class Saving:
     def save_as(self, name: str, cache, turns: list, settings: dict) -> str:
         """Write the conversation from the cache into a new session NAME (no forward pass). An
         unsaved conversation goes on in it; a saved one goes on in its own, NAME is a copy."""
-        if not self.store:
+        if self.no_save:
             raise ChatError("saving is off (--no-save): nothing can be saved")
         if not turns:
             raise ChatError("nothing to save yet: the conversation is empty")
@@ -185,8 +187,8 @@ class Saving:
 
     def delete(self, name: str) -> str:
         """Delete a saved conversation of this model (not the one in use)."""
-        if not self.store:
-            raise ChatError("saving is off (--no-save): no sessions")
+        if self.no_save:
+            raise ChatError("saving is off (--no-save): no session is deleted")
         if self.session and self.session.name == name:
             raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
         freed = self.store.delete(self.ident, name)

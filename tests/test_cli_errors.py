@@ -154,7 +154,7 @@ BAD_OPTIONS = {
     "empty-session-name": (["--session", ""], "invalid session name ''"),
     "resume-nothing": (["--resume"], "no saved conversation for this model yet"),
     "resume-unknown": (["--resume", "--session", "nosuch"], "no session named nosuch"),
-    "resume-without-saving": (["--resume", "--no-save"], "saving is off (--no-save): nothing to resume"),
+    "resume-nothing-without-saving": (["--resume", "--no-save"], "no saved conversation for this model yet"),
 }
 
 

@@ -22,6 +22,7 @@ from cli_helpers import (
     session_files,
     session_names,
 )
+from persist_helpers import snapshot
 
 from colichat.persist import SessionError, Store
 from colichat.persist.store import slug
@@ -100,6 +101,30 @@ def test_session_name_of_a_saved_conversation_reopens_it(ref, colichat_home):
     run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[2])).ok()
     assert run.resumed()[1:] == (4, "s") and run.out == answers_bytes(ref[2:])
     assert saved_users(colichat_home, "s") == Q
+
+
+def test_no_save_opens_a_saved_conversation_and_writes_nothing(ref, colichat_home):
+    """--no-save with --session NAME of a saved conversation, --resume, or /resume: it opens and goes on
+    unsaved, the footers say so; what would write is refused; a new name is a new unsaved conversation."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
+    [directory] = {p.parent for p in session_files(colichat_home)}
+    before = snapshot(directory)
+    for args, inputs in ((["--session", "s"], []), (["--resume"], []), ([], ["/resume s"])):
+        run = chat(colichat_home, [*TINY_ARGS, "--no-save", *args], lines(*inputs, Q[2], "/history")).ok()
+        assert run.resumed()[1:] == (4, "s") and run.out == answers_bytes(ref[2:])
+        assert f"user> {Q[0]}" in run.err.splitlines() and f"user> {Q[2]}" in run.err.splitlines()
+        assert [f.rsplit(";", 1)[1] for f in run.footers()] == [" not saved (--no-save)]"]
+        assert snapshot(directory) == before, args
+    run = chat(colichat_home, [*TINY_ARGS, "--no-save", "--session", "s"],
+               lines("/rewind", "/save t", "/rename t", "/delete s")).failed()
+    assert run.errors() == ["colichat: saving is off (--no-save): nothing can be saved",
+                            "colichat: saving is off (--no-save): nothing to rename",
+                            "colichat: saving is off (--no-save): no session is deleted"]
+    new = chat(colichat_home, [*TINY_ARGS, "--no-save", "--session", "n"], lines(Q[0], "/history")).ok()
+    assert "resumed" not in new.err and f"user> {Q[0]}" in new.err.splitlines()
+    assert snapshot(directory) == before and names_on_disk(colichat_home) == ["s"]
+    missing = chat(colichat_home, [*TINY_ARGS, "--no-save", "--resume", "--session", "n"], lines(Q[0])).failed()
+    assert missing.err == "colichat: no session named n for this model (colichat --sessions lists them)\n"
 
 
 def test_a_conversation_reopens_with_the_model_that_saved_it(ref, colichat_home, tmp_path):
