@@ -88,6 +88,8 @@ class Saving:
         if not self.session:
             raise ChatError("this conversation is not saved yet: /save NAME saves it under that name")
         old = self.session.name
+        if new == old:  # (its own lock would call it "open in another colichat")
+            raise ChatError(f"this conversation is already called {new}")
         self.store.rename(self.session, new)
         self.name = new
         return f"renamed session {old} to {new}"
@@ -149,6 +151,9 @@ class Saving:
             raise ChatError("saving is off (--no-save): nothing can be saved")
         if not turns:
             raise ChatError("nothing to save yet: the conversation is empty")
+        if self.session and self.session.name == name:
+            saved = "" if self.read_only else ", saved after every answer"
+            raise ChatError(f"session {name} is this conversation{saved} (/save NAME keeps a copy under another name)")
         copy = self.store.create(self.ident, self.layout, check_name(name), settings)
         try:
             copy.append(cache, turns)

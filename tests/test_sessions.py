@@ -75,6 +75,14 @@ def test_rename_and_save_a_copy_without_prefill(ref, colichat_home):
     assert again.resumed()[1:] == (4, "copy") and again.out == answers_bytes(ref[2:])
 
 
+def test_rename_or_save_to_its_own_name_says_it_is_this_conversation(colichat_home):
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "rn"], lines(Q[0], "/rename rn", "/save rn")).failed()
+    assert run.errors() == ["colichat: this conversation is already called rn",
+                            "colichat: session rn is this conversation, saved after every answer (/save NAME "
+                            "keeps a copy under another name)"]
+    assert names_on_disk(colichat_home) == ["rn"] and saved_users(colichat_home, "rn") == [Q[0]]
+
+
 def test_save_keeps_an_unsaved_conversation(ref, colichat_home):
     run = chat(colichat_home, TINY_ARGS, lines(Q[0], "/rename x", "/save kept", Q[1])).failed()
     assert run.errors() == ["colichat: this conversation is not saved yet: /save NAME saves it under that name"]
