@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .errors import ChatError
-from .persist import CacheLayout, Session, SessionError, SessionExists, Store, check_name, slug
+from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
 from .units import format_size
 
 
@@ -154,21 +154,31 @@ class Saving:
         if self.session and self.session.name == name:
             saved = "" if self.read_only else ", saved after every answer"
             raise ChatError(f"session {name} is this conversation{saved} (/save NAME keeps a copy under another name)")
-        copy = self.store.create(self.ident, self.layout, check_name(name), settings)
+        try:
+            copy = self.store.create(self.ident, self.layout, check_name(name), settings)
+        except SaveFailed as e:
+            raise self._copy_failed(e, name) from None
         try:
             copy.append(cache, turns)
-        except BaseException:
+        except BaseException as e:
             copy.close()
             try:
                 self.store.delete(self.ident, name)  # a partial copy: the conversation is still in memory
             except SessionError:
                 pass
+            if isinstance(e, SaveFailed):
+                raise self._copy_failed(e, name) from None
             raise
         if self.session is None:
             self.session, self.name = copy, name
             return f"saved to session {name}; the conversation goes on in it"
         copy.close()
         return f"saved a copy as session {name} (the conversation goes on in {self.session.name})"
+
+    @staticmethod
+    def _copy_failed(e: SaveFailed, name: str) -> ChatError:
+        """A /save that could not be written: it is not retried (the next save is the conversation's own)."""
+        return ChatError(f"{e.what}; nothing was written (free some space, then /save {name} again)")
 
     # --- the other saved conversations of this model ------------------------------------------------
 

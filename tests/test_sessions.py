@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 
 import pytest
@@ -81,6 +82,24 @@ def test_rename_or_save_to_its_own_name_says_it_is_this_conversation(colichat_ho
                             "colichat: session rn is this conversation, saved after every answer (/save NAME "
                             "keeps a copy under another name)"]
     assert names_on_disk(colichat_home) == ["rn"] and saved_users(colichat_home, "rn") == [Q[0]]
+
+
+@pytest.mark.parametrize("limit", [20, 8000], ids=["header", "records"])
+def test_a_save_that_cannot_be_written_says_to_give_it_again(limit, colichat_home):
+    """/save NAME on a full disk (a file size limit: no room for the copy's header, or for its
+    records): the copy is not retried by the next answer's save, which is the conversation's own."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    full = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("/save cp"), preexec_fn=small_files).failed()
+    [error] = full.errors()
+    assert re.fullmatch(r"colichat: could not (create|save) session cp: File too large; nothing was written "
+                        r"\(free some space, then /save cp again\)", error), error
+    assert names_on_disk(colichat_home) == ["s"]
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[1], "/save cp")).ok()
+    assert saved_users(colichat_home, "cp") == Q[:2]
 
 
 def test_save_keeps_an_unsaved_conversation(ref, colichat_home):

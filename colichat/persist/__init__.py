@@ -14,11 +14,11 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
     sess.close()
 """
 
-from .kvfile import CacheLayout, SessionBusy, SessionError, SessionExists
+from .kvfile import CacheLayout, SaveFailed, SessionBusy, SessionError, SessionExists
 from .session import LoadResult, Session, Turn
 from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, slug, weights_fingerprint
 
 __all__ = [
-    "CacheLayout", "LoadResult", "Paths", "Session", "SessionBusy", "SessionError", "SessionExists",
+    "CacheLayout", "LoadResult", "Paths", "SaveFailed", "Session", "SessionBusy", "SessionError", "SessionExists",
     "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "slug", "weights_fingerprint",
 ]

@@ -44,6 +44,15 @@ class SessionExists(SessionError):
     """A new session was asked for under a name that holds a conversation."""
 
 
+class SaveFailed(SessionError):
+    """Writing a session failed (a full disk, an I/O error): `what` says what could not be written and
+    why; the message adds what becomes of it (a conversation's own saves retry, a /save copy does not)."""
+
+    def __init__(self, what: str, then: str):
+        super().__init__(f"{what}; {then}")
+        self.what = what
+
+
 def oserror_text(e: OSError) -> str:
     return e.strerror or str(e) or type(e).__name__
 

@@ -40,6 +40,7 @@ from .kvfile import (
     KIND_OF_MAGIC,
     MAGIC,
     CacheLayout,
+    SaveFailed,
     SessionBusy,
     SessionError,
     check_writable,
@@ -300,8 +301,8 @@ class Session:
                 except OSError:
                     pass
             why = oserror_text(e) if isinstance(e, OSError) else str(e)
-            raise SessionError(f"could not create session {self.name}: {why}; nothing was "
-                               "written (free some space; the next save retries)") from None
+            raise SaveFailed(f"could not create session {self.name}: {why}",
+                             "nothing was written (free some space; the next save retries)") from None
 
     @classmethod
     def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
@@ -581,9 +582,9 @@ class Session:
             write_nrec(self._kv_fd, prev)
             self._write_sidecar(self.turns + turns, self._crcs + crcs)
         except OSError as e:
-            raise SessionError(f"could not save session {self.name}: {oserror_text(e)}; the conversation "
-                               "is still in memory but its last turn may not be on disk "
-                               "(free some space; the next save retries)") from None
+            raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
+                             "the conversation is still in memory but its last turn may not be on disk "
+                             "(free some space; the next save retries)") from None
         self.turns += turns
         self._crcs += crcs
         self.nrec = prev
