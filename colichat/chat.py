@@ -97,7 +97,7 @@ class Conversation:
         rope = self.model.rope_factors
         try:
             self._take_rope_factors(new)
-            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode)
+            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, exchanges=True)
         except BaseException:
             new.close()
             self.model.use_rope_factors(rope)  # the conversation in memory goes on as it was

@@ -4,10 +4,12 @@ damaged or planted session files named with the command that clears them, privat
 from __future__ import annotations
 
 import json
+import os
 import resource
+import struct
 import time
 
-from cli_helpers import TINY_ARGS, chat, finish, lines, read_until, saved_users, session_files, start
+from cli_helpers import TINY_ARGS, chat, finish, lines, read_until, saved_turns, saved_users, session_files, start
 from persist_helpers import snapshot
 
 
@@ -168,3 +170,28 @@ def test_everything_colichat_creates_is_private_under_umask_000(tmp_path, monkey
     assert any(f.endswith("weights.f32") for f in modes) and any(f.endswith("p.coli_kv") for f in modes)
     wrong = {f: oct(m) for f, m in modes.items() if m != (0o700 if (home / f).is_dir() else 0o600)}
     assert wrong == {}
+
+
+def test_an_answer_cut_from_the_kv_file_takes_its_message_with_it(colichat_home):
+    """A KV file cut inside the last answer: the resumed conversation ends with the exchange before,
+    so the next message follows an answer (never two messages in a row), and the warning says why."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there", "And again")).ok()
+    [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
+    os.truncate(kv, kv.stat().st_size - 100)
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Once more")).ok()
+    assert run.resumed()[1:] == (2, "s")
+    assert "warning: dropped turn 3 (records " in run.err and "a message whose answer is not there" in run.err
+    assert [role for role, _ in saved_turns(colichat_home, "s")] == ["user", "assistant"] * 2
+    assert saved_users(colichat_home, "s") == ["Hello there", "Once more"]
+
+
+def test_a_negative_header_field_gets_the_delete_advice(colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
+    with open(kv, "r+b") as f:
+        f.seek(32)
+        f.write(struct.pack("<i", -5))
+    line = "s: damaged (a negative field in its header: nrec -5); /delete s removes it"
+    assert f"  {line}" in chat(colichat_home, TINY_ARGS, lines("/sessions")).ok().err.splitlines()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hi")).failed()
+    assert run.errors() == [f"colichat: session {line}"]

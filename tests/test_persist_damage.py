@@ -65,7 +65,7 @@ def patch_file(path, offset, data):
     (b"COLIKV1\0\x03\0", "truncated header"),
     (b"GGUF" + bytes(100), "magic"),
     (bytes(range(256)) * 20, "magic"),
-    (b"COLIKV1\0" + struct.pack("<8i", 3, 16, 4, 0, 0, 1000, -5, 0), "damaged header"),
+    (b"COLIKV1\0" + struct.pack("<8i", 3, 16, 4, 0, 0, 1000, -5, 0), r"header: nrec -5\); /delete d"),
 ])
 def test_garbage_kv_file_is_refused(saved, content, word):
     store, directory, _, _ = saved
@@ -111,6 +111,19 @@ def test_file_cut_mid_record(saved):
     res, cache = load(store)
     check_prefix(res, cache, turns, original, 3)
     assert any("cut short" in w for w in res.warnings) and any("turns 4-5" in w for w in res.warnings)
+
+
+def test_a_message_whose_answer_was_cut_off_is_dropped_with_it(saved):
+    """The chat's unit is the exchange: a file cut inside turn 4 (an answer) keeps turns 1-2, not 3
+    (its message) alone, and says so; without `exchanges` the persist layer keeps every whole turn."""
+    store, directory, turns, original = saved
+    os.truncate(directory / "d.coli_kv", 40 + turns[3].first * RB + RB // 2)
+    res, cache = load(store, exchanges=True)
+    check_prefix(res, cache, turns, original, 2)
+    assert res.warnings[-1] == (f"dropped turn 3 (records {turns[2].first}-{turns[2].last}): a message whose "
+                                "answer is not there (an exchange is kept whole)")
+    res, cache = load(store)
+    check_prefix(res, cache, turns, original, 3)
 
 
 def test_sidecar_listing_turns_past_nrec(saved):

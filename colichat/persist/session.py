@@ -209,6 +209,17 @@ def _span(turns: list[Turn], i: int) -> str:
     return f"{which} (records {turns[i].first}-{turns[-1].last})"
 
 
+def _drop_unanswered(turns: list[Turn], crcs: list[int], warnings: list[str]) -> int:
+    """Drop (in place) a last user turn: the chat saves a message and its answer together (an answer
+    stopped before its first token is an empty assistant turn), so a message alone is what is left
+    of an exchange whose answer was dropped. Returns the records kept."""
+    if turns and turns[-1].role == "user":
+        warnings.append(f"dropped {_span(turns, len(turns) - 1)}: a message whose answer is not there "
+                        "(an exchange is kept whole)")
+        del turns[-1], crcs[-1]
+    return turns[-1].last if turns else 0
+
+
 class Session:
     """One open session, holding its writer lock until `close`."""
 
@@ -344,7 +355,7 @@ class Session:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def load(self, cache, ctx_limit: int | None = None, detokenize=None) -> LoadResult:
+    def load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False) -> LoadResult:
         """Fill `cache` with the longest valid prefix of whole turns; modifies no file.
 
         Refuses (SessionError, cache untouched) a file of another model, kind or shape, other
@@ -353,6 +364,8 @@ class Session:
         capacity by default): a conversation that fills its context reopens, full. Damage drops
         turns from the first bad one on, with a warning each.
         `detokenize(ids) -> str` names the text of a cache saved without a sidecar (one turn).
+        `exchanges`: keep whole exchanges (the chat program's unit): a last user turn, whose answer
+        was dropped, is dropped too.
         """
         t0 = time.perf_counter()
         if self._kv_fd is None:
@@ -395,6 +408,8 @@ class Session:
             raise SessionError(f"could not read session {self.name} ({why}); the cache was cleared") from None
         if doc is not None:
             n = self._verify(cache, turns, crcs, warnings)
+            if exchanges:
+                n = _drop_unanswered(turns, crcs, warnings)
         else:
             n = self._check_tokens(cache, n, warnings)
             warnings.append(f"no sidecar {self.name}{SIDECAR_EXT}: loaded the {n} records as one imported turn "

@@ -214,6 +214,9 @@ def damaged_text(name: str, damage: str) -> str:
     return f"{name}: damaged ({damage}); /delete {name} removes it"
 
 
+HEADER_FIELDS = ("n_layers", "A width", "B width", "index_hd", "indexed layers", "vocab", "nrec")
+
+
 def _kv_damage(st, raw: bytes) -> str | None:
     if st.st_size == 0:
         return "empty KV file"
@@ -221,6 +224,10 @@ def _kv_damage(st, raw: bytes) -> str | None:
         return f"truncated header: {len(raw)} bytes, a header needs {HEADER_SIZE}"
     if raw[:8] not in KIND_OF_MAGIC:
         return f"not a KV file: magic {raw[:8]!r}"
+    fields = dict(zip(HEADER_FIELDS, HEADER.unpack(raw)[1:8], strict=True))
+    negative = [f"{k} {v}" for k, v in fields.items() if v < 0]
+    if negative:
+        return f"a negative field in its header: {', '.join(negative)}"
     return None
 
 
