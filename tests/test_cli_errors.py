@@ -262,8 +262,9 @@ def test_deeply_nested_sidecar_is_reported_as_damage(colichat_home):
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
     side.write_text("[" * 100_000 + "]" * 100_000)  # valid JSON, nested past Python's recursion limit
-    start = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()  # every start lists the sessions
-    assert "latest saved conversation: s: 0 turns" in start.err
+    start = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()  # listed as damaged, never the latest
+    assert "  s: damaged (the sidecar is not a colichat sidecar); /delete s removes it" in start.err.splitlines()
+    assert "latest saved conversation" not in start.err
     run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).failed()
     assert run.errors() == [f"colichat: sidecar {side} is damaged (not a colichat sidecar); move {side} aside "
                             "to load the cache as one imported turn"]

@@ -195,3 +195,33 @@ def test_a_negative_header_field_gets_the_delete_advice(colichat_home):
     assert f"  {line}" in chat(colichat_home, TINY_ARGS, lines("/sessions")).ok().err.splitlines()
     run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hi")).failed()
     assert run.errors() == [f"colichat: session {line}"]
+
+
+def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_latest(colichat_home, tmp_path):
+    """A sidecar that is not colichat's, a symlinked sidecar, a bare KV file of another model: listed
+    as damaged by /sessions and --sessions, never offered at start as the conversation to resume."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "good"], lines("Hello there")).ok()
+    time.sleep(0.05)
+    for name in ("foreign", "linked", "bare"):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).ok()
+    directory = next(p.parent for p in session_files(colichat_home) if p.name == "good.coli_kv")
+    (directory / "foreign.json").write_text('{"foo": 1}')
+    real = tmp_path / "linked.json"
+    real.write_bytes((directory / "linked.json").read_bytes())
+    (directory / "linked.json").unlink()
+    (directory / "linked.json").symlink_to(real)
+    (directory / "bare.json").unlink()
+    with open(directory / "bare.coli_kv", "r+b") as f:  # a cache of a model with 3 layers, not 4
+        f.seek(8)
+        f.write(struct.pack("<i", 3))
+    damaged = ["foreign: damaged (the sidecar is not a colichat sidecar); /delete foreign removes it",
+               "linked: damaged (the sidecar is a symbolic link); /delete linked removes it",
+               "bare: damaged (a cache of another model: n_layers 3 (model: 4)); /delete bare removes it"]
+    start = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()
+    assert "latest saved conversation: good: 2 turns" in start.err
+    rows = [row.strip() for row in start.err.splitlines()]
+    assert all(line in rows for line in damaged)
+    rows = [row.strip() for row in chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()]
+    assert all(line in rows for line in damaged)
+    for name in ("foreign", "linked", "bare"):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).failed()

@@ -71,19 +71,38 @@ def test_existing_name_is_refused_and_reset_keeps_the_old_session(colichat_home)
 @pytest.mark.parametrize("damage", [
     b"{not json", b"\xff", b"[1]", b'{"turns": 3}', b'{"turns": [1, 2]}',
     b'{"turns": [{"last": "x", "role": "user", "text": 5}], "model": 1, "updated": "?"}',
-    b'{"turns": [{"last": 7, "role": "user", "text": "hi\\nthere"}], "updated": 3}'])
-def test_a_damaged_sidecar_is_listed_from_the_header(damage, colichat_home):
-    """A listing never fails on a sidecar: what it cannot read comes from the KV header and the file."""
+    b'{"turns": [{"last": 7, "role": "user", "text": "hi\\nthere"}], "updated": 3}', b'{"foo": 1}'])
+def test_a_sidecar_that_is_not_colichats_is_listed_as_damaged(damage, colichat_home):
+    """Opening refuses it: the listing says so (with the command that clears it) and never offers it
+    as the latest conversation; a listing never fails on a sidecar."""
     store, cache = Store(), make_cache()
     with store.create(IDENT, layout_of(cache), name="d") as sess:
         sess.append(cache, build(cache, 2))
         side = Path(sess.json_path)
     side.write_bytes(damage)
     [info] = store.list(IDENT)
-    readable = b'"last": 7' in damage
+    assert info.describe() == "d: damaged (the sidecar is not a colichat sidecar); /delete d removes it"
+    assert store.latest(IDENT) is None
+    with pytest.raises(SessionError, match="not a colichat sidecar"):
+        store.open(IDENT, "d", layout_of(cache)).load(make_cache())
+
+
+@pytest.mark.parametrize("turns", [b"3", b"[1, 2]", b'[{"last": "x", "role": "user", "text": 5}]',
+                                   b'[{"last": 7, "role": "user", "text": "hi\\nthere"}]'])
+def test_a_colichat_sidecar_with_damaged_turns_is_listed_from_the_header(turns, colichat_home):
+    """Opening loads what it can of it (with warnings): the listing takes what it cannot read from
+    the KV header and the file."""
+    store, cache = Store(), make_cache()
+    with store.create(IDENT, layout_of(cache), name="d") as sess:
+        sess.append(cache, build(cache, 2))
+        side = Path(sess.json_path)
+    fp = IDENT["fingerprint"]
+    side.write_bytes(b'{"format": 2, "model": {"fingerprint": "%s"}, "updated": 3, "turns": %s}' % (fp.encode(), turns))
+    [info] = store.list(IDENT)
+    readable = b'"last": 7' in turns
     assert info.damage is None and info.model == store.model_dir(IDENT).name  # no readable model name
     assert info.tokens == (7 if readable else build(make_cache(), 2)[-1].last)
-    assert info.first == ("hi" if readable else "") and info.turns == (1 if b"role" in damage else 0)
+    assert info.first == ("hi" if readable else "") and info.turns == (1 if b"role" in turns else 0)
     assert info.last_used == os.path.getmtime(info.path.with_suffix(".coli_kv"))
 
 

@@ -40,7 +40,9 @@ from .kvfile import (
     HEADER,
     HEADER_SIZE,
     KIND_OF_MAGIC,
+    MAGIC,
     CacheLayout,
+    Header,
     SessionBusy,
     SessionError,
     SessionExists,
@@ -48,7 +50,7 @@ from .kvfile import (
     lstat_regular,
     oserror_text,
 )
-from .session import KV_EXT, SIDECAR_EXT, Session, _lock, _unlock
+from .session import KV_EXT, MAX_SIDECAR_BYTES, SIDECAR_EXT, Session, _lock, _unlock, doc_check
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -231,9 +233,9 @@ def _kv_damage(st, raw: bytes) -> str | None:
     return None
 
 
-def _session_info(directory: Path, name: str) -> SessionInfo | None:
-    """Read-only summary of one session (with `damage` set if it cannot load); None if nothing is
-    there under that name."""
+def _session_info(directory: Path, name: str, layout: CacheLayout | None = None) -> SessionInfo | None:
+    """Read-only summary of one session (with `damage` set if opening would refuse it); None if
+    nothing is there under that name. `layout`: the model's, where it is known (see `_dir_layout`)."""
     kv, side = directory / (name + KV_EXT), directory / (name + SIDECAR_EXT)
     tokens, model = 0, directory.name
     try:
@@ -262,24 +264,84 @@ def _session_info(directory: Path, name: str) -> SessionInfo | None:
                 raw = os.pread(fd, HEADER_SIZE, 0)
             finally:
                 os.close(fd)
-            damage = _kv_damage(st, raw)
+            damage = _kv_damage(st, raw) or _layout_damage(raw, layout)
             if damage is None:
                 tokens = HEADER.unpack(raw)[7]
         except OSError as e:
             damage = f"cannot read: {oserror_text(e)}"
     if damage:
         return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage=damage)
-    side, doc = directory / (name + SIDECAR_EXT), None
-    try:
-        if not side.is_symlink() and side.is_file():
-            size += side.stat().st_size
-            doc = json.loads(side.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        pass  # a damaged sidecar: list what the header says; loading reports the damage
+    doc, side_size, damage = _listed_sidecar(side, directory)
+    size += side_size
+    if damage:
+        return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage=damage)
     if isinstance(doc, dict) and isinstance(doc.get("turns"), list) and all(isinstance(t, dict) for t in doc["turns"]):
         return SessionInfo(name, model_dir=directory.name, size=size, path=kv,
                            **_sidecar_summary(doc, tokens, model, last_used))
     return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
+
+
+def _layout_damage(raw: bytes, layout: CacheLayout | None) -> str | None:
+    """Why a KV header is not one this model can load (another model's cache), or None."""
+    if layout is None:
+        return None
+    header = Header(*HEADER.unpack(raw))
+    if header.magic != MAGIC[layout.kind]:
+        return f"a cache of another kind of model: magic {header.magic!r}"
+    bad = header.mismatches(layout)
+    return f"a cache of another model: {', '.join(bad)}" if bad else None
+
+
+def _listed_sidecar(side: Path, directory: Path) -> tuple[dict | None, int, str | None]:
+    """(document, size, damage) of a sidecar as a listing sees it: the damage is what opening refuses
+    before reading any record (a link, a special file, not colichat's, another model's weights);
+    no sidecar is (None, 0, None). The opening refusal names the cause and what to do."""
+    try:
+        st = side.lstat()
+    except FileNotFoundError:
+        return None, 0, None
+    except OSError as e:
+        return None, 0, f"cannot read the sidecar: {oserror_text(e)}"
+    if stat.S_ISLNK(st.st_mode):
+        return None, st.st_size, "the sidecar is a symbolic link"
+    if not stat.S_ISREG(st.st_mode):
+        return None, st.st_size, "the sidecar is not a regular file"
+    if st.st_size > MAX_SIDECAR_BYTES:
+        return None, st.st_size, "the sidecar is implausibly large"
+    try:
+        doc = json.loads(side.read_bytes().decode("utf-8"))
+    except OSError as e:
+        return None, st.st_size, f"cannot read the sidecar: {oserror_text(e)}"
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] < 1 \
+            or not isinstance(doc.get("model"), dict):
+        return None, st.st_size, "the sidecar is not a colichat sidecar"
+    fingerprint = doc["model"].get("fingerprint")
+    if not isinstance(fingerprint, str) or not directory.name.endswith(_dir_suffix(fingerprint)):
+        return None, st.st_size, f"the sidecar is of other weights ({str(doc['model'].get('name'))[:40]})"
+    return doc, st.st_size, None
+
+
+def _dir_layout(directory: Path) -> CacheLayout | None:
+    """The cache layout of the model whose sessions `directory` holds, as an intact sidecar there
+    records it (the directory is the model's, so every session in it has that layout); None if no
+    sidecar says."""
+    try:
+        sides = sorted(p for p in directory.iterdir() if p.suffix == SIDECAR_EXT)
+    except OSError:
+        return None
+    for side in sides:
+        doc, _, damage = _listed_sidecar(side, directory)
+        if damage or doc is None or doc.get("check") != doc_check(doc) or not isinstance(doc.get("layout"), dict):
+            continue
+        try:
+            layout = CacheLayout(**doc["layout"])
+        except TypeError:
+            continue
+        if layout.kind in MAGIC and all(type(v) is int for k, v in doc["layout"].items() if k != "kind"):
+            return layout
+    return None
 
 
 def _sidecar_summary(doc: dict, tokens: int, model: str, last_used: float) -> dict:
@@ -363,7 +425,7 @@ class Store:
         check_name(name)
         if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
             self.refuse_elsewhere(name)
-        self._refuse_damaged(directory, name)
+        self._refuse_damaged(directory, name, layout)
         return Session.open(directory, name, ident, layout, read_only)
 
     def refuse_elsewhere(self, name: str, hint: str | None = None) -> None:
@@ -387,11 +449,13 @@ class Store:
                          for model, path in sorted({(i.model, i.model_path) for i in infos}))
 
     @staticmethod
-    def _refuse_damaged(directory: Path, name: str) -> None:
+    def _refuse_damaged(directory: Path, name: str, layout: CacheLayout | None = None) -> None:
         """SessionError with the line /sessions shows, if NAME is there but cannot be a session
-        (a link, a special file or a file we may not read keep the refusals that name the cause)."""
-        info = _session_info(directory, name)
-        if info and info.damage and not info.damage.startswith(("cannot read", "the KV file is")):
+        (a link, a special file, a file we may not read, a sidecar or a header opening cannot use
+        keep the refusals that name the cause and what to do)."""
+        info = _session_info(directory, name, layout or _dir_layout(directory))
+        if info and info.damage and not info.damage.startswith(
+                ("cannot read", "the KV file is", "the sidecar is", "a cache of another")):
             raise SessionError(f"session {damaged_text(name, info.damage)}")
 
     def delete(self, ident: dict, name: str) -> int:
@@ -490,7 +554,9 @@ class Store:
                          if p.name.endswith(ext)]
             except OSError:
                 continue
-            infos += [i for i in (_session_info(d, n) for n in sorted(set(names)) if NAME_RE.fullmatch(n)) if i]
+            layout = _dir_layout(d)
+            infos += [i for i in (_session_info(d, n, layout) for n in sorted(set(names)) if NAME_RE.fullmatch(n))
+                      if i]
         return sorted(infos, key=lambda i: (i.last_used, i.name), reverse=True)
 
     def latest(self, ident: dict) -> SessionInfo | None:
