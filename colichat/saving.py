@@ -118,7 +118,8 @@ class Saving:
         try:
             if self.session is None:
                 first = next((t.text for t in turns if t.role == "user"), "")
-                self.session = self.store.create(self.ident, self.layout, self.name, settings, stem=slug(first))
+                self.session = self.store.create(self.ident, self.layout, self.name, settings, stem=slug(first),
+                                                 files=False)
                 self.name = self.session.name
             self.session.append(cache, turns, settings)
             stats.saved = True
@@ -155,20 +156,16 @@ class Saving:
             saved = "" if self.read_only else ", saved after every answer"
             raise ChatError(f"session {name} is this conversation{saved} (/save NAME keeps a copy under another name)")
         try:
-            copy = self.store.create(self.ident, self.layout, check_name(name), settings)
+            copy = self.store.create(self.ident, self.layout, check_name(name), settings, files=False)
         except SaveFailed as e:
             raise self._copy_failed(e, name) from None
         try:
-            copy.append(cache, turns)
-        except BaseException as e:
-            copy.close()
-            try:
-                self.store.delete(self.ident, name)  # a partial copy: the conversation is still in memory
-            except SessionError:
-                pass
-            if isinstance(e, SaveFailed):
-                raise self._copy_failed(e, name) from None
-            raise
+            copy.append(cache, turns)  # the copy's files appear whole or not at all
+        except SaveFailed as e:
+            raise self._copy_failed(e, name) from None
+        finally:
+            if not copy.on_disk:
+                copy.close()
         if self.session is None:
             self.session, self.name = copy, name
             return f"saved to session {name}; the conversation goes on in it"

@@ -18,7 +18,7 @@ from datetime import datetime
 
 from .models import model_title
 from .persist import SessionError, Store, check_name, weights_fingerprint
-from .persist.session import KV_EXT, SIDECAR_EXT
+from .persist.session import KV_EXT, SIDECAR_EXT, interrupted_create
 
 
 def _fingerprint(model_path: str) -> str | None:
@@ -29,7 +29,8 @@ def _fingerprint(model_path: str) -> str | None:
 
 
 def _exists(directory, name: str) -> bool:
-    return any(os.path.lexists(os.path.join(directory, name + ext)) for ext in (KV_EXT, SIDECAR_EXT))
+    base = os.path.join(directory, name)
+    return any(os.path.lexists(base + ext) for ext in (KV_EXT, SIDECAR_EXT)) and not interrupted_create(base)
 
 
 def model_to_reopen(store: Store, default_path: str | None, session: str | None,

@@ -123,3 +123,34 @@ def test_an_error_at_each_system_call_of_create_append_truncate(tmp_path):
             assert res.turns == turns[:1] and res.warnings == [], (call, k, res.warnings)
             assert loaded.raw(0, res.tokens).tobytes() == cache.raw(0, res.tokens).tobytes()
     assert trials >= 20 and errors >= trials // 2, (trials, errors)
+
+
+def test_a_save_as_killed_at_any_rename_leaves_no_session_or_the_whole_copy(colichat_home):
+    """`/save NAME` killed (SIGKILL, by strace) at its k-th rename, for every k: NAME is either not a
+    session (not listed, and `/save NAME` takes it) or the whole copy, never an empty session."""
+    problem = strace_problem()
+    if problem:
+        pytest.skip(f"{problem}: killing a save at its k-th rename needs strace (Debian: apt install strace)")
+    from cli_helpers import CHAT, TINY_ARGS, chat, env_for, lines, saved_turns
+
+    chat(colichat_home, [*TINY_ARGS, "--session", "kr"], lines("Hello there", "And again")).ok()
+    whole = saved_turns(colichat_home, "kr")
+    for k in range(1, 20):
+        killed = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=rename", "-e",
+                                 f"inject=rename:signal=SIGKILL:when={k}", *CHAT, *TINY_ARGS, "--session", "kr"],
+                                input=b"/save copy\n", capture_output=True, env=env_for(colichat_home),
+                                cwd=str(colichat_home), timeout=300)
+        listed = chat(colichat_home, ["--sessions"]).ok().out.decode()
+        if killed.returncode == 0:  # the save was done before the k-th rename
+            assert saved_turns(colichat_home, "copy") == whole
+            break
+        assert killed.returncode in (-9, 137), killed.stderr.decode()
+        if "copy:" in listed:
+            assert "  copy: 4 turns" in listed.splitlines(), (k, listed)
+            assert saved_turns(colichat_home, "copy") == whole
+        else:
+            chat(colichat_home, [*TINY_ARGS, "--session", "kr"], lines("/save copy")).ok()
+            assert saved_turns(colichat_home, "copy") == whole
+        chat(colichat_home, [*TINY_ARGS, "--session", "kr"], lines("/delete copy")).ok()
+    else:
+        raise AssertionError("the save never finished")

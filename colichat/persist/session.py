@@ -144,9 +144,18 @@ def _unlink_quietly(path: str) -> bool:
         return False
 
 
+def interrupted_create(base: str) -> bool:
+    """Whether NAME is what a create killed before its last step leaves: NAME.coli_kv.tmp, maybe a
+    sidecar, no NAME.coli_kv. That is no session (the next create of the name replaces it)."""
+    return os.path.lexists(base + KV_EXT + ".tmp") and not os.path.lexists(base + KV_EXT)
+
+
 def _holds_something(base: str) -> bool:
     """Whether NAME.coli_kv or NAME.json exists as anything but the leftover of an interrupted
-    create (a KV file with no records, and no sidecar or one that lists no turns)."""
+    create (see `interrupted_create`; from older versions, a KV file with no records, and no sidecar
+    or one that lists no turns)."""
+    if interrupted_create(base):
+        return False
     kv = lstat_regular(base + ".coli_kv", "session file")
     side = lstat_regular(base + ".json", "sidecar")
     if kv is None:
@@ -283,28 +292,33 @@ class Session:
         """Whether the session's files exist (a claimed session has none until its first save)."""
         return self._kv_fd is not None
 
-    def _create_files(self) -> None:
-        """Write the KV file under a temporary name, rename it into place, then write the sidecar.
+    def _create_files(self, cache=None, turns: list[Turn] = (), crcs: list[int] = ()) -> None:
+        """Write the session whole (the header, the records of `turns` from `cache`, nrec) under
+        NAME.coli_kv.tmp, then the sidecar, then rename the KV file into place: until that rename
+        NAME is no session (a sidecar beside NAME.coli_kv.tmp with no NAME.coli_kv is what an
+        interrupted create leaves, see `interrupted_create`), after it the session is whole.
 
-        A crash leaves at most NAME.coli_kv.tmp or a header-only NAME.coli_kv (both replaced by the
-        next create); an error removes everything this call made (we hold the lock, and the names
-        were free when we took it), so the next save starts again from nothing."""
+        A crash leaves at most that (replaced by the next create); an error removes everything this
+        call made (we hold the lock, and the names were free when we took it), so the next save
+        starts again from nothing."""
         tmp = self.kv_path + ".tmp"
         fd = None
+        n = turns[-1].last if turns else 0
         try:
             for path in (tmp, self.kv_path, self.json_path):  # leftovers of an interrupted create
                 if os.path.lexists(path):
                     os.unlink(path)
             fd = create_kv(tmp, self.layout)
+            if n:
+                write_records(fd, 0, cache.raw(0, n), self.layout.record_bytes)
+                write_nrec(fd, n)
+            self._write_sidecar(list(turns), list(crcs))
             os.rename(tmp, self.kv_path)
+            fsync_dir(self.directory)
             self._kv_fd, fd = fd, None
-            self._write_sidecar([], [])
         except (OSError, SessionError) as e:
             if fd is not None:
                 os.close(fd)
-            if self._kv_fd is not None:
-                os.close(self._kv_fd)
-                self._kv_fd = None
             removed = [_unlink_quietly(p) for p in (tmp, self.json_path + ".tmp", self.json_path, self.kv_path)]
             if any(removed):
                 try:
@@ -314,6 +328,7 @@ class Session:
             why = oserror_text(e) if isinstance(e, OSError) else str(e)
             raise SaveFailed(f"could not create session {self.name}: {why}",
                              "nothing was written (free some space; the next save retries)") from None
+        self.turns, self._crcs, self.nrec = list(turns), list(crcs), n
 
     @classmethod
     def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
@@ -587,8 +602,12 @@ class Session:
         if prev > cache.length:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
-        self._ensure_files()
         self._cache = cache
+        if not self.on_disk:  # the first save: the session appears whole or not at all
+            self._remake_directory()
+            self._check_lock()  # (a directory removed took the lock file with it)
+            self._create_files(cache, turns, crcs)
+            return
         try:
             self._check_files(self.turns, self._crcs)
             if not self._has_sidecar:  # an imported cache: record its state before touching the file
@@ -644,12 +663,6 @@ class Session:
             raise ValueError(f"session {self.name} is closed")
         if not self._loaded:
             raise ValueError(f"session {self.name}: load() it before saving to it")
-
-    def _ensure_files(self) -> None:
-        """Create the files of a claimed session (its first save); SessionError if that fails."""
-        if self._kv_fd is None:
-            self._remake_directory()
-            self._create_files()
 
     def _remake_directory(self) -> bool:
         """If the session's directory was removed (a clean-up while colichat ran), make it again (the

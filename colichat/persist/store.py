@@ -50,7 +50,7 @@ from .kvfile import (
     lstat_regular,
     oserror_text,
 )
-from .session import KV_EXT, MAX_SIDECAR_BYTES, SIDECAR_EXT, Session, _lock, _unlock, doc_check
+from .session import KV_EXT, MAX_SIDECAR_BYTES, SIDECAR_EXT, Session, _lock, _unlock, doc_check, interrupted_create
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -246,6 +246,8 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
         return SessionInfo(name, model, directory.name, 0, 0, 0, 0.0, kv, damage=f"cannot read: {oserror_text(e)}")
     damage = None
     if st is None:
+        if interrupted_create(str(directory / name)):
+            return None
         try:
             sst = side.lstat()
         except OSError:
@@ -381,13 +383,15 @@ class Store:
         return self.root / model_dirname(ident)
 
     def create(self, ident: dict, layout: CacheLayout, name: str | None = None,
-               sampler: dict | None = None, stem: str | None = None) -> Session:
+               sampler: dict | None = None, stem: str | None = None, files: bool = True) -> Session:
         """A new empty session (locked); `name=None` picks a fresh name from `stem` (a slug of the
-        first message), else from the time."""
+        first message), else from the time. `files=False`: its files are made by its first save,
+        whole (a conversation saved there at once never shows as an empty session)."""
         directory = self._make_dir(self.model_dir(ident))
+        make = Session.create if files else Session.claim
         if name is not None:
             try:
-                return Session.create(directory, check_name(name), ident, layout, sampler)
+                return make(directory, check_name(name), ident, layout, sampler)
             except FileExistsError:
                 raise self._exists(directory, name) from None
         busy: set[str] = set()
@@ -395,7 +399,7 @@ class Store:
             taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, SIDECAR_EXT)} | busy
             name = auto_name(taken, stem)
             try:
-                return Session.create(directory, name, ident, layout, sampler)
+                return make(directory, name, ident, layout, sampler)
             except (FileExistsError, SessionBusy):
                 busy.add(name)  # another colichat took the same name just now
 
