@@ -537,7 +537,10 @@ def from_the_shell(args) -> int:
         model = args.model or default_model_path()
     except DefaultModelMissing:
         model = None
-    return print_out(export_saved(store, model, args.export))
+    text, warnings = export_saved(store, model, args.export)
+    for line in warnings:  # as opening says what it drops
+        to_stderr(f"warning: {line}")
+    return print_out(text)
 
 
 def print_out(text: str) -> int:

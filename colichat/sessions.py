@@ -5,7 +5,7 @@
     resume, note = before_load(store, model_path, session, resume)  # SessionError, else reopen or not, a note
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     listing(store) -> [line]          # every saved conversation, by model
-    export_saved(store, model_path, name) -> str      # a saved conversation as Markdown
+    export_saved(store, model_path, name) -> (str, [warning])  # a saved conversation as Markdown
     markdown(title, model, turns, system) -> str      # (role, text) turns as Markdown
 """
 
@@ -17,8 +17,9 @@ from collections import defaultdict
 from datetime import datetime
 
 from .models import model_title
-from .persist import SessionError, Store, check_name, weights_fingerprint
+from .persist import Session, SessionError, Store, check_name, weights_fingerprint
 from .persist.session import KV_EXT, SIDECAR_EXT, interrupted_create
+from .persist.store import damaged_text
 
 
 def _fingerprint(model_path: str) -> str | None:
@@ -143,8 +144,11 @@ def listing(store: Store) -> list[str]:
     return lines
 
 
-def export_saved(store: Store, model_path: str | None, name: str) -> str:
-    """Saved conversation NAME as Markdown (this model's first, else the only one of that name)."""
+def export_saved(store: Store, model_path: str | None, name: str) -> tuple[str, list[str]]:
+    """Saved conversation NAME as Markdown (this model's first, else the only one of that name): the
+    turns opening it would keep, checked as opening checks them, and the warnings for what it drops.
+    A session opening refuses is refused, with the same line (no model is loaded: the checks over
+    records and text are over the files' bytes)."""
     check_name(name)
     fp = _fingerprint(model_path) if model_path else None
     found = [i for i in store.list() if i.name == name]
@@ -157,22 +161,13 @@ def export_saved(store: Store, model_path: str | None, name: str) -> str:
         raise SessionError(f"session {name} exists for several models ({', '.join(i.model for i in found)}): "
                            "add --model PATH to say which")
     info = found[0]
-    side = info.path.with_name(name + SIDECAR_EXT)
-    cannot = f"cannot read the turns of session {name} from {side}"
-    try:
-        doc = json.loads(side.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise SessionError(f"{cannot}: {e.strerror or type(e).__name__}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise SessionError(f"{cannot}: {type(e).__name__}") from None
-    turns = doc.get("turns") if isinstance(doc, dict) else None
-    if not isinstance(turns, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("text"), str) for t in turns):
-        raise SessionError(f"{cannot}: the sidecar is damaged")
-    sampler = doc.get("sampler")
-    system = sampler.get("system") if isinstance(sampler, dict) else None
-    return markdown(name, info.model, [(t["role"], t["text"]) for t in turns],
+    if info.damage:
+        raise SessionError(f"session {damaged_text(name, info.damage)}")
+    res = Session.read_saved(info.path.parent, name)
+    system = res.sampler.get("system")
+    text = markdown(name, info.model, [(t.role, t.text) for t in res.turns],
                     system if isinstance(system, str) else None)
+    return text, res.warnings
 
 
 def markdown(title: str, model: str, turns, system: str | None = None) -> str:

@@ -293,7 +293,49 @@ def test_export_of_a_damaged_sidecar_is_one_line(damage, colichat_home):
     [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
     side.write_bytes(damage)
     [line] = chat(colichat_home, ["--export", "dmg"]).failed().errors()
-    assert line.startswith(f"colichat: cannot read the turns of session dmg from {side}: "), line
+    assert line == "colichat: session dmg: damaged (the sidecar is not a colichat sidecar); /delete dmg removes it"
+
+
+def _warnings(run) -> list[str]:
+    return [line for line in run.err.splitlines() if line.startswith("warning: ")]
+
+
+def test_export_shows_the_turns_opening_keeps_and_says_what_it_dropped(colichat_home):
+    """--export checks a saved conversation as opening does (no model: the checks are over the
+    files' bytes): a forged answer, a cut-short KV file; the same turns, the same warnings."""
+    for name in ("forged", "cut"):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0], Q[1])).ok()
+    directory = next(p.parent for p in session_files(colichat_home) if p.name == "forged.json")
+    doc = json.loads((directory / "forged.json").read_text("utf-8"))
+    doc["turns"][3]["text"] = "FORGED"
+    (directory / "forged.json").write_text(json.dumps(doc), "utf-8")
+    os.truncate(directory / "cut.coli_kv", (directory / "cut.coli_kv").stat().st_size - 100)
+    for name in ("forged", "cut"):
+        export = chat(colichat_home, ["--export", name]).ok()
+        assert b"FORGED" not in export.out
+        opened = chat(colichat_home, [*TINY_ARGS, "--session", name], lines("/history")).ok()
+        assert _warnings(export) == _warnings(opened) and _warnings(export)
+        kept = [("User", Q[0]), ("Assistant", saved_answers(colichat_home, name)[0])]
+        assert export.out.decode().split("\n", 4)[4] == "".join(f"## {h}\n\n{t.strip()}\n\n" for h, t in kept)[:-1]
+        assert opened.resumed()[1] == 2
+
+
+def test_export_refuses_what_opening_refuses(colichat_home):
+    """No KV file, a foreign KV file, no sidecar: one line each, as opening gives (or, with no
+    sidecar to read the text from, what does it), never the sidecar's text unchecked."""
+    for name in ("nokv", "foreign", "bare"):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0])).ok()
+    directory = next(p.parent for p in session_files(colichat_home) if p.name == "nokv.json")
+    (directory / "nokv.coli_kv").unlink()
+    (directory / "foreign.coli_kv").write_bytes(b"GGUF" + bytes(100))
+    (directory / "bare.json").unlink()
+    for name in ("nokv", "foreign"):
+        [line] = chat(colichat_home, ["--export", name]).failed().errors()
+        assert chat(colichat_home, [*TINY_ARGS, "--session", name], "").failed().errors() == [line]
+        assert line.startswith(f"colichat: session {name}: damaged (") and line.endswith(f"/delete {name} removes it")
+    assert chat(colichat_home, ["--export", "bare"]).failed().errors() == [
+        "colichat: session bare has no sidecar, so no text to export: colichat --session bare with its model "
+        "loads its cache as one imported turn, which /export writes"]
 
 
 def test_sessions_from_the_shell(colichat_home):

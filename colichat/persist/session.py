@@ -229,6 +229,35 @@ def _drop_unanswered(turns: list[Turn], crcs: list[int], warnings: list[str]) ->
     return turns[-1].last if turns else 0
 
 
+class _SavedRecords:
+    """A KV file's records in memory, as `load` reads them into a cache: enough for its checks (the
+    CRCs and token ids are over the file's bytes), so a session's turns are checked without its model."""
+
+    def __init__(self, layout: CacheLayout, capacity: int):
+        self.kind, self.n_layer = layout.kind, layout.n_layer
+        self.a_width, self.b_width = layout.a_width, layout.b_width
+        self.record_bytes, self.capacity, self.length = layout.record_bytes, capacity, 0
+        self._buf = bytearray(capacity * self.record_bytes)
+        self.tokens = np.ndarray((capacity,), "<i4", self._buf, strides=(self.record_bytes,))  # (N,) token ids
+
+    def raw(self, start: int, stop: int) -> memoryview:
+        return memoryview(self._buf)[start * self.record_bytes : stop * self.record_bytes]
+
+    def set_length(self, n: int) -> None:
+        self.length = n
+
+
+def _saved_model(path: str) -> dict:
+    """The sidecar's model entry (what it says it was saved with), {} if it cannot say: reading it
+    for real refuses what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(MAX_SIDECAR_BYTES).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return {}
+    return doc["model"] if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else {}
+
+
 class Session:
     """One open session, holding its writer lock until `close`."""
 
@@ -350,6 +379,33 @@ class Session:
             s.close()
             raise
         return s
+
+    @classmethod
+    def read_saved(cls, directory, name: str) -> LoadResult:
+        """What opening session NAME would keep, without its model (for an export): the same checks
+        over its files, the same warnings, the same refusals (its model is the one its sidecar
+        names; that the sidecar belongs in this directory is the caller's to check). Takes no lock,
+        modifies nothing. A session without a sidecar has no text: refused."""
+        base = os.path.join(str(directory), name)
+        if lstat_regular(base + KV_EXT, "session file") is None:
+            raise SessionError(f"no session named {name} (colichat --sessions lists them)")
+        lstat_regular(base + SIDECAR_EXT, "sidecar")
+        s = cls(directory, name, _saved_model(base + SIDECAR_EXT), None, None)
+        try:
+            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
+            header, size = read_header(s._kv_fd, s.kv_path)
+            doc = s._read_sidecar()
+            if doc is None:
+                raise SessionError(f"session {name} has no sidecar, so no text to export: colichat --session "
+                                   f"{name} with its model loads its cache as one imported turn, which /export writes")
+            s._check_header_against(doc, header)
+            s.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
+                                   header.vocab, header.index_hd, header.n_index_layers)
+            records = min(header.nrec, (size - HEADER_SIZE) // max(1, s.layout.record_bytes))
+            s._loaded = True
+            return s.load(_SavedRecords(s.layout, records), exchanges=True)
+        finally:
+            s.close()
 
     def close(self) -> None:
         if self._kv_fd is not None:
