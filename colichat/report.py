@@ -86,9 +86,22 @@ def no_room(conv, needs: int, room: int) -> str:
     n_ctx, most = conv.model.n_ctx, conv.model.cfg.n_ctx_train
     if needs + 1 >= n_ctx:  # not even a new conversation would hold it
         more = f" or restart with a larger --ctx (this model takes up to {most})" if n_ctx < most else ""
+        system = system_tokens(conv) if room == n_ctx else 0  # a first message's tokens hold the system prompt
+        if system + 1 >= n_ctx:
+            return (f"the system prompt needs {system} tokens, more than the whole context of {n_ctx}: "
+                    f"set a shorter one (--system, /set system TEXT; /set system none removes it){more}")
+        if system * 2 > needs:
+            return (f"the message needs {needs} tokens, {system} of them the system prompt's, more than the whole "
+                    f"context of {n_ctx}: shorten it or the system prompt (--system, /set system TEXT){more}")
         return f"the message needs {needs} tokens, more than the whole context of {n_ctx}: shorten it{more}"
     return (f"the message needs {needs} tokens but only {room} of the context of {n_ctx} are left; "
             f"it was not sent: {ways_out(conv)}")
+
+
+def system_tokens(conv) -> int:
+    """How many tokens the system prompt's text is (0 without one): what it takes of every conversation."""
+    system = conv.settings.system
+    return len(conv.tok.encode(system)) if system else 0
 
 
 def recap(turns) -> list[str]:

@@ -238,6 +238,24 @@ def test_message_too_long_for_the_context(colichat_home):
     assert len(run.footers()) == 1 and run.out.endswith(b"\n")
 
 
+def test_a_system_prompt_too_long_for_the_context_is_named_as_the_cause(colichat_home):
+    """The system prompt, not the message, is what does not fit: the line says so and how to shorten it;
+    a message that takes most of the context beside a short system prompt is still the message's fault."""
+    short = [*TINY_ARGS, "--ctx", "64", "--no-save"]
+    run = chat(colichat_home, [*short, "--system", "You are helpful. " * 30, "-p", "Hi"]).failed()
+    assert run.errors() == [
+        "colichat: the system prompt needs 449 tokens, more than the whole context of 64: set a shorter one "
+        "(--system, /set system TEXT; /set system none removes it) or restart with a larger --ctx (this model "
+        "takes up to 2048)"]
+    run = chat(colichat_home, [*short, "--system", "You are helpful. " * 3, "-p", "Hi there, how are you?"]).failed()
+    [line] = run.errors()
+    assert line.startswith("colichat: the message needs ") and ", 44 of them the system prompt's, more than the " \
+        "whole context of 64: shorten it or the system prompt (--system, /set system TEXT)" in line, line
+    run = chat(colichat_home, [*short, "--system", "Be brief.", "-p", "Hi there, how are you? " * 3]).failed()
+    [line] = run.errors()
+    assert "system" not in line and "more than the whole context of 64: shorten it or" in line, line
+
+
 def test_session_of_another_model_is_refused(tmp_path, colichat_home):
     # Same file name, same shapes, other weights (a "fine-tune"): its sessions are not ours.
     (tmp_path / "ft").mkdir()
