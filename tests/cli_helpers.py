@@ -171,9 +171,11 @@ def lines(*inputs: str) -> str:
     return "".join(i + "\n" for i in inputs)
 
 
-def copy_gguf(src, dst, drop_keys=(), drop_tensors=(), arch: str | None = None, scale: dict | None = None) -> str:
+def copy_gguf(src, dst, drop_keys=(), drop_tensors=(), arch: str | None = None, scale: dict | None = None,
+              set_keys: dict | None = None) -> str:
     """Rewrite GGUF `src` as `dst` without some keys or tensors, with another general.architecture,
-    or with some tensors multiplied by a factor (`scale={name: factor}`: the same model, other weights)."""
+    with some tensors multiplied by a factor (`scale={name: factor}`: the same model, other weights),
+    or with other values for some of its keys (`set_keys={key: value}`, of the key's type)."""
     import gguf
     import numpy as np
 
@@ -184,7 +186,7 @@ def copy_gguf(src, dst, drop_keys=(), drop_tensors=(), arch: str | None = None, 
             continue
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, f.contents(), vtype, sub)
+        writer.add_key_value(key, (set_keys or {}).get(key, f.contents()), vtype, sub)
     for t in reader.tensors:
         if t.name in drop_tensors:
             continue

@@ -89,6 +89,11 @@ def _missing_tensor(d):
         "missing tensor 'blk.2.ffn_up.weight'"
 
 
+def _zero_context(d):
+    return copy_gguf(TINY_LLAMA, d / "noctx.gguf", set_keys={"llama.context_length": 0}), \
+        "its metadata says llama.context_length is 0; a model needs a context of at least 16 tokens"
+
+
 def _arch(name):
     def make(d):
         return copy_gguf(TINY_LLAMA, d / f"{name}.gguf", arch=name), f"architecture '{name}' is not supported"
@@ -99,7 +104,7 @@ def _arch(name):
 BAD_MODELS = {
     "missing": _missing, "directory": _directory, "fifo": _fifo, "not-gguf": _not_gguf, "empty": _empty,
     "truncated-header": _truncated(3000), "truncated-data": _truncated(5_000_000),
-    "missing-key": _missing_key, "missing-tensor": _missing_tensor,
+    "missing-key": _missing_key, "missing-tensor": _missing_tensor, "zero-context": _zero_context,
     "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("deepseek2-ocr"),
 }
 

@@ -19,7 +19,7 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from .cache import record_bytes
-from .gguf import ModelConfig, ModelError, Tensors, load_config, open_gguf
+from .gguf import MIN_CTX, ModelConfig, ModelError, Tensors, load_config, open_gguf
 from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
@@ -64,8 +64,8 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         tokenizer = _load_tokenizer(reader)
         weights = None
     n_ctx = context_size(cfg, n_ctx)
-    if n_ctx < 16:
-        raise ModelError(f"context size {n_ctx} is too small (at least 16 tokens)")
+    if n_ctx < MIN_CTX:
+        raise ModelError(f"context size {n_ctx} is too small (at least {MIN_CTX} tokens)")
     dense = dense_f32_bytes(tensors)
     check_memory(path, dense)
     a, b = architecture(cfg).cache_widths(cfg)

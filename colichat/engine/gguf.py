@@ -28,6 +28,9 @@ KNOWN_UNSUPPORTED = {
 }
 
 
+MIN_CTX = 16  # the smallest context a conversation has room in (a template's frame and a few words)
+
+
 class ModelError(Exception):
     """A model file colichat cannot use. The message is one line meant for the user."""
 
@@ -301,6 +304,9 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
     if scaling not in ("none", "linear", "yarn"):
         raise ModelError(f"{path}: rope scaling '{scaling}' is not supported (none, linear, yarn)")
     n_ctx_train = int(key("context_length", required=True))
+    if n_ctx_train < MIN_CTX:  # damaged metadata, not the user's --ctx
+        raise ModelError(f"{path}: its metadata says {arch}.context_length is {n_ctx_train}; a model needs a "
+                         f"context of at least {MIN_CTX} tokens: the file is damaged, or not a chat model")
     common = dict(
         path=path,
         arch=arch,
