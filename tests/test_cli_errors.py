@@ -94,6 +94,14 @@ def _zero_context(d):
         "its metadata says llama.context_length is 0; a model needs a context of at least 16 tokens"
 
 
+def _template(source, problem):
+    def make(d):
+        return copy_gguf(TINY_LLAMA, d / "template.gguf", set_keys={"tokenizer.chat_template": source}), \
+            f"its chat template (tokenizer.chat_template) {problem}"
+
+    return make
+
+
 def _arch(name):
     def make(d):
         return copy_gguf(TINY_LLAMA, d / f"{name}.gguf", arch=name), f"architecture '{name}' is not supported"
@@ -105,6 +113,10 @@ BAD_MODELS = {
     "missing": _missing, "directory": _directory, "fifo": _fifo, "not-gguf": _not_gguf, "empty": _empty,
     "truncated-header": _truncated(3000), "truncated-data": _truncated(5_000_000),
     "missing-key": _missing_key, "missing-tensor": _missing_tensor, "zero-context": _zero_context,
+    "template-syntax": _template("{% for m in messages %}{{ m.content }}", "has a syntax error (line 1): "),
+    "template-filter": _template("{{ messages | nosuchfilter }}", "uses a filter or test that colichat's Jinja "
+                                 "does not have (line 1): No filter named 'nosuchfilter'."),
+    "template-fails": _template("{{ nosuch() }}", "fails on a conversation of one message: 'nosuch' is undefined"),
     "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("deepseek2-ocr"),
 }
 

@@ -154,6 +154,15 @@ def test_syntax_errors_are_one_line(source):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("source", ["{{ x | nosuchfilter }}", "{{ x is nosuchtest }}"])
+def test_an_unknown_filter_or_test_is_named_as_such_not_as_a_syntax_error(source):
+    with pytest.raises(TemplateError) as e:
+        ChatTemplate(source)
+    assert "syntax error" not in str(e.value)
+    assert str(e.value).startswith("chat template uses a filter or test that colichat's Jinja does not have "
+                                   "(line 1): No ")
+
+
 @pytest.mark.parametrize("source", [
     "{{ ''.__class__.__mro__ }}",                  # the sandbox refuses
     "{{ messages[0]['content'] + 1 }}",            # TypeError inside the template

@@ -49,6 +49,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     mtp: draft with the file's MTP block, if it has one (its rows count in the context's memory).
     """
     from .prepared import load_prepared, save_prepared
+    from .template import check_chat_template
     from .tokenizer import load_tokenizer as _load_tokenizer
     from .tokenizer import tokenizer_from_metadata
 
@@ -63,6 +64,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         cfg = load_config(reader, path, tensors)
         tokenizer = _load_tokenizer(reader)
         weights = None
+    check_chat_template(tokenizer, path)  # a broken one is the file's fault: refused before any work
     n_ctx = context_size(cfg, n_ctx)
     if n_ctx < MIN_CTX:
         raise ModelError(f"context size {n_ctx} is too small (at least {MIN_CTX} tokens)")

@@ -12,7 +12,8 @@ Templates that emit `{{ bos_token }}` themselves are rendered with the real BOS 
 `Tokenizer.encode_prompt` then avoids adding a second BOS (docs: mla-spec section 10.4).
 
 Every problem (a syntax error, a `raise_exception` call, a failing expression) becomes a
-`TemplateError` whose message is one line.
+`TemplateError` whose message is one line. `check_chat_template` is the model's template tried once
+when the model loads, so a broken one is refused then, naming the file.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ CHATML_TEMPLATE = (
 
 
 class TemplateError(ModelError):
-    """A chat template that cannot be compiled or rendered. The message is one line."""
+    """A chat template that cannot be compiled or rendered. The message is one line; `what` is the
+    problem without the words that name the template (for a message that names it another way)."""
+
+    def __init__(self, message: str, what: str | None = None):
+        super().__init__(message)
+        self.what = what or message
 
 
 def _one_line(text: str) -> str:
@@ -47,7 +53,7 @@ def _one_line(text: str) -> str:
 
 
 def _raise_exception(message):
-    raise TemplateError(f"chat template: {_one_line(message)}")
+    raise TemplateError(f"chat template: {_one_line(message)}", _one_line(message))
 
 
 def _strftime_now(fmt: str) -> str:
@@ -94,13 +100,7 @@ class ChatTemplate:
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         self.is_fallback = False
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateSyntaxError as e:
-            msg = _one_line(e.message)
-            raise TemplateError(f"chat template syntax error (line {e.lineno}): {msg}") from None
-        except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template error: {_one_line(e)}") from None
+        self._template = _compile(source)
 
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         """Render a conversation (a list of {"role": ..., "content": ...} dicts).
@@ -119,13 +119,44 @@ class ChatTemplate:
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template error: {_one_line(e)}") from None
+            raise TemplateError(f"chat template error: {_one_line(e)}", _one_line(e)) from None
         except Exception as e:  # errors raised by expressions inside the template
-            raise TemplateError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from None
+            what = f"{type(e).__name__}: {_one_line(e)}"
+            raise TemplateError(f"chat template error: {what}", what) from None
 
     def __repr__(self):
         kind = "ChatML fallback" if self.is_fallback else f"{len(self.source)} chars"
         return f"ChatTemplate({kind})"
+
+
+@lru_cache(maxsize=4)
+def _compile(source: str) -> jinja2.Template:
+    """The compiled template (kept: the load's check and the conversation compile the same source).
+    An unknown filter or test is Jinja's TemplateAssertionError, a TemplateSyntaxError that is not
+    a syntax error: said as what it is."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateAssertionError as e:
+        what = f"uses a filter or test that colichat's Jinja does not have (line {e.lineno}): {_one_line(e.message)}"
+    except jinja2.TemplateSyntaxError as e:
+        what = f"has a syntax error (line {e.lineno}): {_one_line(e.message)}"
+    except jinja2.TemplateError as e:
+        what = f"cannot be compiled: {_one_line(e)}"
+    raise TemplateError(f"chat template {what}", what) from None
+
+
+def check_chat_template(tokenizer, path: str) -> None:
+    """Refuse, when the model loads, a model whose own chat template does not compile or fails on a
+    conversation of one user message (it could answer nothing); the line names the file."""
+    where = f"{path}: its chat template (tokenizer.chat_template)"
+    try:
+        template = chat_template_for(tokenizer)
+    except TemplateError as e:
+        raise TemplateError(f"{where} {e.what}") from None
+    try:
+        template.render([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    except TemplateError as e:
+        raise TemplateError(f"{where} fails on a conversation of one message: {e.what}") from None
 
 
 def chat_template_for(tokenizer) -> ChatTemplate:
