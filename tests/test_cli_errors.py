@@ -70,11 +70,11 @@ def _empty(d):
     return d / "empty.gguf", "not a GGUF file"
 
 
-def _truncated(n):
+def _truncated(n, where):
     def make(d):
         with open(TINY_LLAMA, "rb") as f:
             (d / "cut.gguf").write_bytes(f.read(n))
-        return d / "cut.gguf", "damaged or truncated GGUF file"
+        return d / "cut.gguf", f"truncated GGUF file: the file ends at byte {n:,}{where} (a download cut short?)"
 
     return make
 
@@ -111,7 +111,9 @@ def _arch(name):
 
 BAD_MODELS = {
     "missing": _missing, "directory": _directory, "fifo": _fifo, "not-gguf": _not_gguf, "empty": _empty,
-    "truncated-header": _truncated(3000), "truncated-data": _truncated(5_000_000),
+    "truncated-preamble": _truncated(20, ", inside its header"),
+    "truncated-header": _truncated(3000, ", inside its header"),
+    "truncated-data": _truncated(5_000_000, ", but tensor blk.1.ffn_down.weight's data runs to byte 5,017,888"),
     "missing-key": _missing_key, "missing-tensor": _missing_tensor, "zero-context": _zero_context,
     "template-syntax": _template("{% for m in messages %}{{ m.content }}", "has a syntax error (line 1): "),
     "template-filter": _template("{{ messages | nosuchfilter }}", "uses a filter or test that colichat's Jinja "

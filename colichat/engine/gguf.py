@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from . import dequant
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, Truncated
 from .gguf_header import HeaderError
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
@@ -141,8 +140,10 @@ def _open_one(path: str):
         raise ModelError(f"{path}: not a GGUF file (bad magic {magic!r})")
     try:
         return GGUFFile(path)  # a well-formed file, read in one pass (gguf_file.py)
-    except (HeaderError, struct.error):  # not what it fully understands: gguf-py reads it, and says
-        pass  # what is wrong
+    except Truncated as e:
+        raise ModelError(f"{path}: truncated GGUF file: {e} (a download cut short?)") from None
+    except HeaderError:  # not what it fully understands: gguf-py reads it, and says what is wrong
+        pass
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/... on damaged files

@@ -6,9 +6,10 @@ busy 2-core machine). The header is walked once by gguf_header.read_header (tens
 each tensor's data the way gguf-py does (F16/F32/F64/I8-I64 as their numpy type, quantized types
 as bytes of shape `quant_shape_to_byte_shape`). It only accepts what it fully understands: a
 little-endian v2/v3 file, strict UTF-8, no duplicate keys or tensors, no arrays of arrays, a u32
-power-of-two general.alignment, known tensor types whose shapes fill whole blocks, every tensor inside
-the file; anything else raises (HeaderError, or struct.error for a header cut short) and open_gguf
-reads the file with gguf-py instead (whose messages name what is wrong).
+power-of-two general.alignment, known tensor types whose shapes fill whole blocks; anything else
+raises HeaderError and open_gguf reads the file with gguf-py instead (whose messages name what is
+wrong). A file that ends before its header or a tensor's data does raises Truncated, saying where:
+gguf-py would only fail inside numpy on it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from typing import NamedTuple
 import numpy as np
 
 from .gguf_header import DEFAULT_ALIGNMENT, HeaderError, read_header
+
+
+class Truncated(Exception):
+    """The file ends before its header or a tensor's data does; the message says where (one line)."""
 
 
 class Field:
@@ -53,7 +58,10 @@ class GGUFFile:
         with open(path, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._buf = buf
-        head = read_header(buf, keep=lambda key: True, strict=True)
+        try:
+            head = read_header(buf, keep=lambda key: True, strict=True)
+        except struct.error:  # the walk needed bytes past the end
+            raise Truncated(f"the file ends at byte {len(buf):,}, inside its header") from None
         (n_kv,) = struct.unpack_from("<Q", buf, 16)
         if len(head.kv) != n_kv:  # a key twice, or an array of arrays (walked, not kept)
             raise HeaderError("duplicate key or array of arrays")
@@ -85,7 +93,8 @@ class GGUFFile:
                 count = n_elems
             at = head.data_start + rel
             if at + n_bytes > len(buf):
-                raise HeaderError(f"tensor {name} runs past the end of the file")
+                raise Truncated(f"the file ends at byte {len(buf):,}, but tensor {name}'s data runs to byte "
+                                f"{at + n_bytes:,}")
             data = np.frombuffer(buf, dtype, count, at).reshape(np_dims)
             self.tensors.append(TensorInfo(name, kind, tuple(dims), n_bytes, at, data))
 
