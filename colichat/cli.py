@@ -1,5 +1,7 @@
 """argv -> a running chat: load the model, then the terminal REPL or pipe mode. Exit codes:
-0 done, 1 error (bad model, bad input in pipe/one-shot mode), 130 interrupted, 143 and 129 ended by
+0 done, 1 error while running (bad model, saved conversation, bad input in pipe/one-shot mode),
+2 a command line no run could carry out (an unknown option, a bad option value, options that
+contradict each other; refused before anything is read), 130 interrupted, 143 and 129 ended by
 SIGTERM and SIGHUP (the answer so far kept and saved).
 """
 
@@ -28,8 +30,8 @@ try:
     from . import __version__, report
     from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word
-    from .engine import ModelError, load, resume_problem
-    from .errors import USER_ERRORS, ChatError
+    from .engine import MIN_CTX, ModelError, load, resume_problem
+    from .errors import USER_ERRORS, ChatError, UsageError
     from .inputs import FENCE, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
@@ -49,8 +51,16 @@ if _interrupt_at_start.seen:  # raised, or swallowed by an import that tolerates
 signal.signal(signal.SIGINT, _sigint)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's errors (an unknown option, a value of the wrong type) in one line, as colichat's
+    own usage errors, with the same exit status, 2."""
+
+    def error(self, message):
+        self.exit(2, f"colichat: {message} (colichat --help lists the options)\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="colichat",
         description="Chat with a GGUF model in the terminal; every conversation is kept on disk "
         "as its KV cache and reopens instantly with /resume.",
@@ -80,6 +90,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
     return p.parse_args(argv)
+
+
+def check_command_line(args) -> tuple[Settings, frozenset]:
+    """Refuse, before anything is read, a command line no run could carry out (UsageError: exit 2):
+    a bad option value, options that contradict each other. Returns settings_from's answer."""
+    if args.model == "":
+        raise UsageError("--model needs a path")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("-p/--prompt needs a message")
+    if args.ctx is not None and args.ctx < MIN_CTX:
+        raise UsageError(f"--ctx must be at least {MIN_CTX} (tokens of context), not {args.ctx}")
+    for name in (args.session, args.export):
+        if name is not None:
+            try:
+                check_name(name)
+            except SessionError as e:
+                raise UsageError(str(e)) from None
+    try:
+        return settings_from(args)
+    except SettingError as e:
+        raise UsageError(str(e)) from None
 
 
 def settings_from(args) -> tuple[Settings, frozenset]:
@@ -577,9 +608,11 @@ def main(argv=None) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
     try:
-        if args.prompt is not None and not args.prompt.strip():
-            raise ChatError("-p/--prompt needs a message")
-        settings, given = settings_from(args)
+        settings, given = check_command_line(args)
+    except UsageError as e:
+        say(f"colichat: {e}")
+        return 2
+    try:
         if args.sessions or args.export is not None:
             return from_the_shell(args)
         args.model = choose_model(args, say)

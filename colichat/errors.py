@@ -4,6 +4,8 @@ one line (what is wrong, what to do) and is raised `from None`; the CLI and the 
 bug of colichat and shows its traceback.
 
     ChatError            something asked of the conversation or the command line that cannot be done
+      UsageError         a command line no run could carry out (a bad option value, options that
+                         contradict each other): exit 2, as argparse's own errors (cli.py)
     SettingError         a value a setting or an option cannot take (settings.py)
     ModelError           a model file that is missing, damaged or not supported (engine/gguf.py)
     SessionError         a saved conversation that cannot be opened, loaded or saved (persist/kvfile.py)
@@ -20,6 +22,10 @@ from .settings import SettingError
 
 class ChatError(Exception):
     """Something the user asked that cannot be done; the message is one line."""
+
+
+class UsageError(ChatError):
+    """A command line no run could carry out, known before anything is read: exit status 2."""
 
 
 USER_ERRORS = (ChatError, SettingError, ModelError, SessionError, DefaultModelMissing)  # each shown as one line

@@ -1,6 +1,7 @@
 """Bad input to the chat program: one clear line on stderr each, never a traceback, the right exit code.
 
-Bad model files and bad options end the program (exit 1) before anything is written; bad commands in
+Bad model files end the program (exit 1) and a bad command line (an unknown option, a bad value)
+ends it before anything is read (exit 2); bad commands in
 pipe mode are named back and the program goes on with the next lines (exit 1 at the end); a session
 that cannot be written is reported after each answer ("NOT saved: ...") and the conversation goes on.
 """
@@ -156,21 +157,27 @@ def test_a_model_that_computes_nan_is_one_line_and_nothing_is_saved(tmp_path, co
 
 # ---- bad options --------------------------------------------------------------------------------
 
-BAD_OPTIONS = {
+BAD_OPTIONS = {  # a command line no run could carry out: exit 2, in one line
     "negative-temperature": (["--temperature", "-1"], "temperature must be >= 0"),
     "nan-temperature": (["--temperature", "nan"], "temperature must be a finite number"),
     "top-p": (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "negative-seed": (["--seed", "-1"], "seed must be >= 0"),
     "max-tokens": (["--max-tokens", "0"], "--max-tokens must be at least 1"),
-    "tiny-ctx": (["--ctx", "8"], "context size 8 is too small"),
-    "huge-ctx": (["--ctx", "99999999"], "context size 99,999,999 is above the 2,048 tokens this model was "
-                 "trained for; use at most 2,048"),
+    "tiny-ctx": (["--ctx", "8"], "--ctx must be at least 16 (tokens of context), not 8"),
+    "negative-ctx": (["--ctx", "-5"], "--ctx must be at least 16 (tokens of context), not -5"),
+    "word-ctx": (["--ctx", "abc"], "argument --ctx: invalid int value: 'abc' (colichat --help lists the options)"),
+    "unknown-option": (["--bogus"], "unrecognized arguments: --bogus (colichat --help lists the options)"),
+    "empty-model": (["--model", ""], "--model needs a path"),
     "nan-expert-cache": (["--expert-cache", "nan"], "--expert-cache must be a number of MiB, 0 or more"),
     "negative-expert-cache": (["--expert-cache", "-5"], "--expert-cache must be a number of MiB, 0 or more"),
     "infinite-expert-cache": (["--expert-cache", "inf"], "--expert-cache must be a number of MiB, 0 or more"),
     "empty-prompt": (["-p", " "], "-p/--prompt needs a message"),
     "bad-session-name": (["--session", "../up"], "invalid session name '../up'"),
     "empty-session-name": (["--session", ""], "invalid session name ''"),
+}
+REFUSED_WHEN_RUN = {  # options that only the model or the saved conversations make impossible: exit 1
+    "huge-ctx": (["--ctx", "99999999"], "context size 99,999,999 is above the 2,048 tokens this model was "
+                 "trained for; use at most 2,048"),
     "resume-nothing": (["--resume"], "no saved conversation for this model yet"),
     "resume-unknown": (["--resume", "--session", "nosuch"], "no session named nosuch"),
     "resume-nothing-without-saving": (["--resume", "--no-save"], "no saved conversation for this model yet"),
@@ -178,8 +185,17 @@ BAD_OPTIONS = {
 
 
 @pytest.mark.parametrize("kind", BAD_OPTIONS)
-def test_bad_option(kind, colichat_home):
+def test_a_bad_command_line_is_one_line_and_exits_2(kind, colichat_home):
     args, problem = BAD_OPTIONS[kind]
+    run = chat(colichat_home, [*TINY_ARGS, *args], lines("hello")).exits(2)
+    [line] = run.err.splitlines()  # nothing before it: no model read
+    assert run.out == b"" and line.startswith("colichat: ") and problem in line, line
+    assert session_files(colichat_home) == []
+
+
+@pytest.mark.parametrize("kind", REFUSED_WHEN_RUN)
+def test_an_option_the_model_or_the_sessions_refuse_exits_1(kind, colichat_home):
+    args, problem = REFUSED_WHEN_RUN[kind]
     run = chat(colichat_home, [*TINY_ARGS, *args], lines("hello")).failed()
     assert run.out == b""
     [line] = run.errors()
@@ -204,11 +220,11 @@ def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeyp
 
 
 def test_a_session_name_that_cannot_exist_is_refused_before_the_model_loads(colichat_home):
-    for args, problem in ((["--session", "../up"], "invalid session name '../up'"),
-                          (["--resume", "--session", "nosuch"],
-                           "no session named nosuch for this model (colichat --sessions lists them)"),
-                          (["--resume"], "no saved conversation for this model yet")):
-        run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[0])).failed()
+    for args, problem, rc in ((["--session", "../up"], "invalid session name '../up'", 2),
+                              (["--resume", "--session", "nosuch"],
+                               "no session named nosuch for this model (colichat --sessions lists them)", 1),
+                              (["--resume"], "no saved conversation for this model yet", 1)):
+        run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[0])).exits(rc)
         [line] = run.err.splitlines()  # no model load line before it
         assert line.startswith("colichat: ") and problem in line, line
 
