@@ -77,14 +77,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default: half of the memory left "
                    "after the weights and the context, at least 512)")
-    p.add_argument("--numerics", choices=["fast", "llama.cpp"], default="fast",
+    p.add_argument("--numerics", choices=["fast", "llama.cpp"],  # default fast (None: not given)
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
-                   "slow, for checking against llama.cpp)")
+                   "slow, for checking against llama.cpp; default fast)")
     p.add_argument("--no-save", action="store_true", help="write nothing to disk: a saved conversation (--session "
                    "NAME, --resume, /resume) opens and goes on unsaved (one-shot -p runs and messages from a pipe "
                    "are saved only with --session NAME or --resume)")
-    p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit")
-    p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit")
+    p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit "
+                   "(alone: no other option)")
+    p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit; --model "
+                   "chooses whose when several models have one of that name (no other option)")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
@@ -107,10 +109,33 @@ def check_command_line(args) -> tuple[Settings, frozenset]:
                 check_name(name)
             except SessionError as e:
                 raise UsageError(str(e)) from None
+    check_combinations(args)
     try:
         return settings_from(args)
     except SettingError as e:
         raise UsageError(str(e)) from None
+
+
+# The options of a chat (attribute, option): --sessions and --export, which print and exit, take none.
+CHAT_OPTIONS = (("prompt", "-p"), ("resume", "--resume"), ("session", "--session"), ("no_save", "--no-save"),
+                ("ctx", "--ctx"), ("expert_cache", "--expert-cache"), ("numerics", "--numerics"),
+                ("plain", "--plain"), ("verbose", "--verbose"))
+
+
+def check_combinations(args) -> None:
+    """Options that contradict each other, or that would do nothing, are refused (never ignored)."""
+    if args.sessions and args.export is not None:
+        raise UsageError("--sessions and --export each print and exit: give one of them")
+    if not args.sessions and args.export is None:
+        return
+    chat = CHAT_OPTIONS + tuple((row.name, row.option) for row in TABLE)
+    unused = [option for attr, option in chat if getattr(args, attr) not in (None, False)]
+    if args.sessions and args.model is not None:  # --export NAME --model PATH: that model's NAME
+        unused.insert(0, "--model")
+    if unused:
+        what = ("--sessions lists every model's saved conversations" if args.sessions
+                else "--export prints a saved conversation")
+        raise UsageError(f"{what} and exits: {', '.join(unused)} cannot be used with it")
 
 
 def settings_from(args) -> tuple[Settings, frozenset]:
@@ -612,6 +637,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         say(f"colichat: {e}")
         return 2
+    args.numerics = args.numerics or "fast"
     try:
         if args.sessions or args.export is not None:
             return from_the_shell(args)

@@ -1,7 +1,7 @@
 """Bad input to the chat program: one clear line on stderr each, never a traceback, the right exit code.
 
-Bad model files end the program (exit 1) and a bad command line (an unknown option, a bad value)
-ends it before anything is read (exit 2); bad commands in
+Bad model files end the program (exit 1) and a bad command line (an unknown option, a bad value,
+options that contradict each other) ends it before anything is read (exit 2); bad commands in
 pipe mode are named back and the program goes on with the next lines (exit 1 at the end); a session
 that cannot be written is reported after each answer ("NOT saved: ...") and the conversation goes on.
 """
@@ -201,6 +201,38 @@ def test_an_option_the_model_or_the_sessions_refuse_exits_1(kind, colichat_home)
     [line] = run.errors()
     assert problem in line, line
     assert session_files(colichat_home) == []
+
+
+CONTRADICTIONS = {
+    "sessions-and-p": (["--sessions", "-p", "hi"], "--sessions lists every model's saved conversations and "
+                       "exits: -p cannot be used with it"),
+    "sessions-and-export": (["--sessions", "--export", "foo"], "--sessions and --export each print and exit: "
+                            "give one of them"),
+    "sessions-and-model": (["--sessions", "--model", TINY_LLAMA], "--sessions lists every model's saved "
+                           "conversations and exits: --model cannot be used with it"),
+    "export-and-chat": (["--export", "s", "-p", "hi", "--resume", "--temperature", "0"], "--export prints a saved "
+                        "conversation and exits: -p, --resume, --temperature cannot be used with it"),
+    "export-and-session": (["--export", "s", "--session", "t", "--ctx", "64"], "--export prints a saved "
+                           "conversation and exits: --session, --ctx cannot be used with it"),
+}
+
+
+@pytest.mark.parametrize("kind", CONTRADICTIONS)
+def test_options_that_contradict_each_other_are_refused_not_ignored(kind, colichat_home):
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    args, problem = CONTRADICTIONS[kind]
+    run = chat(colichat_home, args).exits(2)
+    assert run.out == b"" and run.err.splitlines() == [f"colichat: {problem}"]
+
+
+def test_export_takes_model_to_choose_whose_conversation(tmp_path, colichat_home):
+    """--model with --export is not a contradiction: it says whose NAME when two models have one."""
+    other = copy_gguf(TINY_LLAMA, tmp_path / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    chat(colichat_home, ["--model", other, *TINY_ARGS[2:], "--session", "s"], lines(Q[1])).ok()
+    assert "add --model PATH to say which" in chat(colichat_home, ["--export", "s"]).failed().errors()[0]
+    mine = chat(colichat_home, ["--export", "s", "--model", other]).ok().out.decode()
+    assert Q[1] in mine and Q[0] not in mine
 
 
 def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeypatch):
