@@ -581,8 +581,27 @@ def load_model(args, say, status: StatusLine, mtp: bool = True):
     return model
 
 
+def unreadable_sessions(root) -> str | None:
+    """Why the saved conversations under `root` (the sessions directory) cannot be read, or None: a
+    directory not made yet holds none, but a file in its place, or one it cannot enter, hides them."""
+    root = os.path.abspath(root)
+    d = root
+    while not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        return f"{d} is not a directory"
+    if d == root and not os.access(d, os.R_OK | os.X_OK):
+        return f"{d}: permission denied"
+    return None
+
+
 def from_the_shell(args) -> int:
     """--sessions and --export NAME: read the saved conversations, print to stdout, no model loaded."""
+    root = paths().data / "sessions"
+    problem = unreadable_sessions(root)
+    if problem:  # else the listing would say "no saved conversations" of conversations it cannot see
+        raise SessionError(f"cannot read the saved conversations in {root} ({problem}); fix that, or set "
+                           "COLICHAT_HOME to the directory that holds them")
     store = Store()
     if args.sessions:
         rows = listing(store)

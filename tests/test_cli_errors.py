@@ -450,6 +450,18 @@ def test_session_directory_blocked_by_a_file_is_refused_at_start(colichat_home):
     chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()  # the way out it names
 
 
+@pytest.mark.parametrize("args", [["--sessions"], ["--export", "s"]])
+def test_listing_a_sessions_directory_blocked_by_a_file_says_so(args, colichat_home):
+    """Not "no saved conversations": the conversations cannot be seen, and the line says why."""
+    (colichat_home / "data").mkdir()
+    sessions = colichat_home / "data" / "sessions"
+    sessions.write_text("in the way\n")
+    run = chat(colichat_home, args).failed()
+    assert run.out == b"" and run.err.splitlines() == [
+        f"colichat: cannot read the saved conversations in {sessions} ({sessions} is not a directory); fix that, "
+        "or set COLICHAT_HOME to the directory that holds them"]
+
+
 def test_colichat_home_that_is_a_file_is_refused_at_start(tmp_path):
     home = tmp_path / "home"
     home.write_text("not a directory\n")
