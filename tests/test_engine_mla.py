@@ -345,6 +345,13 @@ def test_expert_cache_default_follows_available_memory(tmp_path, monkeypatch):
     assert load(path, n_ctx=128).experts.capacity == model_mod.DEFAULT_EXPERT_CACHE_MIB << 20
 
 
+@pytest.mark.parametrize("mib, shown", [(0.5, "1 MiB"), (0.05, "1 MiB"), (0, "0 MiB"), (2, "2 MiB"), (2.1, "3 MiB")])
+def test_the_expert_cache_bound_shown_rounds_up_never_to_zero(mib, shown):
+    est = model_mod.MemoryEstimate(dense=1 << 20, experts=int(mib * (1 << 20)), experts_f32=3 << 20,
+                                   kv_per_token=1024, n_ctx=16)
+    assert f" + expert cache <= {shown} (all experts as f32: 3 MiB)" in str(est)
+
+
 def test_memory_estimate_dense_model(models):
     m = tiny(models, "ds-dense")
     est = m.memory_estimate()

@@ -147,8 +147,8 @@ class MemoryEstimate:
             return f"{n / (1 << 20):,.0f} MiB"
 
         s = f"weights {mib(self.dense)}"
-        if self.experts_f32:
-            s += f" + expert cache <= {mib(self.experts)} (all experts as f32: {mib(self.experts_f32)})"
+        if self.experts_f32:  # a bound rounds up: --expert-cache 0.5 is "<= 1 MiB", never "<= 0 MiB"
+            s += f" + expert cache <= {-(-self.experts >> 20):,} MiB (all experts as f32: {mib(self.experts_f32)})"
         s += f" + KV {format_size(self.kv_per_token)}/token x {self.n_ctx:,} = {mib(self.kv_per_token * self.n_ctx)}"
         if self.mtp_per_token:
             s += f" + MTP drafts {format_size(self.mtp_per_token)}/token = {mib(self.mtp_per_token * self.n_ctx)}"
