@@ -480,9 +480,17 @@ def choose_model(args, say) -> str:
         name, path, title = found
         say(f"session {name} was saved with {title}: loading {path}")
         return path
+    if args.resume and args.session is None and nothing_saved():  # no model named: not "for this model"
+        raise SessionError("no saved conversation yet")
     if missing:
         raise missing
     return default
+
+
+def nothing_saved() -> bool:
+    """No conversation of any model is saved (a sessions directory that cannot be read is check_saving's)."""
+    root = paths().data / "sessions"
+    return unreadable_sessions(root) is None and not Store().list()
 
 
 def check_model_file(path: str) -> None:

@@ -251,6 +251,19 @@ def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeyp
     assert load(TINY_LLAMA, n_ctx=fits).n_ctx == fits  # the number it gives does load
 
 
+def test_resume_without_a_model_and_nothing_saved_does_not_speak_of_this_model(tmp_path, colichat_home):
+    """--resume alone takes the newest conversation of any model: with none, there is no "this model";
+    with --model there is, and with another model's conversation saved, "for this model" is the point."""
+    run = chat(colichat_home, ["--resume", *GREEDY], lines(Q[0])).failed()
+    assert run.err.splitlines() == ["colichat: no saved conversation yet"]
+    run = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[0])).failed()
+    assert run.err.splitlines() == ["colichat: no saved conversation for this model yet"]
+    other = copy_gguf(TINY_LLAMA, tmp_path / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    chat(colichat_home, ["--model", other, *TINY_ARGS[2:], "--session", "theirs"], lines(Q[0])).ok()
+    run = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[0])).failed()
+    assert run.err.splitlines() == ["colichat: no saved conversation for this model yet"]
+
+
 def test_a_session_name_that_cannot_exist_is_refused_before_the_model_loads(colichat_home):
     for args, problem, rc in ((["--session", "../up"], "invalid session name '../up'", 2),
                               (["--resume", "--session", "nosuch"],
