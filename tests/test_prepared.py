@@ -194,6 +194,45 @@ def test_entry_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch)
     assert done[-1][1].startswith(".tmp-")  # the entry's directory, last before the rename
 
 
+def test_an_entry_another_start_put_in_place_first_is_used_not_a_failure(tmp_path, monkeypatch):
+    """Starts of one model at once: the entry another start renamed into place while this one was
+    dequantizing is as good as this one's: no 'cannot write' note, one entry, no temporary left."""
+    from colichat.engine import prepared
+
+    gguf = tmp_path / "llama.gguf"
+    shutil.copy(TINY / "llama.gguf", gguf)
+    theirs = tmp_path / "theirs"
+    load(str(gguf), n_ctx=64, cache_dir=theirs)
+    (made,) = theirs.iterdir()
+    real_rename = os.rename
+
+    def rename(a, b):  # the other start renames its entry into place just before this one does
+        if Path(b).name == made.name and not Path(b).exists():
+            shutil.copytree(made, b)
+        real_rename(a, b)
+
+    monkeypatch.setattr(prepared.os, "rename", rename)
+    cache, notes = tmp_path / "weights", []
+    load(str(gguf), n_ctx=64, cache_dir=cache, on_note=notes.append)
+    assert notes == [f"kept the dequantized weights (9 MiB) in {cache}; later starts map them instead of "
+                     "dequantizing"]
+    assert [p.name for p in cache.iterdir()] == [made.name]
+    assert load_prepared(str(gguf), cache) is not None
+
+
+def test_an_entry_in_the_way_that_a_start_cannot_use_is_replaced(tmp_path):
+    gguf = tmp_path / "llama.gguf"
+    shutil.copy(TINY / "llama.gguf", gguf)
+    cache = tmp_path / "weights"
+    load(str(gguf), n_ctx=64, cache_dir=cache)
+    (entry,) = cache.iterdir()
+    (entry / "weights.f32").unlink()  # load_prepared cannot use it (and leaves it)
+    notes = []
+    load(str(gguf), n_ctx=64, cache_dir=cache, on_note=notes.append)
+    assert notes[0].startswith("kept the dequantized weights") and len(notes) == 1
+    assert [p.name for p in cache.iterdir()] == [entry.name] and load_prepared(str(gguf), cache) is not None
+
+
 KILLED_WRITER = """
 import os, sys, time
 sys.path.insert(0, {tests!r})

@@ -13,6 +13,8 @@ weights.f32 read-only (no copy, no dequantizing) and the GGUF tensors it still n
 straight from the GGUF at their recorded offsets. An entry is written to a temporary directory
 (.tmp-<pid>-*), fsynced, and renamed into place, so a crash or a full disk never leaves a half entry
 that would be trusted; temporary directories of processes that died are removed by the next start.
+Starts of one model at once each write an entry: the first renamed into place is kept, and the
+others, finding it there and sound, drop theirs.
 
 Every start verifies the entry before using it: meta.json against its SHA-256, weights.f32's size,
 and each array's CRC-32 (the whole array when the entry holds at most FULL_CHECK_BYTES, else three
@@ -23,6 +25,7 @@ start dequantizes again, rewrites the entry, and says so.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import mmap
@@ -218,16 +221,40 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        entry = root / key
-        if entry.exists():
-            shutil.rmtree(entry, ignore_errors=True)
-        os.rename(tmp, entry)
+        _put_in_place(tmp, root / key, real)
         _fsync_dir(root)
         _remove_stale(root, real, key)
         return None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return _unwritable(root, e)
+
+
+def _put_in_place(tmp: Path, entry: Path, real: str) -> None:
+    """Rename the written entry `tmp` to `entry`. One already there is either another start's, of
+    the same GGUF, renamed while this one dequantized (as good as ours: ours is dropped), or one
+    load_prepared could not use (replaced)."""
+    for _ in range(2):
+        try:
+            os.rename(tmp, entry)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if _sound(entry, real):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(entry, ignore_errors=True)
+    raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), str(entry))
+
+
+def _sound(entry: Path, real: str) -> bool:
+    """Whether the entry passes the checks a start makes before using it."""
+    try:
+        Prepared(real, entry)
+    except (DamagedEntry, OSError):
+        return False
+    return True
 
 
 def _unwritable(root: Path, e: OSError) -> str:
