@@ -28,6 +28,7 @@ class Command:
     summary: str
     run: Callable
     aliases: tuple[str, ...] = ()  # other names it answers to (habits from other chat programs)
+    instead: str = ""  # for a command that takes no argument: what to type for what an argument may have meant
 
     @property
     def title(self) -> str:
@@ -172,9 +173,10 @@ def cmd_quit(app, arg: str) -> None:
 COMMANDS = [
     Command("/help", "[CMD]", "list the commands, or explain one", cmd_help),
     Command("/resume", "[NAME]", "reopen a saved conversation (the latest by default), no re-prefill", cmd_resume),
-    Command("/sessions", "", "list saved conversations of this model", cmd_sessions),
+    Command("/sessions", "", "list saved conversations of this model", cmd_sessions,
+            instead="/resume NAME reopens one"),
     Command("/new", "", "start a new empty conversation (the current one stays saved)", cmd_reset,
-            ("/clear", "/reset")),
+            ("/clear", "/reset"), instead="/rename NAME names this conversation"),
     Command("/rename", "NEW", "give this conversation another name", cmd_rename),
     Command("/save", "NAME", "keep a copy of this conversation as NAME (written from memory, no re-prefill)",
             cmd_save),
@@ -183,10 +185,12 @@ COMMANDS = [
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
     Command("/forget", "[N]", "continue in a new conversation without the N oldest exchanges (default: enough "
             "to free half the context); the current one stays saved", cmd_forget),
-    Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen),
-    Command("/history", "", "show the conversation so far", cmd_history),
+    Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen,
+            instead="/rewind, then a message, asks something else"),
+    Command("/history", "", "show the conversation so far", cmd_history,
+            instead="/export FILE writes it to a file"),
     Command("/set", "KEY VALUE", "change a setting (/help set lists them)", cmd_set),
-    Command("/show", "", "show the settings", cmd_show),
+    Command("/show", "", "show the settings", cmd_show, instead="/set KEY shows one"),
     Command("/stats", "", "context used, bytes on disk, last speeds", cmd_stats),
     Command("/quit", "", "save and exit (Ctrl-D works too)", cmd_quit, ("/exit", "/bye", "/q")),
 ]
@@ -216,7 +220,11 @@ def is_quit_word(line: str) -> bool:
 def dispatch(app, line: str) -> None:
     """Run one command line; ChatError carries the one-line message for a bad one."""
     name, arg = (line.strip().split(None, 1) + [""])[:2]
-    find_command(name).run(app, arg)
+    cmd = find_command(name)
+    if not cmd.args and arg.strip():  # refused, not ignored: `/new notes` must not look like it named anything
+        hint = f" ({cmd.instead})" if cmd.instead else ""
+        raise ChatError(f"{name.lower()} takes no argument{hint}")
+    cmd.run(app, arg)
 
 
 NAME_ARGS = ("/resume", "/delete")  # commands whose argument is a saved conversation's name

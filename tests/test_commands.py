@@ -206,3 +206,22 @@ def test_system_given_with_resume_waits_for_the_next_conversation(model, tmp_pat
     again.reset()
     assert again.settings.system == "New."
     again.close()
+
+
+# ---- arguments -------------------------------------------------------------------------------------
+
+NO_ARGUMENT = [name for c in COMMANDS if not c.args for name in (c.name, *c.aliases)]
+
+
+@pytest.mark.parametrize("name", NO_ARGUMENT)
+def test_a_command_that_takes_no_argument_refuses_one_and_does_nothing(app, name):
+    app.conv.ask("hello")
+    before = [(t.role, t.text) for t in app.conv.turns]
+    said = run(app, f"{name} extra words")
+    assert len(said) == 1 and said[0].startswith(f"colichat: {name} takes no argument"), said
+    assert [(t.role, t.text) for t in app.conv.turns] == before and not app.quitting and app.errors == 1
+
+
+def test_new_with_a_name_says_how_to_name_the_conversation(app):
+    assert run(app, "/new notes") == ["colichat: /new takes no argument (/rename NAME names this conversation)"]
+    assert run(app, "/Clear x") == ["colichat: /clear takes no argument (/rename NAME names this conversation)"]
