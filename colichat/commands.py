@@ -17,7 +17,7 @@ from .errors import ChatError
 from .inputs import Message
 from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
-from .settings import TABLE, key_of, printable
+from .settings import TABLE, key_of, printable, unquoted
 from .units import count
 
 
@@ -92,13 +92,24 @@ def cmd_save(app, arg: str) -> None:
     app.say(app.conv.save_as(arg.strip()))
 
 
+def export_path(arg: str, title: str) -> str:
+    """Where /export writes: FILE as typed (one pair of enclosing quotes removed, as /set does; `~`
+    expanded), TITLE.md in it when FILE is a directory, TITLE.md here by default."""
+    given = unquoted(arg.strip())
+    if given == "-":  # stdout carries only the answers (pipe mode): a Markdown copy there would mix in
+        raise ChatError("/export writes a file, not standard output: /export FILE "
+                        "(colichat --export NAME prints a saved conversation)")
+    path = os.path.expanduser(given or f"{title}.md")
+    return os.path.join(path, f"{title}.md") if given and os.path.isdir(path) else path
+
+
 def cmd_export(app, arg: str) -> None:
     """/export [FILE]: the conversation as Markdown, in FILE (default NAME.md here); never overwrites."""
     conv = app.conv
     if not conv.turns:
         raise ChatError("nothing to export yet: the conversation is empty")
     title = conv.saving.name or "conversation"
-    path = os.path.expanduser(arg.strip() or f"{title}.md")
+    path = export_path(arg, title)
     text = markdown(title, conv.model.cfg.name, [(t.role, t.text) for t in conv.turns], conv.settings.system)
     try:
         with open(path, "x", encoding="utf-8", errors="surrogateescape") as f:
@@ -180,7 +191,8 @@ COMMANDS = [
     Command("/rename", "NEW", "give this conversation another name", cmd_rename),
     Command("/save", "NAME", "keep a copy of this conversation as NAME (written from memory, no re-prefill)",
             cmd_save),
-    Command("/export", "[FILE]", "write the conversation as Markdown (default NAME.md here)", cmd_export),
+    Command("/export", "[FILE]", "write the conversation as Markdown (default NAME.md here, or in FILE if it "
+            "is a directory)", cmd_export),
     Command("/delete", "NAME", "delete a saved conversation of this model (not the current one)", cmd_delete),
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
     Command("/forget", "[N]", "continue in a new conversation without the N oldest exchanges (default: enough "

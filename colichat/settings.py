@@ -21,6 +21,13 @@ class SettingError(Exception):
     """A value a setting cannot take; the message is one line naming the setting."""
 
 
+def unquoted(text: str) -> str:
+    """`text` without one pair of enclosing quotes ('...' or "..."), as a shell would read one word."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 def printable(text: str, limit: int = 60) -> str:
     """`text` for an error line: control and line-break characters escaped, long text cut."""
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
@@ -49,8 +56,7 @@ class Setting:
         label = label or self.name
         t = text.strip()
         if self.kind is str:
-            if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
-                t = t[1:-1]
+            t = unquoted(t)
             return None if self.optional and (not t or t.lower() == "none") else t
         if self.optional and t.lower() == "none":
             return None

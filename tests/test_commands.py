@@ -225,3 +225,40 @@ def test_a_command_that_takes_no_argument_refuses_one_and_does_nothing(app, name
 def test_new_with_a_name_says_how_to_name_the_conversation(app):
     assert run(app, "/new notes") == ["colichat: /new takes no argument (/rename NAME names this conversation)"]
     assert run(app, "/Clear x") == ["colichat: /clear takes no argument (/rename NAME names this conversation)"]
+
+
+# ---- /export ---------------------------------------------------------------------------------------
+
+
+def test_export_takes_a_quoted_name_as_set_does(app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app.conv.ask("hello")
+    assert run(app, '/export "my notes.md"') == ["exported 2 turns to my notes.md"]
+    assert (tmp_path / "my notes.md").read_text().startswith("# ")
+    run(app, "/export 'other.md'")
+    assert (tmp_path / "other.md").exists() and not any("'" in p.name or '"' in p.name for p in tmp_path.iterdir())
+
+
+def test_export_to_a_directory_writes_name_md_in_it_and_never_overwrites(app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    app.conv.ask("hello")
+    name = app.conv.saving.name
+    assert run(app, "/export notes") == [f"exported 2 turns to notes/{name}.md"]
+    assert (tmp_path / "notes" / f"{name}.md").read_text().startswith("# ")
+    assert run(app, "/export notes/") == [f"colichat: notes/{name}.md already exists: give /export another file name"]
+
+
+def test_export_dash_is_refused_not_a_file_named_dash(app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app.conv.ask("hello")
+    said = run(app, "/export -")
+    assert len(said) == 1 and said[0].startswith("colichat: /export writes a file, not standard output")
+    assert list(tmp_path.iterdir()) == [tmp_path / "s"]  # only the sessions
+
+
+def test_export_expands_the_home_directory(app, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    app.conv.ask("hello")
+    run(app, "/export ~/chat.md")
+    assert (tmp_path / "chat.md").exists() and app.errors == 0
