@@ -367,11 +367,11 @@ class Conversation:
 
     def rewind(self, n: int = 1) -> list[Turn]:
         """Drop the last n exchanges (cache truncated to the start of the first dropped one)."""
-        if n < 1:
-            raise ChatError("/rewind takes a positive number of exchanges")
         starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
-        if n > len(starts):
-            raise ChatError(f"cannot rewind {count(n, 'exchange')}: the conversation has {len(starts)}")
+        if not starts:
+            raise ChatError("nothing to rewind: the conversation is empty")
+        if not 1 <= n <= len(starts):  # said as /forget says it
+            raise ChatError(f"/rewind takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
         dropped = self.turns[starts[-n]:]
         self._truncate_records(dropped[0].first)
         return dropped

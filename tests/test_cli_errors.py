@@ -283,8 +283,8 @@ def test_bad_commands_are_named_back_and_the_input_goes_on(colichat_home):
     run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], stdin).failed()
     expected = [
         "colichat: unknown command '/frobnicate': /help lists the commands",
-        "colichat: cannot rewind 1 exchange: the conversation has 0",
-        "colichat: cannot rewind 2 exchanges: the conversation has 1",
+        "colichat: nothing to rewind: the conversation is empty",
+        "colichat: /rewind takes 1 to 1: the conversation has 1 exchange",
         "colichat: /rewind takes a whole number, not 'two'",
         "colichat: no session named nosuch for this model (/sessions lists them)",
         "colichat: invalid session name '../etc'",

@@ -262,3 +262,17 @@ def test_export_expands_the_home_directory(app, tmp_path, monkeypatch):
     app.conv.ask("hello")
     run(app, "/export ~/chat.md")
     assert (tmp_path / "chat.md").exists() and app.errors == 0
+
+
+# ---- the same things said the same way --------------------------------------------------------------
+
+
+def test_rewind_says_what_regen_and_forget_say(app):
+    assert run(app, "/rewind") == ["colichat: nothing to rewind: the conversation is empty"]
+    assert run(app, "/regen") == ["colichat: nothing to regenerate: the conversation is empty"]
+    app.conv.ask("hello")
+    app.conv.ask("again")
+    for n in ("0", "3", "-1"):
+        assert run(app, f"/rewind {n}") == ["colichat: /rewind takes 1 to 2: the conversation has 2 exchanges"]
+        assert run(app, f"/forget {n}") == ["colichat: /forget takes 1 to 2: the conversation has 2 exchanges"]
+    assert app.conv.exchanges() == 2
