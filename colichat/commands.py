@@ -29,6 +29,7 @@ class Command:
     run: Callable
     aliases: tuple[str, ...] = ()  # other names it answers to (habits from other chat programs)
     instead: str = ""  # for a command that takes no argument: what to type for what an argument may have meant
+    more: str = ""  # where /help CMD says more (shown in the /help list only: not as a pointer to itself)
 
     @property
     def title(self) -> str:
@@ -55,9 +56,19 @@ def cmd_help(app, arg: str) -> None:
                 app.say(f"  {row.name:<15}{row.help}", hang=17)
         return
     for cmd in COMMANDS:
-        app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{cmd.summary}"
-                + (f" (also {', '.join(cmd.aliases)})" if cmd.aliases else ""), hang=20)
+        app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{listed(cmd)}", hang=20)
     app.say('Multi-line input: Esc then Enter for a newline, or a block between """ lines.')
+
+
+def listed(cmd: Command) -> str:
+    """A command's summary in the /help list, with what the list adds (where to read more, its other
+    names) in the same parentheses as the summary's own, if it ends with some: one group, not two."""
+    notes = [note for note in (cmd.more, cmd.aliases and "also " + ", ".join(cmd.aliases)) if note]
+    if not notes:
+        return cmd.summary
+    if cmd.summary.endswith(")"):
+        return f"{cmd.summary[:-1]}; {'; '.join(notes)})"
+    return f"{cmd.summary} ({'; '.join(notes)})"
 
 
 def cmd_resume(app, arg: str) -> None:
@@ -201,7 +212,7 @@ COMMANDS = [
             instead="/rewind, then a message, asks something else"),
     Command("/history", "", "show the conversation so far", cmd_history,
             instead="/export FILE writes it to a file"),
-    Command("/set", "KEY VALUE", "change a setting (/help set lists them)", cmd_set),
+    Command("/set", "KEY VALUE", "change a setting; /set KEY shows its value", cmd_set, more="/help set lists them"),
     Command("/show", "", "show the settings", cmd_show, instead="/set KEY shows one"),
     Command("/stats", "", "context used, bytes on disk, last speeds", cmd_stats),
     Command("/quit", "", "save and exit (Ctrl-D works too)", cmd_quit, ("/exit", "/bye", "/q")),
@@ -215,6 +226,8 @@ def find_command(name: str) -> Command:
     cmd = BY_NAME.get(name.lower())
     if cmd is not None:
         return cmd
+    if name == "/":  # nearest to nothing: a guess such as /q would be noise
+        raise ChatError("/ alone is not a command: /help lists them")
     near = difflib.get_close_matches(name.lower(), list(BY_NAME), n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}? " if near else ""
     raise ChatError(f"unknown command '{printable(name)}': {hint}/help lists the commands")

@@ -36,7 +36,7 @@ from cli_helpers import (
 
 from colichat import __version__
 from colichat.cli import model_title
-from colichat.commands import COMMANDS
+from colichat.commands import COMMANDS, listed
 from colichat.units import count, format_size
 from colichat.wrap import displayable
 
@@ -162,7 +162,7 @@ def test_help_and_quit(colichat_home):
     run = chat(colichat_home, TINY_ARGS, lines("/help", "/help rewind", "/help /set", "/quit", "not answered")).ok()
     err = run.err.splitlines()
     for cmd in COMMANDS:
-        assert any(line.startswith(cmd.name + " ") and cmd.summary in line for line in err), cmd.name
+        assert any(line.startswith(cmd.name + " ") and listed(cmd) in line for line in err), cmd.name
     assert "/rewind [N]  drop the last N exchanges (default 1)" in err
     assert any(line.split() == ["temperature", "0", "=", "greedy;", "higher", "=", "more", "random"] for line in err)
     assert run.out == b"" and run.footers() == []

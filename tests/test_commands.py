@@ -276,3 +276,17 @@ def test_rewind_says_what_regen_and_forget_say(app):
         assert run(app, f"/rewind {n}") == ["colichat: /rewind takes 1 to 2: the conversation has 2 exchanges"]
         assert run(app, f"/forget {n}") == ["colichat: /forget takes 1 to 2: the conversation has 2 exchanges"]
     assert app.conv.exchanges() == 2
+
+
+def test_help_says_each_thing_once(app):
+    listing = run(app, "/help")
+    assert not any(") (" in line for line in listing), listing
+    assert any("(the current one stays saved; also /clear, /reset)" in line for line in listing)
+    assert any("(Ctrl-D works too; also /exit, /bye, /q)" in line for line in listing)
+    assert any(line.startswith("/set KEY VALUE") and "(/help set lists them)" in line for line in listing)
+    explained = run(app, "/help set")
+    assert explained[0].startswith("/set KEY VALUE  change a setting") and "/help set" not in explained[0]
+
+
+def test_slash_alone_says_it_is_not_a_command(app):
+    assert run(app, "/") == ["colichat: / alone is not a command: /help lists them"]
