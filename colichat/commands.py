@@ -92,9 +92,23 @@ def cmd_delete(app, arg: str) -> None:
 
 
 def cmd_rename(app, arg: str) -> None:
-    if not arg.strip():
+    new = arg.strip()
+    if not new:
         raise ChatError("/rename needs the new name of this conversation")
-    app.say(app.conv.saving.rename(arg.strip()))
+    saving = app.conv.saving
+    if saving.store and not saving.read_only and saving.session is None and not app.conv.turns:
+        app.say(name_new(app, new))
+        return
+    app.say(saving.rename(new))
+
+
+def name_new(app, name: str) -> str:
+    """/rename NAME before the first answer (nothing to save yet, nor to rename): the name is taken
+    now, as --session NAME takes it, and the first answer saves the conversation under it."""
+    if name in app.conv.saving.names():
+        raise ChatError(f"session {name} already exists: choose another name")
+    app.conv.saving.claim(name, app.conv.settings.to_dict())
+    return f"this conversation is named {name}: its first answer saves it"
 
 
 def cmd_save(app, arg: str) -> None:
@@ -199,7 +213,8 @@ COMMANDS = [
             instead="/resume NAME reopens one"),
     Command("/new", "", "start a new empty conversation (the current one stays saved)", cmd_reset,
             ("/clear", "/reset"), instead="/rename NAME names this conversation"),
-    Command("/rename", "NEW", "give this conversation another name", cmd_rename),
+    Command("/rename", "NEW", "give this conversation another name (or, before its first answer, its name)",
+            cmd_rename),
     Command("/save", "NAME", "keep a copy of this conversation as NAME (written from memory, no re-prefill)",
             cmd_save),
     Command("/export", "[FILE]", "write the conversation as Markdown (default NAME.md here, or in FILE if it "

@@ -290,3 +290,15 @@ def test_help_says_each_thing_once(app):
 
 def test_slash_alone_says_it_is_not_a_command(app):
     assert run(app, "/") == ["colichat: / alone is not a command: /help lists them"]
+
+
+def test_rename_before_the_first_answer_names_the_conversation_for_its_first_save(app):
+    assert run(app, "/rename notes") == ["this conversation is named notes: its first answer saves it"]
+    app.handle("hello")
+    assert app.conv.saving.name == "notes" and app.conv.saving.names() == ["notes"] and app.errors == 0
+    run(app, "/new")
+    assert run(app, "/rename notes") == ["colichat: session notes already exists: choose another name"]
+    assert run(app, "/rename other") == ["this conversation is named other: its first answer saves it"]
+    assert run(app, "/rename third") == ["renamed session other to third"]  # named, not saved yet
+    app.handle("hello")
+    assert sorted(app.conv.saving.names()) == ["notes", "third"]
