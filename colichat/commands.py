@@ -186,9 +186,18 @@ def cmd_set(app, arg: str) -> None:
     key = key_of(parts[0])
     row = SETTINGS[key]
     if len(parts) == 1:
-        app.say(f"{key} = {row.show(app.conv.prefs.options()[key])}")
+        app.say(shown_setting(app.conv.prefs.options(), key))
         return
     app.say(app.conv.set_option(key, row.parse(parts[1])))
+
+
+def shown_setting(options: dict, key: str) -> str:
+    """`key = VALUE`, and the value waiting for the next conversation if one does (a system prompt
+    set after the first answer): the one in use alone would hide it."""
+    row = SETTINGS[key]
+    waiting = f"{key} (next)"
+    later = f" (next conversation: {row.show(options[waiting])})" if waiting in options else ""
+    return f"{key} = {row.show(options[key])}{later}"
 
 
 def cmd_show(app, arg: str) -> None:

@@ -302,3 +302,11 @@ def test_rename_before_the_first_answer_names_the_conversation_for_its_first_sav
     assert run(app, "/rename third") == ["renamed session other to third"]  # named, not saved yet
     app.handle("hello")
     assert sorted(app.conv.saving.names()) == ["notes", "third"]
+
+
+def test_set_system_alone_shows_the_prompt_waiting_for_the_next_conversation(app):
+    app.conv.ask("hello")
+    assert run(app, "/set system You are a pirate.")[0].startswith("system prompt set for the next conversation")
+    assert run(app, "/set system") == ["system = none (next conversation: You are a pirate.)"]
+    run(app, "/new")
+    assert run(app, "/set system") == ["system = You are a pirate."]
