@@ -29,7 +29,7 @@ try:
 
     from . import __version__, report
     from .chat import Conversation
-    from .commands import dispatch, is_command, is_quit_word
+    from .commands import dispatch, is_command, is_quit_word, message_text
     from .engine import MIN_CTX, ModelError, load, resume_problem
     from .errors import USER_ERRORS, ChatError, UsageError
     from .inputs import FENCE, clean_line, inputs_of, read_input
@@ -362,7 +362,7 @@ class App:
             elif is_quit_word(line):
                 self.quit_or_send(line)
             elif line.strip():
-                self.answer(line)
+                self.answer(message_text(line))
         except USER_ERRORS as e:
             self.errors += 1
             self.say(f"colichat: {e}")

@@ -58,6 +58,7 @@ def cmd_help(app, arg: str) -> None:
     for cmd in COMMANDS:
         app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{listed(cmd)}", hang=20)
     app.say('Multi-line input: Esc then Enter for a newline, or a block between """ lines.')
+    app.say("A message that starts with / is typed with // (it is sent with one /).")
 
 
 def listed(cmd: Command) -> str:
@@ -253,12 +254,21 @@ def find_command(name: str) -> Command:
     if name == "/":  # nearest to nothing: a guess such as /q would be noise
         raise ChatError("/ alone is not a command: /help lists them")
     near = difflib.get_close_matches(name.lower(), list(BY_NAME), n=1, cutoff=0.6)
-    hint = f"did you mean {near[0]}? " if near else ""
-    raise ChatError(f"unknown command '{printable(name)}': {hint}/help lists the commands")
+    if near:
+        raise ChatError(f"unknown command '{printable(name)}': did you mean {near[0]}? /help lists the commands")
+    raise ChatError(f"unknown command '{printable(name)}': /help lists the commands "
+                    "(a message that starts with / is typed with //)")
 
 
 def is_command(line: str) -> bool:
-    return line.startswith("/") and not isinstance(line, Message)
+    """A line starting with one `/` (`//` starts a message: message_text)."""
+    return line.startswith("/") and not line.startswith("//") and not isinstance(line, Message)
+
+
+def message_text(line: str) -> str:
+    """What a line that is not a command sends: a line `//text` sends `/text` (as IRC clients do),
+    the way to start a message with `/`; a \"\"\" block is sent as it is."""
+    return line[1:] if line.startswith("//") and not isinstance(line, Message) else line
 
 
 def is_quit_word(line: str) -> bool:

@@ -467,3 +467,13 @@ def test_exit_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colicha
         "colichat: unknown command '/sesions': did you mean /sessions? /help lists the commands",
     ]
     assert saved_users(colichat_home, "x") == [Q[0]]
+
+
+def test_two_slashes_send_a_message_that_starts_with_one(colichat_home):
+    """`//text` sends `/text` (the REPL reads its lines through the same App.handle); a block is sent as it is."""
+    stdin = lines("/etc/passwd is what file?", "//etc/passwd is what file?", '"""', "//as typed", '"""')
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "sl"], stdin).failed()
+    assert run.errors() == ["colichat: unknown command '/etc/passwd': /help lists the commands "
+                            "(a message that starts with / is typed with //)"]
+    assert saved_users(colichat_home, "sl") == ["/etc/passwd is what file?", "//as typed"]
+    assert len(run.footers()) == 2
