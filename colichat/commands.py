@@ -290,13 +290,16 @@ NAME_ARGS = ("/resume", "/delete")  # commands whose argument is a saved convers
 
 
 def completions(text: str, app=None) -> list[str]:
-    """What Tab offers for the text before the cursor: command names, settable keys after /set,
-    saved conversations' names after /resume and /delete (with `app`, the running program)."""
+    """What Tab offers for the text before the cursor: command names (after /help too), settable keys
+    after /set, saved conversations' names after /resume and /delete (with `app`, the running program)."""
     name, sep, rest = text.partition(" ")
     if sep and " " not in rest.lstrip():
         head, word = text[: len(text) - len(rest.lstrip())], rest.lstrip()
         if name.lower() == "/set":
             return [head + k for k in SETTINGS if k.startswith(word.lower())]
+        if name.lower() == "/help":  # `/help set` as /help shows it, `/help /set` if a / was typed
+            slash = "/" if word.startswith("/") else ""
+            return [head + slash + c.name[1:] for c in COMMANDS if c.name[1:].startswith(word.lstrip("/").lower())]
         if name.lower() in NAME_ARGS and app is not None:
             try:
                 names = app.conv.saving.names()

@@ -310,3 +310,27 @@ def test_set_system_alone_shows_the_prompt_waiting_for_the_next_conversation(app
     assert run(app, "/set system") == ["system = none (next conversation: You are a pirate.)"]
     run(app, "/new")
     assert run(app, "/set system") == ["system = You are a pirate."]
+
+
+# ---- Tab ---------------------------------------------------------------------------------------------
+
+
+def tab(text: str) -> list[str]:
+    """What the REPL's completer offers for `text` before the cursor, as the line it makes."""
+    from prompt_toolkit.completion import CompleteEvent
+    from prompt_toolkit.document import Document
+
+    from colichat.repl import SlashCompleter
+
+    found = SlashCompleter().get_completions(Document(text), CompleteEvent(completion_requested=True))
+    return [text[: len(text) + c.start_position] + c.text for c in found]
+
+
+def test_tab_completes_command_names_after_help(app):
+    assert tab("/help se") == ["/help sessions", "/help set"]
+    assert tab("/help /re") == ["/help /resume", "/help /rename", "/help /rewind", "/help /regen"]
+    assert tab("/HELP q") == ["/HELP quit"]
+    assert len(tab("/help ")) == len(COMMANDS) and tab("/help set x") == []
+    assert tab("/he") == ["/help"]
+    for line in tab("/help "):  # each one explains a command
+        assert len(run(app, line)) >= 1 and app.errors == 0
