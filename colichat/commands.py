@@ -272,7 +272,8 @@ def message_text(line: str) -> str:
 
 
 def is_quit_word(line: str) -> bool:
-    """`exit` or `quit` typed alone: almost surely meant for colichat, not for the model."""
+    """`exit`, `quit` or `bye` typed alone (any case, a `.` or `!` after it or not): most likely meant
+    for colichat, though `Bye!` can be a message: the REPL asks, and sends it on a "no"."""
     return not isinstance(line, Message) and line.strip().lower().rstrip(".!") in QUIT_WORDS
 
 

@@ -334,3 +334,14 @@ def test_tab_completes_command_names_after_help(app):
     assert tab("/he") == ["/help"]
     for line in tab("/help "):  # each one explains a command
         assert len(run(app, line)) >= 1 and app.errors == 0
+
+
+def test_readme_names_every_word_that_asks_whether_quit_was_meant():
+    from pathlib import Path
+
+    from colichat.commands import QUIT_WORDS, is_quit_word
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text("utf-8")
+    row = next(line for line in readme.splitlines() if "asks whether you meant `/quit`" in line)
+    assert all(f"`{word}`" in row for word in QUIT_WORDS), row
+    assert is_quit_word("Bye!") and "`Bye!`" in row and is_quit_word("EXIT.")
