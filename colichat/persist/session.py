@@ -220,8 +220,9 @@ def _span(turns: list[Turn], i: int) -> str:
 
 def _drop_unanswered(turns: list[Turn], crcs: list[int], warnings: list[str]) -> int:
     """Drop (in place) a last user turn: the chat saves a message and its answer together (an answer
-    stopped before its first token is an empty assistant turn), so a message alone is what is left
-    of an exchange whose answer was dropped. Returns the records kept."""
+    the model ends at once is an empty assistant turn; a message whose answer was stopped before its
+    first token is not saved), so a message alone is what is left of an exchange whose answer was
+    dropped. Returns the records kept."""
     if turns and turns[-1].role == "user":
         warnings.append(f"dropped {_span(turns, len(turns) - 1)}: a message whose answer is not there "
                         "(an exchange is kept whole)")
