@@ -152,7 +152,7 @@ class Conversation:
     def _save(self, stats: TurnStats) -> None:
         if self.unsaved_cut is not None:  # the answer /regen replaces goes from the disk only now
             try:
-                self.saving.truncate(self.unsaved_cut)
+                self.saving.truncate(self.unsaved_cut, self.settings.to_dict())
             except ChatError as e:
                 stats.saved, stats.save_error = False, str(e)
                 return

@@ -84,9 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "NAME, --resume, /resume) opens and goes on unsaved (one-shot -p runs and messages from a pipe "
                    "are saved only with --session NAME or --resume)")
     p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit "
-                   "(alone: no other option)")
+                   "(not with -p, --resume, --session, --model)")
     p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit; --model "
-                   "chooses whose when several models have one of that name (no other option)")
+                   "chooses whose when several models have one of that name (not with -p, --resume, --session)")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
@@ -117,9 +117,9 @@ def check_command_line(args) -> tuple[Settings, frozenset]:
 
 
 # The options of a chat (attribute, option): --sessions and --export, which print and exit, take none.
-CHAT_OPTIONS = (("prompt", "-p"), ("resume", "--resume"), ("session", "--session"), ("no_save", "--no-save"),
-                ("ctx", "--ctx"), ("expert_cache", "--expert-cache"), ("numerics", "--numerics"),
-                ("plain", "--plain"), ("verbose", "--verbose"))
+# what asks for a chat, which --sessions and --export do not start (settings and the other options only
+# shape a chat: harmless there, and a shell alias may add them to every colichat)
+CHAT_OPTIONS = (("prompt", "-p"), ("resume", "--resume"), ("session", "--session"))
 
 
 def check_combinations(args) -> None:
@@ -128,8 +128,7 @@ def check_combinations(args) -> None:
         raise UsageError("--sessions and --export each print and exit: give one of them")
     if not args.sessions and args.export is None:
         return
-    chat = CHAT_OPTIONS + tuple((row.name, row.option) for row in TABLE)
-    unused = [option for attr, option in chat if getattr(args, attr) not in (None, False)]
+    unused = [option for attr, option in CHAT_OPTIONS if getattr(args, attr) not in (None, False)]
     if args.sessions and args.model is not None:  # --export NAME --model PATH: that model's NAME
         unused.insert(0, "--model")
     if unused:

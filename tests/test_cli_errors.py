@@ -211,9 +211,9 @@ CONTRADICTIONS = {
     "sessions-and-model": (["--sessions", "--model", TINY_LLAMA], "--sessions lists every model's saved "
                            "conversations and exits: --model cannot be used with it"),
     "export-and-chat": (["--export", "s", "-p", "hi", "--resume", "--temperature", "0"], "--export prints a saved "
-                        "conversation and exits: -p, --resume, --temperature cannot be used with it"),
+                        "conversation and exits: -p, --resume cannot be used with it"),
     "export-and-session": (["--export", "s", "--session", "t", "--ctx", "64"], "--export prints a saved "
-                           "conversation and exits: --session, --ctx cannot be used with it"),
+                           "conversation and exits: --session cannot be used with it"),
 }
 
 
@@ -223,6 +223,14 @@ def test_options_that_contradict_each_other_are_refused_not_ignored(kind, colich
     args, problem = CONTRADICTIONS[kind]
     run = chat(colichat_home, args).exits(2)
     assert run.out == b"" and run.err.splitlines() == [f"colichat: {problem}"]
+
+
+def test_settings_that_only_shape_a_chat_are_no_contradiction(colichat_home):
+    """An alias such as `colichat --temperature 0.3 --plain` still lists and exports."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    shaping = ["--temperature", "0.3", "--ctx", "64", "--plain", "--verbose", "--no-save"]
+    assert "  s: 2 turns" in chat(colichat_home, ["--sessions", *shaping]).ok().out.decode()
+    assert Q[0] in chat(colichat_home, ["--export", "s", *shaping]).ok().out.decode()
 
 
 def test_export_takes_model_to_choose_whose_conversation(tmp_path, colichat_home):

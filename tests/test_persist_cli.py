@@ -89,11 +89,11 @@ def test_opening_a_damaged_conversation_with_options_writes_nothing(colichat_hom
                          ([*TINY_ARGS, "--resume", "--max-tokens", "5"], ["/history"]),
                          ([*TINY_ARGS, "--seed", "3"], ["/resume e", "/history"])):
         run = chat(colichat_home, args, lines(*inputs)).ok()
-        assert run.resumed()[1:] == (3, "e") and "warning: " in run.err
+        assert run.resumed()[1:] == (2, "e") and "warning: " in run.err  # the cut answer's exchange dropped
         assert snapshot(directory) == before, args
     # the next answer repairs it
     chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Go on")).ok()
-    assert saved_users(colichat_home, "e") == ["Hello there", "Thanks a lot", "Go on"]
+    assert saved_users(colichat_home, "e") == ["Hello there", "Go on"]
 
 
 def test_options_given_when_reopening_are_saved_with_the_next_answer_only(colichat_home):
