@@ -1,9 +1,14 @@
 """What the REPL shows: answers wrapped at word boundaries as they stream, and everything shown
 kept, so that a change of the terminal's width redraws the screen laid out for the new width.
 
-WordWrap: a word is held until it ends (a space or a newline arrives; the next token usually starts
-with one), then shown on the current line if it fits, else on the next. Only the display is
-wrapped: the conversation keeps the model's text.
+WordWrap: rows break at spaces, and before or after a wide character (Chinese, Japanese: a row may
+break between any two of them, as terminals and browsers do). A word goes on the current row if it
+fits, else on the next; a word longer than a row starts a row and the terminal cuts it at the edge.
+An answer (live) shows each piece as it arrives: a word is written as it grows, and once it no
+longer fits on its row (it does not start the row), what of it was written there is erased and it
+goes on at the start of the next, as a browser moves a growing word. The result is the layout the
+whole text gets at once (a redraw). Only the display is wrapped: the conversation keeps the
+model's text.
 
 wrap_line: a status line (the banner, command output, a footer) as printed on a terminal, wrapped
 at word boundaries the same way.
@@ -35,18 +40,22 @@ SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # a colour or style code: no room on scre
 
 
 class WordWrap:
-    def __init__(self, columns: Callable[[], int], hang: int = 0):
+    def __init__(self, columns: Callable[[], int], hang: int = 0, live: bool = False):
         self.columns = columns  # the terminal's width now
         self.hang = hang        # where a row after a break starts (a hanging indent; answers: 0)
-        self.col = 0            # where the cursor is on its line (== width: at the right edge)
-        self.word = ""          # the word being received
+        self.live = live        # each piece shown as it arrives (an answer), not a word held until it ends
+        self.col = 0            # where the word being received starts (== width: at the right edge)
+        self.word = ""          # the word being received (since a space, a line's end, a wide character)
         self.word_cols = 0
+        self.written = 0        # how much of it is written (live)
+        self.moved = False      # it went to a new row: it stays there, however long it grows
 
     def feed(self, text: str) -> str:
         """What to write for `text`, given what was written before."""
         width = max(2, self.columns())
         out = []
         for ch in text:
+            cols = wcwidth(ch)
             if ch in "\n\r":
                 out.append(self._word(width) + ch)
                 self.col = 0
@@ -58,27 +67,45 @@ class WordWrap:
                 else:
                     out.append(ch)
                     self.col += n
+            elif cols == 2:  # a wide character is a word of its own: a row may break before and after it
+                out.append(self._word(width))
+                self.word, self.word_cols = ch, 2
+                out.append(self._word(width))
             else:
                 self.word += ch
-                self.word_cols += max(0, wcwidth(ch))
-                if self.word_cols >= width:  # longer than a line: show it as it comes, cut at the edge
-                    out.append(self._word(width))
+                self.word_cols += max(0, cols)
+                if self.live and self._overflows(width):
+                    out.append(self._move(width))
+        if self.live:  # the word so far, in its place
+            out.append(self.word[self.written:])
+            self.written = len(self.word)
         return "".join(out)
 
     def flush(self) -> str:
         """The held word (at the end of an answer); the next answer starts on a new line."""
         return self._word(max(2, self.columns()))
 
+    def _overflows(self, width: int) -> bool:
+        """Whether the word goes past the row's edge and can go to the next row instead."""
+        return self.col > 0 and not self.moved and self.col + self.word_cols > width
+
+    def _move(self, width: int) -> str:
+        """The word goes to the start of the next row; what of it was written on this row is erased
+        (back to the row's start, forward to the word, erase to the row's end: never a backspace at the
+        edge, where terminals disagree)."""
+        out = f"\r\x1b[{self.col}C\x1b[K" if self.written else ""
+        self.written, self.moved = 0, True
+        return out + self._break(width)
+
     def _word(self, width: int) -> str:
+        """The rest of the word, ended (on the next row if it does not fit on this one)."""
         if not self.word:
             return ""
-        out = ""
-        if self.col > 0 and self.col + self.word_cols > width:
-            out = self._break(width)
-        out += self.word
+        out = self._move(width) if self._overflows(width) else ""
+        out += self.word[self.written:]
         end = self.col + self.word_cols
-        self.col = end if end <= width else (end % width or width)
-        self.word, self.word_cols = "", 0
+        self.col = end if end <= width else (end % width or width)  # (the terminal cut a word longer than a row)
+        self.word, self.word_cols, self.written, self.moved = "", 0, 0, False
         return out
 
     def _break(self, width: int) -> str:
@@ -87,7 +114,7 @@ class WordWrap:
         return "\n" + " " * self.col
 
     def reset(self) -> None:
-        self.col, self.word, self.word_cols = 0, "", 0
+        self.col, self.word, self.word_cols, self.written, self.moved = 0, "", 0, 0, False
 
 
 def displayable(text: str) -> str:
@@ -161,7 +188,7 @@ class Screen:
         self.shown = [Shown(line) for line in banner] if lines_on_screen else []
         self.width = self.columns()  # the width the screen is laid out for
         self.stale = False  # the window shows something else (colichat was stopped; see continued())
-        self.wrap = WordWrap(lambda: self.width)  # the answer arriving
+        self.wrap = WordWrap(lambda: self.width, live=True)  # the answer arriving
 
     def columns(self) -> int:
         return max(2, self.size()[0])
@@ -269,7 +296,7 @@ class Screen:
             return shown.text + "\n", None
         if not shown.answer:
             return wrap_line(shown.text, self.width, shown.hang) + "\n", None
-        wrap = WordWrap(lambda: self.width)  # (it becomes the live one if the answer is arriving)
+        wrap = WordWrap(lambda: self.width, live=True)  # (it becomes the live one if the answer is arriving)
         out = wrap.feed(shown.text)
         if shown.cut or not shown.open:
             out += wrap.flush()

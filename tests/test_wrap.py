@@ -47,10 +47,10 @@ def test_a_word_longer_than_the_line_is_cut_at_the_edge():
     assert [line.rstrip() for line in lines] == ["see", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxx end"]
 
 
-def test_wide_characters_count_two_columns():
+def test_wide_characters_count_two_columns_and_a_row_may_break_between_two_of_them():
     lines = render(["猫は ", "とても ", "かわいい です"], 10)
-    assert all(wcswidth(line) <= 10 for line in lines)
-    assert " ".join(lines).split() == "猫は とても かわいい です".split()
+    assert lines == ["猫は とて", "も かわい", "い です"]
+    assert render(["a" + "猫" * 50], 40) == ["a" + "猫" * 19, "猫" * 20, "猫" * 11]
 
 
 def test_a_resize_applies_to_what_follows():
@@ -263,3 +263,59 @@ def test_control_characters_in_an_answer_are_shown_not_acted_on():
     answer(["Some text.", "\x1b[2J\x1b[H", "Still\rhere."])  # would clear the screen, then overwrite a line
     term.write(screen.end_answer())
     assert term.lines()[:3] == ["> Go on.", "Some text.^[[2J^[[HStill^Mhere.", ""]
+
+
+def streamed(term: Term, screen: Screen, pieces, before: str = "") -> None:
+    """The pieces of an answer written as the REPL streams them (after `before`); after each, the
+    terminal shows all of the answer so far (nothing held back), each character once."""
+    for i, piece in enumerate(pieces):
+        term.write(screen.answer(piece))
+        assert "".join(term.lines()).replace(" ", "") == (before + "".join(pieces[:i + 1])).replace(" ", "")
+
+
+def test_a_word_shows_as_it_arrives_and_goes_whole_to_the_next_row_once_it_does_not_fit():
+    term = Term(30, 10)
+    screen = Screen(lambda: term.size)
+    text = "Repeat this URL: https://example.com/a/b and https://example.com/very/long/path/to/a/page ok"
+    streamed(term, screen, pieces_of(text))
+    term.write(screen.end_answer())
+    # the first URL fits on a row of its own: it moved there whole; the second is longer than a row:
+    # it starts one and the terminal cuts it at the edge
+    assert term.lines()[:5] == ["Repeat this URL:", "https://example.com/a/b and", "https://example.com/very/long/",
+                                "path/to/a/page ok", ""]
+    assert term.cursor() == (4, 0)
+
+    term = Term(20, 10)  # a word that reached the row's last column exactly, then grew
+    screen = Screen(lambda: term.size)
+    streamed(term, screen, ["abc 0123", "456789012345", "x", " y"])
+    assert term.lines()[:3] == ["abc", "0123456789012345x y", ""]
+
+
+def test_wide_characters_show_as_they_arrive_and_a_row_breaks_between_any_two():
+    term = Term(40, 10)
+    screen = Screen(lambda: term.size)
+    streamed(term, screen, pieces_of("a" + "猫" * 50))
+    assert term.lines()[:4] == ["a" + "猫" * 19, "猫" * 20, "猫" * 11, ""]
+    term.write(screen.end_answer())
+    assert term.cursor() == (3, 0)
+
+
+MIXED = ("Repeat this URL three times: https://example.com/very/long/path/that/goes/on. 猫はとてもかわいいです。"
+         "在这里我们可以看到一个很长的中文句子，它没有空格。 A normal sentence follows it, with words.")
+
+
+@pytest.mark.parametrize("width", [17, 30, 41])
+def test_a_redraw_gives_the_layout_the_stream_gave(width):
+    term = Term(width, 30)
+    screen = Screen(lambda: term.size)
+    pieces = pieces_of(MIXED)
+    streamed(term, screen, pieces[:25])  # in the middle of the URL
+    screen.continued()
+    streamed(term, screen, pieces[25:], "".join(pieces[:25]))  # drawn again, then on
+    term.write(screen.end_answer())
+    once = Term(width, 30)
+    once.write(Screen(lambda: once.size).answer(MIXED))  # all of it at once
+    assert term.lines() == once.lines() and term.cursor() == (once.cursor()[0] + 1, 0)
+    screen.continued()
+    term.write(screen.follow())
+    assert term.lines() == once.lines()
