@@ -219,6 +219,8 @@ class App:
         self.ended_by = 0  # the signal (SIGTERM, SIGHUP) that ends colichat after this input, if any
         self.status = status or StatusLine()
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
+        self.writing = False  # a piece of the answer is being written (out)
+        self.cut_waits = False  # a Ctrl-C came meanwhile: its ^C goes after the piece
         # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
         self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty()) if interactive else None
         # the footer is dim, apart from the answer; not for a terminal without styles, nor with NO_COLOR
@@ -233,10 +235,17 @@ class App:
         to_stderr(line, hang)
 
     def out(self, text: str) -> None:
-        if self.output_closed or self.hushed:
-            return
-        self.status.clear()
-        self.write(self.screen.answer(text) if self.screen else text)
+        self.writing = True  # a Ctrl-C from now on shows its ^C after this piece, which the answer keeps
+        try:
+            if self.output_closed or self.hushed:
+                return
+            self.status.clear()
+            self.write(self.screen.answer(text) if self.screen else text)
+        finally:
+            self.writing = False
+            if self.cut_waits:
+                self.cut_waits = False
+                self._show_cut()
 
     def write(self, text: str) -> None:
         if not text or self.output_closed:
@@ -257,14 +266,19 @@ class App:
 
     def interrupted(self) -> None:
         """Ctrl-C (from a signal handler): stop the answer after the current token, show no more of
-        it. The terminal shows `^C` after the last word received (it does not echo while an answer
-        streams)."""
-        if not self.hushed:
-            shown = self.screen.interrupt(on_status=self.status.shown) if self.screen else "^C"
-            with contextlib.suppress(OSError, ValueError):
-                os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
+        it. The terminal shows `^C` after all the answer received (it does not echo while an answer
+        streams), a piece being written when the signal came included."""
+        if not self.hushed and self.writing:  # the signal came while a piece was written: ^C after it
+            self.cut_waits = True
+        elif not self.hushed:
+            self._show_cut()
         self.conv.stop_requested = True
         self.hushed = True
+
+    def _show_cut(self) -> None:
+        shown = self.screen.interrupt(on_status=self.status.shown) if self.screen else "^C"
+        with contextlib.suppress(OSError, ValueError):
+            os.write(sys.stdout.fileno(), shown.encode(sys.stdout.encoding or "utf-8", "replace"))
 
     def continued(self) -> None:
         """colichat was continued after a stop (Ctrl-Z, `fg`; from a SIGCONT handler): the time

@@ -319,3 +319,35 @@ def test_a_redraw_gives_the_layout_the_stream_gave(width):
     screen.continued()
     term.write(screen.follow())
     assert term.lines() == once.lines()
+
+
+def test_a_ctrl_c_while_a_piece_of_the_answer_is_written_shows_its_mark_after_the_piece(capfd, monkeypatch):
+    """The signal comes at any moment, also while the REPL writes a piece it has been given (which is
+    kept in the answer): the ^C goes after that piece, not before it or inside it."""
+    import os
+    import signal
+    import sys
+
+    from colichat.cli import App, StatusLine
+
+    class Conv:
+        stop_requested = False
+
+    status = StatusLine()
+    status.tty = False
+    app = App(Conv(), interactive=True, status=status)
+    real = sys.stdout.write
+
+    def write(text):  # the Ctrl-C arrives as the piece goes to the terminal
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(text)
+
+    old = signal.signal(signal.SIGINT, lambda signum, frame: app.interrupted())
+    try:
+        app.out('"The Lucky')
+        monkeypatch.setattr(sys.stdout, "write", write)
+        app.out(' Cat".')
+        app.out(" It")  # after the ^C: not shown
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert capfd.readouterr().out == '"The Lucky Cat".^C'
