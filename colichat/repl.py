@@ -57,7 +57,7 @@ def open_block(text: str) -> bool:
     return lines[0].strip() == FENCE and (len(lines) == 1 or lines[-1].strip() != FENCE)
 
 
-def _bindings() -> KeyBindings:
+def _bindings(screen: Screen | None = None) -> KeyBindings:
     kb = KeyBindings()
     in_block = Condition(lambda: open_block(get_app().current_buffer.text))
 
@@ -84,6 +84,13 @@ def _bindings() -> KeyBindings:
         buf.cursor_position = len(buf.text)
         event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
 
+    @kb.add("c-l")
+    def _clear(event):
+        """Ctrl-L clears the window; what was shown stays cleared when the window is drawn again."""
+        if screen:
+            screen.cleared()
+        event.app.renderer.clear()
+
     return kb
 
 
@@ -107,7 +114,7 @@ def echo(text: str) -> str:
 
 
 def make_session(app) -> PromptSession:
-    session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(),
+    session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(app.screen),
                             complete_while_typing=False, prompt_continuation=_continuation,
                             enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering
     if app.screen:

@@ -21,7 +21,8 @@ model wrote them. Before anything more is shown, if the width changed since the
 screen was laid out, or colichat was continued after a stop (Ctrl-Z, `fg`: the shell wrote on the
 window meanwhile), the window is drawn again from its top: the last rows of everything shown, laid
 out at the window's width (answers re-wrapped at word boundaries), ending where the cursor was.
-The scrollback above the window stays as the terminal made it.
+The scrollback above the window stays as the terminal made it. Ctrl-L (clear the window) forgets
+what was shown: a redraw starts from the cleared window.
 """
 
 from __future__ import annotations
@@ -201,6 +202,12 @@ class Screen:
         """colichat was continued after a stop (from a SIGCONT handler): the shell has written on the
         window, so it is drawn again before anything more is shown."""
         self.stale = True
+
+    def cleared(self) -> None:
+        """The window was cleared (Ctrl-L at the prompt): what was shown is gone from it, and a redraw
+        starts from the cleared window."""
+        self._close()
+        self.shown = []
 
     # --- what is shown --------------------------------------------------------------------------
 

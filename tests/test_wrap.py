@@ -351,3 +351,23 @@ def test_a_ctrl_c_while_a_piece_of_the_answer_is_written_shows_its_mark_after_th
     finally:
         signal.signal(signal.SIGINT, old)
     assert capfd.readouterr().out == '"The Lucky Cat".^C'
+
+
+def test_after_ctrl_l_a_redraw_starts_from_the_cleared_window():
+    term = Term(40, 10)
+    screen = Screen(lambda: term.size, banner=["Model (llama, 2 layers)"])
+    term.write("Model (llama, 2 layers)\n")
+    say, echo, answer = shown_by(term, screen)
+    echo("> Count.")
+    answer(["one two three"])
+    term.write(screen.end_answer())
+    say("[footer]")
+    term.write("\x1b[H\x1b[2J")  # Ctrl-L at the prompt: prompt_toolkit clears the window
+    screen.cleared()
+    echo("> Again.")
+    answer(["four five"])
+    term.resize(30, 10)
+    answer([" six"])  # drawn again at the new width: what was cleared stays cleared
+    term.write(screen.end_answer())
+    assert term.lines()[:3] == ["> Again.", "four five six", ""]
+    assert not any(term.lines()[3:]) and term.cursor() == (2, 0)
