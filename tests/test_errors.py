@@ -25,7 +25,7 @@ BROAD = {"ValueError", "Exception", "BaseException"}
 ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("cli.py", "<module>"): "Ctrl-C during the imports: anything else is raised again",
     ("cli.py", "discard"): "the stdlib's ValueError of a closed stream (fileno) while pointing it at /dev/null",
-    ("cli.py", "App.interrupted"): "the stdlib's ValueError of a closed stdout (fileno) while writing ^C",
+    ("cli.py", "App._show_cut"): "the stdlib's ValueError of a closed stdout (fileno) while writing ^C",
     ("cli.py", "_size"): "the stdlib's ValueError of a closed stream (fileno) asking the terminal's size",
     ("repl.py", "keys_wait"): "the stdlib's ValueError of a closed stdin (fileno) before termios",
     ("commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",

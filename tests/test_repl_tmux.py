@@ -406,7 +406,9 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
             rows = rows_after(shown, question)
             assert rows == wrapped(text, 50)  # each row within 50 columns, broken at a space, all words once
             assert all(len(row) <= 50 for row in rows) and " ".join(rows).split() == text.split()
-        assert " ".join(partial).split() == answers[1].split()[:len(" ".join(partial).split())]
+        so_far = " ".join(partial).split()  # the last word may still have been growing (answers show as they come)
+        assert so_far[:-1] == answers[1].split()[:len(so_far) - 1]
+        assert answers[1].split()[len(so_far) - 1].startswith(so_far[-1])
         assert len(FOOTER.findall("\n".join(visible(t)))) == 2
 
         # wider at the prompt: the window is drawn again above it; the typed text stays as it was
@@ -490,7 +492,9 @@ def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colic
                    "the second footer, then a prompt")
         t.keys("C-d")
         screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
-        assert re.search(r"^> *\nEXITED 0$", screen, re.M), screen  # the prompt's row ended, the shell's below
+        # the prompt's row ended, the shell's below (an empty row between when tee wrote the answer's last line
+        # end after the prompt: the pipe and the terminal are not in step)
+        assert re.search(r"^> *\n( *\n)?EXITED 0$", screen, re.M), screen
         assert saved_users(colichat_home, "name-a-fruit") == ["Name a fruit.", "Name a\nvegetable."]
         assert out.read_bytes() == answers_bytes(saved_answers(colichat_home, "name-a-fruit"))
     finally:
