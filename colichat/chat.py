@@ -132,7 +132,7 @@ class Conversation:
 
     def save_as(self, name: str) -> str:
         """/save NAME: the conversation, from the cache, into a new session (saving.Saving.save_as)."""
-        return self.saving.save_as(name, self.model.cache, self.turns, self.settings.to_dict())
+        return self.saving.save_as(name, self.model.cache, self.turns, self.prefs.saved())
 
     def reset(self) -> str:
         """A new empty conversation; the current session stays on disk."""
@@ -152,15 +152,15 @@ class Conversation:
     def _save(self, stats: TurnStats) -> None:
         if self.unsaved_cut is not None:  # the answer /regen replaces goes from the disk only now
             try:
-                self.saving.truncate(self.unsaved_cut, self.settings.to_dict())
+                self.saving.truncate(self.unsaved_cut, self.prefs.saved())
             except ChatError as e:
                 stats.saved, stats.save_error = False, str(e)
                 return
             self.unsaved_cut = None
-        self.saving.save(self.model.cache, self.turns, self.settings.to_dict(), stats)
+        self.saving.save(self.model.cache, self.turns, self.prefs.saved(), stats)
 
     def _save_settings(self) -> None:
-        self.saving.save_settings(self.settings.to_dict())
+        self.saving.save_settings(self.prefs.saved())
 
     # --- the prompt for a new user message ---------------------------------------------------------
 
@@ -212,7 +212,8 @@ class Conversation:
                     f"({ways_out(self)})")
         if start < self.n_tokens:
             self._rebase(start)
-        first = self.n_tokens
+        first, sampler = self.n_tokens, self.prefs.sampler
+        random = sampler.rng.bit_generator.state
         self.clock.start()
         try:
             logits = self._prefill(ids, on_progress)
@@ -220,7 +221,9 @@ class Conversation:
             user = Turn("user", user_text, first, self.n_tokens)
             answer, stats = self._generate(logits, stats, on_text)
         except BaseException:
-            self.model.cache.truncate(first)  # an exchange that failed midway leaves no rows without turns
+            # an exchange that failed midway leaves no rows without turns, and draws nothing
+            self.model.cache.truncate(first)
+            sampler.rng.bit_generator.state = random
             raise
         self.turns += [user, Turn("assistant", answer, user.last, self.n_tokens)]
         self._save(stats)
@@ -392,4 +395,4 @@ class Conversation:
     def _cut(self, n: int, kept_turns: int) -> None:
         """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
         self.model.cache.truncate(n)
-        self.saving.truncate(kept_turns, self.settings.to_dict())
+        self.saving.truncate(kept_turns, self.prefs.saved())

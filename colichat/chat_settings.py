@@ -4,6 +4,8 @@ and the sampler built from them. Writing them into the session is the conversati
 
 from __future__ import annotations
 
+import contextlib
+
 from .engine import Sampler
 from .settings import BY_NAME, Settings, saved_values
 
@@ -32,14 +34,25 @@ class ChatSettings:
         self._use(self.settings.with_(**{key: value}))
         return f"{key} = {row.show(value)}", True
 
+    def saved(self) -> dict:
+        """What a session keeps: the settings, and with a seed where its random numbers stand (so a
+        resumed conversation draws what it would have drawn had it never stopped)."""
+        random = {"random": self.sampler.state} if self.settings.seed is not None else {}
+        return {**self.settings.to_dict(), **random}
+
     def apply_saved(self, d, started: bool) -> None:
-        """Take a resumed session's saved settings, except those given on the command line."""
+        """Take a resumed session's saved settings, except those given on the command line, and its
+        random numbers where the seed is the one they were drawn with."""
         saved = saved_values(d)
         if "system" in self.pinned and started and saved.get("system") != self.settings.system:
             # --system on a resumed conversation: it was read with the saved one; the new one waits
             self.pending_system = self.settings.system
             self.settings = self.settings.with_(system=saved.get("system"))
         self._use(self.settings.with_(**{k: v for k, v in saved.items() if k not in self.pinned}))
+        random = d.get("random") if isinstance(d, dict) else None
+        if isinstance(random, dict) and self.settings.seed is not None and random.get("seed") == self.settings.seed:
+            with contextlib.suppress(ValueError):  # a damaged state: the seed's first numbers instead
+                self.sampler.state = random
 
     def next_conversation(self) -> bool:
         """A new conversation takes the system prompt that waited for it; True when one did."""
@@ -49,5 +62,7 @@ class ChatSettings:
         return True
 
     def _use(self, settings: Settings) -> None:
+        """Sample with `settings`; the random numbers go on where they were unless the seed changed."""
+        same_seed = settings.seed == self.settings.seed
         self.settings = settings
-        self.sampler = Sampler(settings.sampler())
+        self.sampler = Sampler(settings.sampler(), rng=self.sampler.rng if same_seed else None)

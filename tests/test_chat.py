@@ -139,6 +139,31 @@ def test_regen_keeps_the_old_answer_until_a_new_one_exists(model, tmp_path):
         again.close()
 
 
+def test_set_of_another_setting_and_a_dropped_message_leave_the_random_numbers_where_they_are(model):
+    """A seeded conversation draws the same answers whether or not a setting other than the seed was set,
+    or a message was stopped before its answer began, in between."""
+    settings = Settings(temperature=1.0, seed=7, max_tokens=10, draft=0)
+    model.reset()
+    plain = Conversation(model, settings, save=False)
+    ref = [plain.ask("first")[0], plain.ask("second")[0]]
+    model.reset()
+    conv = Conversation(model, settings, save=False)
+    got = [conv.ask("first")[0]]
+    conv.set_option("max_tokens", 10)
+    model.decode = stop_at_first_decode(conv, model)
+    try:
+        with pytest.raises(ChatError, match="not sent"):
+            conv.ask("dropped")
+    finally:
+        del model.decode
+    got.append(conv.ask("second")[0])
+    assert got == ref
+    conv.set_option("seed", 8)  # a new seed starts its own numbers
+    model.reset()
+    fresh = Conversation(model, settings.with_(seed=8), save=False)
+    assert conv.prefs.sampler.state["pcg64"] == fresh.prefs.sampler.state["pcg64"]
+
+
 REWRITING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% else %}<｜Assistant｜>[{{ m['content'] }}]<｜end▁of▁sentence｜>{% endif %}{% endfor %}"

@@ -116,6 +116,24 @@ def test_resume_by_name_continues_byte_for_byte(tiny_ref, colichat_home):
     assert saved_answers(colichat_home, "b") == ref
 
 
+def test_a_seeded_sampled_conversation_resumed_goes_on_as_if_it_never_stopped(colichat_home):
+    """With --seed, sampled answers after a resume are those the conversation gives in one run: the
+    session keeps where its random numbers stand (a /set of another setting does not restart them)."""
+    sampled = ["--model", TINY_LLAMA, "--temperature", "1", "--seed", "42", "--max-tokens", "8"]
+    one_run = chat(colichat_home, [*sampled, "--session", "u"],
+                   lines("alpha", "/set max_tokens 6", "beta", "/rewind", "beta", "gamma")).ok()
+    runs = [chat(colichat_home, [*sampled, "--session", "v"], lines("alpha")).ok(),
+            chat(colichat_home, [*sampled, "--session", "v"], lines("/set max_tokens 6", "beta", "/rewind")).ok(),
+            chat(colichat_home, ["--model", TINY_LLAMA, "--session", "v"], lines("beta")).ok(),  # the saved seed
+            chat(colichat_home, ["--model", TINY_LLAMA, "--session", "v"], lines("gamma")).ok()]
+    assert b"".join(run.out for run in runs) == one_run.out
+    assert saved_answers(colichat_home, "v") == saved_answers(colichat_home, "u")
+    kv = {p.stem: p.read_bytes() for p in session_files(colichat_home) if p.suffix == ".coli_kv"}
+    assert kv["v"] == kv["u"]
+    greedy = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines("alpha")).ok()
+    assert not one_run.out.startswith(greedy.out)  # the answers were drawn
+
+
 def test_resume_without_a_name_takes_the_latest(tiny_ref, colichat_home):
     ref = tiny_ref[2]
     chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines("Something else entirely.")).ok()

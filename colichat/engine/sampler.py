@@ -57,10 +57,35 @@ class SamplerSettings:
 
 
 class Sampler:
-    def __init__(self, settings: SamplerSettings):
+    """Draws tokens; `rng` may continue another sampler's random numbers (settings changed, seed kept)."""
+
+    def __init__(self, settings: SamplerSettings, rng: np.random.Generator | None = None):
         settings.validate()
         self.settings = settings
-        self.rng = np.random.default_rng(settings.seed)
+        self.rng = rng or np.random.default_rng(settings.seed)
+
+    @property
+    def state(self) -> dict:
+        """Where the random numbers stand, as JSON can hold it: {"seed", "pcg64": [state, inc] as hex,
+        "has_uint32", "uinteger"} (numpy's PCG64 state)."""
+        st = self.rng.bit_generator.state
+        return {"seed": self.settings.seed, "pcg64": [hex(st["state"]["state"]), hex(st["state"]["inc"])],
+                "has_uint32": st["has_uint32"], "uinteger": st["uinteger"]}
+
+    @state.setter
+    def state(self, saved: dict) -> None:
+        """Go on from a `state` (ValueError if it is not one, or of another seed)."""
+        try:
+            if saved["seed"] != self.settings.seed or self.settings.seed is None:
+                raise ValueError("the random state of another seed")
+            hexes = saved["pcg64"]
+            st = {"bit_generator": "PCG64", "state": {"state": int(hexes[0], 16), "inc": int(hexes[1], 16)},
+                  "has_uint32": int(saved["has_uint32"]), "uinteger": int(saved["uinteger"])}
+            rng = np.random.Generator(np.random.PCG64())
+            rng.bit_generator.state = st
+        except (KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
+            raise ValueError(f"not a random state: {e}") from None
+        self.rng = rng
 
     def __call__(self, logits: np.ndarray, recent: list[int] | np.ndarray = ()) -> int:
         cand, p = self.distribution(logits, recent)
