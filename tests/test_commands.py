@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from colichat.chat import Conversation, Settings
 from colichat.cli import App
 from colichat.commands import COMMANDS
-from colichat.engine import load
+from colichat.engine import Sampler, load
 from colichat.persist import Store
 from colichat.settings import TABLE
 
@@ -148,13 +148,12 @@ def test_the_repeat_window_is_the_setting(model):
     for window in (0, 64, 100):
         model.reset()
         conv = Conversation(model, Settings(temperature=0, max_tokens=3, repeat_last_n=window), save=False)
-        sampler = conv.prefs.sampler
+        class Watched(Sampler):
+            def __call__(self, logits, recent=(), w=window):
+                seen.append((w, len(recent)))
+                return super().__call__(logits, recent)
 
-        def watched(logits, recent, w=window, s=sampler):
-            seen.append((w, len(recent)))
-            return s(logits, recent)
-
-        conv.prefs.sampler = watched
+        conv.prefs.sampler = Watched(conv.prefs.sampler.settings)
         conv.ask(" ".join(f"word{i}" for i in range(25)))  # well over 100 tokens
     assert {w: n for w, n in seen} == {0: 0, 64: 64, 100: 100}
 

@@ -29,6 +29,10 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("cli.py", "_size"): "the stdlib's ValueError of a closed stream (fileno) asking the terminal's size",
     ("repl.py", "keys_wait"): "the stdlib's ValueError of a closed stdin (fileno) before termios",
     ("commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",
+    ("engine/sampler.py", "Sampler.state"): "int() of a sidecar's hex strings and numpy's check of a PCG64 "
+                                            "state; becomes one ValueError: not a random state",
+    ("chat_settings.py", "ChatSettings.apply_saved"): "that ValueError of a damaged saved random state: the "
+                                                      "seed's first numbers instead",
     ("settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",
     ("commands.py", "cmd_export"): "open() of a file name the user typed with a NUL in it; becomes a ChatError",
     ("engine/model.py", "available_memory"): "int() of the kernel's /proc/meminfo text: no number, no limit",
