@@ -311,9 +311,13 @@ class Conversation:
             raise ChatError(f"/forget takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
         kept = self.turns[starts[n]:] if n < len(starts) else []
         old = self.saving.session.name if self.saving.session else None
+        self.stop_requested, stopped = False, False
         self.reset()
         try:
             for t in kept:
+                if self.stop_requested and old:  # Ctrl-C: back to the conversation as it was, below
+                    stopped = True
+                    break
                 if t.role == "user":
                     ids, start = self._prompt_ids(t.text)
                     if start < self.n_tokens:
@@ -333,8 +337,12 @@ class Conversation:
             raise
         finally:
             stats = TurnStats()
-            if self.turns:
+            if self.turns and not stopped:
                 self._save(stats)
+        if stopped:
+            self.clear()
+            self.resume(old)  # from disk, as it was saved: no reading again
+            raise ChatError(f"/forget stopped: back in {old}, as it was")
         if not kept:
             return (f"new empty conversation: {'its one exchange' if n == 1 else f'all {n} exchanges'} forgotten"
                     + (f" ({old} is still saved as it was)" if old else ""))

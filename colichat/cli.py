@@ -322,11 +322,11 @@ class App:
         word = line.strip()
         if not self.interactive:
             raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
-        from prompt_toolkit.shortcuts import confirm
+        from .repl import yes_or_no
 
         question = f"Did you mean /quit? (n sends '{word}' to the model)"
         try:
-            meant_quit = confirm(question)
+            meant_quit = yes_or_no(question)
         except (KeyboardInterrupt, EOFError):
             return
         if self.screen:
@@ -339,7 +339,7 @@ class App:
     def answer(self, text: str | None) -> None:
         """Answer the message `text`, or with None the last message again (/regen)."""
         self.status.show("reading your message ...")
-        shown = {"on_text": self.out, "on_progress": self._prefill_progress, "on_note": self.say}
+        shown = {"on_text": self.out, "on_progress": self.prefill_progress(), "on_note": self.say}
         try:
             _, stats = self.conv.ask(text, **shown) if text is not None else self.conv.regen(**shown)
         finally:
@@ -353,17 +353,18 @@ class App:
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
-    def prefill_progress(self):
-        """The callback that shows how far a prefill is (a status line, on a terminal)."""
-        return self._prefill_progress
+    def prefill_progress(self, what: str = "your message"):
+        """The callback that shows how far a prefill of `what` is (a status line, on a terminal)."""
 
-    def _prefill_progress(self, done: int, total: int) -> None:
-        if self.screen:
-            self.write(self.screen.follow())
-        if done == 0:
-            self.status.show(f"reading your message ({total:,} tokens) ...")
-        else:
-            self.status.show(f"reading your message: {done:,}/{total:,} tokens ...")
+        def progress(done: int, total: int) -> None:
+            if self.screen:
+                self.write(self.screen.follow())
+            if done == 0:
+                self.status.show(f"reading {what} ({total:,} tokens) ...")
+            else:
+                self.status.show(f"reading {what}: {done:,}/{total:,} tokens ...")
+
+        return progress
 
     def handle(self, line: str) -> None:
         """One input: a command or a message. Errors print one line and count."""
@@ -693,7 +694,13 @@ def main(argv=None) -> int:
         read_only = saving_mode(args, problem)
         interactive = args.interactive
         person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
-        model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
+        waiting = contextlib.nullcontext()
+        if interactive:  # keys typed while it loads wait for the prompt, not echoed into the progress line
+            from .repl import keys_wait
+
+            waiting = keys_wait()
+        with waiting:
+            model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
         conv = Conversation(model, settings, session_name=args.session, pinned=given, no_save=args.no_save,
                             save_new=person_types or args.session is not None or args.resume, read_only=read_only)
     except USER_ERRORS as e:
@@ -701,6 +708,7 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         status.clear()
+        to_stderr("colichat: interrupted while starting")
         return interrupted()
     app = App(conv, interactive, status, banner)
     say = app.say

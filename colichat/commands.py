@@ -15,6 +15,7 @@ from typing import Callable
 from . import report
 from .errors import ChatError
 from .inputs import Message
+from .models import model_title
 from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
 from .settings import TABLE, key_of, printable, unquoted
@@ -136,7 +137,8 @@ def cmd_export(app, arg: str) -> None:
         raise ChatError("nothing to export yet: the conversation is empty")
     title = conv.saving.name or "conversation"
     path = export_path(arg, title)
-    text = markdown(title, conv.model.cfg.name, [(t.role, t.text) for t in conv.turns], conv.settings.system)
+    model = model_title(conv.model.cfg.name, conv.model.cfg.path)  # as the banner names it
+    text = markdown(title, model, [(t.role, t.text) for t in conv.turns], conv.settings.system)
     try:
         with open(path, "x", encoding="utf-8", errors="surrogateescape") as f:
             f.write(text)
@@ -164,7 +166,7 @@ def cmd_rewind(app, arg: str) -> None:
 
 def cmd_forget(app, arg: str) -> None:
     n = _int_arg(arg, 0, "/forget") if arg.strip() else None
-    app.say(app.conv.forget(n, on_progress=app.prefill_progress()))
+    app.say(app.conv.forget(n, on_progress=app.prefill_progress("the exchanges kept")))
 
 
 def cmd_regen(app, arg: str) -> None:

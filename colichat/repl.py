@@ -26,6 +26,7 @@ from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.filters import Condition
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.keys import Keys
 
 from . import inputs
 from .commands import completions
@@ -105,12 +106,37 @@ def _history():
 
 
 def _continuation(width, line_number, wrap_count):
-    return CONTINUATION
+    """`... ` before the lines of a block; none before the rows of a long line wrapped by the width
+    (they are one line, as the terminal shows it again after a redraw)."""
+    return CONTINUATION if wrap_count == 0 else ""
 
 
 def echo(text: str) -> str:
     """The prompt with `text` typed, as it shows."""
     return PROMPT + text.replace("\n", "\n" + CONTINUATION)
+
+
+def yes_or_no(question: str) -> bool:
+    """Ask `question (y/n)` and wait for y or n; other keys, Enter among them, do nothing (a question
+    answered by a stray Enter would quit, or send a word to the model). Ctrl-C: KeyboardInterrupt;
+    Ctrl-D: EOFError; Ctrl-Z stops colichat as at the prompt (`fg` asks again)."""
+    kb = KeyBindings()
+
+    def answer(value: bool):
+        def handler(event) -> None:
+            session.default_buffer.text = "y" if value else "n"
+            event.app.exit(result=value)
+        return handler
+
+    for key, value in (("y", True), ("Y", True), ("n", False), ("N", False)):
+        kb.add(key)(answer(value))
+    kb.add("c-c")(lambda event: event.app.exit(exception=KeyboardInterrupt, style="class:aborting"))
+    kb.add("c-d")(lambda event: event.app.exit(exception=EOFError))
+    kb.add("c-z")(lambda event: event.app.suspend_to_background())
+    kb.add(Keys.Any)(lambda event: None)  # nothing else is typed in
+    kb.add("enter")(lambda event: None)
+    session: PromptSession[bool] = PromptSession(f"{question} (y/n) ", key_bindings=kb)
+    return session.prompt()
 
 
 def make_session(app) -> PromptSession:

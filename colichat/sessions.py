@@ -165,7 +165,7 @@ def export_saved(store: Store, model_path: str | None, name: str) -> tuple[str, 
         raise SessionError(f"session {damaged_text(name, info.damage)}")
     res = Session.read_saved(info.path.parent, name)
     system = res.sampler.get("system")
-    text = markdown(name, info.model, [(t.role, t.text) for t in res.turns],
+    text = markdown(name, model_title(info.model, info.model_file), [(t.role, t.text) for t in res.turns],
                     system if isinstance(system, str) else None)
     return text, res.warnings
 

@@ -164,6 +164,33 @@ def test_set_of_another_setting_and_a_dropped_message_leave_the_random_numbers_w
     assert conv.prefs.sampler.state["pcg64"] == fresh.prefs.sampler.state["pcg64"]
 
 
+def test_ctrl_c_during_forget_goes_back_to_the_conversation_as_it_was(model, tmp_path):
+    from colichat.persist import Store
+
+    model.reset()
+    conv = Conversation(model, Settings(temperature=0, max_tokens=6, draft=0), store=Store(tmp_path),
+                        session_name="f")
+    try:
+        for question in ("one", "two", "three"):
+            conv.ask(question)
+        turns, rows = list(conv.turns), bytes(model.cache.raw(0, model.cache.length))
+        files = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".lock"}
+        reads = []
+
+        def progress(done, total):  # each kept turn read again; Ctrl-C during the second
+            reads.append(total)
+            if len(reads) == 2:
+                conv.stop_requested = True
+
+        with pytest.raises(ChatError, match="^/forget stopped: back in f, as it was$"):
+            conv.forget(1, on_progress=progress)
+        assert len(reads) == 2 and conv.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
+        assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".lock"} == files
+        assert "new conversation without the oldest exchange" in conv.forget(1)  # and it can be done again
+    finally:
+        conv.close()
+
+
 REWRITING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% else %}<｜Assistant｜>[{{ m['content'] }}]<｜end▁of▁sentence｜>{% endif %}{% endfor %}"

@@ -80,6 +80,45 @@ def test_exit_alone_asks_whether_quit_was_meant(terminal):
     t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
 
 
+def test_the_quit_question_waits_for_y_or_n_and_ctrl_z_stops_colichat(shell):
+    """Enter alone does not answer the question (it neither quits nor sends the word); Ctrl-Z stops
+    colichat as at the prompt, and `fg` asks again."""
+    t = shell("--session", "qq")
+    t.type("exit")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.rstrip().endswith("Did you mean /quit? (n sends 'exit' to the model) (y/n)"), WAIT,
+               "the question")
+    t.keys("Enter")
+    t.keys("C-z")
+    t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
+    t.type("fg")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.rstrip().endswith("(n sends 'exit' to the model) (y/n)"), WAIT, "the question again")
+    t.type("n")
+    screen = t.wait_for(lambda s: "saved to qq]" in s and s.rstrip().endswith(">"), WAIT,
+                        "the answer to 'exit', then an empty prompt")
+    assert screen.count("saved to qq]") == 1
+    t.type("quit")
+    t.keys("Enter")
+    t.wait_for(lambda s: s.rstrip().endswith("(n sends 'quit' to the model) (y/n)"), WAIT, "the second question")
+    t.type("y")
+    t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
+    t.type("echo EXITED $?")
+    t.keys("Enter")
+    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+
+
+def test_a_long_line_wraps_without_the_block_prompt(terminal):
+    """A line longer than the window goes on in the next rows with no `... ` (that is a block's line)."""
+    t = terminal()
+    t.run("resize-window", "-x", "40", "-y", "20")
+    t.type("word " * 20 + "end")
+    t.wait_for(lambda s: s.rstrip().endswith("end"), WAIT, "the long line typed")
+    rows = [row.rstrip() for row in t.run("capture-pane", "-p").splitlines() if row.strip()]
+    typed = rows[-3:]
+    assert typed[0].startswith("> word") and not any(row.startswith("...") for row in typed[1:]), rows
+
+
 def test_help_and_listings_go_on_under_their_second_column(terminal, colichat_home):
     """On a terminal, a table's long row (/help, /sessions) wraps at word boundaries and goes on
     under its second column."""

@@ -133,9 +133,15 @@ def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home,
     t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log, module="colichat.launch")
     try:
         # the first start of a model (imports, metadata read, weights dequantized and kept): a line
-        # at once, then the loading progress, replaced by the banner
-        screen = t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+        # at once, then the loading progress, replaced by the banner; keys typed meanwhile wait for the prompt
+        t.wait_for(lambda s: b"loading SmolLM2" in log.read_bytes(), MODEL_WAIT, "the loading progress")
+        t.type("typed early")
+        screen = t.wait_for(lambda s: "Type a message" in s and s.rstrip().endswith("> typed early"), MODEL_WAIT,
+                            "the prompt, with the keys typed while loading")
         raw = log.read_bytes()
+        assert raw.index(b"typed early") > raw.index(b"Type a message")  # not echoed into the progress line
+        t.keys("C-u")
+        t.wait_for(lambda s: s.rstrip().endswith(">"), SCREEN_WAIT, "an empty prompt")
         assert raw.lstrip().startswith(b"starting colichat ...")
         assert b"loading SmolLM2-135M-Instruct.Q4_1.gguf ..." in raw
         assert raw.index(b"loading SmolLM2") < raw.index(b"(llama, 30 layers)")

@@ -275,13 +275,14 @@ def test_export_from_the_chat_and_from_the_shell(colichat_home):
     assert run.errors() == ["colichat: ex.md already exists: give /export another file name"]
     answers = saved_answers(colichat_home, "ex")
     text = (colichat_home / "ex.md").read_text("utf-8")
-    assert text.startswith("# ex\n\nModel: llama.gguf. Exported ")
+    assert text.startswith("# ex\n\nModel: llama. Exported ")  # the model as the banner names it
     body = text.split("\n", 4)[4]
     assert body == "".join(f"## {h}\n\n{t.strip()}\n\n" for h, t in [
         ("System", "Be brief."), ("User", Q[0]), ("Assistant", answers[0]), ("User", Q[1]),
         ("Assistant", answers[1])])[:-1]
     assert (colichat_home / "other.md").read_text("utf-8") == text
     shell = chat(colichat_home, ["--export", "ex"]).ok()
+    assert shell.out.decode().startswith("# ex\n\nModel: llama. Exported ")
     assert shell.out.decode().split("\n", 4)[4] == body
     assert chat(colichat_home, ["--export", "nosuch"]).failed().errors() == [
         "colichat: no session named nosuch (colichat --sessions lists them)"]
