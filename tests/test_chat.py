@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from conftest import TINY
 
@@ -77,15 +79,20 @@ def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, dr
     assert model.cache.token_ids()[conv.turns[-1].first:] == full_ids[:stats.generated]  # the rows of what was shown
 
 
-def stop_at_first_decode(conv, model):
-    """model.decode wrapped: the first call gets a stop request (Ctrl-C) while it computes."""
+@contextlib.contextmanager
+def ctrl_c_at_first_decode(conv, model):
+    """Inside: model.decode's first call gets a stop request (what Ctrl-C does) while it computes."""
     decode = model.decode
 
     def run(*args, **kwargs):
         conv.stop_requested = True
         return decode(*args, **kwargs)
 
-    return run
+    model.decode = run
+    try:
+        yield
+    finally:
+        del model.decode
 
 
 def test_a_stop_before_the_first_token_drops_the_message(model):
@@ -93,12 +100,9 @@ def test_a_stop_before_the_first_token_drops_the_message(model):
     conv = Conversation(model, Settings(temperature=0, max_tokens=8, draft=0), save=False)
     conv.ask("hello")
     before = (model.cache.token_ids(), list(conv.turns))
-    model.decode = stop_at_first_decode(conv, model)
-    try:
-        with pytest.raises(ChatError, match="^interrupted before the answer began; the message was not sent$"):
-            conv.ask("and now?")
-    finally:
-        del model.decode
+    dropped = "^interrupted before the answer began; the message was not sent$"
+    with ctrl_c_at_first_decode(conv, model), pytest.raises(ChatError, match=dropped):
+        conv.ask("and now?")
     assert (model.cache.token_ids(), conv.turns) == before  # no empty answer kept
     conv.ask("and now?")
     assert conv.exchanges() == 2
@@ -117,12 +121,8 @@ def test_regen_keeps_the_old_answer_until_a_new_one_exists(model, tmp_path):
         files = {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"}
         rows = bytes(model.cache.raw(0, model.cache.length))
         turns = list(conv.turns)
-        model.decode = stop_at_first_decode(conv, model)  # stopped before its first token: nothing changes
-        try:
-            with pytest.raises(ChatError, match="not sent"):
-                conv.regen()
-        finally:
-            del model.decode
+        with ctrl_c_at_first_decode(conv, model), pytest.raises(ChatError, match="not sent"):
+            conv.regen()
         assert conv.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
         assert {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"} == files
         second, stats = conv.regen()  # a new answer replaces it, on disk too
@@ -150,12 +150,8 @@ def test_set_of_another_setting_and_a_dropped_message_leave_the_random_numbers_w
     conv = Conversation(model, settings, save=False)
     got = [conv.ask("first")[0]]
     conv.set_option("max_tokens", 10)
-    model.decode = stop_at_first_decode(conv, model)
-    try:
-        with pytest.raises(ChatError, match="not sent"):
-            conv.ask("dropped")
-    finally:
-        del model.decode
+    with ctrl_c_at_first_decode(conv, model), pytest.raises(ChatError, match="not sent"):
+        conv.ask("dropped")
     got.append(conv.ask("second")[0])
     assert got == ref
     conv.set_option("seed", 8)  # a new seed starts its own numbers
