@@ -81,10 +81,16 @@ class Saving:
             self.session.close()
             self.session = None
 
+    def _refuse_unless_writable(self, nothing: str) -> None:
+        """With --no-save, or on a read-only file system: say so, rather than try (and fail with the OS's error)."""
+        if self.no_save:
+            raise ChatError(f"saving is off (--no-save): {nothing}")
+        if self.read_only:
+            raise ChatError(f"the conversations are on a read-only file system: {nothing}")
+
     def rename(self, new: str) -> str:
         """Give the current conversation another name (its files are renamed, nothing is rewritten)."""
-        if self.no_save:
-            raise ChatError("saving is off (--no-save): nothing to rename")
+        self._refuse_unless_writable("nothing is renamed")
         if not self.session:
             raise ChatError("this conversation is not saved yet: /save NAME saves it under that name")
         old = self.session.name
@@ -148,8 +154,7 @@ class Saving:
     def save_as(self, name: str, cache, turns: list, settings: dict) -> str:
         """Write the conversation from the cache into a new session NAME (no forward pass). An
         unsaved conversation goes on in it; a saved one goes on in its own, NAME is a copy."""
-        if self.no_save:
-            raise ChatError("saving is off (--no-save): nothing can be saved")
+        self._refuse_unless_writable("nothing can be saved")
         if not turns:
             raise ChatError("nothing to save yet: the conversation is empty")
         if self.session and self.session.name == name:
@@ -199,8 +204,7 @@ class Saving:
 
     def delete(self, name: str) -> str:
         """Delete a saved conversation of this model (not the one in use)."""
-        if self.no_save:
-            raise ChatError("saving is off (--no-save): no session is deleted")
+        self._refuse_unless_writable("no session is deleted")
         if self.session and self.session.name == name:
             raise ChatError(f"session {name} is the current conversation: /new first, then /delete {name}")
         freed = self.store.delete(self.ident, name)

@@ -522,6 +522,11 @@ def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_
     ro = read_only(colichat_home)
     run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/rewind", Q[2], "/history"),
                prefix=ro).ok()
+    edits = lines("/rename r", "/save c", "/delete s")
+    refused = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], edits, prefix=ro).failed()
+    # said up front, not tried (it failed with the OS's error)
+    assert refused.errors() == [f"colichat: the conversations are on a read-only file system: {what}"
+                                for what in ("nothing is renamed", "nothing can be saved", "no session is deleted")]
     sessions = colichat_home / "data" / "sessions"
     assert run.err.startswith(f"note: {sessions}: Read-only file system: the conversation opens read-only (you "
                               "can read and continue it; nothing is saved)\n"), run.err

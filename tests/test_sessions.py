@@ -145,7 +145,7 @@ def test_no_save_opens_a_saved_conversation_and_writes_nothing(ref, colichat_hom
     run = chat(colichat_home, [*TINY_ARGS, "--no-save", "--session", "s"],
                lines("/rewind", "/save t", "/rename t", "/delete s")).failed()
     assert run.errors() == ["colichat: saving is off (--no-save): nothing can be saved",
-                            "colichat: saving is off (--no-save): nothing to rename",
+                            "colichat: saving is off (--no-save): nothing is renamed",
                             "colichat: saving is off (--no-save): no session is deleted"]
     new = chat(colichat_home, [*TINY_ARGS, "--no-save", "--session", "n"], lines(Q[0], "/history")).ok()
     assert "resumed" not in new.err and f"user> {Q[0]}" in new.err.splitlines()
