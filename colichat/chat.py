@@ -277,11 +277,13 @@ class Conversation:
                 self.clock.tick()
         finally:
             tokens.close()  # a stop inside a batched pass drops the tokens not shown
+            cut = stream.pending_tokens if stats.stopped == "interrupt" else 0  # nor those of a part of a character
+            stats.generated -= cut
             if self.model.cache.length > first + stats.generated:  # and the one computed after a stop
                 self.model.cache.truncate(first + stats.generated)
         if stats.stopped == "interrupt" and not stats.generated:  # nothing shown: as if it was never sent
             raise ChatError("interrupted before the answer began; the message was not sent")
-        tail = stream.flush()
+        tail = stream.flush() if not cut else ""
         if tail:
             pieces.append(tail)
             if on_text:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 
 import pytest
@@ -93,6 +94,35 @@ def ctrl_c_at_first_decode(conv, model):
         yield
     finally:
         del model.decode
+
+
+def test_a_stop_inside_a_character_keeps_only_whole_characters(model):
+    """Bytes of a character split over tokens show once it is whole: a stop after the first of its
+    tokens drops them (they were not shown), so the answer's text is exactly its tokens' text."""
+    model.reset()
+    conv = Conversation(model, Settings(temperature=0, max_tokens=40, draft=0), save=False)
+    conv.ask("hello")
+    ids = model.cache.token_ids()[conv.turns[-1].first:]
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    split = next(i for i, t in enumerate(ids)  # a token that begins a character and ends none
+                 if utf8.decode(conv.tok.piece(t)) == "" and utf8.getstate()[0])
+    conv.reset()
+    decode, calls = model.decode, []
+
+    def run(*args, **kwargs):  # decode call k + 1 makes token k: Ctrl-C while the one after `split` computes
+        calls.append(1)
+        if len(calls) == split + 2:
+            conv.stop_requested = True
+        return decode(*args, **kwargs)
+
+    model.decode, shown = run, []
+    try:
+        answer, stats = conv.ask("hello", on_text=lambda piece: conv.stop_requested or shown.append(piece))
+    finally:
+        del model.decode
+    kept = model.cache.token_ids()[conv.turns[-1].first:]
+    assert stats.stopped == "interrupt" and len(kept) < split + 1 and kept == ids[:len(kept)]
+    assert answer == "".join(shown) == conv.tok.decode(kept)
 
 
 def test_a_stop_before_the_first_token_drops_the_message(model):

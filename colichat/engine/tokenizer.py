@@ -356,14 +356,24 @@ class TokenStream:
         self._tok = tokenizer
         self._special = special
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pending_tokens = 0  # the last tokens pushed whose bytes are not yet a whole character
 
     def push(self, token_id: int) -> str:
-        return self._dec.decode(self._tok.piece(int(token_id), self._special))
+        out = self._dec.decode(self._tok.piece(int(token_id), self._special))
+        # a token whose bytes end a character (text out) counts as shown, even if it starts another
+        self.pending_tokens = self.pending_tokens + 1 if self.pending and not out else 0
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """Whether bytes of a character not yet whole are held (not in any text returned so far)."""
+        return bool(self._dec.getstate()[0])
 
     def flush(self) -> str:
         """Whatever is pending (an incomplete character becomes U+FFFD); the stream is reset."""
         out = self._dec.decode(b"", final=True)
         self._dec.reset()
+        self.pending_tokens = 0
         return out
 
 
