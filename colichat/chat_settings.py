@@ -50,8 +50,8 @@ class ChatSettings:
             self.settings = self.settings.with_(system=saved.get("system"))
         self._use(self.settings.with_(**{k: v for k, v in saved.items() if k not in self.pinned}))
         random = d.get("random") if isinstance(d, dict) else None
-        if isinstance(random, dict) and self.settings.seed is not None and random.get("seed") == self.settings.seed:
-            with contextlib.suppress(ValueError):  # a damaged state: the seed's first numbers instead
+        if random is not None:
+            with contextlib.suppress(ValueError):  # another seed's, or damaged: the seed's first numbers instead
                 self.sampler.state = random
 
     def next_conversation(self) -> bool:

@@ -130,7 +130,8 @@ def test_a_save_as_killed_at_any_rename_leaves_no_session_or_the_whole_copy(coli
     session (not listed, and `/save NAME` takes it) or the whole copy, never an empty session."""
     problem = strace_problem()
     if problem:
-        pytest.skip(f"{problem}: killing a save at its k-th rename needs strace (Debian: apt install strace)")
+        pytest.skip(f"{problem}: killing a save at its k-th rename needs strace (Debian: apt install strace; "
+                    "make test installs it) and ptrace allowed")
     from cli_helpers import CHAT, TINY_ARGS, chat, env_for, lines, saved_turns
 
     chat(colichat_home, [*TINY_ARGS, "--session", "kr"], lines("Hello there", "And again")).ok()
