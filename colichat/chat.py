@@ -27,6 +27,7 @@ from .report import TurnStats, no_room, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
+from .system_prompt import larger_ctx, problem_for_set, refusal, room_problem
 from .units import count
 
 FULL_BELOW = 16  # a resumed conversation with fewer tokens of context left is said to be full
@@ -83,7 +84,12 @@ class Conversation:
         return msgs + [{"role": t.role, "content": t.text} for t in turns if t.role in ("user", "assistant")]
 
     def set_option(self, key: str, value) -> str:
-        """Change one setting (a name of settings.TABLE; SettingError for a value it cannot take)."""
+        """Change one setting (a name of settings.TABLE; SettingError for a value it cannot take). A
+        system prompt the chat template refuses, or that leaves no room for a message, is refused now
+        (ChatError), not at the next message; the one in use (or waiting) stays."""
+        problem = problem_for_set(self.model, value) if key == "system" and value is not None else None
+        if problem:
+            raise ChatError(problem)
         said, changed = self.prefs.set(key, value, started=bool(self.turns))
         if changed:
             self._save_settings()
@@ -110,12 +116,32 @@ class Conversation:
         # conversation to read it changes nothing on disk (FORMAT.md, "Loading reads only").
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
         damaged = damaged_settings(res.sampler)
-        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
+        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged] + self._check_saved_system()
         left, n_ctx = self.model.n_ctx - self.n_tokens, self.model.n_ctx
         if left < FULL_BELOW:  # reopened as it was: what makes room
             full = "full" if left < 2 else "nearly full"
             lines.append(f"note: the context is {full} ({self.n_tokens} of {n_ctx} tokens): {ways_out(self)}")
         return "\n".join(lines)
+
+    def _check_saved_system(self) -> list[str]:
+        """A reopened conversation's system prompt that the chat template refuses cannot be what its
+        cache was read with (the template is part of the model's fingerprint): it is dropped, saying
+        so, else every message would fail. One that leaves no room for a message (a smaller --ctx)
+        is said, with what helps, when the conversation has not started."""
+        system = self.settings.system
+        if system is None:
+            return []
+        why = refusal(self.tok, system)
+        if why is not None:
+            self.prefs.drop_system()
+            return [f"warning: the saved system prompt is not used: this model's chat template takes no system "
+                    f"prompt ({why})"]
+        problem = None if self.turns else room_problem(self.tok, system, self.model.n_ctx)
+        if problem:
+            more = larger_ctx(self.model.n_ctx, self.model.cfg.n_ctx_train, "restart with a larger --ctx")
+            return [f"note: the system prompt {problem}: /set system TEXT sets a shorter one, "
+                    f"/set system none removes it{',' if more else ''}{more}"]
+        return []
 
     def _take_rope_factors(self, sess) -> None:
         """Rotate with the rope factors the session's rows were made with (LongRoPE: a conversation

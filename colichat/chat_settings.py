@@ -54,6 +54,10 @@ class ChatSettings:
             with contextlib.suppress(ValueError):  # another seed's, or damaged: the seed's first numbers instead
                 self.sampler.state = random
 
+    def drop_system(self) -> None:
+        """No system prompt in this conversation (a reopened one's that the chat template refuses)."""
+        self.settings = self.settings.with_(system=None)
+
     def next_conversation(self) -> bool:
         """A new conversation takes the system prompt that waited for it; True when one did."""
         if self.pending_system is False:

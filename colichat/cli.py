@@ -27,7 +27,7 @@ try:
     import tempfile
     import time
 
-    from . import __version__, report
+    from . import __version__, report, system_prompt
     from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word, message_text
     from .engine import MIN_CTX, ModelError, load, resume_problem
@@ -577,7 +577,9 @@ def check_rope_factors(args) -> None:
         raise SessionError(f"session {saved[0]} cannot be resumed: {problem}")
 
 
-def load_model(args, say, status: StatusLine, mtp: bool = True):
+def load_model(args, say, status: StatusLine, mtp: bool = True, system: str | None = None):
+    """The model of args.model, with the progress shown; a --system `system` its chat template refuses,
+    or that leaves no room for a message, is refused before the weights are prepared."""
     path = args.model  # chosen by choose_model
     t0 = time.perf_counter()
     name = os.path.basename(path)
@@ -589,7 +591,8 @@ def load_model(args, say, status: StatusLine, mtp: bool = True):
 
     notes: list[str] = []
     model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
-                 expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp)
+                 expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp,
+                 check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
     status.clear()
     cfg = model.cfg
     where = f" from {path}" if args.verbose else ""
@@ -700,7 +703,8 @@ def main(argv=None) -> int:
 
             waiting = keys_wait()
         with waiting:
-            model = load_model(args, say, status, mtp=settings.draft > 0)  # --draft 0: no MTP rows either
+            model = load_model(args, say, status, mtp=settings.draft > 0,  # --draft 0: no MTP rows either
+                               system=settings.system)
         conv = Conversation(model, settings, session_name=args.session, pinned=given, no_save=args.no_save,
                             save_new=person_types or args.session is not None or args.resume, read_only=read_only)
     except USER_ERRORS as e:

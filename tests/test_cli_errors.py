@@ -331,10 +331,9 @@ def test_a_system_prompt_too_long_for_the_context_is_named_as_the_cause(colichat
     a message that takes most of the context beside a short system prompt is still the message's fault."""
     short = [*TINY_ARGS, "--ctx", "64", "--no-save"]
     run = chat(colichat_home, [*short, "--system", "You are helpful. " * 30, "-p", "Hi"]).failed()
-    assert run.errors() == [
-        "colichat: the system prompt needs 449 tokens, more than the whole context of 64: set a shorter one "
-        "(--system, /set system TEXT; /set system none removes it) or restart with a larger --ctx (this model "
-        "takes up to 2048)"]
+    assert run.errors() == [  # refused at start (tests/test_system_prompt.py)
+        "colichat: the system prompt needs 449 tokens, more than the whole context of 64: give a shorter --system "
+        "or a larger --ctx (this model takes up to 2048)"]
     run = chat(colichat_home, [*short, "--system", "You are helpful. " * 3, "-p", "Hi there, how are you?"]).failed()
     [line] = run.errors()
     assert line.startswith("colichat: the message needs ") and ", 44 of them the system prompt's, more than the " \

@@ -37,7 +37,7 @@ def load_tokenizer(path_or_reader):
 
 
 def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, expert_cache: float | None = None,
-         on_note=None, numerics: str = "fast", mtp: bool = True) -> Model:
+         on_note=None, numerics: str = "fast", mtp: bool = True, check=None) -> Model:
     """Open a GGUF, check it, dequantize its weights, and return a Model with an empty cache.
 
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
@@ -47,6 +47,8 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
     numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic bit for bit (slow).
     mtp: draft with the file's MTP block, if it has one (its rows count in the context's memory).
+    check: optional callback(cfg, tokenizer, n_ctx) run before the weights are prepared (which can take
+    minutes): what the caller will ask of them (its system prompt), refused now (ModelError).
     """
     from .prepared import load_prepared, save_prepared
     from .template import check_chat_template
@@ -75,6 +77,8 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     if mtp and mtp_drafting(cfg, numerics):
         record += mtp_bytes_per_token(cfg)  # what Model.mtp keeps per token
     check_context(n_ctx, cfg.n_ctx_train, record, dense)
+    if check is not None:
+        check(cfg, tokenizer, n_ctx)
     if weights is None:
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:

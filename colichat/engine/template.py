@@ -13,7 +13,8 @@ Templates that emit `{{ bos_token }}` themselves are rendered with the real BOS 
 
 Every problem (a syntax error, a `raise_exception` call, a failing expression) becomes a
 `TemplateError` whose message is one line. `check_chat_template` is the model's template tried once
-when the model loads, so a broken one is refused then, naming the file.
+when the model loads, so a broken one is refused then, naming the file; `system_prompt_refusal` says
+whether it takes a system prompt (Gemma's refuses one with `raise_exception`).
 """
 
 from __future__ import annotations
@@ -157,6 +158,18 @@ def check_chat_template(tokenizer, path: str) -> None:
         template.render([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
     except TemplateError as e:
         raise TemplateError(f"{where} fails on a conversation of one message: {e.what}") from None
+
+
+def system_prompt_refusal(template: ChatTemplate, system: str) -> str | None:
+    """Why `template` fails on a conversation that opens with the system prompt `system` (its own
+    words, e.g. 'System role not supported'), or None when it takes it. For a template that renders
+    a conversation without one (check_chat_template): its failure is the system prompt's."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}]
+    try:
+        template.render(messages, add_generation_prompt=True)
+    except TemplateError as e:
+        return e.what
+    return None
 
 
 def chat_template_for(tokenizer) -> ChatTemplate:
