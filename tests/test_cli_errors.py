@@ -120,6 +120,9 @@ BAD_MODELS = {
     "template-filter": _template("{{ messages | nosuchfilter }}", "uses a filter or test that colichat's Jinja "
                                  "does not have (line 1): No filter named 'nosuchfilter'."),
     "template-fails": _template("{{ nosuch() }}", "fails on a conversation of one message: 'nosuch' is undefined"),
+    "template-fails-later": _template("{% if messages | length > 1 %}{{ raise_exception('one message only') }}"
+                                      "{% endif %}{{ messages[0].content }}", "fails on a second message: one "
+                                      "message only"),
     "unknown-arch": _arch("mamba"), "unsupported-mla-arch": _arch("deepseek2-ocr"),
 }
 

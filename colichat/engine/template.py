@@ -147,17 +147,21 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def check_chat_template(tokenizer, path: str) -> None:
-    """Refuse, when the model loads, a model whose own chat template does not compile or fails on a
-    conversation of one user message (it could answer nothing); the line names the file."""
+    """Refuse, when the model loads, a model whose own chat template does not compile, fails on a
+    conversation of one user message (it could answer nothing) or on a second message after an answer
+    (it could answer only once); the line names the file."""
     where = f"{path}: its chat template (tokenizer.chat_template)"
     try:
         template = chat_template_for(tokenizer)
     except TemplateError as e:
         raise TemplateError(f"{where} {e.what}") from None
-    try:
-        template.render([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
-    except TemplateError as e:
-        raise TemplateError(f"{where} fails on a conversation of one message: {e.what}") from None
+    first = [{"role": "user", "content": "Hello"}]
+    for messages, what in ((first, "a conversation of one message"),
+                           (first + [{"role": "assistant", "content": "Hi there."}, *first], "a second message")):
+        try:
+            template.render(messages, add_generation_prompt=True)
+        except TemplateError as e:
+            raise TemplateError(f"{where} fails on {what}: {e.what}") from None
 
 
 def system_prompt_refusal(template: ChatTemplate, system: str) -> str | None:
