@@ -28,6 +28,11 @@ class ChatSettings:
         for a conversation that has `started` waits for the next one)."""
         row = BY_NAME[key]
         row.validate(value)
+        if key == "system" and started and value == self.settings.system:  # the one in use: nothing waits
+            dropped = self.pending_system is not False
+            self.pending_system = False
+            return f"system = {row.show(value)}" + (" (the one that waited for the next conversation is dropped)"
+                                                    if dropped else ""), False
         if key == "system" and started:  # the conversation so far was read with the old one
             self.pending_system = value
             return "system prompt set for the next conversation (/new starts one)", False

@@ -148,3 +148,15 @@ def test_a_saved_conversation_reopened_with_too_small_a_context_for_its_system_p
             "shorter one, /set system none removes it, or restart with a larger --ctx (this model takes up to 2048)"
             ) in run_.err.splitlines()
     assert "system = Be brief." in run_.err.splitlines() and len(run_.footers()) == 1
+
+
+def test_set_system_to_the_one_in_use_midway_leaves_nothing_waiting(small_app):
+    """After the first answer, /set system of the prompt in use (none, say) is no change for the next
+    conversation: it says the value, and drops one set earlier to wait for the next conversation."""
+    small_app.conv.ask("Hello there.")
+    assert run(small_app, "/set system none") == ["system = none"]
+    assert run(small_app, "/set system") == ["system = none"]
+    assert run(small_app, "/set system Be brief.")[0].startswith("system prompt set for the next conversation")
+    assert run(small_app, "/set system none") == [
+        "system = none (the one that waited for the next conversation is dropped)"]
+    assert "system (next)" not in small_app.conv.prefs.options()
