@@ -157,11 +157,15 @@ def cmd_reset(app, arg: str) -> None:
 
 def cmd_rewind(app, arg: str) -> None:
     n = _int_arg(arg, 1, "/rewind")
+    session = app.conv.saving.session
+    saved = session is not None and session.on_disk
     dropped = app.conv.rewind(n)
     for t in dropped:
         preview = t.text.strip().replace("\n", " ")
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
-    app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context")
+    emptied = saved and not session.on_disk  # no exchange left: no saved conversation until the next answer
+    app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context"
+            + (f"; session {session.name} is empty, off the disk until its next answer" if emptied else ""))
 
 
 def cmd_forget(app, arg: str) -> None:

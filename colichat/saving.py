@@ -61,6 +61,9 @@ class Saving:
             name = info.name
         if self.session and self.session.name == name:
             raise ChatError(f"already in session {name}")
+        if self.store.is_empty(self.ident, name):  # as /sessions shows it: not at all
+            self.store.refuse_elsewhere(name)
+            raise ChatError(f"no session named {name} for this model (/sessions lists them)")
         return self.store.open(self.ident, name, self.layout, read_only=self.read_only), name
 
     def adopt(self, session: Session, name: str) -> None:

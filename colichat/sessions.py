@@ -18,7 +18,7 @@ from datetime import datetime
 
 from .models import model_title
 from .persist import Session, SessionError, Store, check_name, weights_fingerprint
-from .persist.session import KV_EXT, SIDECAR_EXT, interrupted_create
+from .persist.session import SIDECAR_EXT, holds_conversation
 from .persist.store import damaged_text
 
 
@@ -30,8 +30,12 @@ def _fingerprint(model_path: str) -> str | None:
 
 
 def _exists(directory, name: str) -> bool:
+    """Whether NAME is a conversation there (an emptied session, every exchange rewound, is not)."""
     base = os.path.join(directory, name)
-    return any(os.path.lexists(base + ext) for ext in (KV_EXT, SIDECAR_EXT)) and not interrupted_create(base)
+    try:
+        return holds_conversation(base)
+    except SessionError:
+        return True  # a link or a special file: opening it says why
 
 
 def model_to_reopen(store: Store, default_path: str | None, session: str | None,

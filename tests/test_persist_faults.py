@@ -107,8 +107,11 @@ def run_child(mode: str, kill_at: int, seed: int) -> tuple[int, int | None, int]
 
 
 def check_session(possible: set[int]) -> int:
-    """Load the crash session in this process: a complete prefix of the plan, one of `possible`."""
+    """Load the crash session in this process: a complete prefix of the plan, one of `possible`. A
+    session cut to no turns has no files (Session.truncate), so 0 turns may be no session at all."""
     cache = make_cache("mla", 8192)
+    if 0 in possible and not (Store().model_dir(IDENT) / "crash.coli_kv").exists():
+        return 0
     with Store().open(IDENT, "crash", layout_of(cache)) as sess:
         res = sess.load(cache)
     m = len(res.turns)

@@ -26,6 +26,7 @@ from cli_helpers import (
 from persist_helpers import snapshot
 
 from colichat.persist import SessionError, Store
+from colichat.persist.session import doc_check
 from colichat.persist.store import slug
 from colichat.sessions import model_to_reopen
 
@@ -347,3 +348,50 @@ def test_sessions_from_the_shell(colichat_home):
     title = first.err.splitlines()[0].split(" (")[0]  # the model as the banner names it
     assert title == "llama" and re.fullmatch(r"llama \(llama\.gguf-[0-9a-f]{12}\):", out[0]), out
     assert out[1].startswith("  two: 2 turns, ") and out[2].startswith("  one: 2 turns, ") and len(out) == 3
+
+
+def test_a_conversation_rewound_to_no_exchange_is_not_a_saved_conversation(ref, colichat_home):
+    """/rewind of every exchange (at once or one by one) leaves no saved conversation: its files go
+    (the name stays taken while it is open), so --sessions, --resume, --export and --session NAME all
+    see none, and the next answer saves it again under its name."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
+    for name, rewinds, last in (("e", ["/rewind 2"], "2 exchanges"), ("f", ["/rewind", "/rewind"], "1 exchange")):
+        run = chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0], Q[1], *rewinds)).ok()
+        assert run.err.splitlines()[-1] == (f"rewound {last}; 0 tokens in context; session {name} is empty, "
+                                            "off the disk until its next answer")
+        assert [p.name for p in session_files(colichat_home) if p.stem == name] == [f"{name}.lock"]
+    listed = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
+    assert [row.split(":")[0] for row in listed[1:]] == ["  old"]
+    assert chat(colichat_home, [*TINY_ARGS, "--resume"], "").ok().resumed()[2] == "old"
+    assert chat(colichat_home, ["--export", "e"]).failed().errors() == [
+        "colichat: no session named e (colichat --sessions lists them)"]
+    assert chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "e"], "").failed().errors() == [
+        "colichat: no session named e for this model (colichat --sessions lists them)"]
+    again = chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[0])).ok()
+    assert "resumed" not in again.err and saved_answers(colichat_home, "e") == ref[:1]
+
+
+def test_an_empty_session_left_on_disk_is_not_listed_nor_reopened(colichat_home):
+    """What an older colichat left after rewinding every exchange (the files, no records, no turns):
+    no listing shows it, it is not the latest, /resume NAME refuses it, a new conversation takes the name."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
+    chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[0])).ok()
+    [kv] = [p for p in session_files(colichat_home) if p.name == "e.coli_kv"]
+    side = kv.with_suffix(".json")
+    with open(kv, "r+b") as f:  # nrec 0, the sidecar's turns [] (with its check: not damage)
+        f.seek(32)
+        f.write((0).to_bytes(8, "little"))
+    doc = json.loads(side.read_text())
+    doc["nrec"], doc["turns"] = 0, []
+    doc["check"] = doc_check(doc)
+    side.write_text(json.dumps(doc))
+    os.utime(kv, None)
+    assert [i.name for i in Store().list()] == ["old"]
+    listed = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
+    assert [row.split(":")[0] for row in listed[1:]] == ["  old"]
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "x"], lines("/resume e", "/sessions", "/resume")).failed()
+    assert run.errors() == ["colichat: no session named e for this model (/sessions lists them)"]
+    assert [row.split(":")[0] for row in run.err.splitlines() if row.startswith("  ")] == ["  old"]
+    assert run.resumed()[2] == "old"
+    new = chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[1])).ok()
+    assert "resumed" not in new.err and saved_users(colichat_home, "e") == [Q[1]]

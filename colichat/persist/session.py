@@ -150,10 +150,12 @@ def interrupted_create(base: str) -> bool:
     return os.path.lexists(base + KV_EXT + ".tmp") and not os.path.lexists(base + KV_EXT)
 
 
-def _holds_something(base: str) -> bool:
+def holds_conversation(base: str) -> bool:
     """Whether NAME.coli_kv or NAME.json exists as anything but the leftover of an interrupted
-    create (see `interrupted_create`; from older versions, a KV file with no records, and no sidecar
-    or one that lists no turns)."""
+    create (see `interrupted_create`) or an empty session: a KV file with no records, and no sidecar
+    or one that lists no turns (what a rewind of every exchange leaves when its files cannot be
+    removed, and older versions left). Such a name is no conversation: not listed, not reopened, and
+    the next claim of it replaces the files. SessionError for a file that is a link or not regular."""
     if interrupted_create(base):
         return False
     kv = lstat_regular(base + ".coli_kv", "session file")
@@ -292,11 +294,11 @@ class Session:
         FileExistsError if NAME holds a conversation. What an interrupted create leaves (a session
         with no records and no turns) is not a conversation: it is replaced."""
         base = os.path.join(str(directory), name)
-        if _holds_something(base):  # before locking: the holder of an existing session may have the lock
+        if holds_conversation(base):  # before locking: the holder of an existing session may have the lock
             raise FileExistsError(errno.EEXIST, "session exists", name)
         s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
         try:
-            if _holds_something(base):  # again, under the lock
+            if holds_conversation(base):  # again, under the lock
                 raise FileExistsError(errno.EEXIST, "session exists", name)
         except BaseException:
             s.close()
@@ -701,6 +703,25 @@ class Session:
         except OSError as e:
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
         self.turns, self._crcs, self.nrec = turns, crcs, n
+        if not turns:
+            self._remove_files()
+
+    def _remove_files(self) -> None:
+        """A session cut to no turns is no conversation (holds_conversation): its files go (the
+        sidecar first), the lock stays, and the next save creates them again, as after a claim. Files
+        that cannot be removed stay, empty: no listing shows them and the next claim replaces them."""
+        try:
+            for path in (self.json_path, self.kv_path):
+                os.unlink(path)
+            fsync_dir(self.directory)
+        except OSError:
+            return
+        fd, self._kv_fd = self._kv_fd, None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        self._has_sidecar, self.created = False, now_iso()
 
     def save_sampler(self, sampler: dict) -> None:
         """Record new sampler settings now (they are also saved with every append)."""

@@ -9,6 +9,7 @@
     sess = store.open(ident, name, layout)     # existing session, locked (then sess.load(...))
     store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None
     store.latest(ident) -> SessionInfo | None
+    store.is_empty(ident, name)                # an empty session left on disk: no conversation
     store.rename(sess, new)                    # an open session under another name
     store.dirs_for(fingerprint) -> [Path]      # a model's session directories, before it loads
     store.refuse_elsewhere(name, hint=...)     # SessionError if another model has session NAME
@@ -50,7 +51,17 @@ from .kvfile import (
     lstat_regular,
     oserror_text,
 )
-from .session import KV_EXT, MAX_SIDECAR_BYTES, SIDECAR_EXT, Session, _lock, _unlock, doc_check, interrupted_create
+from .session import (
+    KV_EXT,
+    MAX_SIDECAR_BYTES,
+    SIDECAR_EXT,
+    Session,
+    _lock,
+    _unlock,
+    doc_check,
+    holds_conversation,
+    interrupted_create,
+)
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -269,6 +280,8 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
             damage = _kv_damage(st, raw) or _layout_damage(raw, layout)
             if damage is None:
                 tokens = HEADER.unpack(raw)[7]
+                if tokens == 0 and not _holds(directory / name):  # emptied (every exchange rewound)
+                    return None
         except OSError as e:
             damage = f"cannot read: {oserror_text(e)}"
     if damage:
@@ -281,6 +294,14 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
         return SessionInfo(name, model_dir=directory.name, size=size, path=kv,
                            **_sidecar_summary(doc, tokens, model, last_used))
     return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
+
+
+def _holds(base: Path) -> bool:
+    """holds_conversation, where a file it cannot judge counts as something (the listing says why)."""
+    try:
+        return holds_conversation(str(base))
+    except SessionError:
+        return True
 
 
 def _layout_damage(raw: bytes, layout: CacheLayout | None) -> str | None:
@@ -431,6 +452,12 @@ class Store:
             self.refuse_elsewhere(name)
         self._refuse_damaged(directory, name, layout)
         return Session.open(directory, name, ident, layout, read_only)
+
+    def is_empty(self, ident: dict, name: str) -> bool:
+        """Whether NAME of this model is an empty session left on disk (no records, no turns): no
+        conversation, though `open` opens it (the chat program refuses it as it lists it: not at all)."""
+        base = self.model_dir(ident) / check_name(name)
+        return os.path.lexists(str(base) + KV_EXT) and not _holds(base)
 
     def refuse_elsewhere(self, name: str, hint: str | None = None) -> None:
         """SessionError 'session NAME belongs to another model (MODEL, last run from PATH); HINT' if
