@@ -36,7 +36,7 @@ try:
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
-    from .sessions import before_load, export_saved, listing, model_to_reopen, resume_rope_factors
+    from .sessions import before_load, export_saved, listing, model_to_reopen, reopen_note, resume_rope_factors
     from .settings import TABLE, SettingError, Settings
     from .wrap import Screen, wrap_line
 except BaseException:
@@ -489,16 +489,20 @@ def choose_model(args, say) -> str:
         default, missing = default_model_path(), None
     except DefaultModelMissing as e:
         default, missing = None, e
-    found = model_to_reopen(Store(), default, args.session, args.resume)
+    store = Store()
+    found = model_to_reopen(store, default, args.session, args.resume)
     if found:
         name, path, title = found
         say(f"session {name} was saved with {title}: loading {path}")
-        return path
-    if args.resume and args.session is None and nothing_saved():  # no model named: not "for this model"
+    elif args.resume and args.session is None and nothing_saved():  # no model named: not "for this model"
         raise SessionError("no saved conversation yet")
-    if missing:
+    elif missing:
         raise missing
-    return default
+    path = found[1] if found else default
+    note = reopen_note(store, path, args.session) if args.session is not None else None
+    if note:  # the other models' conversations of that name, and how to open one
+        say(note)
+    return path
 
 
 def nothing_saved() -> bool:
@@ -637,7 +641,9 @@ def from_the_shell(args) -> int:
         model = args.model or default_model_path()
     except DefaultModelMissing:
         model = None
-    text, warnings = export_saved(store, model, args.export)
+    text, warnings, note = export_saved(store, model, args.export)
+    if note:  # the other models' conversations of that name, and how to print one
+        to_stderr(note)
     for line in warnings:  # as opening says what it drops
         to_stderr(f"warning: {line}")
     return print_out(text)

@@ -5,7 +5,8 @@
     resume, note = before_load(store, model_path, session, resume)  # SessionError, else reopen or not, a note
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     listing(store) -> [line]          # every saved conversation, by model
-    export_saved(store, model_path, name) -> (str, [warning])  # a saved conversation as Markdown
+    reopen_note(store, model_path, name) -> str | None  # --session NAME: other models' NAME, how to open one
+    export_saved(store, model_path, name) -> (str, [warning], note)  # a saved conversation as Markdown
     markdown(title, model, turns, system) -> str      # (role, text) turns as Markdown
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections import defaultdict
 from datetime import datetime
 
@@ -149,29 +151,51 @@ def listing(store: Store) -> list[str]:
 
 
 def export_saved(store: Store, model_path: str | None, name: str) -> tuple[str, list[str]]:
-    """Saved conversation NAME as Markdown (this model's first, else the only one of that name): the
-    turns opening it would keep, checked as opening checks them, and the warnings for what it drops.
+    """Saved conversation NAME as Markdown (this model's, as --session NAME reopens it, else the newest
+    of that name): the turns opening it would keep, checked as opening checks them, the warnings for
+    what it drops, and a note naming the other models' conversations NAME (or None).
     A session opening refuses is refused, with the same line (no model is loaded: the checks over
     records and text are over the files' bytes)."""
     check_name(name)
     fp = _fingerprint(model_path) if model_path else None
-    found = [i for i in store.list() if i.name == name]
-    mine = [i for i in found if i.made_by(fp)]
-    if mine:
-        found = mine
+    found = [i for i in store.list() if i.name == name]  # newest first
     if not found:
         raise SessionError(f"no session named {name} (colichat --sessions lists them)")
-    if len(found) > 1:
-        raise SessionError(f"session {name} exists for several models ({', '.join(i.model for i in found)}): "
-                           "add --model PATH to say which")
-    info = found[0]
+    info = next((i for i in found if i.made_by(fp)), None) or next((i for i in found if not i.damage), found[0])
+    note = namesakes_note(store, name, info.model_dir, f"colichat --export {name} --model {{path}} prints it")
     if info.damage:
         raise SessionError(f"session {damaged_text(name, info.damage)}")
     res = Session.read_saved(info.path.parent, name)
     system = res.sampler.get("system")
     text = markdown(name, model_title(info.model, info.model_file), [(t.role, t.text) for t in res.turns],
                     system if isinstance(system, str) else None)
-    return text, res.warnings
+    return text, res.warnings, note
+
+
+def reopen_note(store: Store, model_path: str, name: str) -> str | None:
+    """For --session NAME without --model, reopening this model's conversation NAME: a note naming
+    the other models' conversations NAME, and how to open one of them (None if there are none)."""
+    fp = _fingerprint(model_path)
+    mine = [i for i in store.list() if i.name == name and i.made_by(fp)]
+    if not mine:
+        return None
+    return namesakes_note(store, name, mine[0].model_dir, f"colichat --model {{path}} --session {name} opens it")
+
+
+def namesakes_note(store: Store, name: str, model_dir: str, command: str) -> str | None:
+    """'note: other models have a conversation NAME too (MODEL, last run from PATH): COMMAND', for the
+    conversations NAME beside the one of `model_dir` taken (None if there are none). `command`, with
+    {path} for the other model's path, is how to take that one instead."""
+    others = [i for i in store.list() if i.name == name and not i.damage and i.model_dir != model_dir]
+    if not others:
+        return None
+    paths = {i.model_path for i in others}
+    path = paths.pop() if len(paths) == 1 else None
+    how = (command.format(path=shlex.quote(path)) if path and os.path.isfile(path)
+           else "add --model PATH of that model to take that one")
+    one = len({i.model_dir for i in others}) == 1
+    return (f"note: {'another model has' if one else 'other models have'} a conversation {name} too "
+            f"({store.whose(others)}): {how}")
 
 
 def markdown(title: str, model: str, turns, system: str | None = None) -> str:

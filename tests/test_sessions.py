@@ -395,3 +395,26 @@ def test_an_empty_session_left_on_disk_is_not_listed_nor_reopened(colichat_home)
     assert run.resumed()[2] == "old"
     new = chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[1])).ok()
     assert "resumed" not in new.err and saved_users(colichat_home, "e") == [Q[1]]
+
+
+def test_a_name_two_models_have_reopens_and_exports_the_newest_and_names_the_other(colichat_home, tmp_path):
+    """Conversation q2 saved with model A, then another q2 with model B: --session q2 (no --model) and
+    --export q2 both take B's, the newest, each with one line naming A's and the command that takes it."""
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
+    b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "q2"], lines(Q[0])).ok()
+    chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "q2"], lines(Q[1])).ok()
+    other = f"another model has a conversation q2 too (llama.gguf, last run from {a})"
+    run = chat(colichat_home, [*TINY_ARGS[2:], "--session", "q2"], lines("/history")).ok()
+    assert run.err.splitlines()[:2] == [f"session q2 was saved with llama: loading {b}",
+                                        f"note: {other}: colichat --model {a} --session q2 opens it"]
+    assert f"user> {Q[1]}" in run.err.splitlines() and f"user> {Q[0]}" not in run.err
+    shell = chat(colichat_home, ["--export", "q2"]).ok()
+    assert Q[1] in shell.out.decode() and Q[0] not in shell.out.decode()
+    assert shell.err == f"note: {other}: colichat --export q2 --model {a} prints it\n"
+    theirs = chat(colichat_home, ["--export", "q2", "--model", a]).ok()  # as the note says
+    assert Q[0] in theirs.out.decode() and Q[1] not in theirs.out.decode()
+    assert theirs.err == (f"note: another model has a conversation q2 too (llama.gguf, last run from {b}): "
+                          f"colichat --export q2 --model {b} prints it\n")
