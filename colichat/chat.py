@@ -62,7 +62,8 @@ class Conversation:
         self.saving = Saving((store or Store()) if save else None,
                              model_identity(cfg.path, cfg.arch, cfg.name) if save else None,
                              CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new, read_only,
-                             rope_factors=lambda: model.rope_factors, no_save=no_save)
+                             rope_factors=lambda: model.rope_factors, no_save=no_save,
+                             n_ctx=model.n_ctx)
 
     # --- state ------------------------------------------------------------------------------------
 

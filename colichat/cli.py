@@ -36,7 +36,15 @@ try:
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
-    from .sessions import before_load, export_saved, listing, model_to_reopen, reopen_note, resume_rope_factors
+    from .sessions import (
+        before_load,
+        export_saved,
+        listing,
+        model_to_reopen,
+        reopen_note,
+        resume_context,
+        resume_rope_factors,
+    )
     from .settings import TABLE, SettingError, Settings
     from .wrap import Screen, wrap_line
 except BaseException:
@@ -572,6 +580,15 @@ def saving_mode(args, problem: str | None) -> bool:
     return True
 
 
+def saved_context(args) -> None:
+    """Without --ctx, a conversation reopens (--resume, --session NAME of a saved one) with the
+    context size it was saved with (`args.ctx_of`: the session it came from, for load_model's errors)."""
+    args.ctx_of = None
+    saved = resume_context(Store(), args.model, args.session) if args.resume and args.ctx is None else None
+    if saved:
+        args.ctx_of, args.ctx = saved
+
+
 def check_rope_factors(args) -> None:
     """Refuse before the model loads a --resume whose cache rows were rotated with rope factors
     that cannot serve this --ctx (Conversation.resume says the same after loading, for /resume)."""
@@ -594,9 +611,15 @@ def load_model(args, say, status: StatusLine, mtp: bool = True, system: str | No
         status.show(f"loading {name}: layer {done}/{total}{more}")
 
     notes: list[str] = []
-    model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
-                 expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp,
-                 check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
+    try:
+        model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
+                     expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp,
+                     check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
+    except ModelError as e:
+        if getattr(args, "ctx_of", None) and "context size" in str(e):  # not a --ctx given: say where it came from
+            raise ModelError(f"{e} (the context size session {args.ctx_of} was saved with: "
+                             "--ctx N reopens it with another)") from None
+        raise
     status.clear()
     cfg = model.cfg
     where = f" from {path}" if args.verbose else ""
@@ -699,6 +722,7 @@ def main(argv=None) -> int:
         args.resume, note = before_load(Store(), args.model, args.session, args.resume)
         if note:
             say(note)
+        saved_context(args)
         check_rope_factors(args)
         read_only = saving_mode(args, problem)
         interactive = args.interactive

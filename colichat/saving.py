@@ -19,8 +19,10 @@ from .units import format_size
 
 class Saving:
     def __init__(self, store: Store | None, ident: dict | None, layout: CacheLayout, name: str | None = None,
-                 save_new: bool = True, read_only: bool = False, rope_factors=lambda: None, no_save: bool = False):
+                 save_new: bool = True, read_only: bool = False, rope_factors=lambda: None, no_save: bool = False,
+                 n_ctx: int | None = None):
         self.store, self.weights_ident, self.layout = store, ident, layout
+        self.n_ctx = n_ctx  # the context size the conversation runs with: reopening it takes it again
         self.rope_factors = rope_factors  # () -> the rope factors the cache rows are rotated with now
         self.session: Session | None = None  # once created, claimed or resumed
         self.name = name
@@ -30,12 +32,15 @@ class Saving:
 
     @property
     def ident(self) -> dict | None:
-        """What a session records about the model: its weights, and the rope factors the cache rows
-        are rotated with now (where they depend on the context size: Model.rope_factors)."""
+        """What a session records about the model: its weights, the context size it runs with
+        ("n_ctx": --session NAME and --resume reopen it with that one, sessions.resume_context), and
+        the rope factors the cache rows are rotated with now (where they depend on the context size:
+        Model.rope_factors)."""
+        if self.weights_ident is None:
+            return None
         rope = self.rope_factors()
-        if self.weights_ident is None or rope is None:
-            return self.weights_ident
-        return {**self.weights_ident, "rope_factors": rope}
+        ident = self.weights_ident if self.n_ctx is None else {**self.weights_ident, "n_ctx": self.n_ctx}
+        return ident if rope is None else {**ident, "rope_factors": rope}
 
     # --- the session in use -----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@
     found = model_to_reopen(store, default_path, session, resume)  # (name, path, title) or None
     resume, note = before_load(store, model_path, session, resume)  # SessionError, else reopen or not, a note
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
+    resume_context(store, model_path, session) -> (name, n_ctx) | None  # the context it was saved with
     listing(store) -> [line]          # every saved conversation, by model
     reopen_note(store, model_path, name) -> str | None  # --session NAME: other models' NAME, how to open one
     export_saved(store, model_path, name) -> (str, [warning], note)  # a saved conversation as Markdown
@@ -18,9 +19,10 @@ import shlex
 from collections import defaultdict
 from datetime import datetime
 
+from .engine.gguf import MIN_CTX
 from .models import model_title
 from .persist import Session, SessionError, Store, check_name, weights_fingerprint
-from .persist.session import SIDECAR_EXT, holds_conversation
+from .persist.session import SIDECAR_EXT, doc_check, holds_conversation
 from .persist.store import damaged_text
 
 
@@ -118,10 +120,10 @@ def _namesakes_note(store: Store, fp: str, session: str) -> str | None:
             f"this is a new conversation {session} with this model")
 
 
-def resume_rope_factors(store: Store, model_path: str, session: str | None) -> tuple[str, str] | None:
-    """(name, rope factors) of the conversation --resume reopens (--session NAME, else this model's
-    latest) where its sidecar records the factors its cache rows were rotated with; None otherwise,
-    or when it cannot be read (resuming it then says why)."""
+def _saved_model(store: Store, model_path: str, session: str | None) -> tuple[str, dict, bool] | None:
+    """(name, the sidecar's model section, whether its check matches) of the conversation --resume
+    reopens (--session NAME, else this model's latest); None when there is none or it cannot be
+    read (resuming it then says why)."""
     fp = _fingerprint(model_path)
     if fp is None:
         return None
@@ -131,10 +133,28 @@ def resume_rope_factors(store: Store, model_path: str, session: str | None) -> t
         return None
     try:
         with open(found[0].path.parent / (found[0].name + SIDECAR_EXT), "rb") as f:
-            rope = json.loads(f.read().decode("utf-8"))["model"].get("rope_factors")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError, AttributeError):
+            doc = json.loads(f.read().decode("utf-8"))
+        return found[0].name, dict(doc["model"]), doc.get("check") == doc_check(doc)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError, ValueError,
+            AttributeError):
         return None  # a damaged sidecar: resuming it says so
-    return (found[0].name, rope) if isinstance(rope, str) else None
+
+
+def resume_rope_factors(store: Store, model_path: str, session: str | None) -> tuple[str, str] | None:
+    """(name, rope factors) of the conversation --resume reopens where its sidecar records the
+    factors its cache rows were rotated with; None otherwise."""
+    saved = _saved_model(store, model_path, session)
+    rope = saved[1].get("rope_factors") if saved else None
+    return (saved[0], rope) if isinstance(rope, str) else None
+
+
+def resume_context(store: Store, model_path: str, session: str | None) -> tuple[str, int] | None:
+    """(name, context size) the conversation --resume reopens was last saved with (model.n_ctx), to
+    reopen it with that one when --ctx is not given; None where the sidecar does not say (an older
+    colichat) or its check does not vouch for it."""
+    saved = _saved_model(store, model_path, session)
+    n_ctx = saved[1].get("n_ctx") if saved and saved[2] else None
+    return (saved[0], n_ctx) if type(n_ctx) is int and n_ctx >= MIN_CTX else None
 
 
 def listing(store: Store) -> list[str]:

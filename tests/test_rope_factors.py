@@ -281,6 +281,23 @@ def test_cli_resume_on_either_side(colichat_home):
             assert {p: p.read_bytes() for p in files} == files
 
 
+def test_cli_reopens_with_the_context_it_was_saved_with(colichat_home):
+    """Without --ctx, --session NAME (and --resume) reopens a conversation with the context size it
+    was saved with, so with the factors it was made with (the short ones at 256: the model's default
+    context, 4096, would refuse them); a --ctx given wins and is saved with the next answer."""
+    for ctx, name in ((256, "short"), (1024, "long")):
+        chat(colichat_home, [*ARGS, "--ctx", ctx, "--session", name], lines("hello")).ok()
+        assert sidecar(colichat_home, name)[1]["model"]["n_ctx"] == ctx
+        again = chat(colichat_home, [*ARGS, "--session", name], lines("and again")).ok()
+        assert again.resumed()[1:] == (2, name)
+        assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in again.footers()] == [str(ctx)]
+    chat(colichat_home, [*ARGS, "--ctx", 200, "--resume", "--session", "short"], lines("more")).ok()
+    assert sidecar(colichat_home, "short")[1]["model"]["n_ctx"] == 200
+    latest = chat(colichat_home, [*ARGS, "--resume"], lines("more")).ok()
+    assert latest.resumed()[1:] == (6, "short")
+    assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in latest.footers()] == ["200"]
+
+
 def test_cli_resume_command_refused_leaves_the_conversation_going_on(colichat_home):
     """/resume of a short-factor conversation at a larger context, inside a running conversation:
     one line, then the conversation in memory goes on, with its long factors, in its own session."""

@@ -418,3 +418,22 @@ def test_a_name_two_models_have_reopens_and_exports_the_newest_and_names_the_oth
     assert Q[0] in theirs.out.decode() and Q[1] not in theirs.out.decode()
     assert theirs.err == (f"note: another model has a conversation q2 too (llama.gguf, last run from {b}): "
                           f"colichat --export q2 --model {b} prints it\n")
+
+
+def test_a_conversation_reopens_with_the_context_it_was_saved_with(colichat_home):
+    """Without --ctx, --session NAME and --resume reopen a conversation with the context size it was
+    last saved with; one it cannot have is refused saying where it came from and what chooses another."""
+    chat(colichat_home, [*TINY_ARGS, "--ctx", "160", "--session", "c"], lines(Q[0])).ok()
+    for args in (["--session", "c"], ["--resume"]):
+        run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[1])).ok()
+        assert run.resumed()[2] == "c" and "KV 2.0 KiB/token x 160 = " in run.err
+        assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in run.footers()] == ["160"]
+    [side] = [p for p in session_files(colichat_home) if p.name == "c.json"]
+    doc = json.loads(side.read_text())
+    doc["model"]["n_ctx"] = 4096  # more than the tiny llama's 2048 (a hand edit, checked)
+    doc["check"] = doc_check({k: v for k, v in doc.items() if k not in ("turns", "check")})
+    side.write_text(json.dumps(doc))
+    assert chat(colichat_home, [*TINY_ARGS, "--session", "c"], lines(Q[1])).failed().errors() == [
+        "colichat: context size 4,096 is above the 2,048 tokens this model was trained for; use at most 2,048 "
+        "(the context size session c was saved with: --ctx N reopens it with another)"]
+    assert chat(colichat_home, [*TINY_ARGS, "--ctx", "256", "--session", "c"], lines(Q[1])).ok().resumed()[2] == "c"
