@@ -168,6 +168,84 @@ def test_second_writer_is_refused(colichat_home):
     store.open(IDENT, "shared", layout_of(cache)).close()  # free again once the holder is gone
 
 
+READER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from persist_helpers import IDENT, layout_of, make_cache
+from colichat.persist import Session, Store
+store = Store()
+if {export!r}:
+    res = Session.read_saved(store.model_dir(IDENT), "busy")
+else:
+    with store.open(IDENT, "busy", layout_of(make_cache()), read_only=True) as sess:
+        res = sess.load(make_cache())
+print(json.dumps({{"turns": len(res.turns), "warnings": res.warnings}}))
+"""
+
+
+def _waits_for_a_lock(pid: int) -> bool:
+    """Whether process `pid` is blocked on a file lock (a '->' line of /proc/locks)."""
+    return any(line.split()[1] == "->" and line.split()[5] == str(pid)
+               for line in Path("/proc/locks").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs /proc/locks to see a process wait on a lock")
+@pytest.mark.parametrize("export", [False, True], ids=["no-save", "export"])
+def test_a_read_without_the_lock_waits_for_a_save_under_way(colichat_home, export):
+    """--no-save (a read-only open) and --export read a session another colichat is saving: the read
+    waits for the save to end and sees it whole (it read the records before the sidecar listed them,
+    and dropped them as an interrupted save's)."""
+    import json
+    import threading
+
+    cache = make_cache()
+    turns = build(cache, 4)
+    sess = Store().create(IDENT, layout_of(cache), name="busy")
+    sess.append(cache, turns[:2])
+    paused, go = threading.Event(), threading.Event()
+    write_sidecar = sess._write_sidecar
+
+    def held(*args):  # the records and nrec are written; the sidecar waits
+        paused.set()
+        go.wait(60)
+        write_sidecar(*args)
+
+    sess._write_sidecar = held
+    saving = threading.Thread(target=sess.append, args=(cache, turns))
+    saving.start()
+    try:
+        assert paused.wait(60)
+        reader = subprocess.Popen([sys.executable, "-c", READER.format(tests=str(TESTS), export=export)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while reader.poll() is None and not _waits_for_a_lock(reader.pid):
+            time.sleep(0.01)
+    finally:
+        go.set()
+        saving.join(60)
+    out, err = reader.communicate(timeout=60)
+    sess.close()
+    assert reader.returncode == 0, err
+    assert json.loads(out) == {"turns": 4, "warnings": []}
+
+
+def test_a_save_does_not_wait_for_ever_on_a_read_that_does_not_end(colichat_home, monkeypatch):
+    """A reader stopped mid-read (Ctrl-Z) holds its shared lock: the save waits a while, then goes on."""
+    import fcntl
+
+    import colichat.persist.session as session_mod
+
+    monkeypatch.setattr(session_mod, "SAVE_WAITS_FOR_A_READ", 0.05)
+    cache = make_cache()
+    turns = build(cache, 4)
+    with Store().create(IDENT, layout_of(cache), name="busy") as sess:
+        sess.append(cache, turns[:2])
+        with open(sess.kv_path, "rb") as reader:
+            fcntl.flock(reader.fileno(), fcntl.LOCK_SH)
+            sess.append(cache, turns)
+    with Store().open(IDENT, "busy", layout_of(cache)) as sess:
+        assert sess.load(make_cache()).turns == turns
+
+
 def test_lock_is_per_session_within_a_process(colichat_home):
     cache = make_cache()
     store = Store()

@@ -17,6 +17,7 @@ Every user-facing failure is a SessionError with a one-line message; ValueError 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -132,6 +133,33 @@ def _unlock(fd: int) -> None:
         os.close(fd)  # closing the descriptor releases the flock (also when close reports an error)
     except OSError:
         pass
+
+
+def _flock(fd: int, op: int) -> None:
+    """flock the KV file (a read without the session's lock: LOCK_SH, waiting for a save under way;
+    LOCK_UN); where the file system has no locks, the read goes on unlocked."""
+    try:
+        fcntl.flock(fd, op)
+    except OSError:
+        pass
+
+
+SAVE_WAITS_FOR_A_READ = 10.0  # seconds; then the save goes on (a reader stopped with Ctrl-Z must not stop it)
+
+
+def _flock_for_save(fd: int) -> None:
+    """flock(LOCK_EX) on the KV file for a save, waiting for a read under way (Session._reading)
+    at most SAVE_WAITS_FOR_A_READ seconds: a save never hangs on a stopped reader, whose own checks
+    then drop what it read halfway (the state before this lock existed)."""
+    deadline = time.monotonic() + SAVE_WAITS_FOR_A_READ
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                return  # no locks on this file system, or a reader that does not finish: go on
+        time.sleep(0.01)
 
 
 def _unlink_quietly(path: str) -> bool:
@@ -273,6 +301,7 @@ class Session:
         self.json_path = os.path.join(self.directory, name + SIDECAR_EXT)
         self._lock_fd = lock_fd
         self._kv_fd: int | None = None
+        self._shared = False  # reading under the KV file's shared flock (`_reading`)
         self.turns: list[Turn] = []  # what is on disk and valid
         self._crcs: list[int] = []
         self.nrec = 0  # records covered by self.turns
@@ -365,7 +394,9 @@ class Session:
     @classmethod
     def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
         """An existing session, locked for writing; `load` it before saving to it. `read_only`
-        (a read-only file system): no lock, the file opened for reading; saving to it fails."""
+        (--no-save, a read-only file system): not locked (another colichat may have it open), the
+        file opened for reading, and `load` reads it between two saves of that colichat (`_reading`);
+        saving to it fails."""
         base = os.path.join(str(directory), name)
         if lstat_regular(base + KV_EXT, "session file") is None:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
@@ -387,8 +418,9 @@ class Session:
     def read_saved(cls, directory, name: str) -> LoadResult:
         """What opening session NAME would keep, without its model (for an export): the same checks
         over its files, the same warnings, the same refusals (its model is the one its sidecar
-        names; that the sidecar belongs in this directory is the caller's to check). Takes no lock,
-        modifies nothing. A session without a sidecar has no text: refused."""
+        names; that the sidecar belongs in this directory is the caller's to check). Takes no writer's
+        lock, modifies nothing: it reads between two saves of a colichat that has it open (`_reading`).
+        A session without a sidecar has no text: refused."""
         base = os.path.join(str(directory), name)
         if lstat_regular(base + KV_EXT, "session file") is None:
             raise SessionError(f"no session named {name} (colichat --sessions lists them)")
@@ -396,19 +428,25 @@ class Session:
         s = cls(directory, name, _saved_model(base + SIDECAR_EXT), None, None)
         try:
             s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
-            header, size = read_header(s._kv_fd, s.kv_path)
-            doc = s._read_sidecar()
-            if doc is None:
-                raise SessionError(f"session {name} has no sidecar, so no text to export: colichat --session "
-                                   f"{name} with its model loads its cache as one imported turn, which /export writes")
-            s._check_header_against(doc, header)
-            s.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
-                                   header.vocab, header.index_hd, header.n_index_layers)
-            records = min(header.nrec, (size - HEADER_SIZE) // max(1, s.layout.record_bytes))
-            s._loaded = True
-            return s.load(_SavedRecords(s.layout, records), exchanges=True)
+            with s._reading():
+                return s._read_saved()
         finally:
             s.close()
+
+    def _read_saved(self) -> LoadResult:
+        """read_saved's checks and load, over the open KV file (under `_reading`)."""
+        header, size = read_header(self._kv_fd, self.kv_path)
+        doc = self._read_sidecar()
+        if doc is None:
+            raise SessionError(f"session {self.name} has no sidecar, so no text to export: colichat --session "
+                               f"{self.name} with its model loads its cache as one imported turn, which /export "
+                               "writes")
+        self._check_header_against(doc, header)
+        self.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
+                                  header.vocab, header.index_hd, header.n_index_layers)
+        records = min(header.nrec, (size - HEADER_SIZE) // max(1, self.layout.record_bytes))
+        self._loaded = True
+        return self.load(_SavedRecords(self.layout, records), exchanges=True)
 
     def close(self) -> None:
         if self._kv_fd is not None:
@@ -430,6 +468,57 @@ class Session:
     # ---- loading ---------------------------------------------------------------------------
 
     def load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False) -> LoadResult:
+        """Fill `cache` (see `_load`): a session opened read-only is read between two saves of a
+        colichat that has it open (`_reading`)."""
+        if self._kv_fd is None:
+            raise ValueError(f"session {self.name} is closed")
+        with self._reading():
+            return self._load(cache, ctx_limit, detokenize, exchanges)
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """Without the session's lock (read-only: --no-save, --export, a read-only file system), hold
+        the KV file's flock shared while reading: a save under way in a colichat that has the session
+        open (`_saving`) ends first, and saves wait for the read. A file replaced meanwhile is opened
+        again by its name; one removed or renamed meanwhile is refused."""
+        if self._lock_fd is not None or self._shared:  # the writer itself, or already held
+            yield
+            return
+        for _ in range(8):
+            _flock(self._kv_fd, fcntl.LOCK_SH)
+            st = os.fstat(self._kv_fd)
+            try:
+                cur = os.lstat(self.kv_path)
+            except FileNotFoundError:
+                raise SessionError(f"session {self.name} was removed or renamed while it was read") from None
+            if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+                break
+            fd = open_file(self.kv_path, "session file", os.O_RDONLY)  # written again by its colichat
+            old, self._kv_fd = self._kv_fd, fd
+            os.close(old)
+        else:
+            raise SessionError(f"session {self.name} was replaced again and again while it was read")
+        self._shared = True
+        try:
+            yield
+        finally:
+            self._shared = False
+            if self._kv_fd is not None:
+                _flock(self._kv_fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def _saving(self):
+        """While a save changes the files: the KV file's flock, exclusive, so that a reader without
+        the session's lock (`_reading`) sees the session before or after the save, never halfway."""
+        if self._kv_fd is not None:
+            _flock_for_save(self._kv_fd)
+        try:
+            yield
+        finally:
+            if self._kv_fd is not None:  # (a file written again meanwhile: the old one's lock went with it)
+                _flock(self._kv_fd, fcntl.LOCK_UN)
+
+    def _load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False) -> LoadResult:
         """Fill `cache` with the longest valid prefix of whole turns; modifies no file.
 
         Refuses (SessionError, cache untouched) a file of another model, kind or shape, other
@@ -442,8 +531,6 @@ class Session:
         was dropped, is dropped too.
         """
         t0 = time.perf_counter()
-        if self._kv_fd is None:
-            raise ValueError(f"session {self.name} is closed")
         self.layout.check_cache(cache)
         header, size = read_header(self._kv_fd, self.kv_path)
         doc = self._read_sidecar()  # first: the model that saved it tells damage from another model's file
@@ -668,12 +755,13 @@ class Session:
             self._create_files(cache, turns, crcs)
             return
         try:
-            self._check_files(self.turns, self._crcs)
-            if not self._has_sidecar:  # an imported cache: record its state before touching the file
-                self._write_sidecar(self.turns, self._crcs)
-            write_records(self._kv_fd, self.nrec, cache.raw(self.nrec, prev), self.layout.record_bytes)
-            write_nrec(self._kv_fd, prev)
-            self._write_sidecar(self.turns + turns, self._crcs + crcs)
+            with self._saving():
+                self._check_files(self.turns, self._crcs)
+                if not self._has_sidecar:  # an imported cache: record its state before touching the file
+                    self._write_sidecar(self.turns, self._crcs)
+                write_records(self._kv_fd, self.nrec, cache.raw(self.nrec, prev), self.layout.record_bytes)
+                write_nrec(self._kv_fd, prev)
+                self._write_sidecar(self.turns + turns, self._crcs + crcs)
         except OSError as e:
             raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
                              "the conversation is still in memory but its last turn may not be on disk "
@@ -696,15 +784,16 @@ class Session:
         n = turns[-1].last if turns else 0
         if self._kv_fd is None:  # claimed, nothing saved yet: nothing to cut
             return
-        try:
-            if not self._check_files(turns, crcs):
-                write_nrec(self._kv_fd, n)
-            self._write_sidecar(turns, crcs)
-        except OSError as e:
-            raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
-        self.turns, self._crcs, self.nrec = turns, crcs, n
-        if not turns:
-            self._remove_files()
+        with self._saving():
+            try:
+                if not self._check_files(turns, crcs):
+                    write_nrec(self._kv_fd, n)
+                self._write_sidecar(turns, crcs)
+            except OSError as e:
+                raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
+            self.turns, self._crcs, self.nrec = turns, crcs, n
+            if not turns:
+                self._remove_files()
 
     def _remove_files(self) -> None:
         """A session cut to no turns is no conversation (holds_conversation): its files go (the
@@ -730,8 +819,9 @@ class Session:
         if self._kv_fd is None:  # claimed, nothing saved yet: the first save writes them
             return
         try:
-            self._check_files(self.turns, self._crcs)
-            self._write_sidecar(self.turns, self._crcs)
+            with self._saving():
+                self._check_files(self.turns, self._crcs)
+                self._write_sidecar(self.turns, self._crcs)
         except OSError as e:
             self.sampler = old
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
@@ -785,6 +875,7 @@ class Session:
             _unlink_quietly(tmp)
             raise
         try:
+            _flock_for_save(fd)  # a reader that opens it by its name waits for the save to end
             write_records(fd, 0, self._cache.raw(0, n) if n else memoryview(b""), self.layout.record_bytes)
             write_nrec(fd, n)
             os.replace(tmp, self.kv_path)

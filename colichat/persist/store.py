@@ -56,6 +56,7 @@ from .session import (
     MAX_SIDECAR_BYTES,
     SIDECAR_EXT,
     Session,
+    _flock_for_save,
     _lock,
     _unlock,
     doc_check,
@@ -396,6 +397,20 @@ def _timestamp(text, default: float) -> float:
         return default
 
 
+def _open_to_remove(path: str) -> int | None:
+    """A regular KV file opened and flocked exclusively before its removal (a reader without the
+    session's lock holds it shared while it reads: Session._reading); None if there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    _flock_for_save(fd)
+    return fd
+
+
 class Store:
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root) if root is not None else paths().data / "sessions"
@@ -500,6 +515,7 @@ class Store:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
         fd = _lock(base + ".lock", name)
         freed = 0
+        kv = _open_to_remove(base + KV_EXT)  # a reader without the lock (--export) ends its read first
         try:  # links are removed, never followed; the temporary files of an interrupted save go too
             for path in (base + SIDECAR_EXT, base + KV_EXT, base + SIDECAR_EXT + ".tmp", base + KV_EXT + ".tmp"):
                 try:
@@ -511,12 +527,19 @@ class Store:
                     raise SessionError(f"cannot delete session {name}: {oserror_text(e)}") from None
             fsync_dir(str(directory))
         finally:
+            if kv is not None:
+                os.close(kv)
             _unlock(fd)
         return freed
 
     def rename(self, sess: Session, new: str) -> None:
         """Give an open session another name. Both files are linked under the new name before the
-        old names go, so a crash in between leaves the conversation under both names, never none."""
+        old names go, so a crash in between leaves the conversation under both names, never none.
+        A reader without the lock (--no-save, --export) ends its read first (Session._saving)."""
+        with sess._saving():
+            self._rename(sess, new)
+
+    def _rename(self, sess: Session, new: str) -> None:
         check_name(new)
         base, old = os.path.join(sess.directory, new), os.path.join(sess.directory, sess.name)
         fd = _lock(base + ".lock", new)
