@@ -27,7 +27,7 @@ from .report import TurnStats, no_room, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
-from .system_prompt import larger_ctx, problem_for_set, refusal, room_problem
+from .system_prompt import problem_for_set, refusal
 from .units import count
 
 FULL_BELOW = 16  # a resumed conversation with fewer tokens of context left is said to be full
@@ -127,22 +127,15 @@ class Conversation:
     def _check_saved_system(self) -> list[str]:
         """A reopened conversation's system prompt that the chat template refuses cannot be what its
         cache was read with (the template is part of the model's fingerprint): it is dropped, saying
-        so, else every message would fail. One that leaves no room for a message (a smaller --ctx)
-        is said, with what helps, when the conversation has not started."""
+        so, else every message would fail. (One that leaves no room for a message cannot be reopened:
+        a saved conversation has an exchange, and its tokens must fit the context.)"""
         system = self.settings.system
-        if system is None:
+        why = None if system is None else refusal(self.tok, system)
+        if why is None:
             return []
-        why = refusal(self.tok, system)
-        if why is not None:
-            self.prefs.drop_system()
-            return [f"warning: the saved system prompt is not used: this model's chat template takes no system "
-                    f"prompt ({why})"]
-        problem = None if self.turns else room_problem(self.tok, system, self.model.n_ctx)
-        if problem:
-            more = larger_ctx(self.model.n_ctx, self.model.cfg.n_ctx_train, "restart with a larger --ctx")
-            return [f"note: the system prompt {problem}: /set system TEXT sets a shorter one, "
-                    f"/set system none removes it{',' if more else ''}{more}"]
-        return []
+        self.prefs.drop_system()
+        return [f"warning: the saved system prompt is not used: this model's chat template takes no system "
+                f"prompt ({why})"]
 
     def _take_rope_factors(self, sess) -> None:
         """Rotate with the rope factors the session's rows were made with (LongRoPE: a conversation

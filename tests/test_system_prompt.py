@@ -138,18 +138,6 @@ def test_a_system_prompt_refused_for_room_leaves_no_room_for_any_message(small_m
     assert taken.exchanges() == 1
 
 
-def test_a_saved_conversation_reopened_with_too_small_a_context_for_its_system_prompt_says_so(colichat_home):
-    """A conversation with no exchange (all rewound) keeps its system prompt; reopened with a smaller
-    --ctx, it says at once that no message fits beside it, and what helps."""
-    chat(colichat_home, [*TINY_ARGS, "--system", LONG, "--session", "z"], lines("Hello there.", "/rewind")).ok()
-    run_ = chat(colichat_home, [*TINY_ARGS, "--ctx", "64", "--resume", "--session", "z"],
-                lines("/set system Be brief.", "Hello there.")).ok()
-    assert ("note: the system prompt needs 449 tokens, more than the whole context of 64: /set system TEXT sets a "
-            "shorter one, /set system none removes it, or restart with a larger --ctx (this model takes up to 2048)"
-            ) in run_.err.splitlines()
-    assert "system = Be brief." in run_.err.splitlines() and len(run_.footers()) == 1
-
-
 def test_set_system_to_the_one_in_use_midway_leaves_nothing_waiting(small_app):
     """After the first answer, /set system of the prompt in use (none, say) is no change for the next
     conversation: it says the value, and drops one set earlier to wait for the next conversation."""
