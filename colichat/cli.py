@@ -32,7 +32,7 @@ try:
     from .commands import dispatch, is_command, is_quit_word, message_text
     from .engine import MIN_CTX, ModelError, load, resume_problem
     from .errors import USER_ERRORS, ChatError, UsageError
-    from .inputs import FENCE, clean_line, inputs_of, read_input
+    from .inputs import ESCAPED, FENCE, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
     from .paths import paths
     from .persist import SessionError, Store, check_name
@@ -99,7 +99,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.prompt, args.system = argument_text(args.prompt), argument_text(args.system)
+    return args
+
+
+def argument_text(text: str | None) -> str | None:
+    """A message typed on the command line (-p, --system), as UTF-8 whatever the locale: the bytes
+    a locale without UTF-8 could not decode (Python keeps them as surrogates) are read as UTF-8,
+    and a byte that is not UTF-8 as U+FFFD, as in messages read from a pipe."""
+    if text is None or not ESCAPED.search(text):
+        return text
+    return os.fsencode(text).decode("utf-8", "replace")
 
 
 def check_command_line(args) -> tuple[Settings, frozenset]:
@@ -188,6 +199,20 @@ def open_standard_streams() -> None:
                 os.dup2(new, fd)
                 os.close(new)
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+
+
+def set_encodings() -> None:
+    """Messages, answers and status lines are UTF-8 through pipes and files, whatever the locale says
+    (a C locale with Python's UTF-8 mode off, PYTHONIOENCODING): the model's text is kept as it is, and
+    only a byte that is not UTF-8 is read as U+FFFD (inputs_of says so). A terminal keeps the
+    locale's encoding; a character it cannot show is replaced, and never ends the answer or the input."""
+    for stream, errors in ((sys.stdin, "surrogateescape"), (sys.stdout, "replace"), (sys.stderr, "backslashreplace")):
+        if not hasattr(stream, "reconfigure"):
+            continue
+        if stream.isatty():
+            stream.reconfigure(errors=errors)
+        else:
+            stream.reconfigure(encoding="utf-8", errors=errors)
 
 
 class StatusLine:
@@ -703,8 +728,7 @@ def main(argv=None) -> int:
         banner.append(line)
         to_stderr(line)
 
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show must not end the answer
+    set_encodings()
     try:
         settings, given = check_command_line(args)
     except UsageError as e:
