@@ -100,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
     args = p.parse_args(argv)
+    if args.model:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
+        args.model = os.path.expanduser(args.model)
     args.prompt, args.system = argument_text(args.prompt), argument_text(args.system)
     return args
 

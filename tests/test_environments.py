@@ -1,11 +1,13 @@
-"""colichat in the settings a user's machine gives it: a locale without UTF-8. The tiny random-weight
-llama answers gibberish (U+FFFD and other non-ASCII characters included), which is what the encodings
-are checked with."""
+"""colichat in the settings a user's machine gives it: a locale without UTF-8, a model path with `~`
+the shell did not expand. The tiny random-weight llama answers gibberish (U+FFFD and other non-ASCII
+characters included), which is what the encodings are checked with."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from cli_helpers import TINY_ARGS, answers_bytes, chat, lines, saved_answers, saved_users
+from cli_helpers import TINY_ARGS, TINY_LLAMA, answers_bytes, chat, lines, saved_answers, saved_users
 
 NOT_UTF8 = {  # a C locale with Python's UTF-8 mode off; an ASCII PYTHONIOENCODING
     "c-locale": {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"},
@@ -36,3 +38,14 @@ def test_a_message_and_system_prompt_on_the_command_line_are_utf8_whatever_the_l
     shown = chat(colichat_home, [*TINY_ARGS, "--session", "arg"], lines("/set system")).ok()
     assert "system = sé" in shown.err.splitlines()
     assert run.out == answers_bytes(saved_answers(colichat_home, "arg"))
+
+
+def test_a_model_path_with_a_tilde_the_shell_left_is_the_home_directory(colichat_home, tmp_path):
+    """`--model=~/m.gguf` (bash expands no ~ there) and a quoted '~/m.gguf' name a file in $HOME."""
+    home = tmp_path / "user"
+    home.mkdir()
+    os.symlink(TINY_LLAMA, home / "m.gguf")
+    args = [a for a in TINY_ARGS if a not in ("--model", TINY_LLAMA)]
+    for given in (["--model=~/m.gguf"], ["--model", "~/m.gguf"]):
+        run = chat(colichat_home, [*given, *args, "-p", "hello"], env_extra={"HOME": str(home)}).ok()
+        assert len(run.footers()) == 1
