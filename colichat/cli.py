@@ -27,6 +27,8 @@ try:
     import tempfile
     import time
 
+    from wcwidth import wcswidth
+
     from . import __version__, report, system_prompt
     from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word, message_text
@@ -220,26 +222,44 @@ def set_encodings() -> None:
 class StatusLine:
     """One transient line on a terminal's stderr (progress, "reading ..."): shown in place and
     cleared before anything else is printed, so it never runs into the next message. It is cut
-    to the terminal's width (a wrapped line could not be cleared). Off a terminal it shows nothing."""
+    to the terminal's width (a wrapped line could not be cleared). Off a terminal it shows nothing.
+    A terminal without cursor controls (TERM=dumb: an editor's shell buffer) gets no escape sequences:
+    a carriage return, and spaces over what was shown before."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
+        self.dumb = dumb_terminal()
         self.shown = False
+        self.columns = 0  # of the line shown
 
     def show(self, text: str) -> None:
         if not self.tty:
             return
         width = _columns(self.stream)
-        self.stream.write("\r\033[K" + text[: max(1, width - 1)])
+        text = text[: max(1, width - 1)]
+        if self.dumb:
+            self.stream.write("\r" + text + " " * max(0, self.columns - _width(text)))
+        else:
+            self.stream.write("\r\033[K" + text)
         self.stream.flush()
-        self.shown = True
+        self.shown, self.columns = True, max(self.columns, _width(text))
 
     def clear(self) -> None:
         if self.shown:
-            self.stream.write("\r\033[K")
+            self.stream.write("\r" + " " * self.columns + "\r" if self.dumb else "\r\033[K")
             self.stream.flush()
-            self.shown = False
+            self.shown, self.columns = False, 0
+
+
+def _width(text: str) -> int:
+    """Columns `text` takes on a terminal (at least one per character: a control character counts one)."""
+    return max(len(text), wcswidth(text))
+
+
+def dumb_terminal() -> bool:
+    """TERM=dumb: a terminal that takes no escape sequences (no colours, no cursor moves)."""
+    return os.environ.get("TERM") == "dumb"
 
 
 class App:
@@ -259,7 +279,7 @@ class App:
         # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
         self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty()) if interactive else None
         # the footer is dim, apart from the answer; not for a terminal without styles, nor with NO_COLOR
-        self.dim = sys.stderr.isatty() and os.environ.get("TERM") != "dumb" and not os.environ.get("NO_COLOR")
+        self.dim = sys.stderr.isatty() and not dumb_terminal() and not os.environ.get("NO_COLOR")
         self.keep = "/save NAME"  # what keeps an unsaved conversation (-p: an option, there is no next line)
 
     def say(self, line: str, hang: int = 0) -> None:

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import sys
 
+STARTING = "starting colichat ..."
+
 
 def main() -> int:
     shown = sys.stderr is not None and sys.stderr.isatty()  # None: closed by the caller (cli opens it)
     if shown:
-        sys.stderr.write("starting colichat ...")
+        sys.stderr.write(STARTING)
         sys.stderr.flush()
+    from .cli import dumb_terminal
     from .cli import main as run
 
-    if shown:
-        sys.stderr.write("\r\033[K")
+    if shown:  # a dumb terminal takes no escape sequences: spaces over the line
+        sys.stderr.write("\r" + " " * len(STARTING) + "\r" if dumb_terminal() else "\r\033[K")
         sys.stderr.flush()
     return run()
 

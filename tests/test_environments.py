@@ -1,13 +1,18 @@
-"""colichat in the settings a user's machine gives it: a locale without UTF-8, a model path with `~`
-the shell did not expand. The tiny random-weight llama answers gibberish (U+FFFD and other non-ASCII
-characters included), which is what the encodings are checked with."""
+"""colichat in the settings a user's machine gives it: a locale without UTF-8, a dumb terminal, a
+model path with `~` the shell did not expand. The tiny random-weight llama answers gibberish (U+FFFD
+and other non-ASCII characters included), which is what the encodings are checked with."""
 
 from __future__ import annotations
 
 import os
+import pty
+import select
+import subprocess
+import sys
+import time
 
 import pytest
-from cli_helpers import TINY_ARGS, TINY_LLAMA, answers_bytes, chat, lines, saved_answers, saved_users
+from cli_helpers import TINY_ARGS, TINY_LLAMA, answers_bytes, chat, env_for, lines, saved_answers, saved_users
 
 NOT_UTF8 = {  # a C locale with Python's UTF-8 mode off; an ASCII PYTHONIOENCODING
     "c-locale": {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"},
@@ -49,3 +54,42 @@ def test_a_model_path_with_a_tilde_the_shell_left_is_the_home_directory(colichat
     for given in (["--model=~/m.gguf"], ["--model", "~/m.gguf"]):
         run = chat(colichat_home, [*given, *args, "-p", "hello"], env_extra={"HOME": str(home)}).ok()
         assert len(run.footers()) == 1
+
+
+def _run_on_a_terminal(home, args, steps, env_extra) -> bytes:
+    """Everything colichat writes to a terminal (stdin, stdout and stderr on one pty) until it exits;
+    `steps` are (what it shows, what is typed then), in order."""
+    main, child = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "colichat.launch", *args], stdin=child, stdout=child,
+                         stderr=child, env=env_for(home, **env_extra), cwd=str(home), start_new_session=True)
+    os.close(child)
+    got, steps, deadline = b"", list(steps), time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if steps and steps[0][0] in got:
+                os.write(main, steps.pop(0)[1])
+            if not select.select([main], [], [], 1)[0]:
+                continue
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: colichat exited, nothing has the terminal open
+                break
+            if not chunk:
+                break
+            got += chunk
+        assert p.wait(timeout=60) == 0, got.decode("utf-8", "replace")
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(main)
+    return got
+
+
+def test_a_dumb_terminal_gets_no_escape_sequences(colichat_home):
+    """TERM=dumb (an editor's shell buffer): the start line, the loading progress and the footer are
+    plain text: carriage returns and spaces, never an escape sequence."""
+    steps = [(b"Ctrl-D to quit.", b"hello\n"), (b"max_tokens reached", b"\x04")]
+    shown = _run_on_a_terminal(colichat_home, [*TINY_ARGS, "--plain"], steps, {"TERM": "dumb"})
+    assert b"starting colichat ..." in shown and b"loading llama.gguf" in shown  # the transient lines were shown
+    assert b"max_tokens reached" in shown  # the footer: the message was answered
+    assert b"\x1b" not in shown
