@@ -1,7 +1,8 @@
 """Where colichat keeps things: sessions (data), input history (state), re-creatable caches (cache).
 
 COLICHAT_HOME, when set, holds all three as data/, state/ and cache/ (tests use it); otherwise the
-XDG directories from platformdirs (~/.local/share/colichat, ~/.local/state/colichat, ~/.cache/colichat).
+XDG directories from platformdirs (~/.local/share/colichat, ~/.local/state/colichat, ~/.cache/colichat);
+without a home directory (no absolute HOME, none in passwd either), a SessionError says to set one.
 Every directory colichat creates is 0700 and every file 0600, whatever the umask: conversations are
 private (`private_dir`, `private_file`).
 """
@@ -27,8 +28,15 @@ def paths() -> Paths:
         return Paths(h / "data", h / "state", h / "cache")
     import platformdirs
 
-    return Paths(Path(platformdirs.user_data_dir("colichat")), Path(platformdirs.user_state_dir("colichat")),
-                 Path(platformdirs.user_cache_dir("colichat")))
+    try:
+        return Paths(Path(platformdirs.user_data_dir("colichat")), Path(platformdirs.user_state_dir("colichat")),
+                     Path(platformdirs.user_cache_dir("colichat")))
+    except RuntimeError:  # platformdirs: no absolute HOME, and the user has no home directory in passwd
+        from .persist.kvfile import SessionError
+
+        raise SessionError("cannot tell where to keep conversations: HOME is not set (or not an absolute path) "
+                           "and this user has no home directory; set HOME, or COLICHAT_HOME to a directory "
+                           "for colichat's files") from None
 
 
 def private_dir(directory) -> Path:

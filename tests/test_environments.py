@@ -12,7 +12,18 @@ import sys
 import time
 
 import pytest
-from cli_helpers import TINY_ARGS, TINY_LLAMA, answers_bytes, chat, env_for, lines, saved_answers, saved_users
+from cli_helpers import (
+    CHAT,
+    TINY_ARGS,
+    TINY_LLAMA,
+    _usable,
+    answers_bytes,
+    chat,
+    env_for,
+    lines,
+    saved_answers,
+    saved_users,
+)
 
 NOT_UTF8 = {  # a C locale with Python's UTF-8 mode off; an ASCII PYTHONIOENCODING
     "c-locale": {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"},
@@ -93,3 +104,35 @@ def test_a_dumb_terminal_gets_no_escape_sequences(colichat_home):
     assert b"starting colichat ..." in shown and b"loading llama.gguf" in shown  # the transient lines were shown
     assert b"max_tokens reached" in shown  # the footer: the message was answered
     assert b"\x1b" not in shown
+
+
+def test_no_home_directory_is_one_line_that_says_what_to_set(monkeypatch):
+    """HOME unset and no home in passwd (a container's arbitrary uid, `env -i`): where to keep
+    conversations is unknown, and colichat says what to set instead of failing in platformdirs."""
+    import pwd
+
+    from colichat.paths import paths
+    from colichat.persist import SessionError
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("COLICHAT_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+    for xdg in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(xdg, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with pytest.raises(SessionError, match="set HOME, or COLICHAT_HOME to a directory for colichat's files"):
+        paths()
+
+
+def test_no_home_directory_refuses_the_start_in_one_line(tmp_path):
+    """The same, end to end: a user with no passwd entry and no HOME."""
+    prefix = _usable(["unshare", "--user", "--map-user=12345", "--map-group=12345"],
+                     "running colichat as a user with no passwd entry")
+    env = {k: v for k, v in env_for(tmp_path).items() if k not in ("HOME", "COLICHAT_HOME")}
+    p = subprocess.run([*prefix, *CHAT, *TINY_ARGS, "--session", "x", "-p", "hello"], capture_output=True,
+                       text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert "Traceback" not in p.stderr and p.returncode == 1, p.stderr
+    assert p.stderr.splitlines()[-1].startswith("colichat: cannot tell where to keep conversations: HOME is not set")
+    assert list(tmp_path.iterdir()) == []  # nothing written in the working directory instead
