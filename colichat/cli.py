@@ -206,14 +206,16 @@ def open_standard_streams() -> None:
 
 
 def set_encodings() -> None:
-    """Messages, answers and status lines are UTF-8 through pipes and files, whatever the locale says
-    (a C locale with Python's UTF-8 mode off, PYTHONIOENCODING): the model's text is kept as it is, and
-    only a byte that is not UTF-8 is read as U+FFFD (inputs_of says so). A terminal keeps the
-    locale's encoding; a character it cannot show is replaced, and never ends the answer or the input."""
+    """Messages read from a pipe or a file are UTF-8 whatever the locale says (a C locale with Python's
+    UTF-8 mode off): only a byte that is not UTF-8 is read as U+FFFD (inputs_of says so). Answers and
+    status lines written to a pipe or a file are UTF-8 too, the model's text as it is, unless
+    PYTHONIOENCODING asks for another encoding. A terminal keeps the locale's encoding. Whatever
+    the encoding, a character it cannot hold is replaced, and never ends the answer or the input."""
+    asked = os.environ.get("PYTHONIOENCODING", "").partition(":")[0]
     for stream, errors in ((sys.stdin, "surrogateescape"), (sys.stdout, "replace"), (sys.stderr, "backslashreplace")):
         if not hasattr(stream, "reconfigure"):
             continue
-        if stream.isatty():
+        if stream.isatty() or (asked and stream is not sys.stdin):
             stream.reconfigure(errors=errors)
         else:
             stream.reconfigure(encoding="utf-8", errors=errors)

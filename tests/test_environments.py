@@ -25,18 +25,14 @@ from cli_helpers import (
     saved_users,
 )
 
-NOT_UTF8 = {  # a C locale with Python's UTF-8 mode off; an ASCII PYTHONIOENCODING
-    "c-locale": {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"},
-    "ascii-io": {"LC_ALL": "C", "LANG": "C", "PYTHONIOENCODING": "ascii"},
-}
+C_LOCALE = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}  # a C locale with Python's UTF-8 mode off
 
 
-@pytest.mark.parametrize("env", NOT_UTF8.values(), ids=NOT_UTF8.keys())
-def test_messages_and_answers_are_utf8_through_pipes_whatever_the_locale(colichat_home, env):
+def test_messages_and_answers_are_utf8_through_pipes_whatever_the_locale(colichat_home):
     """Piped messages are read as UTF-8 (no 'not UTF-8' note for text that is), and the answers,
     /history and the saved conversation hold the same text as in a UTF-8 locale."""
     message = "héllo wörld ☃"
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "loc"], lines(message, "/history"), env_extra=env).ok()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "loc"], lines(message, "/history"), env_extra=C_LOCALE).ok()
     assert "not UTF-8" not in run.err
     assert saved_users(colichat_home, "loc") == [message]
     answers = saved_answers(colichat_home, "loc")
@@ -45,11 +41,22 @@ def test_messages_and_answers_are_utf8_through_pipes_whatever_the_locale(colicha
     assert f"user> {message}" in run.err.splitlines()
 
 
+def test_piped_messages_are_utf8_whatever_pythonioencoding_says(colichat_home):
+    """PYTHONIOENCODING=ascii: the UTF-8 messages are read as they are (no traceback), and the
+    answers are written in ASCII as asked, a character it cannot hold replaced."""
+    message = "héllo wörld ☃"
+    env = {**C_LOCALE, "PYTHONUTF8": "1", "PYTHONIOENCODING": "ascii"}
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "io"], lines(message), env_extra=env).ok()
+    assert "not UTF-8" not in run.err
+    assert saved_users(colichat_home, "io") == [message]
+    assert run.out == b"".join(a.encode("ascii", "replace") + b"\n" for a in saved_answers(colichat_home, "io"))
+
+
 def test_a_message_and_system_prompt_on_the_command_line_are_utf8_whatever_the_locale(colichat_home):
     """-p and --system typed in a C locale (Python decodes their non-ASCII bytes as surrogates) are
     the UTF-8 text that was typed."""
     run = chat(colichat_home, [*TINY_ARGS, "--session", "arg", "--system", "sé", "-p", "héllo ☃"],
-               env_extra=NOT_UTF8["c-locale"]).ok()
+               env_extra=C_LOCALE).ok()
     assert saved_users(colichat_home, "arg") == ["héllo ☃"]
     shown = chat(colichat_home, [*TINY_ARGS, "--session", "arg"], lines("/set system")).ok()
     assert "system = sé" in shown.err.splitlines()
