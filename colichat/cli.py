@@ -676,7 +676,10 @@ def load_model(args, say, status: StatusLine, mtp: bool = True, system: str | No
         f"loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
     if model.numerics != "fast":
-        say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp)")
+        say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp; "
+            "one token at a time, so no speculative decoding whatever --draft says)")
+    if args.expert_cache is not None and not cfg.n_expert:
+        say("note: --expert-cache has no effect: this model has no routed experts")
     for line in notes:
         say(f"note: {line}")
     return model

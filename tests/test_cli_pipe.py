@@ -33,6 +33,7 @@ from cli_helpers import (
     session_names,
     start,
 )
+from conftest import TINY
 
 from colichat import __version__
 from colichat.cli import model_title
@@ -495,3 +496,15 @@ def test_two_slashes_send_a_message_that_starts_with_one(colichat_home):
                             "(a message that starts with / is typed with //)"]
     assert saved_users(colichat_home, "sl") == ["/etc/passwd is what file?", "//as typed"]
     assert len(run.footers()) == 2
+
+
+def test_expert_cache_on_a_model_without_experts_says_it_has_no_effect(colichat_home):
+    """--expert-cache bounds a MoE model's dequantized experts; given for a dense model it is said to do
+    nothing (it was taken in silence), and the model answers as without it."""
+    plain = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines("hello")).ok()
+    r = chat(colichat_home, [*TINY_ARGS, "--no-save", "--expert-cache", "64"], lines("hello")).ok()
+    assert "note: --expert-cache has no effect: this model has no routed experts" in r.err.splitlines()
+    assert r.out == plain.out
+    moe = chat(colichat_home, ["--model", str(TINY / "ds-v3.gguf"), *GREEDY, "--max-tokens", "4", "--no-save",
+                               "--expert-cache", "64"], lines("hello")).ok()
+    assert "--expert-cache has no effect" not in moe.err

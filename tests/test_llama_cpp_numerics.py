@@ -161,6 +161,7 @@ def test_cli_option(colichat_home, tmp_path):
     r = chat(colichat_home, args, "hello\n").ok()
     assert r.out.strip()
     assert "numerics: llama.cpp's CPU arithmetic" in r.err
+    assert "no speculative decoding whatever --draft says" in r.err  # the default --draft 15 does nothing here
     again = chat(colichat_home, args, "hello\n").ok()  # second start: weights mapped from the prepared cache
     assert again.out == r.out
     q4 = write_deepseek2(tmp_path / "q4.gguf", n_layer=2, qtype="Q4_0")
