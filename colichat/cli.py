@@ -339,7 +339,7 @@ class App:
 
     def continued(self) -> None:
         """colichat was continued after a stop (Ctrl-Z, `fg`; from a SIGCONT handler): the time
-        stopped does not count in the speeds, and the REPL's window is drawn again."""
+        stopped does not count in the speeds, and the REPL goes on below the shell's lines."""
         self.conv.clock.continued()
         if self.screen:
             self.screen.continued()

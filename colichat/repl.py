@@ -9,7 +9,8 @@ queue and become the start of the next prompt (type-ahead, as in a shell).
 When the terminal's width changes, what was shown is drawn again for the new width (wrap.Screen):
 while an answer streams, before its next piece; at the prompt, just before prompt_toolkit draws
 the prompt again for the new size (it handles SIGWINCH itself), above the prompt, whose typed text
-stays as it is.
+stays as it is. After Ctrl-Z and `fg`, nothing is drawn again: colichat goes on below the shell's
+lines (wrap.Screen.continued).
 """
 
 from __future__ import annotations
@@ -150,8 +151,7 @@ def make_session(app) -> PromptSession:
 
 def _redraw_on_resize(session: PromptSession, screen: Screen):
     """A handler of the prompt's before_render event: when the width changed since the screen was
-    laid out (or colichat was stopped and continued), what was shown is drawn again above the
-    prompt, with room left for the prompt."""
+    laid out, what was shown is drawn again above the prompt, with room left for the prompt."""
 
     def before_render(pt_app) -> None:
         if screen.current():

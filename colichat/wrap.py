@@ -17,12 +17,15 @@ displayable: what a model (or a person) wrote, with its control characters shown
 on by the terminal (an answer on screen, /history).
 
 Screen: the status lines, the prompt's echo (as prompt_toolkit drew it) and the answers as the
-model wrote them. Before anything more is shown, if the width changed since the
-screen was laid out, or colichat was continued after a stop (Ctrl-Z, `fg`: the shell wrote on the
-window meanwhile), the window is drawn again from its top: the last rows of everything shown, laid
-out at the window's width (answers re-wrapped at word boundaries), ending where the cursor was.
-The scrollback above the window stays as the terminal made it. Ctrl-L (clear the window) forgets
-what was shown: a redraw starts from the cleared window.
+model wrote them. Before anything more is shown, if the width changed since the screen was laid
+out, the window is drawn again from its top: the last rows of everything shown, laid out at the
+window's width (answers re-wrapped at word boundaries), ending where the cursor was. The scrollback
+above the window stays as the terminal made it. Ctrl-L (clear the window) forgets what was shown: a
+redraw starts from the cleared window. After a stop (Ctrl-Z, then `fg`) nothing is drawn again: the
+shell wrote its lines below what colichat showed (`Stopped`, `fg`, the job's line), pushing rows of
+it into the scrollback, and where on the window colichat's rows now are, it cannot know. colichat
+goes on below the shell's lines, from the start of a row, as a shell's programs do (an answer
+arriving goes on there; the prompt is drawn there), at the window's width then.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class WordWrap:
         self.word_cols = 0
         self.written = 0        # how much of it is written (live)
         self.moved = False      # it went to a new row: it stays there, however long it grows
+        self.at_break = False   # a row was started for the text to come: a space next is that break
 
     def feed(self, text: str) -> str:
         """What to write for `text`, given what was written before."""
@@ -57,6 +61,10 @@ class WordWrap:
         out = []
         for ch in text:
             cols = wcwidth(ch)
+            if self.at_break:
+                self.at_break = False
+                if ch == " ":
+                    continue
             if ch in "\n\r":
                 out.append(self._word(width) + ch)
                 self.col = 0
@@ -114,8 +122,18 @@ class WordWrap:
         self.col = self.hang if width - self.hang >= HANG_ROOM else 0
         return "\n" + " " * self.col
 
+    def new_row(self) -> None:
+        """The cursor was put at the start of a new row by someone else (the shell, after `fg`): the
+        text goes on there, as after a break. What of the word being received was written stays
+        where it was; the rest of it starts the row."""
+        rest = self.word[self.written:]
+        self.reset()
+        self.word, self.word_cols, self.moved = rest, sum(max(0, wcwidth(ch)) for ch in rest), True
+        self.at_break = not rest
+
     def reset(self) -> None:
         self.col, self.word, self.word_cols, self.written, self.moved = 0, "", 0, 0, False
+        self.at_break = False
 
 
 def displayable(text: str) -> str:
@@ -188,20 +206,28 @@ class Screen:
         self.lines_on_screen = lines_on_screen  # the printed lines reach the screen (stderr is the terminal)
         self.shown = [Shown(line) for line in banner] if lines_on_screen else []
         self.width = self.columns()  # the width the screen is laid out for
-        self.stale = False  # the window shows something else (colichat was stopped; see continued())
+        self.stopped = False  # colichat was stopped and continued since (see continued())
         self.wrap = WordWrap(lambda: self.width, live=True)  # the answer arriving
 
     def columns(self) -> int:
         return max(2, self.size()[0])
 
     def current(self) -> bool:
-        """Whether the window shows what was shown, laid out for its width."""
-        return not self.stale and self.columns() == self.width
+        """Whether the window shows what was shown, laid out for its width (after a stop: whether
+        what comes next goes on below the shell's lines, at the width then; see continued())."""
+        if self.stopped:
+            self.stopped = False
+            self.width = self.columns()
+            if self.shown and self.shown[-1].open:
+                self.wrap.new_row()
+        return self.columns() == self.width
 
     def continued(self) -> None:
-        """colichat was continued after a stop (from a SIGCONT handler): the shell has written on the
-        window, so it is drawn again before anything more is shown."""
-        self.stale = True
+        """colichat was continued after a stop (Ctrl-Z, `fg`; from a SIGCONT handler): the shell has
+        written its lines below what was shown, and the cursor is at the start of a row under them.
+        Nothing is drawn again (which rows of the window are colichat's is unknown now): what comes
+        next goes on there."""
+        self.stopped = True
 
     def cleared(self) -> None:
         """The window was cleared (Ctrl-L at the prompt): what was shown is gone from it, and a redraw
@@ -274,7 +300,6 @@ class Screen:
         ending on the cursor's row (the answer arriving, or an empty row), with `below` more rows
         left free under it (for a prompt of several rows)."""
         self.width, height = self.columns(), max(1, self.size()[1])
-        self.stale = False
         want = max(1, height - below)
         tail: list[tuple[str, bool]] = []
         cursor = [("", False)]

@@ -212,6 +212,37 @@ def test_ctrl_z_at_the_prompt_goes_back_to_the_shell_and_fg_returns_to_the_typed
     t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
 
 
+def test_fg_at_the_prompt_goes_on_below_the_shells_lines_and_overwrites_nothing(colichat_home):
+    """After Ctrl-Z and `fg`, the prompt and its half-typed line come back on a fresh row under the
+    shell's lines (`Stopped`, `fg`, the job's line), as a shell's programs do: nothing shown before,
+    colichat's or the shell's, is drawn over or shown twice, however little of the window it fills."""
+    t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
+    try:
+        t.type("echo shell line one; echo shell line two")
+        t.keys("Enter")
+        t.type(command(colichat_home, "--session", "fg"))
+        t.keys("Enter")
+        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+        t.type("hello")
+        t.keys("Enter")
+        shown = t.wait_for(lambda s: "saved to fg]" in s and s.rstrip().endswith(">"), WAIT, "the answer")
+        before = [row.rstrip() for row in shown.rstrip().splitlines()][:-1]  # (the prompt's row is redrawn)
+        t.type("half typed")
+        t.keys("C-z")
+        t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
+        t.type("fg")
+        t.keys("Enter")
+        screen = t.wait_for(lambda s: s.rstrip().endswith("> half typed"), WAIT, "the prompt and the typed line")
+        rows = [row.rstrip() for row in screen.rstrip().splitlines()]
+        assert rows[:len(before)] == before, rows  # nothing drawn over
+        assert rows.count("shell line one") == 1 and rows.count("> hello") == 1  # nothing shown twice
+        after = [row for row in rows[len(before):] if row]
+        assert "Stopped" in after[0] and after[1] == "$ fg" and "colichat.cli" in after[2], after
+        assert after[3:] == ["> half typed"], after
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize("wrapped", [False, True], ids=["run-by-the-shell", "run-by-make"])
 def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(wrapped, shell):
     """Stopped mid-answer and brought back with `fg` (the shell has set the terminal its own way

@@ -276,14 +276,17 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
 # ---- display -------------------------------------------------------------------------------------
 
 
-def test_fg_after_ctrl_z_draws_the_window_again_and_the_answer_goes_on_in_its_place(colichat_home):
-    """While colichat is stopped, the shell writes on its window (`Stopped`, `fg`, the job's line):
-    after `fg` the window is drawn again as colichat left it, and the answer goes on where it stopped,
-    wrapped as if it had never stopped. (tests/test_commands_tmux.py: the keys typed meanwhile.)"""
+def test_fg_mid_answer_goes_on_below_the_shells_lines_and_overwrites_nothing(colichat_home):
+    """While colichat is stopped, the shell writes below it (`Stopped`, `fg`, the job's line): after
+    `fg` the rows shown before stay as they were (the shell's own lines above colichat too, none
+    shown twice), and the answer goes on from the start of the row under the shell's lines, wrapped
+    at word boundaries. (tests/test_commands_tmux.py: the prompt after `fg`, and the keys typed meanwhile.)"""
     from cli_helpers import saved_answers
 
-    t = Tmux("env PS1='$ ' bash --norc --noprofile -i", width=80, height=60)  # room for the whole answer
+    t = Tmux("env PS1='$ ' bash --norc --noprofile -i", width=80, height=60)  # room for it all: nothing scrolls
     try:
+        t.type("echo shell line one; echo shell line two")
+        t.keys("Enter")
         t.type(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 "
                "--max-tokens 200 --session z")
         t.keys("Enter")
@@ -293,13 +296,27 @@ def test_fg_after_ctrl_z_draws_the_window_again_and_the_answer_goes_on_in_its_pl
         t.keys("Enter")
         t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
         t.keys("C-z")
-        t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), SCREEN_WAIT, "the shell, colichat stopped")
+        stopped = t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), SCREEN_WAIT,
+                             "the shell, colichat stopped")
+        stopped = [row.rstrip() for row in stopped.rstrip().splitlines()]
+        before = stopped[:next(i for i, row in enumerate(stopped) if "Stopped" in row)]
         t.type("fg")
         t.keys("Enter")
-        t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), MODEL_WAIT, "the answer's end")
-        shown = visible(t)
-        assert not any("Stopped" in row or row == "$ fg" for row in shown), shown
-        assert rows_after(shown, question) == wrapped(saved_answers(colichat_home, "z")[0], 80), shown
+        screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith(">"), MODEL_WAIT,
+                            "the answer's end")
+        rows = [row.rstrip() for row in screen.rstrip().splitlines()]
+        assert rows[:len(before)] == before  # nothing shown before the stop was drawn over
+        assert rows.count("shell line one") == 1 and rows.count(f"> {question}") == 1
+        assert "Stopped" in rows[len(before)] and rows[len(before) + 1] == "$ fg"
+        job = next(i for i in range(len(before) + 2, len(rows)) if "colichat.cli" in rows[i])
+        end = next(i for i in range(job, len(rows)) if FOOTER.match("\n".join(rows[i:i + 4])))
+        answer = saved_answers(colichat_home, "z")[0]
+        # the answer goes on under the job's line: what came after the stop, wrapped from a row's start
+        # (the stop may have come inside a word: its rest starts the row; a space there is the row's break)
+        shown_before = len("".join("".join(before[before.index(f"> {question}") + 1:]).split()))
+        cut = next(i for i in range(len(answer) + 1) if len("".join(answer[:i].split())) == shown_before)
+        rest = answer[cut:].removeprefix(" ")
+        assert rest and rows[job + 1:end] == wrapped(rest, 80)
     finally:
         t.close()
 

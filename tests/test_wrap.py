@@ -160,21 +160,40 @@ def test_the_redraw_ends_where_the_answer_goes_on_and_keeps_the_word_held():
     assert term.cursor() == (5, 0)
 
 
-def test_after_a_stop_the_window_is_drawn_again_and_the_answer_goes_on_in_its_place():
+def test_after_a_stop_nothing_is_drawn_again_and_the_answer_goes_on_below_the_shells_lines():
+    term = Term(40, 30)
+    term.write("$ echo before\nbefore\n$ colichat\n")  # the shell's lines above colichat's
+    screen = Screen(lambda: term.size)
+    say, echo, answer = shown_by(term, screen)
+    echo("> Go on.")
+    answer(["alpha beta gamma delta epsilon zeta eta th"])  # stopped inside a word
+    term.write("\n[1]+  Stopped                 colichat\n$ fg\ncolichat\n")  # the shell, meanwhile
+    screen.continued()  # SIGCONT
+    assert screen.current()  # (the prompt is drawn where the shell left the cursor)
+    answer(["eta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon"])
+    term.write(screen.end_answer())
+    assert term.lines()[:11] == ["$ echo before", "before", "$ colichat", "> Go on.",
+                                 "alpha beta gamma delta epsilon zeta eta", "th",
+                                 "[1]+  Stopped                 colichat", "$ fg", "colichat",
+                                 "eta iota kappa lambda mu nu xi omicron", "pi rho sigma tau upsilon"]
+    assert term.cursor() == (11, 0)
+
+
+def test_after_a_stop_the_answer_goes_on_from_a_rows_start_at_the_width_then():
     term = Term(40, 30)
     screen = Screen(lambda: term.size)
     say, echo, answer = shown_by(term, screen)
     echo("> Go on.")
-    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda"
-    answer(["alpha beta gamma delta epsilon zeta eta th"])
-    term.write("\n[1]+  Stopped                 colichat\n$ fg\ncolichat\n")  # the shell, meanwhile
-    screen.continued()  # SIGCONT
-    assert not screen.current()
-    answer(["eta iota kappa lambda"])
+    answer(["alpha beta"])
+    term.resize(20, 30)  # while stopped: the window is narrower when colichat goes on
+    term.write("\n$ fg\ncolichat\n")
+    screen.continued()
+    answer([" gamma delta epsilon zeta eta theta"])  # the space that ended the word is the row's break
     term.write(screen.end_answer())
-    assert screen.current()
-    assert term.lines()[:3] == ["> Go on."] + wrapped(text, 40)
-    assert not any(term.lines()[3:]) and term.cursor() == (3, 0)
+    assert term.lines()[:6] == ["> Go on.", "alpha beta", "$ fg", "colichat", "gamma delta epsilon", "zeta eta theta"]
+    term.resize(30, 30)  # a resize afterwards draws what colichat showed again, re-wrapped
+    term.write(screen.redraw())
+    assert term.lines()[:3] == ["> Go on.", "alpha beta gamma delta epsilon", "zeta eta theta"]
 
 
 def test_only_the_last_rows_that_fit_are_drawn_and_the_prompt_gets_its_rows():
@@ -310,14 +329,13 @@ def test_a_redraw_gives_the_layout_the_stream_gave(width):
     screen = Screen(lambda: term.size)
     pieces = pieces_of(MIXED)
     streamed(term, screen, pieces[:25])  # in the middle of the URL
-    screen.continued()
+    term.write(screen.redraw())
     streamed(term, screen, pieces[25:], "".join(pieces[:25]))  # drawn again, then on
     term.write(screen.end_answer())
     once = Term(width, 30)
     once.write(Screen(lambda: once.size).answer(MIXED))  # all of it at once
     assert term.lines() == once.lines() and term.cursor() == (once.cursor()[0] + 1, 0)
-    screen.continued()
-    term.write(screen.follow())
+    term.write(screen.redraw())
     assert term.lines() == once.lines()
 
 
