@@ -383,7 +383,7 @@ class App:
 
         question = f"Did you mean /quit? (n sends '{word}' to the model)"
         try:
-            meant_quit = yes_or_no(question)
+            meant_quit = yes_or_no(question, self.screen)
         except (KeyboardInterrupt, EOFError):
             return
         if self.screen:

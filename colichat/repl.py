@@ -7,10 +7,10 @@ While an answer streams the terminal does not echo: keys typed then wait in the 
 queue and become the start of the next prompt (type-ahead, as in a shell).
 
 When the terminal's width changes, what was shown is drawn again for the new width (wrap.Screen):
-while an answer streams, before its next piece; at the prompt, just before prompt_toolkit draws
-the prompt again for the new size (it handles SIGWINCH itself), above the prompt, whose typed text
-stays as it is. After Ctrl-Z and `fg`, nothing is drawn again: colichat goes on below the shell's
-lines (wrap.Screen.continued).
+while an answer streams, before its next piece; at a prompt (the quit question's too), just before
+prompt_toolkit draws the prompt again for the new size (it handles SIGWINCH itself), above the
+prompt, whose typed text stays as it is. After Ctrl-Z and `fg`, nothing is drawn again: colichat
+goes on below the shell's lines (wrap.Screen.continued).
 """
 
 from __future__ import annotations
@@ -117,10 +117,11 @@ def echo(text: str) -> str:
     return PROMPT + text.replace("\n", "\n" + CONTINUATION)
 
 
-def yes_or_no(question: str) -> bool:
+def yes_or_no(question: str, screen: Screen | None = None) -> bool:
     """Ask `question (y/n)` and wait for y or n; other keys, Enter among them, do nothing (a question
     answered by a stray Enter would quit, or send a word to the model). Ctrl-C: KeyboardInterrupt;
-    Ctrl-D: EOFError; Ctrl-Z stops colichat as at the prompt (`fg` asks again)."""
+    Ctrl-D: EOFError; Ctrl-Z stops colichat as at the prompt (`fg` asks again). A change of width
+    draws `screen` again above the question, as at the prompt."""
     kb = KeyBindings()
 
     def answer(value: bool):
@@ -136,7 +137,10 @@ def yes_or_no(question: str) -> bool:
     kb.add("c-z")(lambda event: event.app.suspend_to_background())
     kb.add(Keys.Any)(lambda event: None)  # nothing else is typed in
     kb.add("enter")(lambda event: None)
-    session: PromptSession[bool] = PromptSession(f"{question} (y/n) ", key_bindings=kb)
+    prompt = f"{question} (y/n) "
+    session: PromptSession[bool] = PromptSession(prompt, key_bindings=kb)
+    if screen:
+        session.app.before_render += _redraw_on_resize(screen, lambda: prompt)
     return session.prompt()
 
 
@@ -145,18 +149,19 @@ def make_session(app) -> PromptSession:
                             complete_while_typing=False, prompt_continuation=_continuation,
                             enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering
     if app.screen:
-        session.app.before_render += _redraw_on_resize(session, app.screen)
+        session.app.before_render += _redraw_on_resize(app.screen, lambda: echo(session.default_buffer.text))
     return session
 
 
-def _redraw_on_resize(session: PromptSession, screen: Screen):
-    """A handler of the prompt's before_render event: when the width changed since the screen was
-    laid out, what was shown is drawn again above the prompt, with room left for the prompt."""
+def _redraw_on_resize(screen: Screen, prompt):
+    """A handler of a prompt's before_render event: when the width changed since the screen was
+    laid out, what was shown is drawn again above the prompt, with room left for the prompt as it
+    shows (`prompt()`: its text with what is typed)."""
 
     def before_render(pt_app) -> None:
         if screen.current():
             return
-        below = len(rows(echo(session.default_buffer.text), screen.columns())) - 1
+        below = len(rows(prompt(), screen.columns())) - 1
         pt_app.renderer.erase(leave_alternate_screen=False)  # the prompt as drawn; its renderer starts over
         pt_app.output.write_raw(screen.redraw(below))
         pt_app.output.flush()

@@ -243,6 +243,29 @@ def test_fg_at_the_prompt_goes_on_below_the_shells_lines_and_overwrites_nothing(
         t.close()
 
 
+def test_a_resize_shows_the_quit_question_once(terminal):
+    """The quit question, drawn again for a new width (narrower: it takes two rows; wider: one), shows
+    once, under the line that asked it."""
+    t = terminal("--session", "rq")
+    t.type("exit")
+    t.keys("Enter")
+    question = "Did you mean /quit? (n sends 'exit' to the model) (y/n)"
+    t.wait_for(lambda s: s.rstrip().endswith(question), WAIT, "the question")
+
+    def asked_once(screen: str) -> bool:
+        """Whether the rows after the last `> exit` hold the question, once (in one row or two)."""
+        rows = visible(t)
+        after = rows[len(rows) - rows[::-1].index("> exit"):] if "> exit" in rows else []
+        return "".join("".join(after).split()) == "".join(question.split())
+
+    for columns in ("40", "100"):
+        t.run("resize-window", "-x", columns, "-y", "30")
+        t.wait_for(asked_once, WAIT, "the question under the line that asked it")
+    t.type("y")
+    screen = t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    assert screen.count("Did you mean") == 1 and screen.count("> exit") == 1, screen
+
+
 @pytest.mark.parametrize("wrapped", [False, True], ids=["run-by-the-shell", "run-by-make"])
 def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(wrapped, shell):
     """Stopped mid-answer and brought back with `fg` (the shell has set the terminal its own way
