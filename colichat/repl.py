@@ -11,6 +11,9 @@ while an answer streams, before its next piece; at a prompt (the quit question's
 prompt_toolkit draws the prompt again for the new size (it handles SIGWINCH itself), above the
 prompt, whose typed text stays as it is. After Ctrl-Z and `fg`, nothing is drawn again: colichat
 goes on below the shell's lines (wrap.Screen.continued).
+
+Esc then Enter inserts a newline however long the pause between them (the application waits for
+the key after Esc, as readline does: no timeout turns the Esc into a key of its own).
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ def make_session(app) -> PromptSession:
     session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(app.screen),
                             complete_while_typing=False, prompt_continuation=_continuation,
                             enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering
+    session.app.timeoutlen = None  # Esc waits for the next key: Esc, a pause, Enter is still a newline
     if app.screen:
         session.app.before_render += _redraw_on_resize(app.screen, lambda: echo(session.default_buffer.text))
     return session

@@ -266,6 +266,26 @@ def test_a_resize_shows_the_quit_question_once(terminal):
     assert screen.count("Did you mean") == 1 and screen.count("> exit") == 1, screen
 
 
+def test_esc_then_enter_inserts_a_newline_however_long_the_pause(terminal):
+    """Esc-Enter is the newline key: a pause between the two keys (longer than prompt_toolkit's
+    1.5 s of escape timeouts) does not make the Enter send. Esc still starts the other Esc keys."""
+    t = terminal()
+    t.type("Say yes.")
+    t.keys("Escape")
+    time.sleep(3)  # the pause is what is tested (not a wait for a screen state)
+    t.keys("Enter")
+    t.type("Only yes")
+    screen = t.wait_for(lambda s: s.rstrip().endswith("... Only yes") or "saved to" in s, WAIT,
+                        "the second line, or an answer")
+    assert screen.rstrip().endswith("> Say yes.\n... Only yes"), screen
+    t.keys("Escape", "b")  # Esc-b: back a word
+    t.type("very ")
+    t.wait_for(lambda s: s.rstrip().endswith("... Only very yes"), WAIT, "the word typed before the last one")
+    t.keys("C-c")
+    t.keys("C-d")
+    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+
+
 @pytest.mark.parametrize("wrapped", [False, True], ids=["run-by-the-shell", "run-by-make"])
 def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(wrapped, shell):
     """Stopped mid-answer and brought back with `fg` (the shell has set the terminal its own way
