@@ -767,7 +767,9 @@ def main(argv=None) -> int:
             return from_the_shell(args)
         args.model = choose_model(args, say)
         check_model_file(args.model)
-        args.interactive = sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
+        # A dumb terminal (an editor's shell buffer) edits the line itself and takes no cursor moves: line mode.
+        args.interactive = (sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
+                            and not dumb_terminal())
         problem = check_saving(args)
         # what --session and --resume mean, known before the model loads (--no-save too: it reads them)
         args.resume, note = before_load(Store(), args.model, args.session, args.resume)

@@ -104,10 +104,12 @@ def _run_on_a_terminal(home, args, steps, env_extra) -> bytes:
 
 
 def test_a_dumb_terminal_gets_no_escape_sequences(colichat_home):
-    """TERM=dumb (an editor's shell buffer): the start line, the loading progress and the footer are
-    plain text: carriage returns and spaces, never an escape sequence."""
+    """TERM=dumb (an editor's shell buffer, which edits the line itself): colichat chats in line mode
+    without --plain, and the start line, the loading progress and the footer are plain text: carriage
+    returns and spaces, never an escape sequence (the REPL wrote some)."""
     steps = [(b"Ctrl-D to quit.", b"hello\n"), (b"max_tokens reached", b"\x04")]
-    shown = _run_on_a_terminal(colichat_home, [*TINY_ARGS, "--plain"], steps, {"TERM": "dumb"})
+    shown = _run_on_a_terminal(colichat_home, TINY_ARGS, steps, {"TERM": "dumb"})
+    assert b"Line mode: type a message and Enter" in shown
     assert b"starting colichat ..." in shown and b"loading llama.gguf" in shown  # the transient lines were shown
     assert b"max_tokens reached" in shown  # the footer: the message was answered
     assert b"\x1b" not in shown
