@@ -43,6 +43,7 @@ try:
         export_saved,
         listing,
         model_to_reopen,
+        refuse_if_open,
         reopen_note,
         resume_context,
         resume_rope_factors,
@@ -778,6 +779,8 @@ def main(argv=None) -> int:
         saved_context(args)
         check_rope_factors(args)
         read_only = saving_mode(args, problem)
+        if not (args.no_save or read_only):  # (those read it without its lock: another colichat may have it)
+            refuse_if_open(Store(), args.model, args.session, args.resume)
         interactive = args.interactive
         person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
         waiting = contextlib.nullcontext()

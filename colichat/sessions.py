@@ -3,6 +3,7 @@
 
     found = model_to_reopen(store, default_path, session, resume)  # (name, path, title) or None
     resume, note = before_load(store, model_path, session, resume)  # SessionError, else reopen or not, a note
+    refuse_if_open(store, model_path, session, resume)  # SessionBusy: another colichat has it open
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     resume_context(store, model_path, session) -> (name, n_ctx) | None  # the context it was saved with
     listing(store) -> [line]          # every saved conversation, by model
@@ -21,8 +22,8 @@ from datetime import datetime
 
 from .engine.gguf import MIN_CTX
 from .models import model_title
-from .persist import Session, SessionError, Store, check_name, weights_fingerprint
-from .persist.session import SIDECAR_EXT, doc_check, holds_conversation
+from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
+from .persist.session import SIDECAR_EXT, doc_check, holds_conversation, lock_holder
 from .persist.store import damaged_text
 
 
@@ -120,21 +121,50 @@ def _namesakes_note(store: Store, fp: str, session: str) -> str | None:
             f"this is a new conversation {session} with this model")
 
 
+def _reopened(store: Store, model_path: str, session: str | None) -> SessionInfo | None:
+    """The conversation --resume reopens with this model (--session NAME, else this model's latest);
+    None when there is none (or the model cannot be read: loading it says why)."""
+    fp = _fingerprint(model_path)
+    if fp is None:
+        return None
+    return next((i for i in store.list() if i.made_by(fp) and not i.damage
+                 and (session is None or i.name == session)), None)
+
+
+def refuse_if_open(store: Store, model_path: str, session: str | None, resume: bool) -> None:
+    """SessionBusy, before the model loads, if the conversation this start takes (--session NAME, new
+    or saved; --resume's) is open in another colichat: the refusal opening it after the load would
+    give. A look, not the lock: the lock is taken when the session is opened, and refuses then a
+    colichat that took the session meanwhile."""
+    if session is None and not resume:
+        return
+    fp = _fingerprint(model_path)
+    if fp is None:
+        return
+    if session is None:
+        info = _reopened(store, model_path, None)
+        if info is None:
+            return
+        session, dirs = info.name, [info.path.parent]
+    else:
+        dirs = store.dirs_for(fp)
+    for directory in dirs:
+        pid = lock_holder(os.path.join(directory, session + ".lock"))
+        if pid is not None:
+            raise SessionBusy(f"session {session} is open in another colichat (pid {pid})")
+
+
 def _saved_model(store: Store, model_path: str, session: str | None) -> tuple[str, dict, bool] | None:
     """(name, the sidecar's model section, whether its check matches) of the conversation --resume
     reopens (--session NAME, else this model's latest); None when there is none or it cannot be
     read (resuming it then says why)."""
-    fp = _fingerprint(model_path)
-    if fp is None:
-        return None
-    found = [i for i in store.list() if i.made_by(fp) and not i.damage
-             and (session is None or i.name == session)]
-    if not found:
+    info = _reopened(store, model_path, session)
+    if info is None:
         return None
     try:
-        with open(found[0].path.parent / (found[0].name + SIDECAR_EXT), "rb") as f:
+        with open(info.path.parent / (info.name + SIDECAR_EXT), "rb") as f:
             doc = json.loads(f.read().decode("utf-8"))
-        return found[0].name, dict(doc["model"]), doc.get("check") == doc_check(doc)
+        return info.name, dict(doc["model"]), doc.get("check") == doc_check(doc)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError, ValueError,
             AttributeError):
         return None  # a damaged sidecar: resuming it says so

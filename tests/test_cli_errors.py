@@ -430,6 +430,31 @@ def test_second_colichat_on_the_same_session_is_refused(colichat_home):
     chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"]).ok()  # free again
 
 
+def test_a_conversation_open_in_another_colichat_is_refused_before_the_model_loads(colichat_home):
+    """A second colichat on a conversation another one has open (saved and reopened, or a new name
+    taken at start) is refused from the lock file alone, before the model loads (which can take
+    minutes), with the line opening it would give; --no-save still opens it."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    for first_args, name, shown in ((["--resume", "--session", "s"], "s", b"no re-prefill"),
+                                    (["--session", "new"], "new", b"latest saved conversation: s")):
+        first = start(colichat_home, [*TINY_ARGS, *first_args])  # waits on stdin, holding the session
+        head_err = b""
+        try:
+            head_err = read_until(first.stderr, shown)
+            msg = f"colichat: session {name} is open in another colichat (pid {first.pid})"
+            again = [["--session", name]] + ([["--resume", "--session", name], ["--resume"]] if name == "s" else [])
+            for args in again:
+                second = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[1])).failed()
+                assert second.err == msg + "\n", args  # nothing else: the model did not load
+            if name == "s":
+                assert chat(colichat_home, [*TINY_ARGS, "--no-save", "--session", "s"], "").ok().resumed()[1:] \
+                    == (2, "s")
+        finally:
+            finish(first, head_err=head_err).ok()  # (its stdin ends: it quits)
+    assert [p.name for p in session_files(colichat_home) if p.suffix != ".lock"] == ["s.coli_kv", "s.json"]
+    chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"]).ok()  # free again
+
+
 # ---- saving fails -------------------------------------------------------------------------------
 
 

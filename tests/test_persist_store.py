@@ -381,6 +381,23 @@ def test_a_claimed_name_is_locked_and_its_files_come_with_the_first_save(colicha
     assert res.turns == turns and res.sampler == {"temperature": 0.25}
 
 
+def test_the_look_at_a_lock_names_its_holder_and_takes_nothing(colichat_home):
+    """lock_holder: the pid of a colichat holding the session's lock; None for a free one, also
+    when a holder killed outright left its pid in the file. The look keeps no lock."""
+    from colichat.persist.session import _lock, _unlock, lock_holder
+
+    path = str(colichat_home / "s.lock")
+    assert lock_holder(path) is None  # no lock file: none is made
+    assert not os.path.exists(path)
+    fd = _lock(path, "s")
+    assert lock_holder(path) == str(os.getpid())
+    _unlock(fd)
+    assert lock_holder(path) is None
+    Path(path).write_text("4242\n")  # what a holder killed with SIGKILL leaves
+    assert lock_holder(path) is None
+    _unlock(_lock(path, "s"))  # the look took nothing
+
+
 def test_a_claimed_session_whose_directory_was_removed_is_saved_there_again(colichat_home):
     """The sessions directory removed (a clean-up) before a claimed name's first answer: the first
     save makes it again, with the lock, and the name is still held."""

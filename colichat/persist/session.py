@@ -124,6 +124,32 @@ def _lock(path: str, name: str) -> int:
     return fd
 
 
+def lock_holder(path: str) -> str | None:
+    """The pid (as text, "?" if unknown) of the colichat holding the lock file `path`, or None if none
+    does: a look before a long start (the model's load) that `_lock` may well refuse afterwards. It is
+    no lock: `_lock` decides, and a session found free here can be taken before then. It takes nothing
+    from a holder, nor keeps anyone from taking the lock: a file without a pid in it is free (`_lock`
+    writes its pid once it holds the lock, `_unlock` empties the file), and only one with a pid, which
+    a holder killed outright leaves, is flocked, shared and without waiting, to tell which it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None  # no lock file (or none we can read: taking the lock says why)
+    try:
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if not pid:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            return pid if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+        return None  # (closing the descriptor releases the flock)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _unlock(fd: int) -> None:
     try:
         os.ftruncate(fd, 0)
