@@ -23,6 +23,7 @@ from .engine.speculative import PromptLookup
 from .engine.template import chat_template_for
 from .errors import ChatError
 from .persist import CacheLayout, Store, Turn, model_identity
+from .persist.session import REOPEN_ROOM
 from .report import TurnStats, no_room, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
@@ -30,7 +31,7 @@ from .stopwatch import Stopwatch
 from .system_prompt import problem_for_set, refusal
 from .units import count
 
-FULL_BELOW = 16  # a resumed conversation with fewer tokens of context left is said to be full
+FULL_BELOW = REOPEN_ROOM  # a resumed conversation with fewer tokens of context left is said to be full
 # A prompt longer than PROMPT_STEPPED is read PROMPT_STEP tokens at a time: progress is shown and a
 # stop request is honoured between steps. (The engine cuts each step again by its PREFILL_CHUNK, a
 # bound on memory; SmolLM2 reads a 1024-token prompt as fast in steps of 256 as of 512, within 2%.)

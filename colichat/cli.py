@@ -40,6 +40,7 @@ try:
     from .persist import SessionError, Store, check_name
     from .sessions import (
         before_load,
+        context_problem,
         export_saved,
         listing,
         model_to_reopen,
@@ -639,6 +640,15 @@ def saved_context(args) -> None:
         args.ctx_of, args.ctx = saved
 
 
+def check_context_fits(args) -> None:
+    """Refuse before the model loads a --resume whose saved tokens do not fit --ctx (Session.load says
+    the same after loading, for /resume). Without --ctx, nor a saved context size (an older colichat),
+    the model's default decides: the load refuses then."""
+    problem = context_problem(Store(), args.model, args.session, args.ctx) if args.resume and args.ctx else None
+    if problem:
+        raise SessionError(problem)
+
+
 def check_rope_factors(args) -> None:
     """Refuse before the model loads a --resume whose cache rows were rotated with rope factors
     that cannot serve this --ctx (Conversation.resume says the same after loading, for /resume)."""
@@ -777,6 +787,7 @@ def main(argv=None) -> int:
         if note:
             say(note)
         saved_context(args)
+        check_context_fits(args)
         check_rope_factors(args)
         read_only = saving_mode(args, problem)
         if not (args.no_save or read_only):  # (those read it without its lock: another colichat may have it)

@@ -6,6 +6,7 @@
     refuse_if_open(store, model_path, session, resume)  # SessionBusy: another colichat has it open
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     resume_context(store, model_path, session) -> (name, n_ctx) | None  # the context it was saved with
+    context_problem(store, model_path, session, n_ctx) -> str | None  # its tokens do not fit n_ctx
     listing(store) -> [line]          # every saved conversation, by model
     reopen_note(store, model_path, name) -> str | None  # --session NAME: other models' NAME, how to open one
     export_saved(store, model_path, name) -> (str, [warning], note)  # a saved conversation as Markdown
@@ -23,7 +24,7 @@ from datetime import datetime
 from .engine.gguf import MIN_CTX
 from .models import model_title
 from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
-from .persist.session import SIDECAR_EXT, doc_check, holds_conversation, lock_holder
+from .persist.session import SIDECAR_EXT, doc_check, holds_conversation, lock_holder, more_context
 from .persist.store import damaged_text
 
 
@@ -185,6 +186,15 @@ def resume_context(store: Store, model_path: str, session: str | None) -> tuple[
     saved = _saved_model(store, model_path, session)
     n_ctx = saved[1].get("n_ctx") if saved and saved[2] else None
     return (saved[0], n_ctx) if type(n_ctx) is int and n_ctx >= MIN_CTX else None
+
+
+def context_problem(store: Store, model_path: str, session: str | None, n_ctx: int) -> str | None:
+    """Why the conversation --resume reopens (--session NAME, else this model's latest) cannot open in
+    a context of `n_ctx` tokens, from its files alone (the refusal opening it after the load would
+    give), or None."""
+    info = _reopened(store, model_path, session)
+    n = Session.tokens_to_load(info.path.parent, info.name) if info else None
+    return more_context(info.name, n, n_ctx) if n is not None and n > n_ctx else None
 
 
 def listing(store: Store) -> list[str]:

@@ -185,7 +185,7 @@ def test_more_saved_tokens_than_the_context_are_refused_and_a_full_context_loads
     store, _, turns, original = saved
     n = turns[-1].last
     with pytest.raises(SessionError, match=f"holds {n} tokens, more than the context of {n - 1}: start colichat "
-                                           f"with --ctx {n} or more to reopen it"):
+                                           f"with --ctx {n + 16} or more to reopen it with room for an exchange"):
         load(store, ctx_limit=n - 1)
     res, cache = load(store, ctx_limit=n)  # the context full: as it was saved
     check_prefix(res, cache, turns, original, N_TURNS)

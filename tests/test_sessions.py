@@ -437,3 +437,20 @@ def test_a_conversation_reopens_with_the_context_it_was_saved_with(colichat_home
         "colichat: context size 4,096 is above the 2,048 tokens this model was trained for; use at most 2,048 "
         "(the context size session c was saved with: --ctx N reopens it with another)"]
     assert chat(colichat_home, [*TINY_ARGS, "--ctx", "256", "--session", "c"], lines(Q[1])).ok().resumed()[2] == "c"
+
+
+def test_a_context_too_small_for_the_saved_conversation_is_refused_before_the_model_loads(colichat_home):
+    """--ctx smaller than a saved conversation is refused from its files, before the model loads, and
+    the --ctx it names reopens the conversation with room for an exchange (its exact size would
+    reopen it full, no message fitting)."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "c"], lines(Q[0])).ok()
+    [side] = [p for p in session_files(colichat_home) if p.name == "c.json"]
+    n = json.loads(side.read_text())["turns"][-1]["last"]
+    assert n > 16
+    for args in (["--session", "c"], ["--resume"], ["--resume", "--session", "c"], ["--no-save", "--resume"]):
+        run = chat(colichat_home, [*TINY_ARGS, *args, "--ctx", "16"], lines(Q[1])).failed()
+        assert run.err == (f"colichat: session c holds {n} tokens, more than the context of 16: start colichat "
+                           f"with --ctx {n + 16} or more to reopen it with room for an exchange\n"), args
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "c", "--ctx", str(n + 16)], lines("Hi")).ok()
+    assert run.resumed()[1:] == (2, "c") and "note: the context is" not in run.err
+    assert [f.rsplit("; ", 1)[1] for f in run.footers()] == ["saved to c]"]

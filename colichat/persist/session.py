@@ -57,6 +57,10 @@ from .kvfile import (
     write_records,
 )
 
+# Tokens of context a reopened conversation has left at least, to go on with a short exchange: the
+# size a refusal of too small a context asks for (more_context), and below which the chat says the
+# context is nearly full (chat.FULL_BELOW).
+REOPEN_ROOM = 16
 FORMAT_VERSION = 2  # 2: a "check" CRC over the sidecar's settings, and one over each turn's fields
 KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
 MAX_SIDECAR_BYTES = 256 << 20
@@ -148,6 +152,13 @@ def lock_holder(path: str) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def more_context(name: str, n: int, ctx: int) -> str:
+    """The refusal of session NAME's `n` tokens in a context of `ctx`: the --ctx that reopens it with
+    room to go on (exactly `n` would reopen it full)."""
+    return (f"session {name} holds {n} tokens, more than the context of {ctx}: start colichat with "
+            f"--ctx {n + REOPEN_ROOM} or more to reopen it with room for an exchange")
 
 
 def _unlock(fd: int) -> None:
@@ -459,6 +470,45 @@ class Session:
         finally:
             s.close()
 
+    @classmethod
+    def tokens_to_load(cls, directory, name: str) -> int | None:
+        """The tokens opening session NAME reads, the number `load` holds against its context, from the
+        files alone (before the model loads); None where they cannot say (opening says why). Takes
+        no lock: it reads between two saves of a colichat that has it open (`_reading`)."""
+        s = cls(directory, name, {}, None, None)
+        try:
+            if lstat_regular(s.kv_path, "session file") is None:
+                return None
+            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
+            with s._reading():
+                header, size = read_header(s._kv_fd, s.kv_path)
+                s.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
+                                       header.vocab, header.index_hd, header.n_index_layers)
+                doc = s._sidecar_as_it_is()
+            return s._listed_prefix(doc, header.nrec, size, [])[2]
+        except (SessionError, OSError, ZeroDivisionError):  # (a header of records of no bytes)
+            return None
+        finally:
+            s.close()
+
+    def _sidecar_as_it_is(self) -> dict | None:
+        """The sidecar document as `_listed_prefix` takes it, unchecked (None: no sidecar, or one that is
+        not a document; SessionError if it cannot be read)."""
+        if lstat_regular(self.json_path, "sidecar") is None:
+            return None
+        fd = open_file(self.json_path, "sidecar", os.O_RDONLY)
+        try:
+            data = os.read(fd, MAX_SIDECAR_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise SessionError("damaged sidecar") from None
+        if not isinstance(doc, dict):
+            raise SessionError("damaged sidecar")
+        return doc
+
     def _read_saved(self) -> LoadResult:
         """read_saved's checks and load, over the open KV file (under `_reading`)."""
         header, size = read_header(self._kv_fd, self.kv_path)
@@ -585,8 +635,7 @@ class Session:
         turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
         ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
         if n > ctx:
-            raise SessionError(f"session {self.name} holds {n} tokens, more than the context of {ctx}: "
-                               f"start colichat with --ctx {n} or more to reopen it")
+            raise SessionError(more_context(self.name, n, ctx))
         try:
             read_records(self._kv_fd, cache.raw(0, n), self.layout.record_bytes)
         except (OSError, SessionError) as e:
