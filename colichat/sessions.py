@@ -25,7 +25,7 @@ from .engine.gguf import MIN_CTX
 from .models import model_title
 from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
 from .persist.session import SIDECAR_EXT, doc_check, holds_conversation, lock_holder, more_context
-from .persist.store import damaged_text
+from .persist.store import damaged_text, model_file_now
 
 
 def _fingerprint(model_path: str) -> str | None:
@@ -63,19 +63,17 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
         return None
     if session is None:  # --resume alone: the newest conversation, or a refusal, never an older one
         infos = [i for i in infos if not i.damage][:1]
-    seen: dict[str, bool] = {}
+    seen: dict[str, str | None] = {}  # path: the fingerprint of the file there
     for info in infos:
         if info.damage:
             continue
         if info.made_by(fp):
             return None
-        path = info.model_path
-        if path and path not in seen:  # a regular file only (a FIFO named by a damaged sidecar would hang)
-            other = _fingerprint(path) if os.path.isfile(path) else None
-            seen[path] = info.made_by(other)
-        if path and seen[path]:
+        path = model_file_now(info, seen)  # where it was given, else the file that led to (a link moved)
+        if path:
             return info.name, path, model_title(info.model, info.model_file)
-    changed = sorted(path for path, same in seen.items() if not same and os.path.isfile(path))
+    tried = {p for i in infos if not i.damage for p in i.model_paths()}
+    changed = sorted(p for p in tried if seen.get(p) and os.path.isfile(p))
     if session is not None:  # only other models have it, none of their files is where it was
         store.refuse_elsewhere(session, (f"{changed[0]} holds another model now: " if changed else "")
                                + "start colichat with --model PATH of that model to reopen it, or choose another name")
@@ -106,10 +104,26 @@ def before_load(store: Store, model_path: str, session: str | None, resume: bool
         if resume:
             store.refuse_elsewhere(session)
             raise SessionError(f"no session named {session} for this model (colichat --sessions lists them)")
+        _refuse_a_moved_link(store, fp, model_path, session)
         return False, _namesakes_note(store, fp, session)
     if resume and not any(i.made_by(fp) for i in store.list()):
         raise SessionError("no saved conversation for this model yet")
     return resume, None
+
+
+def _refuse_a_moved_link(store: Store, fp: str, model_path: str, session: str) -> None:
+    """--model PATH --session NAME where another model's conversation NAME was saved through PATH (a
+    link since pointed at another file, a file replaced) and that model is still where PATH led: it
+    is the conversation meant, refused with the --model that reopens it (never a second NAME beside it)."""
+    given = os.path.abspath(model_path)
+    for info in store.list():
+        if info.name != session or info.damage or info.made_by(fp) or info.model_path != given:
+            continue
+        now = model_file_now(info)
+        if now:
+            raise SessionError(f"session {session} was saved with {now}, which {given} led to then ({given} "
+                               f"holds another model now): colichat --model {shlex.quote(now)} --session {session} "
+                               "reopens it, or choose another name")
 
 
 def _namesakes_note(store: Store, fp: str, session: str) -> str | None:
@@ -249,10 +263,9 @@ def namesakes_note(store: Store, name: str, model_dir: str, command: str) -> str
     others = [i for i in store.list() if i.name == name and not i.damage and i.model_dir != model_dir]
     if not others:
         return None
-    paths = {i.model_path for i in others}
+    paths = {model_file_now(i) for i in others}
     path = paths.pop() if len(paths) == 1 else None
-    how = (command.format(path=shlex.quote(path)) if path and os.path.isfile(path)
-           else "add --model PATH of that model to take that one")
+    how = command.format(path=shlex.quote(path)) if path else "add --model PATH of that model to take that one"
     one = len({i.model_dir for i in others}) == 1
     return (f"note: {'another model has' if one else 'other models have'} a conversation {name} too "
             f"({store.whose(others)}): {how}")

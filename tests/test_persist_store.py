@@ -291,7 +291,7 @@ def test_fingerprint_tells_weights_apart(tmp_path):
     assert weights_fingerprint(a) != weights_fingerprint(a2)
     ident = model_identity(a, "llama", "fp-test")
     assert ident == {"arch": "llama", "name": "fp-test", "fingerprint": weights_fingerprint(a), "file": a.name,
-                     "path": os.path.abspath(a)}
+                     "path": os.path.abspath(a), "real_path": os.path.realpath(a)}
 
 
 def test_fingerprint_of_a_file_it_cannot_walk_is_a_hash_of_its_bytes(tmp_path):

@@ -224,7 +224,7 @@ def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
     os.mkfifo(fifo)
     [side] = [p for p in session_files(colichat_home) if p.name == "only-b.json"]
     doc = json.loads(side.read_text("utf-8"))
-    doc["model"]["path"] = str(fifo)
+    doc["model"]["path"] = doc["model"]["real_path"] = str(fifo)
     side.write_text(json.dumps(doc), "utf-8")
     with pytest.raises(SessionError, match=f"last run from {re.escape(str(fifo))}, not there now\\); start colichat"):
         model_to_reopen(store, a, "only-b", False)
@@ -454,3 +454,27 @@ def test_a_context_too_small_for_the_saved_conversation_is_refused_before_the_mo
     run = chat(colichat_home, [*TINY_ARGS, "--session", "c", "--ctx", str(n + 16)], lines("Hi")).ok()
     assert run.resumed()[1:] == (2, "c") and "note: the context is" not in run.err
     assert [f.rsplit("; ", 1)[1] for f in run.footers()] == ["saved to c]"]
+
+
+def test_a_session_of_a_model_given_through_a_link_follows_the_file_not_the_link(colichat_home, tmp_path):
+    """A conversation made with --model cur.gguf, a link to llama.gguf: once the link points to another
+    model, --session NAME reopens it from llama.gguf (the file the link led to), and --model cur.gguf
+    --session NAME is refused with the --model that reopens it, never a second NAME beside it."""
+    (tmp_path / "m").mkdir()
+    llama = shutil.copy(TINY_LLAMA, tmp_path / "m" / "llama.gguf")
+    copy_gguf(TINY_LLAMA, tmp_path / "m" / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    link = tmp_path / "m" / "cur.gguf"
+    link.symlink_to("llama.gguf")
+    settings = TINY_ARGS[2:]
+    chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
+    link.unlink()
+    link.symlink_to("other.gguf")
+    run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
+    assert run.err == (f"colichat: session sym was saved with {llama}, which {link} led to then ({link} holds "
+                       f"another model now): colichat --model {llama} --session sym reopens it, or choose another "
+                       "name\n")
+    assert names_on_disk(colichat_home) == ["sym"]
+    run = chat(colichat_home, [*settings, "--session", "sym"], lines(Q[1])).ok()
+    assert run.err.splitlines()[0] == f"session sym was saved with cur: loading {llama}"
+    assert run.resumed()[1:] == (2, "sym") and saved_users(colichat_home, "sym") == Q[:2]
+    assert names_on_disk(colichat_home) == ["sym"]

@@ -13,6 +13,7 @@
     store.rename(sess, new)                    # an open session under another name
     store.dirs_for(fingerprint) -> [Path]      # a model's session directories, before it loads
     store.refuse_elsewhere(name, hint=...)     # SessionError if another model has session NAME
+    model_file_now(info) -> str | None         # where the model that saved a session is now (path, real path)
 
 Layout on disk: <data>/sessions/<model dir>/NAME.{coli_kv,json,lock}, where the model dir is the
 sanitized model name plus 12 hex digits of the weights fingerprint, so two fine-tunes of one base
@@ -130,17 +131,19 @@ def weights_fingerprint(path: str) -> str:
 
 
 def model_identity(gguf_path: str, arch: str, name: str, rope_factors: str | None = None) -> dict:
-    """What a session records about its model: {"arch", "name", "fingerprint", "file", "path"} ("file":
-    the GGUF's file name, for listings; "path": its absolute path, to find the model again when the
-    session is reopened without --model; both never compared), and "rope_factors" (the rope
-    frequency factors the cache rows are rotated with, Model.rope_factors) where the architecture
-    picks them by context size."""
+    """What a session records about its model: {"arch", "name", "fingerprint", "file", "path",
+    "real_path"} ("file": the GGUF's file name, for listings; "path": its absolute path as given, and
+    "real_path": the file it led to, symbolic links resolved, to find the model again when the session
+    is reopened without --model, also once a link given points to another file; these never
+    compared), and "rope_factors" (the rope frequency factors the cache rows are rotated with,
+    Model.rope_factors) where the architecture picks them by context size."""
     try:
         fp = weights_fingerprint(str(gguf_path))
     except OSError as e:
         raise SessionError(f"cannot fingerprint model {gguf_path}: {oserror_text(e)}") from None
     path = os.path.abspath(str(gguf_path))
-    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp, "file": os.path.basename(path), "path": path}
+    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp, "file": os.path.basename(path), "path": path,
+             "real_path": os.path.realpath(path)}
     return ident if rope_factors is None else {**ident, "rope_factors": str(rope_factors)}
 
 
@@ -204,6 +207,11 @@ class SessionInfo:
     damage: str | None = None  # why this is not a loadable session (then /delete NAME clears it)
     model_file: str = ""  # the GGUF's file name as saved in the sidecar (sessions of older versions: "")
     model_path: str = ""  # the GGUF's absolute path as saved in the sidecar (sessions of older versions: "")
+    model_real_path: str = ""  # the file that path led to, links resolved (sessions of older versions: "")
+
+    def model_paths(self) -> list[str]:
+        """Where the model that saved it was: the path it was given by, then the file that led to."""
+        return list(dict.fromkeys(p for p in (self.model_path, self.model_real_path) if p))
 
     def made_by(self, fingerprint: str | None) -> bool:
         """Whether the model with this weights fingerprint saved it (its directory says so)."""
@@ -221,6 +229,22 @@ class SessionInfo:
         first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
         return (f"{self.name}: {count(self.turns, 'turn')}, {count(self.tokens, 'token')}, {format_size(self.size)}, "
                 f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else ""))
+
+
+def model_file_now(info: SessionInfo, fingerprints: dict | None = None) -> str | None:
+    """Where the model that saved `info` is now: the first of its recorded paths (the one it was given
+    by, then the file that led to) that is a regular file with its weights; None if neither.
+    `fingerprints`: {path: fingerprint or None} already read (filled in)."""
+    seen = {} if fingerprints is None else fingerprints
+    for path in info.model_paths():
+        if path not in seen:  # a regular file only (a FIFO named by a damaged sidecar would hang)
+            try:
+                seen[path] = weights_fingerprint(path) if os.path.isfile(path) else None
+            except OSError:
+                seen[path] = None
+        if info.made_by(seen[path]):
+            return path
+    return None
 
 
 def damaged_text(name: str, damage: str) -> str:
@@ -382,6 +406,7 @@ def _sidecar_summary(doc: dict, tokens: int, model: str, last_used: float) -> di
         "model": str(saved.get("name") or model),
         "model_file": saved.get("file") if isinstance(saved.get("file"), str) else "",
         "model_path": saved.get("path") if isinstance(saved.get("path"), str) else "",
+        "model_real_path": saved.get("real_path") if isinstance(saved.get("real_path"), str) else "",
         "first": next((x.strip() for x in text.splitlines() if x.strip()), "") if isinstance(text, str) else "",
         "last_used": _timestamp(doc.get("updated"), last_used),
     }
@@ -481,7 +506,7 @@ class Store:
         infos = [i for i in self.list() if i.name == name and not i.damage]  # newest first
         if not infos:
             return
-        there = [i.model_path for i in infos if i.model_path and os.path.isfile(i.model_path)]
+        there = [p for p in map(model_file_now, infos) if p]
         if hint is None:
             hint = (f"colichat --model {shlex.quote(there[0])} --session {name} reopens it" if there
                     else "start colichat with that model to resume it")
