@@ -293,6 +293,10 @@ class App:
             self.write(self.screen.line(line, hang))
         to_stderr(line, hang)
 
+    def window(self) -> tuple[int, int] | None:
+        """The (columns, rows) of the terminal the status lines show on; None where they go to a pipe or a file."""
+        return _size(sys.stderr) if sys.stderr.isatty() else None
+
     def out(self, text: str) -> None:
         self.writing = True  # a Ctrl-C from now on shows its ^C after this piece, which the answer keeps
         try:

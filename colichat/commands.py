@@ -20,6 +20,7 @@ from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
 from .settings import TABLE, key_of, printable, unquoted
 from .units import count
+from .wrap import wrap_line
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,40 @@ def cmd_resume(app, arg: str) -> None:
 
 
 def cmd_sessions(app, arg: str) -> None:
+    """This model's conversations, newest first; on a terminal, the newest that fit in the window with
+    the command and the next prompt (the others would push the newest out of view), then a line
+    saying how many older ones are not shown, and where they all are."""
     rows = app.conv.saving.listing()
     if not rows:
         app.say("no saved sessions for this model")
         return
-    for line in rows:
+    window = app.window()
+    shown = newest_that_fit(rows, *window) if window else len(rows)
+    for line in rows[:shown]:
         app.say(line, hang=4)
+    if shown < len(rows):
+        app.say(older_line(len(rows) - shown))
+
+
+def older_line(hidden: int) -> str:
+    return (f"... and {count(hidden, 'older conversation')} (colichat --sessions lists them all; "
+            "Tab after /resume completes their names)")
+
+
+def newest_that_fit(rows: list[str], columns: int, height: int) -> int:
+    """How many of the listing's `rows` (newest first) to show in a window `height` rows tall and
+    `columns` wide: all if they fit, with the command's row and the next prompt's; else as many as fit
+    with those and the line on the others (older_line), at least one."""
+    tall = [wrap_line(row, columns, hang=4).count("\n") + 1 for row in rows]
+    room = height - 2  # the row of the command typed, the next prompt's
+    if sum(tall) <= room:
+        return len(rows)
+    room -= wrap_line(older_line(len(rows)), columns).count("\n") + 1
+    shown = 0
+    while shown < len(rows) and room >= tall[shown]:
+        room -= tall[shown]
+        shown += 1
+    return max(1, shown)
 
 
 def cmd_delete(app, arg: str) -> None:

@@ -344,3 +344,15 @@ def test_readme_names_every_word_that_asks_whether_quit_was_meant():
     row = next(line for line in readme.splitlines() if "asks whether you meant `/quit`" in line)
     assert all(f"`{word}`" in row for word in QUIT_WORDS), row
     assert is_quit_word("Bye!") and "`Bye!`" in row and is_quit_word("EXIT.")
+
+
+def test_sessions_on_a_terminal_lists_the_newest_that_fit_with_the_command_and_the_prompt():
+    from colichat.commands import newest_that_fit, older_line
+    from colichat.wrap import wrap_line
+
+    rows = [f"  conv-{k}: 2 turns, 15 tokens, 31.0 KiB, 23 h ago, \"hello\"" for k in range(30)]
+    assert newest_that_fit(rows, 80, 32) == 30  # all of them, the command's row and the prompt's
+    more = wrap_line(older_line(30), 80).count("\n") + 1
+    assert newest_that_fit(rows, 80, 31) == 31 - 2 - more
+    assert newest_that_fit(rows, 40, 24) == (24 - 2 - (wrap_line(older_line(30), 40).count("\n") + 1)) // 2
+    assert newest_that_fit(rows, 80, 3) == 1  # a window too small for more: the newest still

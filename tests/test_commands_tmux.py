@@ -152,6 +152,46 @@ def test_help_and_listings_go_on_under_their_second_column(terminal, colichat_ho
         shell.close()
 
 
+def many_sessions(home, n: int) -> list[str]:
+    """`n` saved conversations of the tiny model, a minute apart (copies of one): their names, newest first."""
+    import json
+    from datetime import datetime, timedelta, timezone
+
+    from colichat.persist.session import doc_check
+
+    chat(home, [*TINY_ARGS, "--session", "conv-0"], lines("hello")).ok()
+    [side] = (home / "data" / "sessions").glob("*/conv-0.json")
+    doc = json.loads(side.read_text())
+    start = datetime.now(timezone.utc) - timedelta(days=1)
+    for k in range(n):
+        doc["updated"] = (start + timedelta(minutes=k)).isoformat()
+        doc["check"] = doc_check(doc)
+        (side.parent / f"conv-{k}.json").write_text(json.dumps(doc))
+        if k:
+            (side.parent / f"conv-{k}.coli_kv").write_bytes((side.parent / "conv-0.coli_kv").read_bytes())
+    return [f"conv-{k}" for k in reversed(range(n))]
+
+
+def test_sessions_shows_the_newest_that_fit_in_the_window(terminal, colichat_home):
+    """/sessions with more conversations than the window holds: the newest, with the command above
+    them and the prompt below, and a line on how many older ones there are and where they all are."""
+    names = many_sessions(colichat_home, 40)
+    t = terminal()
+    t.run("resize-window", "-x", "80", "-y", "24")
+    t.type("/sessions")
+    t.keys("Enter")
+    t.wait_for(lambda s: "older conversations (colichat --sessions" in s and s.rstrip().endswith(">"), WAIT,
+               "the listing and the prompt")
+    rows = [row for row in visible(t) if row]
+    assert rows[-1] == ">", rows
+    command = rows.index("> /sessions")  # still in view
+    more = next(i for i, row in enumerate(rows) if row.startswith("... and "))
+    listed = [row.split(":")[0].strip() for row in rows[command + 1:more]]
+    assert listed == names[:len(listed)] and len(listed) >= 5, rows
+    assert " ".join(rows[more:-1]) == (f"... and {len(names) - len(listed)} older conversations (colichat "
+                                       "--sessions lists them all; Tab after /resume completes their names)"), rows
+
+
 def test_control_characters_in_an_answer_are_shown_not_acted_on(terminal, colichat_home):
     """The tiny model's answer is random bytes: escape sequences, carriage returns, bells. On the
     terminal they show in caret notation (^[, ^M) where they are, rather than clear the screen or
