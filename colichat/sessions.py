@@ -179,10 +179,12 @@ def _saved_model(store: Store, model_path: str, session: str | None) -> tuple[st
     try:
         with open(info.path.parent / (info.name + SIDECAR_EXT), "rb") as f:
             doc = json.loads(f.read().decode("utf-8"))
-        return info.name, dict(doc["model"]), doc.get("check") == doc_check(doc)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError, ValueError,
-            AttributeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None  # a damaged sidecar: resuming it says so
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(model, dict):
+        return None  # (the same)
+    return info.name, dict(model), doc.get("check") == doc_check(doc)
 
 
 def resume_rope_factors(store: Store, model_path: str, session: str | None) -> tuple[str, str] | None:
