@@ -370,10 +370,10 @@ def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_
 @pytest.mark.parametrize("env", ["NO_COLOR=1", "TERM=dumb"])
 def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
     """The footer is dim on a terminal (tests/test_repl_tmux.py), but not with NO_COLOR (no-color.org)
-    or on a terminal that shows no styles."""
+    or on a terminal that shows no styles (TERM=dumb: line mode)."""
     t = Tmux(f"{command(colichat_home, env=env)}; sleep 600")
     try:
-        t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
+        t.wait_for(lambda s: ("Line mode:" if "TERM=dumb" in env else "Type a message") in s, WAIT, "the prompt")
         t.type("hello")
         t.keys("Enter")
         t.wait_for(lambda s: "saved to hello]" in s, WAIT, "the answer")
