@@ -16,6 +16,7 @@ from . import report
 from .errors import ChatError
 from .inputs import Message
 from .models import model_title
+from .saving import CURRENT_MARK
 from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
 from .settings import TABLE, key_of, printable, unquoted
@@ -80,18 +81,21 @@ def cmd_resume(app, arg: str) -> None:
 
 def cmd_sessions(app, arg: str) -> None:
     """This model's conversations, newest first; on a terminal, the newest that fit in the window with
-    the command and the next prompt (the others would push the newest out of view), then a line
-    saying how many older ones are not shown, and where they all are."""
+    the command and the next prompt (the others would push the newest out of view), the current one
+    (marked *) below them where it is older, then a line saying how many older ones are not shown,
+    and where they all are."""
     rows = app.conv.saving.listing()
     if not rows:
         app.say("no saved sessions for this model")
         return
     window = app.window()
-    shown = newest_that_fit(rows, *window) if window else len(rows)
-    for line in rows[:shown]:
+    current = next((k for k, row in enumerate(rows) if row.startswith(CURRENT_MARK)), None)
+    shown = newest_that_fit(rows, *window, keep=current) if window else len(rows)
+    listed = rows[:shown] + ([rows[current]] if current is not None and current >= shown else [])
+    for line in listed:
         app.say(line, hang=4)
-    if shown < len(rows):
-        app.say(older_line(len(rows) - shown))
+    if len(listed) < len(rows):
+        app.say(older_line(len(rows) - len(listed)))
 
 
 def older_line(hidden: int) -> str:
@@ -99,20 +103,30 @@ def older_line(hidden: int) -> str:
             "Tab after /resume completes their names)")
 
 
-def newest_that_fit(rows: list[str], columns: int, height: int) -> int:
+def newest_that_fit(rows: list[str], columns: int, height: int, keep: int | None = None) -> int:
     """How many of the listing's `rows` (newest first) to show in a window `height` rows tall and
     `columns` wide: all if they fit, with the command's row and the next prompt's; else as many as fit
-    with those and the line on the others (older_line), at least one."""
+    with those and the line on the others (older_line), at least one. `keep`: the row of the current
+    conversation, shown below them when it is not among them (room is kept for it; then the newest
+    may be none, in a window too small for more)."""
     tall = [wrap_line(row, columns, hang=4).count("\n") + 1 for row in rows]
     room = height - 2  # the row of the command typed, the next prompt's
     if sum(tall) <= room:
         return len(rows)
     room -= wrap_line(older_line(len(rows)), columns).count("\n") + 1
+    shown = _rows_in(tall, room)
+    if keep is not None and keep >= shown:  # the current conversation's row goes below the newest
+        return _rows_in(tall, room - tall[keep])
+    return max(1, shown)
+
+
+def _rows_in(tall: list[int], room: int) -> int:
+    """How many of the first rows, `tall` screen rows each, fit in `room` screen rows."""
     shown = 0
-    while shown < len(rows) and room >= tall[shown]:
+    while shown < len(tall) and room >= tall[shown]:
         room -= tall[shown]
         shown += 1
-    return max(1, shown)
+    return shown
 
 
 def cmd_delete(app, arg: str) -> None:

@@ -16,6 +16,8 @@ from .errors import ChatError
 from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
 from .units import format_size
 
+CURRENT_MARK = "* "  # in /sessions, the row of the conversation in use (the others start with two spaces)
+
 
 class Saving:
     def __init__(self, store: Store | None, ident: dict | None, layout: CacheLayout, name: str | None = None,
@@ -208,7 +210,7 @@ class Saving:
         if not self.store:
             raise ChatError("saving is off (--no-save): no sessions")
         current = self.session.name if self.session else None
-        return [("* " if i.name == current else "  ") + i.describe() for i in self.store.list(self.ident)]
+        return [(CURRENT_MARK if i.name == current else "  ") + i.describe() for i in self.store.list(self.ident)]
 
     def delete(self, name: str) -> str:
         """Delete a saved conversation of this model (not the one in use)."""

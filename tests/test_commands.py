@@ -356,3 +356,22 @@ def test_sessions_on_a_terminal_lists_the_newest_that_fit_with_the_command_and_t
     assert newest_that_fit(rows, 80, 31) == 31 - 2 - more
     assert newest_that_fit(rows, 40, 24) == (24 - 2 - (wrap_line(older_line(30), 40).count("\n") + 1)) // 2
     assert newest_that_fit(rows, 80, 3) == 1  # a window too small for more: the newest still
+    assert newest_that_fit(rows, 80, 3, keep=20) == 0  # or the current conversation only, when it is older
+    assert newest_that_fit(rows, 80, 31, keep=2) == 31 - 2 - more  # the current one among the newest: as before
+
+
+def test_sessions_cut_to_the_window_still_shows_the_current_conversation(app, monkeypatch):
+    """/sessions on a terminal too small for every conversation: the current one (marked *), older
+    than the newest that fit, is shown below them, before the line on the older ones."""
+    for k in range(8):
+        run(app, f"Topic {k}?")
+        run(app, "/new")
+    run(app, "/resume topic-0")
+    monkeypatch.setattr(app, "window", lambda: (80, 9))  # the command, 5 rows, the older line (2), the prompt
+    rows = run(app, "/sessions")
+    assert [row.split(":")[0] for row in rows[:-1]] == ["  topic-7", "  topic-6", "  topic-5", "  topic-4",
+                                                        "* topic-0"], rows
+    assert rows[-1].startswith("... and 3 older conversations (colichat --sessions lists them all"), rows
+    monkeypatch.setattr(app, "window", lambda: (80, 20))  # all of them fit
+    assert [row.split(":")[0] for row in run(app, "/sessions")] == [f"  topic-{k}" for k in range(7, 0, -1)] + [
+        "* topic-0"]
