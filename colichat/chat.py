@@ -105,7 +105,8 @@ class Conversation:
         rope = self.model.rope_factors
         try:
             self._take_rope_factors(new)
-            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, exchanges=True)
+            res = new.load(self.model.cache, self.model.n_ctx, self.tok.decode, exchanges=True,
+                           ctx_most=self.model.cfg.n_ctx_train)
         except BaseException:
             new.close()
             self.model.use_rope_factors(rope)  # the conversation in memory goes on as it was

@@ -32,7 +32,7 @@ try:
     from . import __version__, report, system_prompt
     from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word, message_text
-    from .engine import MIN_CTX, ModelError, load, resume_problem
+    from .engine import MIN_CTX, ModelError, load, resume_problem, trained_context
     from .errors import USER_ERRORS, ChatError, UsageError
     from .inputs import ESCAPED, FENCE, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
@@ -647,8 +647,12 @@ def saved_context(args) -> None:
 def check_context_fits(args) -> None:
     """Refuse before the model loads a --resume whose saved tokens do not fit --ctx (Session.load says
     the same after loading, for /resume). Without --ctx, nor a saved context size (an older colichat),
-    the model's default decides: the load refuses then."""
-    problem = context_problem(Store(), args.model, args.session, args.ctx) if args.resume and args.ctx else None
+    the model's default decides: the load refuses then. The model's trained context, read from its
+    metadata, is the most the refusal suggests."""
+    if not (args.resume and args.ctx):
+        return
+    most = trained_context(args.model)  # None: the file does not say (the load says why)
+    problem = context_problem(Store(), args.model, args.session, args.ctx, most)
     if problem:
         raise SessionError(problem)
 

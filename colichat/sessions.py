@@ -6,7 +6,7 @@
     refuse_if_open(store, model_path, session, resume)  # SessionBusy: another colichat has it open
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     resume_context(store, model_path, session) -> (name, n_ctx) | None  # the context it was saved with
-    context_problem(store, model_path, session, n_ctx) -> str | None  # its tokens do not fit n_ctx
+    context_problem(store, model_path, session, n_ctx, most) -> str | None  # its tokens do not fit n_ctx
     listing(store) -> [line]          # every saved conversation, by model
     reopen_note(store, model_path, name) -> str | None  # --session NAME: other models' NAME, how to open one
     export_saved(store, model_path, name) -> (str, [warning], note)  # a saved conversation as Markdown
@@ -204,13 +204,14 @@ def resume_context(store: Store, model_path: str, session: str | None) -> tuple[
     return (saved[0], n_ctx) if type(n_ctx) is int and n_ctx >= MIN_CTX else None
 
 
-def context_problem(store: Store, model_path: str, session: str | None, n_ctx: int) -> str | None:
+def context_problem(store: Store, model_path: str, session: str | None, n_ctx: int,
+                    most: int | None = None) -> str | None:
     """Why the conversation --resume reopens (--session NAME, else this model's latest) cannot open in
     a context of `n_ctx` tokens, from its files alone (the refusal opening it after the load would
-    give), or None."""
+    give: what reopens it, within the model's largest context `most` when known), or None."""
     info = _reopened(store, model_path, session)
     n = Session.tokens_to_load(info.path.parent, info.name) if info else None
-    return more_context(info.name, n, n_ctx) if n is not None and n > n_ctx else None
+    return more_context(info.name, n, n_ctx, most) if n is not None and n > n_ctx else None
 
 
 def listing(store: Store) -> list[str]:

@@ -413,3 +413,12 @@ def test_bad_tensor_gives_one_line_error(tmp_path, change, tensor):
         load(str(path))
     msg = str(e.value)
     assert str(path) in msg and f"'{tensor}'" in msg and "\n" not in msg
+
+
+def test_trained_context_is_read_from_the_metadata_before_a_load_from_any_part(tmp_path):
+    from colichat.engine import trained_context
+
+    write_deepseek2(tmp_path / "m.gguf", DS2Spec(shards=3, context_length=3000))
+    assert [trained_context(str(tmp_path / f"m-0000{k}-of-00003.gguf")) for k in (1, 2, 3)] == [3000] * 3
+    (tmp_path / "not.gguf").write_bytes(b"GGUF" + bytes(20))
+    assert [trained_context(str(tmp_path / name)) for name in ("none.gguf", "not.gguf")] == [None, None]

@@ -478,3 +478,44 @@ def test_a_session_of_a_model_given_through_a_link_follows_the_file_not_the_link
     assert run.err.splitlines()[0] == f"session sym was saved with cur: loading {llama}"
     assert run.resumed()[1:] == (2, "sym") and saved_users(colichat_home, "sym") == Q[:2]
     assert names_on_disk(colichat_home) == ["sym"]
+
+
+def _saved_tokens(home, name: str) -> int:
+    [side] = [p for p in session_files(home) if p.name == f"{name}.json"]
+    return json.loads(side.read_text())["turns"][-1]["last"]
+
+
+def test_the_context_a_refusal_suggests_is_one_the_model_takes(colichat_home, tmp_path):
+    """A conversation too long for --ctx, on a model whose trained context (its metadata, read before
+    the load) is below the saved tokens plus the room for an exchange: the refusal names the model's
+    maximum, which reopens it (never a --ctx the load would refuse), before the model loads; /resume
+    in a running colichat says the same."""
+    model = copy_gguf(TINY_LLAMA, tmp_path / "short.gguf", set_keys={"llama.context_length": 28})
+    args = ["--model", model, *TINY_ARGS[2:]]
+    chat(colichat_home, [*args, "--session", "c"], lines(Q[0])).ok()
+    n = _saved_tokens(colichat_home, "c")
+    assert n <= 28 < n + 16
+    refusal = (f"session c holds {n} tokens, more than the context of 16: start colichat with --ctx 28, this "
+               f"model's maximum, to reopen it with room for {28 - n} tokens more")
+    for how in (["--session", "c"], ["--resume"]):
+        run = chat(colichat_home, [*args, *how, "--ctx", "16"], lines(Q[1])).failed()
+        assert run.err == f"colichat: {refusal}\n", how
+    run = chat(colichat_home, [*args, "--ctx", "16"], lines("/resume c")).failed()
+    assert run.errors() == [f"colichat: {refusal}"]
+    run = chat(colichat_home, [*args, "--session", "c", "--ctx", "28"], lines("/history")).ok()
+    assert run.resumed()[1:] == (2, "c")
+
+
+def test_a_conversation_longer_than_the_model_can_hold_is_refused_with_what_reads_it():
+    from colichat.persist.session import more_context
+
+    assert more_context("c", 120, 64, 100) == (
+        "session c holds 120 tokens, more than this model's maximum context of 100: it cannot be reopened with "
+        "this model; colichat --export c prints it, and a new conversation goes on without it")
+    assert more_context("c", 100, 64, 100) == (
+        "session c holds 100 tokens, more than the context of 64: start colichat with --ctx 100, this model's "
+        "maximum, to reopen it full (/rewind makes room)")
+    assert more_context("c", 84, 64, 100) == more_context("c", 84, 64) == (
+        "session c holds 84 tokens, more than the context of 64: start colichat with --ctx 100 or more to reopen "
+        "it with room for an exchange")
+

@@ -3,6 +3,7 @@
     model = load("model.gguf")          # Model with .prefill(ids), .decode(id), .cache, .tokenizer
     tok = load_tokenizer("model.gguf")  # works on vocabulary-only files too
     resume_problem("model.gguf", n_ctx, rope_factors)  # before loading: can a saved conversation go on
+    trained_context("model.gguf")       # before loading: the most context load() gives (None: not said)
 
 The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
 
@@ -19,15 +20,15 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from .cache import record_bytes
-from .gguf import MIN_CTX, ModelConfig, ModelError, Tensors, load_config, open_gguf
+from .gguf import MIN_CTX, ModelConfig, ModelError, Tensors, load_config, open_gguf, trained_context
 from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
 
-__all__ = ["Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "load", "load_tokenizer",
-           "resume_problem"]
+__all__ = ["Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "load",
+           "load_tokenizer", "resume_problem", "trained_context"]
 
 
 def load_tokenizer(path_or_reader):

@@ -6,8 +6,10 @@ which are `reversed(ne)`: a linear layer `[in, out]` in GGUF is `(out, in)` here
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,7 +17,7 @@ import numpy as np
 
 from . import dequant
 from .gguf_file import GGUFFile, Truncated
-from .gguf_header import HeaderError
+from .gguf_header import HeaderError, read_header
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
@@ -113,11 +115,42 @@ def open_gguf(path: str):
     return reader
 
 
+def trained_context(path: str) -> int | None:
+    """The context the model of GGUF `path` was trained for ({arch}.context_length: the most load()
+    gives), from its metadata alone (the header walked without its tensors: milliseconds, before a
+    load that can take minutes); None where the file does not say it plainly (loading says why)."""
+    keep = ("general.architecture", "split.count", "split.no")
+    try:
+        kv = _metadata_keys(path, keep)
+        if int(kv.get("split.count", 0) or 0) > 1 and int(kv.get("split.no", 0) or 0) != 0:
+            kv = _metadata_keys(_part_paths(path, int(kv["split.count"]))[0], keep)  # the first holds it
+        arch = kv.get("general.architecture")
+        n = kv.get(f"{arch}.context_length") if isinstance(arch, str) else None
+        n = _scalar(n) if isinstance(n, list) else n
+    except (OSError, ValueError, HeaderError, ModelError, struct.error):  # (a short file, an odd value)
+        return None
+    return n if type(n) is int and n >= MIN_CTX else None
+
+
+def _metadata_keys(path: str, keys: tuple) -> dict:
+    """The keys `keys` and any *.context_length of GGUF `path`'s header (no tensors read)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
+            raise HeaderError("an empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return read_header(buf, lambda key: key in keys or key.endswith(".context_length"), tensors=False).kv
+
+
 def shard_paths(path: str, reader) -> list[str]:
     """Every part of a split GGUF, in order (llama.cpp's gguf-split naming), or [path]."""
     n = int(field(reader, "split.count", 0) or 0)
     if n <= 1:
         return [path]
+    return _part_paths(path, n)
+
+
+def _part_paths(path: str, n: int) -> list[str]:
+    """The `n` parts of the split GGUF `path` is one of (ModelError if it is not named like one)."""
     m = re.match(r"^(.*)-\d{5}-of-\d{5}\.gguf$", path)
     if m is None:
         raise ModelError(f"{path}: part of a {n}-part GGUF, but not named like NAME-00001-of-{n:05d}.gguf")

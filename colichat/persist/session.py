@@ -154,11 +154,20 @@ def lock_holder(path: str) -> str | None:
         os.close(fd)
 
 
-def more_context(name: str, n: int, ctx: int) -> str:
-    """The refusal of session NAME's `n` tokens in a context of `ctx`: the --ctx that reopens it with
-    room to go on (exactly `n` would reopen it full)."""
-    return (f"session {name} holds {n} tokens, more than the context of {ctx}: start colichat with "
-            f"--ctx {n + REOPEN_ROOM} or more to reopen it with room for an exchange")
+def more_context(name: str, n: int, ctx: int, most: int | None = None) -> str:
+    """The refusal of session NAME's `n` tokens in a context of `ctx`, and what reopens it: the --ctx
+    with room to go on (exactly `n` would reopen it full), where the model takes it (`most`: its
+    trained context, when known), else the model's maximum, else nothing: --export reads it."""
+    if most is None or n + REOPEN_ROOM <= most:
+        return (f"session {name} holds {n} tokens, more than the context of {ctx}: start colichat with "
+                f"--ctx {n + REOPEN_ROOM} or more to reopen it with room for an exchange")
+    if n <= most:
+        room = f"with room for {count(most - n, 'token')} more" if n < most else "full (/rewind makes room)"
+        return (f"session {name} holds {n} tokens, more than the context of {ctx}: start colichat with "
+                f"--ctx {most}, this model's maximum, to reopen it {room}")
+    return (f"session {name} holds {n} tokens, more than this model's maximum context of {most}: it cannot "
+            f"be reopened with this model; colichat --export {name} prints it, and a new conversation "
+            "goes on without it")
 
 
 def _unlock(fd: int) -> None:
@@ -543,13 +552,14 @@ class Session:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False) -> LoadResult:
+    def load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False,
+             ctx_most: int | None = None) -> LoadResult:
         """Fill `cache` (see `_load`): a session opened read-only is read between two saves of a
         colichat that has it open (`_reading`)."""
         if self._kv_fd is None:
             raise ValueError(f"session {self.name} is closed")
         with self._reading():
-            return self._load(cache, ctx_limit, detokenize, exchanges)
+            return self._load(cache, ctx_limit, detokenize, exchanges, ctx_most)
 
     @contextlib.contextmanager
     def _reading(self):
@@ -594,7 +604,8 @@ class Session:
             if self._kv_fd is not None:  # (a file written again meanwhile: the old one's lock went with it)
                 _flock(self._kv_fd, fcntl.LOCK_UN)
 
-    def _load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False) -> LoadResult:
+    def _load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False,
+              ctx_most: int | None = None) -> LoadResult:
         """Fill `cache` with the longest valid prefix of whole turns; modifies no file.
 
         Refuses (SessionError, cache untouched) a file of another model, kind or shape, other
@@ -604,7 +615,8 @@ class Session:
         turns from the first bad one on, with a warning each.
         `detokenize(ids) -> str` names the text of a cache saved without a sidecar (one turn).
         `exchanges`: keep whole exchanges (the chat program's unit): a last user turn, whose answer
-        was dropped, is dropped too.
+        was dropped, is dropped too. `ctx_most`: the model's largest context (its trained one), which
+        the refusal of too many tokens holds its suggestion to.
         """
         t0 = time.perf_counter()
         self.layout.check_cache(cache)
@@ -635,7 +647,7 @@ class Session:
         turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
         ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
         if n > ctx:
-            raise SessionError(more_context(self.name, n, ctx))
+            raise SessionError(more_context(self.name, n, ctx, ctx_most))
         try:
             read_records(self._kv_fd, cache.raw(0, n), self.layout.record_bytes)
         except (OSError, SessionError) as e:
