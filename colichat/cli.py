@@ -32,7 +32,7 @@ try:
     from . import __version__, report, system_prompt
     from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word, message_text
-    from .engine import MIN_CTX, ModelError, load, resume_problem, trained_context
+    from .engine import MIN_CTX, ModelError, default_context, load, resume_problem, trained_context
     from .errors import USER_ERRORS, ChatError, UsageError
     from .inputs import ESCAPED, FENCE, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
@@ -645,14 +645,15 @@ def saved_context(args) -> None:
 
 
 def check_context_fits(args) -> None:
-    """Refuse before the model loads a --resume whose saved tokens do not fit --ctx (Session.load says
-    the same after loading, for /resume). Without --ctx, nor a saved context size (an older colichat),
-    the model's default decides: the load refuses then. The model's trained context, read from its
-    metadata, is the most the refusal suggests."""
-    if not (args.resume and args.ctx):
+    """Refuse before the model loads a --resume whose saved tokens do not fit its context (Session.load
+    says the same after loading, for /resume): --ctx, else the one it was saved with, else (a
+    conversation of an older colichat) the model's default. The model's trained context, read from
+    its metadata, is the most the refusal suggests."""
+    if not args.resume:
         return
     most = trained_context(args.model)  # None: the file does not say (the load says why)
-    problem = context_problem(Store(), args.model, args.session, args.ctx, most)
+    n_ctx = args.ctx or (default_context(most) if most else None)
+    problem = context_problem(Store(), args.model, args.session, n_ctx, most) if n_ctx else None
     if problem:
         raise SessionError(problem)
 

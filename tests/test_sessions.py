@@ -519,3 +519,25 @@ def test_a_conversation_longer_than_the_model_can_hold_is_refused_with_what_read
         "session c holds 84 tokens, more than the context of 64: start colichat with --ctx 100 or more to reopen "
         "it with room for an exchange")
 
+
+def test_an_older_conversation_too_long_for_the_default_context_is_refused_before_the_model_loads(
+        colichat_home, tmp_path):
+    """A conversation saved by an older colichat (no context size in its sidecar) holding more tokens
+    than the model's default context (8192 here, of a model trained for 16384): opened without --ctx
+    it is refused before the model loads, with the --ctx that reopens it."""
+    model = copy_gguf(TINY_LLAMA, tmp_path / "long.gguf", set_keys={"llama.context_length": 16384})
+    args = ["--model", model, *TINY_ARGS[2:], "--max-tokens", "1"]
+    chat(colichat_home, [*args, "--ctx", "9000", "--session", "c"], lines("ab " * 4200)).ok()
+    n = _saved_tokens(colichat_home, "c")
+    assert n > 8192
+    [side] = [p for p in session_files(colichat_home) if p.name == "c.json"]
+    doc = json.loads(side.read_text())
+    del doc["model"]["n_ctx"]  # as an older colichat wrote it
+    doc["check"] = doc_check({k: v for k, v in doc.items() if k not in ("turns", "check")})
+    side.write_text(json.dumps(doc))
+    for how in (["--session", "c"], ["--resume"]):
+        run = chat(colichat_home, [*args, *how], lines("Hi")).failed()
+        assert run.err == (f"colichat: session c holds {n} tokens, more than the context of 8192: start colichat "
+                           f"with --ctx {n + 16} or more to reopen it with room for an exchange\n"), how
+    run = chat(colichat_home, [*args, "--session", "c", "--ctx", str(n + 16)], lines("/history")).ok()
+    assert run.resumed()[:2] == (n, 2)

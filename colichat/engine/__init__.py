@@ -4,6 +4,7 @@
     tok = load_tokenizer("model.gguf")  # works on vocabulary-only files too
     resume_problem("model.gguf", n_ctx, rope_factors)  # before loading: can a saved conversation go on
     trained_context("model.gguf")       # before loading: the most context load() gives (None: not said)
+    default_context(n_ctx_train)        # the context load() gives without n_ctx
 
 The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
 
@@ -27,7 +28,7 @@ from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
 
-__all__ = ["Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "load",
+__all__ = ["Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "default_context", "load",
            "load_tokenizer", "resume_problem", "trained_context"]
 
 
@@ -101,7 +102,12 @@ def mtp_drafting(cfg: ModelConfig, numerics: str) -> bool:
 
 def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:
     """The cache size load() gives: n_ctx, by default the training context, at most DEFAULT_CTX."""
-    return min(cfg.n_ctx_train, DEFAULT_CTX) if n_ctx is None else n_ctx
+    return default_context(cfg.n_ctx_train) if n_ctx is None else n_ctx
+
+
+def default_context(n_ctx_train: int) -> int:
+    """The cache size load() gives a model trained for `n_ctx_train` tokens when no n_ctx is asked for."""
+    return min(n_ctx_train, DEFAULT_CTX)
 
 
 def resume_problem(path: str, n_ctx: int | None, rope_factors: str | None) -> str | None:
