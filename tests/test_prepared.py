@@ -313,3 +313,16 @@ def test_a_model_too_big_for_memory_is_refused_before_dequantizing(tmp_path, mon
     monkeypatch.setattr(engine, "available_memory", lambda: 1 << 20)  # 1 MiB free
     with pytest.raises(ModelError, match="GiB as f32"):
         load(str(TINY / "llama.gguf"), n_ctx=64)
+
+
+def test_a_model_given_by_a_link_keeps_the_link_as_its_path_when_mapped_from_the_cache(tmp_path):
+    """The second start through a link maps the weights kept for the file it leads to, and its config
+    names the link, as the first start's does (sessions record it: model.path, beside model.real_path)."""
+    shutil.copy(TINY / "llama.gguf", tmp_path / "llama.gguf")
+    link = tmp_path / "cur.gguf"
+    link.symlink_to("llama.gguf")
+    cache = tmp_path / "weights"
+    first = load(str(link), n_ctx=64, cache_dir=cache)
+    second = load(str(link), n_ctx=64, cache_dir=cache)
+    assert not second.w["token_embd"].flags.writeable  # mapped from the cache
+    assert first.cfg.path == second.cfg.path == str(link)

@@ -115,7 +115,9 @@ class Prepared:
     """A cache entry, mapped: `config`, `tokenizer_meta`, `weights` (name -> read-only array), and
     `tensors` (the GGUF's tensors, mapped from their files at the recorded offsets)."""
 
-    def __init__(self, path: str, entry: Path):
+    def __init__(self, path: str, entry: Path, given: str | None = None):
+        """`path`: the GGUF file (links resolved), whose tensors are mapped; `given`: the path the
+        model was given by, which the config names (a link stays the link: sessions record it)."""
         raw = (entry / "meta.json").read_bytes()
         digest, _, body = raw.partition(b"\n")
         if digest.decode("ascii", "replace") != hashlib.sha256(body).hexdigest():
@@ -125,7 +127,7 @@ class Prepared:
             raise DamagedEntry("meta.json is not what this colichat wrote")
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = {k: v for k, v in meta["config"].items() if k in fields}
-        self.config = ModelConfig(**{**cfg, "path": path})
+        self.config = ModelConfig(**{**cfg, "path": path if given is None else given})
         self.tokenizer_meta = meta["tokenizer"]
         size = os.path.getsize(entry / "weights.f32")
         if size != meta["weights_bytes"]:
@@ -162,7 +164,7 @@ def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
         entry = Path(cache_dir) / key
         if not (entry / "meta.json").is_file():
             return None
-        return Prepared(real, entry)
+        return Prepared(real, entry, given=path)
     except DamagedEntry as e:
         shutil.rmtree(entry, ignore_errors=True)
         if on_note:
