@@ -44,6 +44,7 @@ try:
         export_saved,
         listing,
         model_to_reopen,
+        moved_link_note,
         refuse_if_open,
         reopen_note,
         resume_context,
@@ -568,6 +569,19 @@ def choose_model(args, say) -> str:
     return path
 
 
+def reopen_at_start(args, say) -> tuple[bool, str | None]:
+    """before_load's answer: whether a saved conversation reopens, and a note. Where --model PATH
+    --resume finds none of this model, the refusal comes after a note on the conversations saved
+    with PATH while it led to another file (a link since pointed elsewhere), if there are any."""
+    try:
+        return before_load(Store(), args.model, args.session, args.resume)
+    except SessionError:
+        note = moved_link_note(Store(), args.model) if args.resume and args.session is None else None
+        if note:
+            say(note)
+        raise
+
+
 def nothing_saved() -> bool:
     """No conversation of any model is saved (a sessions directory that cannot be read is check_saving's)."""
     root = paths().data / "sessions"
@@ -792,7 +806,7 @@ def main(argv=None) -> int:
                             and not dumb_terminal())
         problem = check_saving(args)
         # what --session and --resume mean, known before the model loads (--no-save too: it reads them)
-        args.resume, note = before_load(Store(), args.model, args.session, args.resume)
+        args.resume, note = reopen_at_start(args, say)
         if note:
             say(note)
         saved_context(args)

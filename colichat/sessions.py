@@ -4,6 +4,7 @@
     found = model_to_reopen(store, default_path, session, resume)  # (name, path, title) or None
     resume, note = before_load(store, model_path, session, resume)  # SessionError, else reopen or not, a note
     refuse_if_open(store, model_path, session, resume)  # SessionBusy: another colichat has it open
+    moved_link_note(store, model_path) -> str | None  # --resume found none: those saved when PATH led elsewhere
     resume_rope_factors(store, model_path, session) -> (name, factors) | None  # its rope factors
     resume_context(store, model_path, session) -> (name, n_ctx) | None  # the context it was saved with
     context_problem(store, model_path, session, n_ctx, most) -> str | None  # its tokens do not fit n_ctx
@@ -124,6 +125,23 @@ def _refuse_a_moved_link(store: Store, fp: str, model_path: str, session: str) -
             raise SessionError(f"session {session} was saved with {now}, which {given} led to then ({given} "
                                f"holds another model now): colichat --model {shlex.quote(now)} --session {session} "
                                "reopens it, or choose another name")
+
+
+def moved_link_note(store: Store, model_path: str) -> str | None:
+    """For --model PATH --resume finding no conversation of this model: a note when conversations were
+    saved with PATH while it led to another file (a link since pointed elsewhere) that still holds their
+    model, naming that file and the command that reopens them (None otherwise)."""
+    fp, given = _fingerprint(model_path), os.path.abspath(model_path)
+    theirs = [i for i in store.list() if i.model_path == given and not i.damage and not i.made_by(fp)]
+    now = model_file_now(theirs[0]) if theirs else None  # the newest one's model, if still there
+    if not now or now == given:
+        return None
+    same = [i for i in theirs if i.model_dir == theirs[0].model_dir]  # newest first
+    command = f"colichat --model {shlex.quote(now)} --resume"
+    if len(same) == 1:
+        return f"note: conversation {same[0].name} was saved with {given} when it led to {now}: {command} reopens it"
+    return (f"note: {len(same)} conversations were saved with {given} when it led to {now} (the newest: "
+            f"{same[0].name}): {command} reopens the newest, with --session NAME another")
 
 
 def _namesakes_note(store: Store, fp: str, session: str) -> str | None:

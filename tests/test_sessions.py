@@ -541,3 +541,34 @@ def test_an_older_conversation_too_long_for_the_default_context_is_refused_befor
                            f"with --ctx {n + 16} or more to reopen it with room for an exchange\n"), how
     run = chat(colichat_home, [*args, "--session", "c", "--ctx", str(n + 16)], lines("/history")).ok()
     assert run.resumed()[:2] == (n, 2)
+
+
+def test_resume_through_a_link_pointed_elsewhere_names_the_conversations_of_the_file_it_led_to(
+        colichat_home, tmp_path):
+    """--model LINK --resume, LINK made to point to another model after conversations were saved
+    through it: the refusal (no conversation of this model) comes after one note naming the file LINK
+    led to and the command that reopens them, which does."""
+    (tmp_path / "m").mkdir()
+    llama = shutil.copy(TINY_LLAMA, tmp_path / "m" / "llama.gguf")
+    copy_gguf(TINY_LLAMA, tmp_path / "m" / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    link = tmp_path / "m" / "cur.gguf"
+    link.symlink_to("llama.gguf")
+    settings = TINY_ARGS[2:]
+    chat(colichat_home, ["--model", link, *settings, "--session", "one"], lines(Q[0])).ok()
+    link.unlink()
+    link.symlink_to("other.gguf")
+    run = chat(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
+    assert run.err == (f"note: conversation one was saved with {link} when it led to {llama}: colichat --model "
+                       f"{llama} --resume reopens it\ncolichat: no saved conversation for this model yet\n")
+    link.unlink()
+    link.symlink_to("llama.gguf")
+    chat(colichat_home, ["--model", link, *settings, "--session", "two"], lines(Q[0])).ok()
+    link.unlink()
+    link.symlink_to("other.gguf")
+    run = chat(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
+    assert run.err.splitlines() == [
+        f"note: 2 conversations were saved with {link} when it led to {llama} (the newest: two): colichat --model "
+        f"{llama} --resume reopens the newest, with --session NAME another",
+        "colichat: no saved conversation for this model yet"]
+    run = chat(colichat_home, ["--model", llama, *settings, "--resume"], lines(Q[1])).ok()
+    assert run.resumed()[1:] == (2, "two")
