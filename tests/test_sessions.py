@@ -572,3 +572,21 @@ def test_resume_through_a_link_pointed_elsewhere_names_the_conversations_of_the_
         "colichat: no saved conversation for this model yet"]
     run = chat(colichat_home, ["--model", llama, *settings, "--resume"], lines(Q[1])).ok()
     assert run.resumed()[1:] == (2, "two")
+
+
+def test_a_model_without_a_name_keeps_its_conversations_under_another_file_name(colichat_home, tmp_path):
+    """A GGUF without general.name is named after its file: moved to another name (same weights), its
+    conversation reopens with --model NEWPATH --session NAME and --resume (it was 'session s belongs
+    to another model (llama, ... not there now)' and 'no saved conversation for this model yet': the
+    sessions were looked for in a directory named after the new file)."""
+    (tmp_path / "m").mkdir()
+    old = shutil.copy(TINY_LLAMA, tmp_path / "m" / "old.gguf")
+    settings = TINY_ARGS[2:]
+    chat(colichat_home, ["--model", old, *settings, "--session", "s"], lines(Q[0])).ok()
+    new = tmp_path / "m" / "new.gguf"
+    os.rename(old, new)
+    run = chat(colichat_home, ["--model", new, *settings, "--session", "s"], lines(Q[1])).ok()
+    assert run.resumed()[1:] == (2, "s")
+    run = chat(colichat_home, ["--model", new, *settings, "--resume"], lines("/sessions", Q[2])).ok()
+    assert run.resumed()[1:] == (4, "s") and "* s: 4 turns" in run.err
+    assert saved_users(colichat_home, "s") == Q

@@ -441,7 +441,13 @@ class Store:
         self.root = Path(root) if root is not None else paths().data / "sessions"
 
     def model_dir(self, ident: dict) -> Path:
-        return self.root / model_dirname(ident)
+        """The model's session directory: the one named after it, else the one its weights already have
+        under another name (a GGUF without general.name is named after its file, which may have been
+        renamed or reached through another path since: its conversations stay its own)."""
+        named = self.root / model_dirname(ident)
+        if os.path.lexists(named):
+            return named
+        return next(iter(sorted(self.dirs_for(ident["fingerprint"]))), named)
 
     def create(self, ident: dict, layout: CacheLayout, name: str | None = None,
                sampler: dict | None = None, stem: str | None = None, files: bool = True) -> Session:
