@@ -590,3 +590,28 @@ def test_a_model_without_a_name_keeps_its_conversations_under_another_file_name(
     run = chat(colichat_home, ["--model", new, *settings, "--resume"], lines("/sessions", Q[2])).ok()
     assert run.resumed()[1:] == (4, "s") and "* s: 4 turns" in run.err
     assert saved_users(colichat_home, "s") == Q
+
+
+def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colichat_home, tmp_path):
+    """The second start through a link maps the dequantized weights kept by the first: the session
+    still records the link's path (it recorded the file the link led to, so once the link pointed to
+    another model --model LINK --session NAME started a second conversation NAME beside it)."""
+    (tmp_path / "m").mkdir()
+    llama = shutil.copy(TINY_LLAMA, tmp_path / "m" / "llama.gguf")
+    copy_gguf(TINY_LLAMA, tmp_path / "m" / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
+    link = tmp_path / "m" / "cur.gguf"
+    link.symlink_to("llama.gguf")
+    settings = TINY_ARGS[2:]
+    chat(colichat_home, ["--model", link, *settings, "--session", "first"], lines(Q[0])).ok()
+    run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
+    assert "kept the dequantized weights" not in run.err  # (mapped from the cache)
+    [side] = [p for p in session_files(colichat_home) if p.name == "sym.json"]
+    model = json.loads(side.read_text("utf-8"))["model"]
+    assert (model["path"], model["real_path"]) == (str(link), str(llama))
+    link.unlink()
+    link.symlink_to("other.gguf")
+    run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
+    assert run.err == (f"colichat: session sym was saved with {llama}, which {link} led to then ({link} holds "
+                       f"another model now): colichat --model {llama} --session sym reopens it, or choose another "
+                       "name\n")
+    assert names_on_disk(colichat_home) == ["first", "sym"]
