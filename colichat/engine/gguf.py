@@ -122,12 +122,13 @@ def trained_context(path: str) -> int | None:
     keep = ("general.architecture", "split.count", "split.no")
     try:
         kv = _metadata_keys(path, keep)
-        if int(kv.get("split.count", 0) or 0) > 1 and int(kv.get("split.no", 0) or 0) != 0:
-            kv = _metadata_keys(_part_paths(path, int(kv["split.count"]))[0], keep)  # the first holds it
+        count, no = kv.get("split.count"), kv.get("split.no")
+        if type(count) is int and count > 1 and type(no) is int and no != 0:
+            kv = _metadata_keys(_part_paths(path, count)[0], keep)  # the first part holds it
         arch = kv.get("general.architecture")
         n = kv.get(f"{arch}.context_length") if isinstance(arch, str) else None
         n = _scalar(n) if isinstance(n, list) else n
-    except (OSError, ValueError, HeaderError, ModelError, struct.error):  # (a short file, an odd value)
+    except (OSError, UnicodeDecodeError, HeaderError, ModelError, struct.error):  # (a short file, an odd value)
         return None
     return n if type(n) is int and n >= MIN_CTX else None
 
