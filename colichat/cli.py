@@ -295,8 +295,9 @@ class App:
         to_stderr(line, hang)
 
     def window(self) -> tuple[int, int] | None:
-        """The (columns, rows) of the terminal the status lines show on; None where they go to a pipe or a file."""
-        return _size(sys.stderr) if sys.stderr.isatty() else None
+        """The (columns, rows) of the terminal the status lines show on; None where they go to a pipe or a
+        file, or to a dumb terminal (an editor's buffer, which scrolls freely: nothing is cut to a window)."""
+        return _size(sys.stderr) if sys.stderr.isatty() and not dumb_terminal() else None
 
     def out(self, text: str) -> None:
         self.writing = True  # a Ctrl-C from now on shows its ^C after this piece, which the answer keeps

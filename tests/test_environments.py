@@ -145,3 +145,21 @@ def test_no_home_directory_refuses_the_start_in_one_line(tmp_path):
     assert "Traceback" not in p.stderr and p.returncode == 1, p.stderr
     assert p.stderr.splitlines()[-1].startswith("colichat: cannot tell where to keep conversations: HOME is not set")
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory instead
+
+
+def test_on_a_dumb_terminal_sessions_are_not_cut_to_the_window(monkeypatch):
+    """/sessions on a terminal shows the newest that fit in its window (App.window); an editor's shell
+    buffer (TERM=dumb) scrolls freely, so there it lists them all, as through a pipe."""
+    from colichat.cli import App
+
+    main, side = pty.openpty()
+    try:
+        with os.fdopen(side, "w", closefd=False) as tty:
+            monkeypatch.setattr(sys, "stderr", tty)
+            monkeypatch.setenv("TERM", "xterm")
+            assert App.window(None) is not None  # a terminal: the listing is cut to it
+            monkeypatch.setenv("TERM", "dumb")
+            assert App.window(None) is None
+    finally:
+        os.close(main)
+        os.close(side)
