@@ -120,6 +120,9 @@ class Conversation:
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged] + self._check_saved_system()
+        if self.prefs.pending_system is not False:  # --system given: this conversation was read with its own
+            lines.append("note: the system prompt given waits for the next conversation (/new starts one); this "
+                         "one goes on with the one it was saved with")
         left, n_ctx = self.model.n_ctx - self.n_tokens, self.model.n_ctx
         if left < FULL_BELOW:  # reopened as it was: what makes room
             full = "full" if left < 2 else "nearly full"

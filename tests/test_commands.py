@@ -191,7 +191,7 @@ def test_blocks_are_read_the_same_way_everywhere():
 
 def test_system_given_with_resume_waits_for_the_next_conversation(model, tmp_path):
     """--resume --system X: the saved conversation was read with its own system prompt; X is kept
-    for the next conversation instead of re-reading the whole history."""
+    for the next conversation instead of re-reading the whole history, and reopening says so."""
     model.reset()
     store = Store(tmp_path / "s")
     conv = Conversation(model, Settings(temperature=0, max_tokens=4, system="Old."), session_name="sy", store=store)
@@ -199,7 +199,9 @@ def test_system_given_with_resume_waits_for_the_next_conversation(model, tmp_pat
     conv.close()
     model.reset()
     again = Conversation(model, Settings(system="New.", temperature=0.5), store=store, pinned={"system", "temperature"})
-    again.resume("sy")
+    said = again.resume("sy").splitlines()
+    assert ("note: the system prompt given waits for the next conversation (/new starts one); this one goes on "
+            "with the one it was saved with") in said
     assert again.settings.system == "Old." and again.prefs.options()["system (next)"] == "New."
     assert again.settings.temperature == 0.5 and again.settings.max_tokens == 4
     again.reset()
