@@ -700,7 +700,8 @@ def load_model(args, say, status: StatusLine, mtp: bool = True, system: str | No
                      expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp,
                      check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
     except ModelError as e:
-        if getattr(args, "ctx_of", None) and "context size" in str(e):  # not a --ctx given: say where it came from
+        about_the_context = any(words in str(e) for words in ("context size", "context of"))  # (a --system's too)
+        if getattr(args, "ctx_of", None) and about_the_context:  # not a --ctx given: say where it came from
             raise ModelError(f"{e} (the context size session {args.ctx_of} was saved with: "
                              "--ctx N reopens it with another)") from None
         raise

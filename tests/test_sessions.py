@@ -437,6 +437,10 @@ def test_a_conversation_reopens_with_the_context_it_was_saved_with(colichat_home
         "colichat: context size 4,096 is above the 2,048 tokens this model was trained for; use at most 2,048 "
         "(the context size session c was saved with: --ctx N reopens it with another)"]
     assert chat(colichat_home, [*TINY_ARGS, "--ctx", "256", "--session", "c"], lines(Q[1])).ok().resumed()[2] == "c"
+    long = " ".join(["Answer in the voice of a patient teacher."] * 40)  # some 300 tokens: more than 256
+    refused = chat(colichat_home, [*TINY_ARGS, "--session", "c", "--system", long], lines(Q[1])).failed()
+    assert refused.errors()[0].startswith("colichat: the system prompt needs ")
+    assert refused.errors()[0].endswith("(the context size session c was saved with: --ctx N reopens it with another)")
 
 
 def test_a_context_too_small_for_the_saved_conversation_is_refused_before_the_model_loads(colichat_home):
