@@ -107,17 +107,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.model:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
         args.model = os.path.expanduser(args.model)
+    args.not_utf8 = [option for option, text in (("-p", args.prompt), ("--system", args.system))
+                     if text is not None and argument_text(text) != argument_text(text, "surrogateescape")]
     args.prompt, args.system = argument_text(args.prompt), argument_text(args.system)
     return args
 
 
-def argument_text(text: str | None) -> str | None:
+def argument_text(text: str | None, errors: str = "replace") -> str | None:
     """A message typed on the command line (-p, --system), as UTF-8 whatever the locale: the bytes
     a locale without UTF-8 could not decode (Python keeps them as surrogates) are read as UTF-8,
-    and a byte that is not UTF-8 as U+FFFD, as in messages read from a pipe."""
+    and a byte that is not UTF-8 as U+FFFD, as in messages read from a pipe (main says so)."""
     if text is None or not ESCAPED.search(text):
         return text
-    return os.fsencode(text).decode("utf-8", "replace")
+    return os.fsencode(text).decode("utf-8", errors)
 
 
 def check_command_line(args) -> tuple[Settings, frozenset]:
@@ -792,6 +794,8 @@ def main(argv=None) -> int:
         to_stderr(line)
 
     set_encodings()
+    for option in args.not_utf8:
+        say(f"note: the text of {option} is not UTF-8: its invalid bytes are read as U+FFFD")
     try:
         settings, given = check_command_line(args)
     except UsageError as e:

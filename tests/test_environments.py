@@ -61,6 +61,15 @@ def test_a_message_and_system_prompt_on_the_command_line_are_utf8_whatever_the_l
     shown = chat(colichat_home, [*TINY_ARGS, "--session", "arg"], lines("/set system")).ok()
     assert "system = sé" in shown.err.splitlines()
     assert run.out == answers_bytes(saved_answers(colichat_home, "arg"))
+    assert "not UTF-8" not in run.err
+
+
+def test_a_message_on_the_command_line_that_is_not_utf8_says_so(colichat_home):
+    """-p with a byte that is not UTF-8 (Latin-1 text, say): read as U+FFFD, with one note, as a piped
+    line is (it was replaced in silence)."""
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "bad", "-p", os.fsdecode(b"caf\xe9 ok")]).ok()
+    assert saved_users(colichat_home, "bad") == ["caf\ufffd ok"]
+    assert run.err.splitlines().count("note: the text of -p is not UTF-8: its invalid bytes are read as U+FFFD") == 1
 
 
 def test_a_model_path_with_a_tilde_the_shell_left_is_the_home_directory(colichat_home, tmp_path):
