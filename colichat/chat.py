@@ -404,7 +404,9 @@ class Conversation:
             raise
 
     def rewind(self, n: int = 1) -> list[Turn]:
-        """Drop the last n exchanges (cache truncated to the start of the first dropped one)."""
+        """Drop the last n exchanges (cache truncated to the start of the first dropped one). Rewound
+        to no exchange, the conversation starts anew: a system prompt that waited for the next
+        conversation (/set system after the first answer) is the one in use now."""
         starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
         if not starts:
             raise ChatError("nothing to rewind: the conversation is empty")
@@ -412,6 +414,8 @@ class Conversation:
             raise ChatError(f"/rewind takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
         dropped = self.turns[starts[-n]:]
         self._truncate_records(dropped[0].first)
+        if not self.turns and self.prefs.next_conversation():
+            self._save_settings()
         return dropped
 
     def _rebase(self, n: int) -> None:

@@ -202,6 +202,7 @@ def cmd_rewind(app, arg: str) -> None:
     n = _int_arg(arg, 1, "/rewind")
     session = app.conv.saving.session
     saved = session is not None and session.on_disk
+    waiting = app.conv.prefs.pending_system is not False
     dropped = app.conv.rewind(n)
     for t in dropped:
         preview = t.text.strip().replace("\n", " ")
@@ -209,6 +210,8 @@ def cmd_rewind(app, arg: str) -> None:
     emptied = saved and not session.on_disk  # no exchange left: no saved conversation until the next answer
     app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context"
             + (f"; session {session.name} is empty, off the disk until its next answer" if emptied else ""))
+    if waiting and app.conv.prefs.pending_system is False:  # rewound to no exchange: a new start
+        app.say(f"system = {SETTINGS['system'].show(app.conv.settings.system)} (it waited for the next conversation)")
 
 
 def cmd_forget(app, arg: str) -> None:

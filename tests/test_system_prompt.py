@@ -148,3 +148,16 @@ def test_set_system_to_the_one_in_use_midway_leaves_nothing_waiting(small_app):
     assert run(small_app, "/set system none") == [
         "system = none (the one that waited for the next conversation is dropped)"]
     assert "system (next)" not in small_app.conv.prefs.options()
+
+
+def test_a_system_prompt_waiting_for_the_next_conversation_is_used_once_every_exchange_is_rewound(small_app):
+    """/set system after the first answer waits for the next conversation; /rewind of every exchange
+    makes the next message start one, so the waiting prompt is the one in use now (it went on
+    waiting, and the next message was read with the old one)."""
+    small_app.conv.ask("Hello there.")
+    assert run(small_app, "/set system Be brief.")[0].startswith("system prompt set for the next conversation")
+    said = run(small_app, "/rewind")
+    assert said[-1] == "system = Be brief. (it waited for the next conversation)"
+    assert run(small_app, "/set system") == ["system = Be brief."]
+    small_app.conv.ask("Hello there.")
+    assert small_app.conv.messages()[0] == {"role": "system", "content": "Be brief."}
