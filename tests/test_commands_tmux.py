@@ -10,7 +10,7 @@ import time
 
 import pytest
 from cli_helpers import TINY_ARGS, chat, lines, saved_answers, saved_turns
-from tmux_helpers import Tmux, rows_after, visible, wrapped
+from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 
 from colichat.wrap import displayable
 
@@ -41,11 +41,6 @@ def in_shell(home, *args: str, wrapped: bool = False) -> Tmux:
     t.keys("Enter")
     t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
     return t
-
-
-def streaming(question: str):
-    """A screen predicate: the answer to `question` has begun."""
-    return lambda s: f"> {question}\n" in s and len(s.split(f"> {question}\n", 1)[1].split()) > 3
 
 
 @pytest.fixture

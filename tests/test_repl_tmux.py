@@ -6,7 +6,7 @@ import re
 import sys
 
 import pytest
-from tmux_helpers import Tmux, rows_after, visible, wrapped
+from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 
 pytestmark = pytest.mark.default_model
 
@@ -196,14 +196,6 @@ def answer_after(screen: str, question: str) -> list[str]:
     return shown[start + 1:end]
 
 
-def streaming(screen: str, question: str) -> bool:
-    """Whether the answer to `question` has started to show (a few words, the status line aside)."""
-    if f"> {question}" not in screen:
-        return False
-    after = [line for line in screen.split(f"> {question}", 1)[1].splitlines() if "reading your message" not in line]
-    return len(" ".join(after).split()) > 3
-
-
 def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_path):
     t = gated_chat(colichat_home, "--temperature 0 --max-tokens 40", tmp_path / "raw.log")
     try:
@@ -213,7 +205,7 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
         question = "Write a long story about a dragon who lived in a castle."
         t.type(question)
         t.keys("Enter")
-        t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
+        t.wait_for(streaming(question), MODEL_WAIT, "the answer to stream")
         t.type("next question")
         screen = t.wait_for(lambda s: len(FOOTER.findall(s)) == 1 and s.rstrip().endswith("> next question"),
                             300, "the footer and the typed-ahead text at the prompt")
@@ -226,7 +218,7 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
         question = "Tell me a long story about a brave knight."
         t.type(question)
         t.keys("Enter")
-        t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
+        t.wait_for(streaming(question), MODEL_WAIT, "the answer to stream")
         t.type("then this")
         t.keys("C-c")
         screen = t.wait_for(lambda s: re.search(r", interrupted[,;]", s) and s.rstrip().endswith("> then this"),
@@ -294,7 +286,7 @@ def test_fg_mid_answer_goes_on_below_the_shells_lines_and_overwrites_nothing(col
         question = "Write a long story about a dragon who lived in a castle."
         t.type(question)
         t.keys("Enter")
-        t.wait_for(lambda s: streaming(s, question), MODEL_WAIT, "the answer to stream")
+        t.wait_for(streaming(question), MODEL_WAIT, "the answer to stream")
         t.keys("C-z")
         stopped = t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), SCREEN_WAIT,
                              "the shell, colichat stopped")
@@ -414,7 +406,7 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
         second = "Tell me a long story about a castle."
         t.type(second)
         t.keys("Enter")
-        t.wait_for(lambda s: streaming(s, second), MODEL_WAIT, "the answer to stream")
+        t.wait_for(streaming(second), MODEL_WAIT, "the answer to stream")
         resize(t, 50)
         t.wait_for(lambda s: rows_after(visible(t), first) == wrapped(answer, 50) and FOOTER.findall(s)[1:] == [],
                    SCREEN_WAIT, "the window drawn again at 50 columns while the answer streams")
