@@ -36,7 +36,7 @@ try:
     from .errors import USER_ERRORS, ChatError, UsageError
     from .inputs import ESCAPED, FENCE, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
-    from .paths import paths
+    from .paths import expand_home, paths
     from .persist import SessionError, Store, check_name
     from .sessions import (
         before_load,
@@ -105,8 +105,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
     args = p.parse_args(argv)
-    if args.model:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
-        args.model = os.path.expanduser(args.model)
     args.not_utf8 = [option for option, text in (("-p", args.prompt), ("--system", args.system))
                      if text is not None and argument_text(text) != argument_text(text, "surrogateescape")]
     args.prompt, args.system = argument_text(args.prompt), argument_text(args.system)
@@ -127,6 +125,8 @@ def check_command_line(args) -> tuple[Settings, frozenset]:
     a bad option value, options that contradict each other. Returns settings_from's answer."""
     if args.model == "":
         raise UsageError("--model needs a path")
+    if args.model:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
+        args.model = expand_home(args.model, UsageError, "--model ")
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("-p/--prompt needs a message")
     if args.ctx is not None and args.ctx < MIN_CTX:

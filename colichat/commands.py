@@ -16,6 +16,7 @@ from . import report
 from .errors import ChatError
 from .inputs import Message
 from .models import model_title
+from .paths import expand_home
 from .saving import CURRENT_MARK
 from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
@@ -169,7 +170,7 @@ def export_path(arg: str, title: str) -> str:
     if given == "-":  # stdout carries only the answers (pipe mode): a Markdown copy there would mix in
         raise ChatError("/export writes a file, not standard output: /export FILE "
                         "(colichat --export NAME prints a saved conversation)")
-    path = os.path.expanduser(given or f"{title}.md")
+    path = expand_home(given or f"{title}.md", ChatError)
     return os.path.join(path, f"{title}.md") if given and os.path.isdir(path) else path
 
 

@@ -1,6 +1,7 @@
 """Where colichat keeps things: sessions (data), input history (state), re-creatable caches (cache).
 
-COLICHAT_HOME, when set, holds all three as data/, state/ and cache/ (tests use it); otherwise the
+COLICHAT_HOME, when set, holds all three as data/, state/ and cache/ (tests use it; a relative one is
+taken from the current directory at start, and `~` is expanded); otherwise the
 XDG directories from platformdirs (~/.local/share/colichat, ~/.local/state/colichat, ~/.cache/colichat);
 without a home directory (no absolute HOME, none in passwd either), a SessionError says to set one.
 Every directory colichat creates is 0700 and every file 0600, whatever the umask: conversations are
@@ -21,10 +22,25 @@ class Paths:
     cache: Path  # dequantized weights and other re-creatable files
 
 
+NO_HOME = ("HOME is not set (or not an absolute path) and this user has no home directory")
+
+
+def expand_home(path: str, error: type[Exception], given: str = "") -> str:
+    """`path` with a leading `~` or `~user` expanded (the shell leaves one after `=`, or quoted, as it is);
+    `error` (the caller's kind of user error) where `~` has no home directory to stand for, its
+    message naming the path as `given` it (an option or variable before it)."""
+    expanded = os.path.expanduser(path)
+    if path.startswith("~") and (expanded.startswith("~") or not os.path.isabs(expanded)):
+        raise error(f"{given}{path}: ~ cannot be expanded: {NO_HOME}; give the full path, or set HOME")
+    return expanded
+
+
 def paths() -> Paths:
     home = os.environ.get("COLICHAT_HOME")
     if home:
-        h = Path(home).expanduser()
+        from .persist.kvfile import SessionError
+
+        h = Path(os.path.abspath(expand_home(home, SessionError, "COLICHAT_HOME=")))  # later chdirs move nothing
         return Paths(h / "data", h / "state", h / "cache")
     import platformdirs
 
@@ -34,9 +50,8 @@ def paths() -> Paths:
     except RuntimeError:  # platformdirs: no absolute HOME, and the user has no home directory in passwd
         from .persist.kvfile import SessionError
 
-        raise SessionError("cannot tell where to keep conversations: HOME is not set (or not an absolute path) "
-                           "and this user has no home directory; set HOME, or COLICHAT_HOME to a directory "
-                           "for colichat's files") from None
+        raise SessionError(f"cannot tell where to keep conversations: {NO_HOME}; set HOME, or COLICHAT_HOME "
+                           "to a directory for colichat's files") from None
 
 
 def private_dir(directory) -> Path:

@@ -156,6 +156,62 @@ def test_no_home_directory_refuses_the_start_in_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory instead
 
 
+@pytest.fixture
+def no_home(monkeypatch):
+    """HOME unset and no home directory in passwd, in this process."""
+    import pwd
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+
+
+def test_a_tilde_without_a_home_directory_says_so_not_no_such_file(no_home, monkeypatch):
+    """`~` with no home directory to stand for: each place that expands it (COLICHAT_HOME, /export's
+    FILE; --model below) says that ~ cannot be expanded and what to give instead, in the error of the
+    place (a start's, a command's)."""
+    from colichat.commands import export_path
+    from colichat.errors import ChatError
+    from colichat.paths import paths
+    from colichat.persist import SessionError
+
+    monkeypatch.setenv("COLICHAT_HOME", "~/colichat")
+    with pytest.raises(SessionError, match=r"^COLICHAT_HOME=~/colichat: ~ cannot be expanded: HOME is not set "
+                       r"\(or not an absolute path\) and this user has no home directory; give the full path"):
+        paths()
+    with pytest.raises(ChatError, match=r"^~/notes.md: ~ cannot be expanded: .*; give the full path, or set HOME$"):
+        export_path("~/notes.md", "talk")
+    assert export_path("notes.md", "talk") == "notes.md"  # no ~: nothing to expand
+
+
+def test_a_relative_colichat_home_is_taken_from_the_directory_colichat_starts_in(tmp_path, monkeypatch):
+    """COLICHAT_HOME=data keeps the files under ./data of the directory colichat started in, named
+    by their full path (a later change of directory moves nothing)."""
+    from colichat.paths import paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLICHAT_HOME", "data")
+    where = paths()
+    assert where.data == tmp_path / "data" / "data" and where.cache == tmp_path / "data" / "cache"
+    assert where.data.is_absolute()
+
+
+def test_model_with_a_tilde_and_no_home_directory_is_one_line(tmp_path):
+    """--model '~/m.gguf' (quoted, or after `=`) as a user with no home directory: one line saying
+    ~ cannot be expanded (it said "no such file" of the literal path), exit 2."""
+    prefix = _usable(["unshare", "--user", "--map-user=12345", "--map-group=12345"],
+                     "running colichat as a user with no passwd entry")
+    env = {k: v for k, v in env_for(tmp_path).items() if k != "HOME"}
+    p = subprocess.run([*prefix, *CHAT, "--model=~/m.gguf", "-p", "hello"], capture_output=True,
+                       text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert "Traceback" not in p.stderr and p.returncode == 2, p.stderr
+    assert p.stderr.splitlines() == ["colichat: --model ~/m.gguf: ~ cannot be expanded: HOME is not set (or not an "
+                                     "absolute path) and this user has no home directory; give the full path, or "
+                                     "set HOME"]
+
+
 def test_on_a_dumb_terminal_sessions_are_not_cut_to_the_window(monkeypatch):
     """/sessions on a terminal shows the newest that fit in its window (App.window); an editor's shell
     buffer (TERM=dumb) scrolls freely, so there it lists them all, as through a pipe."""
