@@ -32,7 +32,7 @@ try:
     from . import __version__, report, system_prompt
     from .chat import Conversation
     from .commands import dispatch, is_command, is_quit_word, message_text
-    from .engine import MIN_CTX, ModelError, default_context, load, resume_problem, trained_context
+    from .engine import MIN_CTX, ContextError, ModelError, default_context, load, resume_problem, trained_context
     from .errors import USER_ERRORS, ChatError, UsageError
     from .inputs import ESCAPED, FENCE, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path, model_title
@@ -701,11 +701,10 @@ def load_model(args, say, status: StatusLine, mtp: bool = True, system: str | No
         model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
                      expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp,
                      check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
-    except ModelError as e:
-        about_the_context = any(words in str(e) for words in ("context size", "context of"))  # (a --system's too)
-        if getattr(args, "ctx_of", None) and about_the_context:  # not a --ctx given: say where it came from
-            raise ModelError(f"{e} (the context size session {args.ctx_of} was saved with: "
-                             "--ctx N reopens it with another)") from None
+    except ContextError as e:  # (a --system's too)
+        if getattr(args, "ctx_of", None):  # not a --ctx given: say where it came from
+            raise ContextError(f"{e} (the context size session {args.ctx_of} was saved with: "
+                               "--ctx N reopens it with another)") from None
         raise
     status.clear()
     cfg = model.cfg

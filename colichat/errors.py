@@ -8,6 +8,7 @@ bug of colichat and shows its traceback.
                          contradict each other): exit 2, as argparse's own errors (cli.py)
     SettingError         a value a setting or an option cannot take (settings.py)
     ModelError           a model file that is missing, damaged or not supported (engine/gguf.py)
+      ContextError       a context size it cannot run with (too small or large, no room for --system)
     SessionError         a saved conversation that cannot be opened, loaded or saved (persist/kvfile.py)
     DefaultModelMissing  no --model and the default model is not downloaded (models.py)
 """

@@ -11,7 +11,7 @@ prompt is refused only when even that leaves no room for the answer's first toke
 
 from __future__ import annotations
 
-from .engine import ModelError
+from .engine import ContextError, ModelError
 from .engine.template import TemplateError, chat_template_for, system_prompt_refusal
 
 
@@ -55,7 +55,7 @@ def check_at_start(cfg, tokenizer, n_ctx: int, system: str | None) -> None:
                          f"({why}); run without --system")
     problem = room_problem(tokenizer, system, n_ctx)
     if problem:
-        raise ModelError(f"the system prompt {problem}: give a shorter --system"
+        raise ContextError(f"the system prompt {problem}: give a shorter --system"
                          f"{larger_ctx(n_ctx, cfg.n_ctx_train)}")
 
 

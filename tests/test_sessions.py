@@ -443,6 +443,29 @@ def test_a_conversation_reopens_with_the_context_it_was_saved_with(colichat_home
     assert refused.errors()[0].endswith("(the context size session c was saved with: --ctx N reopens it with another)")
 
 
+def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkeypatch):
+    """The note on where the context size came from follows a ContextError only, by its type: a model
+    error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
+    import argparse
+
+    from colichat import cli
+    from colichat.engine import ContextError, ModelError
+
+    args = argparse.Namespace(model="m.gguf", ctx=160, ctx_of="c", expert_cache=None, numerics="fast", verbose=False)
+    status = cli.StatusLine()
+    for error, suffixed in ((ContextError("context size 160 is too small"), True),
+                            (ModelError("m.gguf: chat template: 'context size' is undefined"), False)):
+        def failing_load(*a, error=error, **k):
+            raise error
+
+        monkeypatch.setattr(cli, "load", failing_load)
+        with pytest.raises(ModelError) as caught:
+            cli.load_model(args, print, status)
+        assert type(caught.value) is type(error)
+        assert str(caught.value).endswith("(the context size session c was saved with: --ctx N reopens it "
+                                          "with another)") is suffixed, caught.value
+
+
 def test_a_context_too_small_for_the_saved_conversation_is_refused_before_the_model_loads(colichat_home):
     """--ctx smaller than a saved conversation is refused from its files, before the model loads, and
     the --ctx it names reopens the conversation with room for an exchange (its exact size would

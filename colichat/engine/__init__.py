@@ -21,15 +21,15 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from .cache import record_bytes
-from .gguf import MIN_CTX, ModelConfig, ModelError, Tensors, load_config, open_gguf, trained_context
+from .gguf import MIN_CTX, ContextError, ModelConfig, ModelError, Tensors, load_config, open_gguf, trained_context
 from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
 
-__all__ = ["Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "default_context", "load",
-           "load_tokenizer", "resume_problem", "trained_context"]
+__all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "default_context",
+           "load", "load_tokenizer", "resume_problem", "trained_context"]
 
 
 def load_tokenizer(path_or_reader):
@@ -71,7 +71,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     check_chat_template(tokenizer, path)  # a broken one is the file's fault: refused before any work
     n_ctx = context_size(cfg, n_ctx)
     if n_ctx < MIN_CTX:
-        raise ModelError(f"context size {n_ctx} is too small (at least {MIN_CTX} tokens)")
+        raise ContextError(f"context size {n_ctx} is too small (at least {MIN_CTX} tokens)")
     dense = dense_f32_bytes(tensors)
     check_memory(path, dense)
     a, b = architecture(cfg).cache_widths(cfg)
@@ -137,13 +137,13 @@ def check_context(n_ctx: int, n_ctx_train: int, record_bytes: int, weight_bytes:
     """Refuse a context longer than the model was trained for, or whose KV cache (record_bytes per
     token) cannot fit in the memory available beside the weights."""
     if n_ctx > n_ctx_train:
-        raise ModelError(f"context size {n_ctx:,} is above the {n_ctx_train:,} tokens this model was "
+        raise ContextError(f"context size {n_ctx:,} is above the {n_ctx_train:,} tokens this model was "
                          f"trained for; use at most {n_ctx_train:,}")
     have = available_memory()
     need = record_bytes * n_ctx
     if have is not None and need + weight_bytes > have:
         fits = max(0, (have - weight_bytes) // record_bytes)
-        raise ModelError(f"context size {n_ctx:,} needs {_size(need)} for its KV cache, but only "
+        raise ContextError(f"context size {n_ctx:,} needs {_size(need)} for its KV cache, but only "
                          f"{_size(have)} of memory is available and the weights take "
                          f"{_size(weight_bytes)}; use at most {fits:,} tokens")
 

@@ -36,6 +36,11 @@ class ModelError(Exception):
     """A model file colichat cannot use. The message is one line meant for the user."""
 
 
+class ContextError(ModelError):
+    """A context size the model cannot run with: too small, longer than it was trained for, more than
+    memory holds, or without room for the system prompt and a message."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the forward pass needs, read once from GGUF metadata (and tensor presence)."""
