@@ -434,6 +434,36 @@ def test_the_leftover_of_an_interrupted_create_is_replaced(colichat_home):
         store.delete(IDENT, "x")
 
 
+def test_rename_takes_a_name_that_holds_only_an_empty_session_left_on_disk(colichat_home):
+    """A name whose files hold no conversation (an empty session, an interrupted create's leftover)
+    is free for a rename as for a new session: the leftovers are replaced; a real one is refused."""
+    cache = make_cache()
+    store = Store()
+    kept_turns = build(cache, 1)
+    with store.create(IDENT, layout_of(cache), name="kept") as kept:
+        kept.append(cache, kept_turns)
+    with store.create(IDENT, layout_of(cache), name="a") as sess:
+        turns = build(cache, 2)
+        sess.append(cache, turns)
+        for leftover in ("empty", "interrupted"):
+            with store.create(IDENT, layout_of(cache), name=leftover) as left:
+                pass  # a KV file with no records and a sidecar with no turns
+            if leftover == "interrupted":
+                os.rename(left.kv_path, left.kv_path + ".tmp")
+            store.rename(sess, leftover)
+            assert sess.name == leftover
+        with pytest.raises(SessionError, match="session kept already exists: choose another name"):
+            store.rename(sess, "kept")
+    d = store.model_dir(IDENT)
+    assert sorted(p.name for p in d.iterdir() if not p.name.endswith(".lock")) == [
+        "interrupted.coli_kv", "interrupted.json", "kept.coli_kv", "kept.json"]
+    assert [i.name for i in store.list(IDENT)] == ["interrupted", "kept"]
+    with store.open(IDENT, "interrupted", layout_of(cache)) as sess:
+        assert sess.load(make_cache()).turns == turns
+    with store.open(IDENT, "kept", layout_of(cache)) as sess:
+        assert sess.load(make_cache()).turns == kept_turns
+
+
 # ---- files planted or removed behind colichat's back ------------------------------------------
 
 

@@ -49,7 +49,6 @@ from .kvfile import (
     SessionError,
     SessionExists,
     fsync_dir,
-    lstat_regular,
     oserror_text,
 )
 from .session import (
@@ -321,6 +320,17 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
     return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
 
 
+def _remove_leftovers(base: str, name: str) -> None:
+    """Remove what a name that holds no conversation may still have on disk (see holds_conversation),
+    its lock held, so that the name can be taken."""
+    try:
+        for path in (base + SIDECAR_EXT, base + SIDECAR_EXT + ".tmp", base + KV_EXT, base + KV_EXT + ".tmp"):
+            if os.path.lexists(path):
+                os.unlink(path)
+    except OSError as e:
+        raise SessionError(f"cannot take the name {name}: {oserror_text(e)}") from None
+
+
 def _holds(base: Path) -> bool:
     """holds_conversation, where a file it cannot judge counts as something (the listing says why)."""
     try:
@@ -575,8 +585,9 @@ class Store:
         base, old = os.path.join(sess.directory, new), os.path.join(sess.directory, sess.name)
         fd = _lock(base + ".lock", new)
         try:
-            if lstat_regular(base + KV_EXT, "session file") or lstat_regular(base + SIDECAR_EXT, "sidecar"):
+            if holds_conversation(base):  # (a link or a special file there is a SessionError naming it)
                 raise SessionError(f"session {new} already exists: choose another name")
+            _remove_leftovers(base, new)  # an empty session or an interrupted create: no conversation
             exts: list[str] = []
             done: list[str] = []
             try:
