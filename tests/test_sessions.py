@@ -8,6 +8,8 @@ import os
 import re
 import resource
 import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from cli_helpers import (
@@ -483,19 +485,37 @@ def test_a_context_too_small_for_the_saved_conversation_is_refused_before_the_mo
     assert [f.rsplit("; ", 1)[1] for f in run.footers()] == ["saved to c]"]
 
 
-def test_a_session_of_a_model_given_through_a_link_follows_the_file_not_the_link(colichat_home, tmp_path):
-    """A conversation made with --model cur.gguf, a link to llama.gguf: once the link points to another
-    model, --session NAME reopens it from llama.gguf (the file the link led to), and --model cur.gguf
-    --session NAME is refused with the --model that reopens it, never a second NAME beside it."""
+@dataclass
+class LinkedModels:
+    """m/llama.gguf (the tiny llama), m/other.gguf (another model of its shape), and m/cur.gguf: a link
+    to llama.gguf, which `point_to` moves to another file."""
+
+    llama: str
+    link: Path
+
+    def point_to(self, target: str) -> None:
+        self.link.unlink()
+        self.link.symlink_to(target)
+
+
+@pytest.fixture
+def linked(tmp_path) -> LinkedModels:
     (tmp_path / "m").mkdir()
     llama = shutil.copy(TINY_LLAMA, tmp_path / "m" / "llama.gguf")
     copy_gguf(TINY_LLAMA, tmp_path / "m" / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
     link = tmp_path / "m" / "cur.gguf"
     link.symlink_to("llama.gguf")
+    return LinkedModels(llama, link)
+
+
+def test_a_session_of_a_model_given_through_a_link_follows_the_file_not_the_link(colichat_home, linked):
+    """A conversation made with --model cur.gguf, a link to llama.gguf: once the link points to another
+    model, --session NAME reopens it from llama.gguf (the file the link led to), and --model cur.gguf
+    --session NAME is refused with the --model that reopens it, never a second NAME beside it."""
+    llama, link = linked.llama, linked.link
     settings = TINY_ARGS[2:]
     chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
-    link.unlink()
-    link.symlink_to("other.gguf")
+    linked.point_to("other.gguf")
     run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
     assert run.err == (f"colichat: session sym was saved with {llama}, which {link} led to then ({link} holds "
                        f"another model now): colichat --model {llama} --session sym reopens it, or choose another "
@@ -571,27 +591,20 @@ def test_an_older_conversation_too_long_for_the_default_context_is_refused_befor
 
 
 def test_resume_through_a_link_pointed_elsewhere_names_the_conversations_of_the_file_it_led_to(
-        colichat_home, tmp_path):
+        colichat_home, linked):
     """--model LINK --resume, LINK made to point to another model after conversations were saved
     through it: the refusal (no conversation of this model) comes after one note naming the file LINK
     led to and the command that reopens them, which does."""
-    (tmp_path / "m").mkdir()
-    llama = shutil.copy(TINY_LLAMA, tmp_path / "m" / "llama.gguf")
-    copy_gguf(TINY_LLAMA, tmp_path / "m" / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
-    link = tmp_path / "m" / "cur.gguf"
-    link.symlink_to("llama.gguf")
+    llama, link = linked.llama, linked.link
     settings = TINY_ARGS[2:]
     chat(colichat_home, ["--model", link, *settings, "--session", "one"], lines(Q[0])).ok()
-    link.unlink()
-    link.symlink_to("other.gguf")
+    linked.point_to("other.gguf")
     run = chat(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
     assert run.err == (f"note: conversation one was saved with {link} when it led to {llama}: colichat --model "
                        f"{llama} --resume reopens it\ncolichat: no saved conversation for this model yet\n")
-    link.unlink()
-    link.symlink_to("llama.gguf")
+    linked.point_to("llama.gguf")
     chat(colichat_home, ["--model", link, *settings, "--session", "two"], lines(Q[0])).ok()
-    link.unlink()
-    link.symlink_to("other.gguf")
+    linked.point_to("other.gguf")
     run = chat(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
     assert run.err.splitlines() == [
         f"note: 2 conversations were saved with {link} when it led to {llama} (the newest: two): colichat --model "
@@ -619,15 +632,11 @@ def test_a_model_without_a_name_keeps_its_conversations_under_another_file_name(
     assert saved_users(colichat_home, "s") == Q
 
 
-def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colichat_home, tmp_path):
+def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colichat_home, linked):
     """The second start through a link maps the dequantized weights kept by the first: the session
     still records the link's path (it recorded the file the link led to, so once the link pointed to
     another model --model LINK --session NAME started a second conversation NAME beside it)."""
-    (tmp_path / "m").mkdir()
-    llama = shutil.copy(TINY_LLAMA, tmp_path / "m" / "llama.gguf")
-    copy_gguf(TINY_LLAMA, tmp_path / "m" / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
-    link = tmp_path / "m" / "cur.gguf"
-    link.symlink_to("llama.gguf")
+    llama, link = linked.llama, linked.link
     settings = TINY_ARGS[2:]
     chat(colichat_home, ["--model", link, *settings, "--session", "first"], lines(Q[0])).ok()
     run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
@@ -635,8 +644,7 @@ def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colich
     [side] = [p for p in session_files(colichat_home) if p.name == "sym.json"]
     model = json.loads(side.read_text("utf-8"))["model"]
     assert (model["path"], model["real_path"]) == (str(link), str(llama))
-    link.unlink()
-    link.symlink_to("other.gguf")
+    linked.point_to("other.gguf")
     run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
     assert run.err == (f"colichat: session sym was saved with {llama}, which {link} led to then ({link} holds "
                        f"another model now): colichat --model {llama} --session sym reopens it, or choose another "
