@@ -36,8 +36,8 @@ from cli_helpers import (
 from conftest import TINY
 
 from colichat import __version__
-from colichat.cli import model_title
 from colichat.commands import COMMANDS, listed
+from colichat.models import model_title
 from colichat.units import count, format_size
 from colichat.wrap import displayable
 

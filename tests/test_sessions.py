@@ -450,7 +450,7 @@ def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkey
     error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
     import argparse
 
-    from colichat import cli
+    from colichat import cli, start
     from colichat.engine import ContextError, ModelError
 
     args = argparse.Namespace(model="m.gguf", ctx=160, ctx_of="c", expert_cache=None, numerics="fast", verbose=False)
@@ -460,9 +460,9 @@ def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkey
         def failing_load(*a, error=error, **k):
             raise error
 
-        monkeypatch.setattr(cli, "load", failing_load)
+        monkeypatch.setattr(start, "load", failing_load)
         with pytest.raises(ModelError) as caught:
-            cli.load_model(args, print, status)
+            start.load_model(args, print, status)
         assert type(caught.value) is type(error)
         assert str(caught.value).endswith("(the context size session c was saved with: --ctx N reopens it "
                                           "with another)") is suffixed, caught.value
