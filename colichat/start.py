@@ -165,8 +165,9 @@ def check_rope_factors(args) -> None:
 
 
 def load_model(args, say, status, mtp: bool = True, system: str | None = None):
-    """The model of args.model, with the progress shown on `status` (cli.StatusLine); a --system `system` its chat template refuses,
-    or that leaves no room for a message, is refused before the weights are prepared."""
+    """The model of args.model, with the progress shown on `status` (cli.StatusLine); a --system
+    `system` its chat template refuses, or that leaves no room for a message, is refused before the
+    weights are prepared."""
     path = args.model  # chosen by choose_model
     t0 = time.perf_counter()
     name = os.path.basename(path)

@@ -632,6 +632,25 @@ def test_a_model_without_a_name_keeps_its_conversations_under_another_file_name(
     assert saved_users(colichat_home, "s") == Q
 
 
+def test_a_model_without_a_name_is_named_after_the_path_given_also_from_the_cache(colichat_home, linked):
+    """A GGUF without general.name is named after the path it is given by (load_config): so too when
+    its weights come from the cache a start through another path made (it kept that path's name:
+    'llama.gguf (llama, ...' through cur.gguf), and a general.name is kept whatever the path."""
+    settings = TINY_ARGS[2:]
+    first = chat(colichat_home, ["--model", linked.llama, *settings, "--session", "a"], lines(Q[0])).ok()
+    assert first.err.startswith("llama (llama, 4 layers), loaded in ")
+    run = chat(colichat_home, ["--model", linked.link, *settings, "--session", "b"], lines(Q[0])).ok()
+    assert "kept the dequantized weights" not in run.err  # (mapped from the cache)
+    assert run.err.startswith("cur (llama, 4 layers), loaded in ")
+    assert names_on_disk(colichat_home) == ["a", "b"]
+    assert len({p.parent for p in session_files(colichat_home)}) == 1  # one model: its conversations in one place
+    named = copy_gguf(TINY_LLAMA, linked.link.parent / "named.gguf", set_keys={"general.name": "Tiny Named"})
+    (linked.link.parent / "nl.gguf").symlink_to("named.gguf")
+    for path in (named, linked.link.parent / "nl.gguf"):
+        run = chat(colichat_home, ["--model", path, *settings, "--session", "n"], lines(Q[0])).ok()
+        assert run.err.startswith("Tiny Named (llama, 4 layers), loaded in ")
+
+
 def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colichat_home, linked):
     """The second start through a link maps the dequantized weights kept by the first: the session
     still records the link's path (it recorded the file the link led to, so once the link pointed to

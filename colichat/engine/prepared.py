@@ -127,7 +127,10 @@ class Prepared:
             raise DamagedEntry("meta.json is not what this colichat wrote")
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = {k: v for k, v in meta["config"].items() if k in fields}
-        self.config = ModelConfig(**{**cfg, "path": path if given is None else given})
+        named = path if given is None else given
+        if cfg["name"] == os.path.basename(cfg["path"]):  # no general.name: named after the path given
+            cfg["name"] = os.path.basename(named)  # now, as load_config names it (a link stays the link)
+        self.config = ModelConfig(**{**cfg, "path": named})
         self.tokenizer_meta = meta["tokenizer"]
         size = os.path.getsize(entry / "weights.f32")
         if size != meta["weights_bytes"]:
