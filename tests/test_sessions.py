@@ -445,6 +445,19 @@ def test_a_conversation_reopens_with_the_context_it_was_saved_with(colichat_home
     assert refused.errors()[0].endswith("(the context size session c was saved with: --ctx N reopens it with another)")
 
 
+def test_a_new_conversation_after_a_reopened_one_runs_and_reopens_with_the_loaded_context(colichat_home):
+    """**Decided:** the context size is the loaded model's (its cache and rope tables are made for it):
+    /new after reopening a conversation saved with --ctx 160 goes on at 160, says so in its footer,
+    records it, and reopens with it (a later start without --ctx does not change it behind the user's back)."""
+    chat(colichat_home, [*TINY_ARGS, "--ctx", "160", "--session", "c"], lines(Q[0])).ok()
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "c"], lines("/new", Q[1], "/rename d")).ok()
+    assert [f.split("context ")[1].split(",")[0] for f in run.footers()][-1].endswith("/160")
+    [side] = [p for p in session_files(colichat_home) if p.name == "d.json"]
+    assert json.loads(side.read_text())["model"]["n_ctx"] == 160
+    again = chat(colichat_home, [*TINY_ARGS, "--session", "d"], lines(Q[2])).ok()
+    assert again.resumed()[2] == "d" and again.footers()[-1].split("context ")[1].split(",")[0].endswith("/160")
+
+
 def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkeypatch):
     """The note on where the context size came from follows a ContextError only, by its type: a model
     error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
