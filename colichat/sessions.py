@@ -25,7 +25,9 @@ from datetime import datetime
 from .engine.gguf import MIN_CTX
 from .models import model_title
 from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
-from .persist.session import SIDECAR_EXT, doc_check, holds_conversation, lock_holder, more_context
+from .persist.locks import lock_holder
+from .persist.session import SIDECAR_EXT, holds_conversation, more_context
+from .persist.sidecar import doc_check
 from .persist.store import damaged_text, model_file_now
 
 

@@ -393,7 +393,7 @@ BAD_SETTINGS = {
 def test_bad_saved_setting_is_reported_as_damage_and_not_used(key, colichat_home):
     import json
 
-    from colichat.persist.session import doc_check
+    from colichat.persist.sidecar import doc_check
 
     value, problem = BAD_SETTINGS[key]
     first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()

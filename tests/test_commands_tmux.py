@@ -152,7 +152,7 @@ def many_sessions(home, n: int) -> list[str]:
     import json
     from datetime import datetime, timedelta, timezone
 
-    from colichat.persist.session import doc_check
+    from colichat.persist.sidecar import doc_check
 
     chat(home, [*TINY_ARGS, "--session", "conv-0"], lines("hello")).ok()
     [side] = (home / "data" / "sessions").glob("*/conv-0.json")

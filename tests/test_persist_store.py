@@ -232,9 +232,9 @@ def test_a_save_does_not_wait_for_ever_on_a_read_that_does_not_end(colichat_home
     """A reader stopped mid-read (Ctrl-Z) holds its shared lock: the save waits a while, then goes on."""
     import fcntl
 
-    import colichat.persist.session as session_mod
+    import colichat.persist.locks as locks
 
-    monkeypatch.setattr(session_mod, "SAVE_WAITS_FOR_A_READ", 0.05)
+    monkeypatch.setattr(locks, "SAVE_WAITS_FOR_A_READ", 0.05)
     cache = make_cache()
     turns = build(cache, 4)
     with Store().create(IDENT, layout_of(cache), name="busy") as sess:
@@ -384,18 +384,18 @@ def test_a_claimed_name_is_locked_and_its_files_come_with_the_first_save(colicha
 def test_the_look_at_a_lock_names_its_holder_and_takes_nothing(colichat_home):
     """lock_holder: the pid of a colichat holding the session's lock; None for a free one, also
     when a holder killed outright left its pid in the file. The look keeps no lock."""
-    from colichat.persist.session import _lock, _unlock, lock_holder
+    from colichat.persist.locks import lock_holder, release_lock, take_lock
 
     path = str(colichat_home / "s.lock")
     assert lock_holder(path) is None  # no lock file: none is made
     assert not os.path.exists(path)
-    fd = _lock(path, "s")
+    fd = take_lock(path, "s")
     assert lock_holder(path) == str(os.getpid())
-    _unlock(fd)
+    release_lock(fd)
     assert lock_holder(path) is None
     Path(path).write_text("4242\n")  # what a holder killed with SIGKILL leaves
     assert lock_holder(path) is None
-    _unlock(_lock(path, "s"))  # the look took nothing
+    release_lock(take_lock(path, "s"))  # the look took nothing
 
 
 def test_a_claimed_session_whose_directory_was_removed_is_saved_there_again(colichat_home):

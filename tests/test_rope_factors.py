@@ -19,7 +19,7 @@ from conftest import TINY
 from colichat.chat import ChatError, Conversation, Settings
 from colichat.engine import ModelError, load, resume_problem
 from colichat.persist import CacheLayout, SessionError, Store, Turn, model_identity
-from colichat.persist.session import doc_check
+from colichat.persist.sidecar import doc_check
 
 MINICPM3 = str(TINY / "minicpm3.gguf")
 ORIG = 256  # the tiny minicpm3's rope.scaling.original_context_length

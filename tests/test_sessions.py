@@ -28,7 +28,7 @@ from cli_helpers import (
 from persist_helpers import snapshot
 
 from colichat.persist import SessionError, Store
-from colichat.persist.session import doc_check
+from colichat.persist.sidecar import doc_check
 from colichat.persist.store import slug
 from colichat.sessions import model_to_reopen
 

@@ -14,7 +14,7 @@ from test_commands import Recorder, run
 from colichat.chat import ChatError, Conversation, Settings
 from colichat.engine import load
 from colichat.persist import Store
-from colichat.persist.session import doc_check
+from colichat.persist.sidecar import doc_check
 
 # Gemma's way: ChatML, but a system message is refused
 NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"

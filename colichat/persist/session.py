@@ -1,4 +1,5 @@
-"""A session: NAME.coli_kv (the records) + NAME.json (the sidecar) + NAME.lock (the writer's lock).
+"""A session: NAME.coli_kv (the records) + NAME.json (the sidecar, sidecar.py) + NAME.lock (the
+writer's lock, locks.py).
 
     sess = Session.create(directory, name, ident, layout, sampler=None)   # new, empty, locked
     sess = Session.open(directory, name, ident, layout)                   # existing, locked
@@ -28,21 +29,14 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-try:  # the same CRC-32 as zlib.crc32, several times faster (resume checks every saved byte)
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
-    from zlib import crc32
-
 from ..paths import private_dir
 from ..units import count
 from .kvfile import (
     HEADER_SIZE,
-    INT32_MAX,
     KIND_OF_MAGIC,
     MAGIC,
     CacheLayout,
     SaveFailed,
-    SessionBusy,
     SessionError,
     check_writable,
     create_kv,
@@ -56,6 +50,8 @@ from .kvfile import (
     write_nrec,
     write_records,
 )
+from .locks import flock_for_save, flock_quietly, release_lock, take_lock
+from .sidecar import Turn, doc_check, drop_unanswered, parse_turns, span, turn_check, turn_crc
 
 # Tokens of context a reopened conversation has left at least, to go on with a short exchange: the
 # size a refusal of too small a context asks for (more_context), and below which the chat says the
@@ -64,14 +60,6 @@ REOPEN_ROOM = 16
 FORMAT_VERSION = 2  # 2: a "check" CRC over the sidecar's settings, and one over each turn's fields
 KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
 MAX_SIDECAR_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class Turn:
-    role: str  # "system", "user", "assistant"; "imported" for a cache loaded without a sidecar
-    text: str
-    first: int  # first record of the turn
-    last: int  # one past its last record
 
 
 @dataclass
@@ -93,67 +81,6 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-def turn_crc(cache, t: Turn) -> int:
-    """CRC-32 (zlib's polynomial) of the turn's record bytes; ISA-L computes the same value ~4x faster."""
-    return crc32(cache.raw(t.first, t.last))
-
-
-def _lock(path: str, name: str) -> int:
-    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it.
-
-    The descriptor is closed on every failure. The pid is informational (it names the holder in the
-    refusal another colichat prints), so failing to write it, on a full disk say, keeps the lock."""
-    fd = open_file(path, "lock file", os.O_RDWR | os.O_CREAT)
-    check_writable(fd, path, "lock file", f"remove it (rm '{path}'); colichat makes a new one")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        try:
-            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
-        except OSError:
-            pid = "?"
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise SessionBusy(f"session {name} is open in another colichat (pid {pid})") from None
-        raise SessionError(f"cannot lock session {name}: {oserror_text(e)}") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass
-    return fd
-
-
-def lock_holder(path: str) -> str | None:
-    """The pid (as text, "?" if unknown) of the colichat holding the lock file `path`, or None if none
-    does: a look before a long start (the model's load) that `_lock` may well refuse afterwards. It is
-    no lock: `_lock` decides, and a session found free here can be taken before then. It takes nothing
-    from a holder, nor keeps anyone from taking the lock: a file without a pid in it is free (`_lock`
-    writes its pid once it holds the lock, `_unlock` empties the file), and only one with a pid, which
-    a holder killed outright leaves, is flocked, shared and without waiting, to tell which it is."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None  # no lock file (or none we can read: taking the lock says why)
-    try:
-        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        if not pid:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            return pid if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
-        return None  # (closing the descriptor releases the flock)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def more_context(name: str, n: int, ctx: int, most: int | None = None) -> str:
     """The refusal of session NAME's `n` tokens in a context of `ctx`, and what reopens it: the --ctx
     with room to go on (exactly `n` would reopen it full), where the model takes it (`most`: its
@@ -168,44 +95,6 @@ def more_context(name: str, n: int, ctx: int, most: int | None = None) -> str:
     return (f"session {name} holds {n} tokens, more than this model's maximum context of {most}: it cannot "
             f"be reopened with this model; colichat --export {name} prints it, and a new conversation "
             "goes on without it")
-
-
-def _unlock(fd: int) -> None:
-    try:
-        os.ftruncate(fd, 0)
-    except OSError:
-        pass
-    try:
-        os.close(fd)  # closing the descriptor releases the flock (also when close reports an error)
-    except OSError:
-        pass
-
-
-def _flock(fd: int, op: int) -> None:
-    """flock the KV file (a read without the session's lock: LOCK_SH, waiting for a save under way;
-    LOCK_UN); where the file system has no locks, the read goes on unlocked."""
-    try:
-        fcntl.flock(fd, op)
-    except OSError:
-        pass
-
-
-SAVE_WAITS_FOR_A_READ = 10.0  # seconds; then the save goes on (a reader stopped with Ctrl-Z must not stop it)
-
-
-def _flock_for_save(fd: int) -> None:
-    """flock(LOCK_EX) on the KV file for a save, waiting for a read under way (Session._reading)
-    at most SAVE_WAITS_FOR_A_READ seconds: a save never hangs on a stopped reader, whose own checks
-    then drop what it read halfway (the state before this lock existed)."""
-    deadline = time.monotonic() + SAVE_WAITS_FOR_A_READ
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                return  # no locks on this file system, or a reader that does not finish: go on
-        time.sleep(0.01)
 
 
 def _unlink_quietly(path: str) -> bool:
@@ -246,64 +135,6 @@ def holds_conversation(base: str) -> bool:
         return not (isinstance(doc, dict) and doc.get("turns") == [])
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return True
-
-
-def _canonical_crc(value) -> int:
-    """CRC-32 of the value as compact, key-sorted, ASCII JSON: the same whatever the file's layout."""
-    return crc32(json.dumps(value, ensure_ascii=True, sort_keys=True, separators=(",", ":")).encode("ascii"))
-
-
-def turn_check(role: str, text: str, first: int, last: int, crc: int) -> int:
-    """The sidecar's "check" of one turn: covers its role, text, record span and record CRC."""
-    return _canonical_crc([role, text, first, last, crc])
-
-
-def doc_check(doc: dict) -> int:
-    """The sidecar's top-level "check": covers everything but the turns (which carry their own)."""
-    return _canonical_crc({k: v for k, v in doc.items() if k not in ("turns", "check")})
-
-
-def _parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:
-    """The longest well-formed, contiguous, checked prefix of the sidecar's turns, and a warning if
-    shorter. A format-1 sidecar (an older colichat) has no per-turn checks."""
-    raw = doc.get("turns")
-    if not isinstance(raw, list):
-        return [], [], "the sidecar has no turn list: no turns kept"
-    checked = doc.get("format") != 1
-    turns: list[Turn] = []
-    crcs: list[int] = []
-    for i, t in enumerate(raw):
-        ok = isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("text"), str)
-        vals = [t.get(k) for k in ("first", "last", "crc32")] if ok else []
-        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in vals)
-        prev = turns[-1].last if turns else 0
-        if not ok or vals[0] != prev or not vals[0] <= vals[1] <= INT32_MAX or not 0 <= vals[2] < 2**32:
-            return turns, crcs, f"sidecar turn {i + 1} is malformed: dropped it and {len(raw) - i - 1} later"
-        if (checked or "check" in t) and t.get("check") != turn_check(t["role"], t["text"], *vals):
-            return turns, crcs, (f"sidecar turn {i + 1} is damaged (its role, text or span does not match its "
-                                 f"checksum): dropped it and {len(raw) - i - 1} later")
-        turns.append(Turn(t["role"], t["text"], vals[0], vals[1]))
-        crcs.append(vals[2])
-    return turns, crcs, None
-
-
-def _span(turns: list[Turn], i: int) -> str:
-    """'turns 3-5 (records 40-97)' for turns[i:]."""
-    a, b = i + 1, len(turns)
-    which = f"turn {a}" if a == b else f"turns {a}-{b}"
-    return f"{which} (records {turns[i].first}-{turns[-1].last})"
-
-
-def _drop_unanswered(turns: list[Turn], crcs: list[int], warnings: list[str]) -> int:
-    """Drop (in place) a last user turn: the chat saves a message and its answer together (an answer
-    the model ends at once is an empty assistant turn; a message whose answer was stopped before its
-    first token is not saved), so a message alone is what is left of an exchange whose answer was
-    dropped. Returns the records kept."""
-    if turns and turns[-1].role == "user":
-        warnings.append(f"dropped {_span(turns, len(turns) - 1)}: a message whose answer is not there "
-                        "(an exchange is kept whole)")
-        del turns[-1], crcs[-1]
-    return turns[-1].last if turns else 0
 
 
 class _SavedRecords:
@@ -371,7 +202,7 @@ class Session:
         base = os.path.join(str(directory), name)
         if holds_conversation(base):  # before locking: the holder of an existing session may have the lock
             raise FileExistsError(errno.EEXIST, "session exists", name)
-        s = cls(directory, name, ident, layout, _lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, take_lock(base + ".lock", name))
         try:
             if holds_conversation(base):  # again, under the lock
                 raise FileExistsError(errno.EEXIST, "session exists", name)
@@ -447,7 +278,7 @@ class Session:
         if lstat_regular(base + KV_EXT, "session file") is None:
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
         lstat_regular(base + SIDECAR_EXT, "sidecar")
-        s = cls(directory, name, ident, layout, None if read_only else _lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name))
         try:
             if read_only:
                 s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
@@ -541,7 +372,7 @@ class Session:
             except OSError:
                 pass  # everything was fsynced: an error closing loses nothing
         if self._lock_fd is not None:
-            _unlock(self._lock_fd)
+            release_lock(self._lock_fd)
             self._lock_fd = None
 
     def __enter__(self) -> Session:
@@ -571,7 +402,7 @@ class Session:
             yield
             return
         for _ in range(8):
-            _flock(self._kv_fd, fcntl.LOCK_SH)
+            flock_quietly(self._kv_fd, fcntl.LOCK_SH)
             st = os.fstat(self._kv_fd)
             try:
                 cur = os.lstat(self.kv_path)
@@ -590,19 +421,19 @@ class Session:
         finally:
             self._shared = False
             if self._kv_fd is not None:
-                _flock(self._kv_fd, fcntl.LOCK_UN)
+                flock_quietly(self._kv_fd, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
     def _saving(self):
         """While a save changes the files: the KV file's flock, exclusive, so that a reader without
         the session's lock (`_reading`) sees the session before or after the save, never halfway."""
         if self._kv_fd is not None:
-            _flock_for_save(self._kv_fd)
+            flock_for_save(self._kv_fd)
         try:
             yield
         finally:
             if self._kv_fd is not None:  # (a file written again meanwhile: the old one's lock went with it)
-                _flock(self._kv_fd, fcntl.LOCK_UN)
+                flock_quietly(self._kv_fd, fcntl.LOCK_UN)
 
     def _load(self, cache, ctx_limit: int | None = None, detokenize=None, exchanges: bool = False,
               ctx_most: int | None = None) -> LoadResult:
@@ -657,7 +488,7 @@ class Session:
         if doc is not None:
             n = self._verify(cache, turns, crcs, warnings)
             if exchanges:
-                n = _drop_unanswered(turns, crcs, warnings)
+                n = drop_unanswered(turns, crcs, warnings)
         else:
             n = self._check_tokens(cache, n, warnings)
             warnings.append(f"no sidecar {self.name}{SIDECAR_EXT}: loaded the {n} records as one imported turn "
@@ -727,11 +558,11 @@ class Session:
                             f"it holds {whole} whole ones")
         if doc is None:
             return [], [], avail
-        turns, crcs, warn = _parse_turns(doc)
+        turns, crcs, warn = parse_turns(doc)
         warnings += [warn] if warn else []
         kept = sum(1 for t in turns if t.last <= avail)
         if kept < len(turns):
-            warnings.append(f"dropped {_span(turns, kept)}: past the {avail} records in the KV file")
+            warnings.append(f"dropped {span(turns, kept)}: past the {avail} records in the KV file")
             del turns[kept:], crcs[kept:]
         n = turns[-1].last if turns else 0
         if avail > n and not warn:  # (after a dropped sidecar turn the records are that turn's)
@@ -742,14 +573,14 @@ class Session:
         """Drop (in place) the first turn whose CRC or token ids are wrong, and all later ones."""
         for i, t in enumerate(turns):
             if turn_crc(cache, t) != crcs[i]:
-                warnings.append(f"dropped {_span(turns, i)}: checksum mismatch (damaged records)")
+                warnings.append(f"dropped {span(turns, i)}: checksum mismatch (damaged records)")
                 del turns[i:], crcs[i:]
                 break
         n = turns[-1].last if turns else 0
         k = self._check_tokens(cache, n, [])
         if k < n:
             i = next(i for i, t in enumerate(turns) if t.last > k)
-            warnings.append(f"dropped {_span(turns, i)}: token id {int(cache.tokens[k])} is outside "
+            warnings.append(f"dropped {span(turns, i)}: token id {int(cache.tokens[k])} is outside "
                             "the vocabulary")
             del turns[i:], crcs[i:]
             n = turns[-1].last if turns else 0
@@ -962,7 +793,7 @@ class Session:
             _unlink_quietly(tmp)
             raise
         try:
-            _flock_for_save(fd)  # a reader that opens it by its name waits for the save to end
+            flock_for_save(fd)  # a reader that opens it by its name waits for the save to end
             write_records(fd, 0, self._cache.raw(0, n) if n else memoryview(b""), self.layout.record_bytes)
             write_nrec(fd, n)
             os.replace(tmp, self.kv_path)
@@ -992,8 +823,8 @@ class Session:
                 return
         except FileNotFoundError:
             pass
-        fd = _lock(path, self.name)
-        _unlock(self._lock_fd)
+        fd = take_lock(path, self.name)
+        release_lock(self._lock_fd)
         self._lock_fd = fd
 
     def _write_sidecar(self, turns: list[Turn], crcs: list[int]) -> None:

@@ -51,18 +51,16 @@ from .kvfile import (
     fsync_dir,
     oserror_text,
 )
+from .locks import flock_for_save, release_lock, take_lock
 from .session import (
     KV_EXT,
     MAX_SIDECAR_BYTES,
     SIDECAR_EXT,
     Session,
-    _flock_for_save,
-    _lock,
-    _unlock,
-    doc_check,
     holds_conversation,
     interrupted_create,
 )
+from .sidecar import doc_check
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -442,7 +440,7 @@ def _open_to_remove(path: str) -> int | None:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         return None
-    _flock_for_save(fd)
+    flock_for_save(fd)
     return fd
 
 
@@ -554,7 +552,7 @@ class Store:
         base = os.path.join(str(directory), name)
         if not any(os.path.lexists(base + ext) for ext in (KV_EXT, ".json")):
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
-        fd = _lock(base + ".lock", name)
+        fd = take_lock(base + ".lock", name)
         freed = 0
         kv = _open_to_remove(base + KV_EXT)  # a reader without the lock (--export) ends its read first
         try:  # links are removed, never followed; the temporary files of an interrupted save go too
@@ -570,7 +568,7 @@ class Store:
         finally:
             if kv is not None:
                 os.close(kv)
-            _unlock(fd)
+            release_lock(fd)
         return freed
 
     def rename(self, sess: Session, new: str) -> None:
@@ -583,7 +581,7 @@ class Store:
     def _rename(self, sess: Session, new: str) -> None:
         check_name(new)
         base, old = os.path.join(sess.directory, new), os.path.join(sess.directory, sess.name)
-        fd = _lock(base + ".lock", new)
+        fd = take_lock(base + ".lock", new)
         try:
             if holds_conversation(base):  # (a link or a special file there is a SessionError naming it)
                 raise SessionError(f"session {new} already exists: choose another name")
@@ -613,9 +611,9 @@ class Store:
             except OSError:
                 copy = True  # the old name stays as a second copy; /delete removes it
         except BaseException:
-            _unlock(fd)
+            release_lock(fd)
             raise
-        _unlock(sess._lock_fd)
+        release_lock(sess._lock_fd)
         sess._lock_fd, sess.name = fd, new
         sess.kv_path, sess.json_path = base + KV_EXT, base + SIDECAR_EXT
         if copy and sess.on_disk:  # a copy, not a second link to the files this session writes

@@ -1,0 +1,111 @@
+"""The locks of a session's files.
+
+NAME.lock is the writer's lock: one colichat has a session open for writing (`take_lock`, flock
+LOCK_EX on the file, which holds its pid for the refusal another colichat prints; `release_lock`),
+and `lock_holder` looks, before a long start, whether another has it. The KV file's own flock
+orders a save (LOCK_EX, `flock_for_save`) and a read without the session's lock (LOCK_SH,
+`flock_quietly`): such a read sees the session whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+
+from .kvfile import SessionBusy, SessionError, check_writable, open_file, oserror_text
+
+
+def take_lock(path: str, name: str) -> int:
+    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it.
+
+    The descriptor is closed on every failure. The pid is informational (it names the holder in the
+    refusal another colichat prints), so failing to write it, on a full disk say, keeps the lock."""
+    fd = open_file(path, "lock file", os.O_RDWR | os.O_CREAT)
+    check_writable(fd, path, "lock file", f"remove it (rm '{path}'); colichat makes a new one")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        except OSError:
+            pid = "?"
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise SessionBusy(f"session {name} is open in another colichat (pid {pid})") from None
+        raise SessionError(f"cannot lock session {name}: {oserror_text(e)}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+    return fd
+
+
+def lock_holder(path: str) -> str | None:
+    """The pid (as text, "?" if unknown) of the colichat holding the lock file `path`, or None if none
+    does: a look before a long start (the model's load) that `take_lock` may well refuse afterwards. It is
+    no lock: `take_lock` decides, and a session found free here can be taken before then. It takes nothing
+    from a holder, nor keeps anyone from taking the lock: a file without a pid in it is free (`take_lock`
+    writes its pid once it holds the lock, `release_lock` empties the file), and only one with a pid, which
+    a holder killed outright leaves, is flocked, shared and without waiting, to tell which it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None  # no lock file (or none we can read: taking the lock says why)
+    try:
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if not pid:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            return pid if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+        return None  # (closing the descriptor releases the flock)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def release_lock(fd: int) -> None:
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    try:
+        os.close(fd)  # closing the descriptor releases the flock (also when close reports an error)
+    except OSError:
+        pass
+
+
+def flock_quietly(fd: int, op: int) -> None:
+    """flock the KV file (a read without the session's lock: LOCK_SH, waiting for a save under way;
+    LOCK_UN); where the file system has no locks, the read goes on unlocked."""
+    try:
+        fcntl.flock(fd, op)
+    except OSError:
+        pass
+
+
+SAVE_WAITS_FOR_A_READ = 10.0  # seconds; then the save goes on (a reader stopped with Ctrl-Z must not stop it)
+
+
+def flock_for_save(fd: int) -> None:
+    """flock(LOCK_EX) on the KV file for a save, waiting for a read under way (Session._reading)
+    at most SAVE_WAITS_FOR_A_READ seconds: a save never hangs on a stopped reader, whose own checks
+    then drop what it read halfway (the state before this lock existed)."""
+    deadline = time.monotonic() + SAVE_WAITS_FOR_A_READ
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                return  # no locks on this file system, or a reader that does not finish: go on
+        time.sleep(0.01)
