@@ -82,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "of that name, reopened")
     p.add_argument("--resume", action="store_true", help="resume the latest conversation (of any model when "
                    "--model is not given), or --session NAME")
-    p.add_argument("--ctx", type=int, metavar="N", help="context size in tokens (default: model's, max 8192)")
+    p.add_argument("--ctx", type=int, metavar="N", help="context size in tokens (default: the one a reopened "
+                   "conversation was saved with, else the model's, at most 8192)")
     for row in TABLE:  # the chat settings: read as text here, checked by settings_from
         p.add_argument(row.option, metavar=row.metavar, help=f"{row.help} (default {row.show(row.default)})")
     p.add_argument("--expert-cache", type=float, metavar="MIB",
