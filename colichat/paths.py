@@ -40,7 +40,7 @@ def paths() -> Paths:
     if home:
         from .persist.kvfile import SessionError
 
-        h = Path(os.path.abspath(expand_home(home, SessionError, "COLICHAT_HOME=")))  # later chdirs move nothing
+        h = Path(os.path.abspath(expand_home(home, SessionError, "COLICHAT_HOME=")))  # (colichat never chdirs)
         return Paths(h / "data", h / "state", h / "cache")
     import platformdirs
 

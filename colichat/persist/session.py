@@ -113,6 +113,15 @@ def interrupted_create(base: str) -> bool:
     return os.path.lexists(base + KV_EXT + ".tmp") and not os.path.lexists(base + KV_EXT)
 
 
+def remove_leftovers(base: str) -> None:
+    """Remove what NAME may have on disk while it holds no conversation (see holds_conversation: an
+    interrupted create, an empty session), its lock held, before the name is taken. OSError if one
+    cannot be removed."""
+    for path in (base + KV_EXT + ".tmp", base + KV_EXT, base + SIDECAR_EXT, base + SIDECAR_EXT + ".tmp"):
+        if os.path.lexists(path):
+            os.unlink(path)
+
+
 def holds_conversation(base: str) -> bool:
     """Whether NAME.coli_kv or NAME.json exists as anything but the leftover of an interrupted
     create (see `interrupted_create`) or an empty session: a KV file with no records, and no sidecar
@@ -243,9 +252,7 @@ class Session:
         fd = None
         n = turns[-1].last if turns else 0
         try:
-            for path in (tmp, self.kv_path, self.json_path):  # leftovers of an interrupted create
-                if os.path.lexists(path):
-                    os.unlink(path)
+            remove_leftovers(os.path.join(self.directory, self.name))
             fd = create_kv(tmp, self.layout)
             if n:
                 write_records(fd, 0, cache.raw(0, n), self.layout.record_bytes)

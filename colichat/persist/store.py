@@ -59,6 +59,7 @@ from .session import (
     Session,
     holds_conversation,
     interrupted_create,
+    remove_leftovers,
 )
 from .sidecar import doc_check
 
@@ -318,17 +319,6 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
     return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
 
 
-def _remove_leftovers(base: str, name: str) -> None:
-    """Remove what a name that holds no conversation may still have on disk (see holds_conversation),
-    its lock held, so that the name can be taken."""
-    try:
-        for path in (base + SIDECAR_EXT, base + SIDECAR_EXT + ".tmp", base + KV_EXT, base + KV_EXT + ".tmp"):
-            if os.path.lexists(path):
-                os.unlink(path)
-    except OSError as e:
-        raise SessionError(f"cannot take the name {name}: {oserror_text(e)}") from None
-
-
 def _holds(base: Path) -> bool:
     """holds_conversation, where a file it cannot judge counts as something (the listing says why)."""
     try:
@@ -585,7 +575,10 @@ class Store:
         try:
             if holds_conversation(base):  # (a link or a special file there is a SessionError naming it)
                 raise SessionError(f"session {new} already exists: choose another name")
-            _remove_leftovers(base, new)  # an empty session or an interrupted create: no conversation
+            try:
+                remove_leftovers(base)  # an empty session or an interrupted create: no conversation
+            except OSError as e:
+                raise SessionError(f"cannot rename session {sess.name} to {new}: {oserror_text(e)}") from None
             exts: list[str] = []
             done: list[str] = []
             try:
