@@ -31,6 +31,10 @@ def expand_home(path: str, error: type[Exception], given: str = "") -> str:
     message naming the path as `given` it (an option or variable before it)."""
     expanded = os.path.expanduser(path)
     if path.startswith("~") and (expanded.startswith("~") or not os.path.isabs(expanded)):
+        user = path[1:].split(os.sep, 1)[0]
+        if user:
+            raise error(f"{given}{path}: there is no user {user} whose home directory ~{user} would be; "
+                        "give the full path")
         raise error(f"{given}{path}: ~ cannot be expanded: {NO_HOME}; give the full path, or set HOME")
     return expanded
 

@@ -186,6 +186,17 @@ def test_a_tilde_without_a_home_directory_says_so_not_no_such_file(no_home, monk
     assert export_path("notes.md", "talk") == "notes.md"  # no ~: nothing to expand
 
 
+def test_a_tilde_of_a_user_that_does_not_exist_names_that_user():
+    """`~nosuchuser/m.gguf`: the user is unknown, whatever HOME is; the line says that, not that HOME is unset."""
+    from colichat.errors import UsageError
+    from colichat.paths import expand_home
+
+    with pytest.raises(UsageError, match=r"^--model ~nosuchuser/m.gguf: there is no user nosuchuser whose home "
+                       r"directory ~nosuchuser would be; give the full path$"):
+        expand_home("~nosuchuser/m.gguf", UsageError, "--model ")
+    assert expand_home("~root/m.gguf", UsageError) == os.path.join(os.path.expanduser("~root"), "m.gguf")
+
+
 def test_a_relative_colichat_home_is_taken_from_the_directory_colichat_starts_in(tmp_path, monkeypatch):
     """COLICHAT_HOME=data keeps the files under ./data of the directory colichat started in, named
     by their full path (a later change of directory moves nothing)."""
