@@ -189,7 +189,9 @@ def _waits_for_a_lock(pid: int) -> bool:
                for line in Path("/proc/locks").read_text().splitlines())
 
 
-@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs /proc/locks to see a process wait on a lock")
+@pytest.mark.skipif(not Path("/proc/locks").exists(),
+                    reason="needs Linux's /proc/locks to see a process wait on a lock (the read's wait is seen "
+                    "nowhere else)")
 @pytest.mark.parametrize("export", [False, True], ids=["no-save", "export"])
 def test_a_read_without_the_lock_waits_for_a_save_under_way(colichat_home, export):
     """--no-save (a read-only open) and --export read a session another colichat is saving: the read

@@ -94,8 +94,8 @@ def run_traced(home, strace_args: list[str]) -> subprocess.CompletedProcess:
 def test_an_error_at_each_system_call_of_create_append_truncate(tmp_path):
     problem = strace_problem()
     if problem:
-        pytest.skip(f"{problem}: the kernel-side injection needs strace (Debian: apt install strace) and "
-                    "ptrace allowed; test_persist_inject.py injects the same faults in-process")
+        pytest.skip(f"{problem}: the kernel-side injection needs strace (Debian: apt install strace; make "
+                    "test installs it) and ptrace allowed; test_persist_inject.py injects the same faults in-process")
     log = tmp_path / "calls"
     clean = run_traced(tmp_path / "count", ["-e", f"trace={','.join(SYSCALLS)}", "-o", str(log)])
     assert clean.returncode == 0, clean.stderr
