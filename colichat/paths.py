@@ -25,18 +25,37 @@ class Paths:
 NO_HOME = ("HOME is not set (or not an absolute path) and this user has no home directory")
 
 
+def _home() -> str | None:
+    """The home directory `~` stands for: HOME when it is an absolute path, else the user database's
+    (as platformdirs takes it); None if there is neither."""
+    home = os.environ.get("HOME", "")
+    if os.path.isabs(home):
+        return home
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_dir or None
+    except (ImportError, KeyError):
+        return None
+
+
 def expand_home(path: str, error: type[Exception], given: str = "") -> str:
     """`path` with a leading `~` or `~user` expanded (the shell leaves one after `=`, or quoted, as it is);
     `error` (the caller's kind of user error) where `~` has no home directory to stand for, its
     message naming the path as `given` it (an option or variable before it)."""
-    expanded = os.path.expanduser(path)
-    if path.startswith("~") and (expanded.startswith("~") or not os.path.isabs(expanded)):
-        user = path[1:].split(os.sep, 1)[0]
-        if user:
+    if not path.startswith("~"):
+        return path
+    user, _, rest = path[1:].partition(os.sep)
+    if user:
+        expanded = os.path.expanduser(path)
+        if expanded.startswith("~"):
             raise error(f"{given}{path}: there is no user {user} whose home directory ~{user} would be; "
                         "give the full path")
+        return expanded
+    home = _home()
+    if home is None:
         raise error(f"{given}{path}: ~ cannot be expanded: {NO_HOME}; give the full path, or set HOME")
-    return expanded
+    return os.path.join(home, rest) if rest else home
 
 
 def paths() -> Paths:

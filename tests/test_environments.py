@@ -186,6 +186,21 @@ def test_a_tilde_without_a_home_directory_says_so_not_no_such_file(no_home, monk
     assert export_path("notes.md", "talk") == "notes.md"  # no ~: nothing to expand
 
 
+@pytest.mark.parametrize("home", ["", "relative/dir"], ids=["empty", "relative"])
+def test_a_tilde_with_home_empty_or_relative_is_the_home_directory_in_the_user_database(monkeypatch, home):
+    """HOME= (empty) or relative: ~ is the user's home in the user database, as platformdirs takes it
+    (Python's expanduser made '~/x.gguf' '/x.gguf' of an empty HOME: 'no such file: /x.gguf')."""
+    import pwd
+
+    from colichat.errors import UsageError
+    from colichat.paths import expand_home
+
+    monkeypatch.setenv("HOME", home)
+    mine = pwd.getpwuid(os.getuid()).pw_dir
+    assert expand_home("~/x.gguf", UsageError) == os.path.join(mine, "x.gguf")
+    assert expand_home("~", UsageError) == mine
+
+
 def test_a_tilde_of_a_user_that_does_not_exist_names_that_user():
     """`~nosuchuser/m.gguf`: the user is unknown, whatever HOME is; the line says that, not that HOME is unset."""
     from colichat.errors import UsageError
