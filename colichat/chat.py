@@ -16,6 +16,8 @@ report.py (the footer, /stats, what frees context).
 
 from __future__ import annotations
 
+import time
+
 from .chat_settings import ChatSettings
 from .engine import Model, ModelError
 from .engine.generate import Generation
@@ -99,8 +101,10 @@ class Conversation:
 
     # --- the conversation and its session ---------------------------------------------------------
 
-    def resume(self, name: str | None = None) -> str:
-        """Fill the cache from a saved session (the latest by default); no forward pass."""
+    def resume(self, name: str | None = None, on_progress=None) -> str:
+        """Fill the cache from a saved session (the latest by default); no forward pass, except for
+        exchanges whose records were damaged but whose text is intact: those are read again from
+        their text (`_read_again`, with `on_progress`), so that going on never loses them."""
         new, name = self.saving.open(name)
         rope = self.model.rope_factors
         try:
@@ -120,6 +124,8 @@ class Conversation:
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged] + self._check_saved_system()
+        if res.unread:
+            lines.append(self._read_again(res.unread, on_progress))
         if self.prefs.pending_system is not False:  # --system given: this conversation was read with its own
             lines.append("note: the system prompt given waits for the next conversation (/new starts one); this "
                          "one goes on with the one it was saved with")
@@ -345,18 +351,7 @@ class Conversation:
                 if self.stop_requested and old:  # Ctrl-C: back to the conversation as it was, below
                     stopped = True
                     break
-                if t.role == "user":
-                    ids, start = self._prompt_ids(t.text)
-                    if start < self.n_tokens:
-                        self._rebase(start)
-                else:
-                    ids = self.tok.encode(t.text, special=True)
-                first = self.n_tokens
-                if first + len(ids) + 1 >= self.model.n_ctx:
-                    raise ChatError("what remains does not fit in the context: /forget more exchanges")
-                if ids:
-                    self._prefill(ids, on_progress)
-                self.turns.append(Turn(t.role, t.text, first, self.n_tokens))
+                self._read_turn(t, on_progress, "what remains does not fit in the context: /forget more exchanges")
         except BaseException:
             if self.turns and self.turns[-1].role == "user":
                 self.turns.pop()  # an exchange is kept whole or not at all
@@ -378,6 +373,66 @@ class Conversation:
         return (f"new conversation without the {'oldest exchange' if n == 1 else f'{n} oldest exchanges'}"
                 + (f" of {old} (still saved as it was)" if old else "")
                 + f": {count(self.exchanges(), 'exchange')}, {count(self.n_tokens, 'token')} read again; {where}")
+
+    def _read_turn(self, t: Turn, on_progress, too_long: str, defer_cut: bool = False) -> None:
+        """Append turn t with records made again from its text (a prefill of it as the template renders
+        it after the turns so far): /forget, and a resume's damaged exchanges. ChatError(too_long) if it
+        does not fit in the context. `defer_cut`: a re-render that cuts turns loaded from disk cuts
+        the saved session only at the next save (a resume writes nothing)."""
+        if t.role == "user":
+            ids, start = self._prompt_ids(t.text)
+            if start < self.n_tokens:
+                self._rebase(start, defer_cut)
+        else:
+            ids = self.tok.encode(t.text, special=True)
+        first = self.n_tokens
+        if first + len(ids) + 1 >= self.model.n_ctx:
+            raise ChatError(too_long)
+        if ids:
+            self._prefill(ids, on_progress)
+        self.turns.append(Turn(t.role, t.text, first, self.n_tokens))
+
+    def _read_again(self, unread: list[Turn], on_progress=None) -> str:
+        """A resume's exchanges whose records were dropped (damaged, cut short) but whose text is intact
+        (LoadResult.unread): read again from their text, an exchange at a time, so that the
+        conversation goes on whole. Nothing is written now: the next answer's save replaces their
+        records. A stop (Ctrl-C), or an exchange that no longer fits, keeps the exchanges read so far
+        (as /regen does, the rows a re-render replaced are put back); the others stay on disk until
+        that save, as the warnings above this line say."""
+        cache, n0, t0 = self.model.cache, self.n_tokens, time.perf_counter()
+        starts = [i for i, t in enumerate(unread) if t.role == "user"]
+        done, why = 0, None
+        self.stop_requested = False
+        for a, b in zip(starts, starts[1:] + [len(unread)], strict=True):
+            _, start = self._prompt_ids(unread[a].text)  # below the cache's end when the template re-renders
+            end = cache.length
+            rows, turns, cut = cache.records[start:end].copy(), list(self.turns), self.unsaved_cut  # (end-start,)
+            read = False
+            try:
+                if self.stop_requested:
+                    raise ChatError("stopped")
+                for t in unread[a:b]:
+                    self._read_turn(t, on_progress, "it no longer fits in the context", defer_cut=True)
+                read = True
+            except ChatError as e:
+                why = "stopped" if self.stop_requested else str(e)
+            finally:
+                if not read:  # as before this exchange
+                    cache.truncate(start)
+                    cache.records[start:end] = rows
+                    cache.set_length(end)
+                    self.turns, self.unsaved_cut = turns, cut
+            if not read:
+                break
+            done += 1
+        said = (f"read {count(done, 'exchange')} again from {'its' if done == 1 else 'their'} saved text "
+                f"({count(self.n_tokens - n0, 'token')} in {time.perf_counter() - t0:.1f} s)")
+        saving = not self.saving.read_only  # (--no-save, a read-only file system: nothing is written)
+        if why is None:
+            return (f"note: {said}: the conversation is whole again"
+                    + (f"; the next answer saves {'its' if done == 1 else 'their'} records anew" if saving else ""))
+        return (f"warning: {said}, then {why}: {count(len(starts) - done, 'more exchange')} not read"
+                + ("; they stay on disk until the next answer saves the conversation without them" if saving else ""))
 
     # --- history edits ----------------------------------------------------------------------------
 
@@ -418,13 +473,18 @@ class Conversation:
             self._save_settings()
         return dropped
 
-    def _rebase(self, n: int) -> None:
+    def _rebase(self, n: int, defer_cut: bool = False) -> None:
         """The template renders the history differently now: keep the cache up to row n (a turn
         boundary). Later turns keep their text (the template still renders them) but lose their
-        records, which the new user turn's records re-create."""
+        records, which the new user turn's records re-create. `defer_cut`: the saved session is cut
+        at the next save (unsaved_cut), not now."""
         kept = sum(1 for t in self.turns if t.last <= n)
         self.turns = self.turns[:kept] + [Turn(t.role, t.text, n, n) for t in self.turns[kept:]]
-        self._cut(n, kept)
+        if defer_cut:
+            self.model.cache.truncate(n)
+            self.unsaved_cut = kept if self.unsaved_cut is None else min(self.unsaved_cut, kept)
+        else:
+            self._cut(n, kept)
 
     def _truncate_records(self, n: int) -> None:
         """Shrink the cache to n rows (a turn boundary), dropping later turns, on disk too."""

@@ -376,7 +376,7 @@ class App:
 
     def resume(self, name: str | None) -> None:
         """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
-        self.say(self.conv.resume(name))
+        self.say(self.conv.resume(name, on_progress=self.prefill_progress("the damaged exchanges' saved text")))
         for line in report.recap(self.conv.turns) if self.interactive else ():
             self.say(line)
 

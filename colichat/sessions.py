@@ -27,7 +27,7 @@ from .models import model_title
 from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
 from .persist.locks import lock_holder
 from .persist.session import SIDECAR_EXT, holds_conversation, more_context
-from .persist.sidecar import doc_check
+from .persist.sidecar import doc_check, span
 from .persist.store import damaged_text, model_file_now
 
 
@@ -264,9 +264,12 @@ def export_saved(store: Store, model_path: str | None, name: str) -> tuple[str, 
         raise SessionError(f"session {damaged_text(name, info.damage)}")
     res = Session.read_saved(info.path.parent, name)
     system = res.sampler.get("system")
-    text = markdown(name, model_title(info.model, info.model_file), [(t.role, t.text) for t in res.turns],
+    turns = res.turns + res.unread  # the text of exchanges whose records were dropped, as reopening reads it
+    text = markdown(name, model_title(info.model, info.model_file), [(t.role, t.text) for t in turns],
                     system if isinstance(system, str) else None)
-    return text, res.warnings, note
+    kept = ([f"{span(turns, len(res.turns))} printed all the same: their saved text is intact (reopening "
+             "reads it again)"] if res.unread else [])
+    return text, res.warnings + kept, note
 
 
 def reopen_note(store: Store, model_path: str, name: str) -> str | None:

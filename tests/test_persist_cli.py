@@ -78,8 +78,9 @@ def test_a_damaged_session_gets_the_same_advice_everywhere(colichat_home):
 
 
 def test_opening_a_damaged_conversation_with_options_writes_nothing(colichat_home):
-    """Loading reads only, whatever options are given: the damaged last answer stays on disk (for the
-    user to inspect or restore) until the conversation goes on, at start or by /resume NAME."""
+    """Loading reads only, whatever options are given, also when it reads a damaged exchange again from
+    its text: the damaged last answer stays on disk (for the user to inspect or restore) until the
+    conversation goes on, at start or by /resume NAME; the next answer saves it whole."""
     chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Hello there", "Thanks a lot")).ok()
     directory = session_dir(colichat_home)
     kv = directory / "e.coli_kv"
@@ -90,10 +91,11 @@ def test_opening_a_damaged_conversation_with_options_writes_nothing(colichat_hom
                          ([*TINY_ARGS, "--seed", "3"], ["/resume e", "/history"])):
         run = chat(colichat_home, args, lines(*inputs)).ok()
         assert run.resumed()[1:] == (2, "e") and "warning: " in run.err  # the cut answer's exchange dropped
+        assert "note: read 1 exchange again from its saved text" in run.err  # ... and read again
         assert snapshot(directory) == before, args
     # the next answer repairs it
     chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Go on")).ok()
-    assert saved_users(colichat_home, "e") == ["Hello there", "Go on"]
+    assert saved_users(colichat_home, "e") == ["Hello there", "Thanks a lot", "Go on"]
 
 
 def test_options_given_when_reopening_are_saved_with_the_next_answer_only(colichat_home):
@@ -172,17 +174,27 @@ def test_everything_colichat_creates_is_private_under_umask_000(tmp_path, monkey
     assert wrong == {}
 
 
-def test_an_answer_cut_from_the_kv_file_takes_its_message_with_it(colichat_home):
-    """A KV file cut inside the last answer: the resumed conversation ends with the exchange before,
-    so the next message follows an answer (never two messages in a row), and the warning says why."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there", "And again")).ok()
-    [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
-    os.truncate(kv, kv.stat().st_size - 100)
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Once more")).ok()
-    assert run.resumed()[1:] == (2, "s")
-    assert "warning: dropped turn 3 (records " in run.err and "a message whose answer is not there" in run.err
-    assert [role for role, _ in saved_turns(colichat_home, "s")] == ["user", "assistant"] * 2
-    assert saved_users(colichat_home, "s") == ["Hello there", "Once more"]
+def test_an_answer_cut_from_the_kv_file_is_read_again_or_takes_its_message_with_it(colichat_home):
+    """A KV file cut inside the last answer: its exchange is read again from its saved text, and the
+    next message follows it. Where that answer's text is damaged too (its checksum fails), the resumed
+    conversation ends with the exchange before: the next message follows an answer (never two
+    messages in a row), and the warning says why."""
+    for name, forged in (("s", False), ("t", True)):
+        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Hello there", "And again")).ok()
+        directory = session_dir(colichat_home)
+        kv, sidecar = directory / f"{name}.coli_kv", directory / f"{name}.json"
+        os.truncate(kv, kv.stat().st_size - 100)
+        if forged:
+            doc = json.loads(sidecar.read_text("utf-8"))
+            doc["turns"][3]["text"] = "FORGED"
+            sidecar.write_text(json.dumps(doc), "utf-8")
+        run = chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Once more")).ok()
+        assert run.resumed()[1:] == (2, name)
+        assert "warning: dropped turn 3 (records " in run.err and "a message whose answer is not there" in run.err
+        assert ("note: read 1 exchange again from its saved text" in run.err) is not forged
+        users = ["Hello there", "Once more"] if forged else ["Hello there", "And again", "Once more"]
+        assert [role for role, _ in saved_turns(colichat_home, name)] == ["user", "assistant"] * len(users)
+        assert saved_users(colichat_home, name) == users
 
 
 def test_a_negative_header_field_gets_the_delete_advice(colichat_home):

@@ -306,7 +306,9 @@ def _warnings(run) -> list[str]:
 
 def test_export_shows_the_turns_opening_keeps_and_says_what_it_dropped(colichat_home):
     """--export checks a saved conversation as opening does (no model: the checks are over the
-    files' bytes): a forged answer, a cut-short KV file; the same turns, the same warnings."""
+    files' bytes): a forged answer is dropped with its message, the same warnings; an answer whose
+    records are cut short but whose text is intact is printed, as opening reads it again, with a
+    warning more that says so."""
     for name in ("forged", "cut"):
         chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0], Q[1])).ok()
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "forged.json")
@@ -314,14 +316,18 @@ def test_export_shows_the_turns_opening_keeps_and_says_what_it_dropped(colichat_
     doc["turns"][3]["text"] = "FORGED"
     (directory / "forged.json").write_text(json.dumps(doc), "utf-8")
     os.truncate(directory / "cut.coli_kv", (directory / "cut.coli_kv").stat().st_size - 100)
-    for name in ("forged", "cut"):
+    for name, exchanges in (("forged", 1), ("cut", 2)):
         export = chat(colichat_home, ["--export", name]).ok()
         assert b"FORGED" not in export.out
         opened = chat(colichat_home, [*TINY_ARGS, "--session", name], lines("/history")).ok()
-        assert _warnings(export) == _warnings(opened) and _warnings(export)
-        kept = [("User", Q[0]), ("Assistant", saved_answers(colichat_home, name)[0])]
+        printed = [w for w in _warnings(export) if "printed all the same: their saved text is intact" in w]
+        assert [w for w in _warnings(export) if w not in printed] == _warnings(opened) and _warnings(opened)
+        assert len(printed) == exchanges - 1 and ("note: read 1 exchange again" in opened.err) == (exchanges == 2)
+        answers = saved_answers(colichat_home, name)
+        kept = [x for i in range(exchanges) for x in (("User", Q[i]), ("Assistant", answers[i]))]
         assert export.out.decode().split("\n", 4)[4] == "".join(f"## {h}\n\n{t.strip()}\n\n" for h, t in kept)[:-1]
         assert opened.resumed()[1] == 2
+        assert opened.err.count("user> ") == exchanges  # /history: what was read again too
 
 
 def test_export_refuses_what_opening_refuses(colichat_home):

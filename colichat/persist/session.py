@@ -51,7 +51,7 @@ from .kvfile import (
     write_records,
 )
 from .locks import flock_for_save, flock_quietly, release_lock, take_lock
-from .sidecar import Turn, doc_check, drop_unanswered, parse_turns, span, turn_check, turn_crc
+from .sidecar import Turn, doc_check, drop_unanswered, parse_turns, readable_again, span, turn_check, turn_crc
 
 # Tokens of context a reopened conversation has left at least, to go on with a short exchange: the
 # size a refusal of too small a context asks for (more_context), and below which the chat says the
@@ -70,6 +70,8 @@ class LoadResult:
     elapsed_ms: float
     warnings: list[str] = field(default_factory=list)  # one line per thing dropped, and why
     sampler: dict = field(default_factory=dict)
+    # the dropped turns whose text is intact (sidecar.readable_again): whole exchanges, after `turns`
+    unread: list[Turn] = field(default_factory=list)
 
     def summary(self) -> str:
         """The line the chat program prints to stderr after a resume."""
@@ -513,7 +515,8 @@ class Session:
             self.created = doc.get("created") if isinstance(doc.get("created"), str) else now_iso()
         self._loaded = True
         ms = (time.perf_counter() - t0) * 1000
-        return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler))
+        unread = readable_again(doc, turns) if doc is not None else []
+        return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler), unread)
 
     def saved_rope_factors(self) -> str | None:
         """The rope factors the session's cache rows were rotated with (the sidecar's

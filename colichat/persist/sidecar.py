@@ -86,3 +86,20 @@ def drop_unanswered(turns: list[Turn], crcs: list[int], warnings: list[str]) -> 
                         "(an exchange is kept whole)")
         del turns[-1], crcs[-1]
     return turns[-1].last if turns else 0
+
+
+def readable_again(doc: dict, kept: list[Turn]) -> list[Turn]:
+    """The sidecar's turns after the `kept` ones (a load's valid prefix) whose own checks hold, so that
+    their text is as it was saved although their records were dropped (damaged, cut short): whole
+    exchanges of messages and answers, which the chat program reads again (prefills) from their text
+    rather than lose them. None from a format-1 sidecar, whose texts carry no checksum."""
+    if doc.get("format") == 1:
+        return []
+    listed, _, _ = parse_turns(doc)
+    rest = listed[len(kept):]
+    while rest and rest[-1].role != "assistant":  # a message alone is no exchange
+        rest.pop()
+    roles = [t.role for t in rest]
+    if roles[0::2] != ["user"] * len(roles[0::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]):
+        return []
+    return rest

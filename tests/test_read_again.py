@@ -1,0 +1,138 @@
+"""A reopened conversation whose records are damaged (a changed byte, a file cut short) but whose
+saved text is intact is read again from that text, so going on never loses it: nothing is written
+while it is read, the next answer saves the records anew, a stop keeps the exchanges read so far."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import TINY_LLAMA, copy_gguf
+from persist_helpers import snapshot
+
+from colichat.chat import Conversation, Settings
+from colichat.engine import load
+from colichat.persist import Store
+from colichat.persist.kvfile import HEADER_SIZE
+
+QUESTIONS = ["Hello there", "And again", "Once more"]
+
+# ChatML, with every answer but the last shortened to two characters: the history renders otherwise
+# than it was cached, so each message re-creates the answer before it (chat.Conversation._rebase)
+REWRITING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'][:2] "
+             "if m['role'] == 'assistant' and not loop.last else m['content']) + '<|im_end|>\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(TINY_LLAMA, n_ctx=512)
+
+
+@pytest.fixture(scope="module")
+def rewriting_model(tmp_path_factory):
+    path = copy_gguf(TINY_LLAMA, tmp_path_factory.mktemp("rewriting") / "rewriting.gguf",
+                     set_keys={"tokenizer.chat_template": REWRITING})
+    return load(path, n_ctx=512)
+
+
+def conversation(model, store: Store, name: str | None = None) -> Conversation:
+    model.reset()
+    return Conversation(model, Settings(temperature=0, max_tokens=6), store=store, session_name=name)
+
+
+def saved(store: Store, name: str) -> tuple[dict, object]:
+    """(the sidecar document, the KV file's path) of session NAME."""
+    [sidecar] = store.root.glob(f"*/{name}.json")
+    return json.loads(sidecar.read_text("utf-8")), sidecar.with_suffix(".coli_kv")
+
+
+def files(store: Store) -> dict:
+    """Bytes and mtimes of the one model's session files."""
+    [directory] = [p for p in store.root.iterdir() if p.is_dir()]
+    return snapshot(directory)
+
+
+def flip_a_byte_of_turn(store: Store, name: str, turn: int, record_bytes: int) -> None:
+    doc, kv = saved(store, name)
+    t = doc["turns"][turn]
+    with open(kv, "r+b") as f:
+        f.seek(HEADER_SIZE + t["first"] * record_bytes + 7)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def talk(model, store: Store, name: str, questions) -> list[tuple[str, str]]:
+    conv = conversation(model, store, name)
+    for q in questions:
+        conv.ask(q)
+    turns = [(t.role, t.text) for t in conv.turns]
+    conv.close()
+    return turns
+
+
+def test_damaged_records_are_read_again_from_the_saved_text_and_saved_anew_with_the_next_answer(model, tmp_path):
+    store = Store(tmp_path / "s")
+    said = talk(model, store, "d", QUESTIONS[:2])
+    flip_a_byte_of_turn(store, "d", 1, model.cache.record_bytes)  # the first answer: both exchanges dropped
+    before = files(store)
+    conv = conversation(model, store)
+    report = conv.resume("d")
+    assert "warning: dropped turns 2-4" in report and "checksum mismatch" in report
+    assert "note: read 2 exchanges again from their saved text" in report
+    assert "the conversation is whole again" in report
+    assert [(t.role, t.text) for t in conv.turns] == said
+    assert conv.n_tokens == conv.turns[-1].last > 0
+    assert files(store) == before  # reading again writes nothing
+    conv.ask(QUESTIONS[2])
+    conv.close()
+    again = conversation(model, store)
+    report = again.resume("d")
+    assert "warning" not in report and "read" not in report.split("\n", 1)[-1]
+    assert [(t.role, t.text) for t in again.turns][:4] == said and len(again.turns) == 6
+    again.close()
+
+
+def test_a_stop_while_reading_again_keeps_the_exchanges_read_and_writes_nothing(model, tmp_path):
+    store = Store(tmp_path / "s")
+    said = talk(model, store, "d", QUESTIONS)
+    flip_a_byte_of_turn(store, "d", 0, model.cache.record_bytes)
+    before = files(store)
+    conv = conversation(model, store)
+
+    def stop_at_once(done, total):  # Ctrl-C while the first message is read
+        conv.stop_requested = True
+
+    report = conv.resume("d", on_progress=stop_at_once)
+    assert "warning: read 1 exchange again from its saved text" in report
+    assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in report
+    assert [(t.role, t.text) for t in conv.turns] == said[:2]
+    assert conv.n_tokens == conv.turns[-1].last
+    assert files(store) == before
+    conv.ask("Go on")
+    conv.close()
+    doc, _ = saved(store, "d")
+    assert [t["text"] for t in doc["turns"] if t["role"] == "user"] == [QUESTIONS[0], "Go on"]
+
+
+def test_reading_again_where_the_template_rewrites_past_answers(rewriting_model, tmp_path):
+    """Each message re-creates the answer before it (the template shortens past answers): read again,
+    the conversation is what it was, nothing is written, and the next answer saves it whole."""
+    store = Store(tmp_path / "s")
+    said = talk(rewriting_model, store, "r", QUESTIONS)
+    doc, _ = saved(store, "r")
+    assert doc["turns"][1]["first"] == doc["turns"][1]["last"]  # the first answer was re-created in the next message
+    flip_a_byte_of_turn(store, "r", 2, rewriting_model.cache.record_bytes)  # the second message
+    before = files(store)
+    conv = conversation(rewriting_model, store)
+    report = conv.resume("r")
+    assert "note: read 2 exchanges again from their saved text" in report
+    assert [(t.role, t.text) for t in conv.turns] == said
+    assert files(store) == before
+    conv.ask("Go on")
+    conv.close()
+    again = conversation(rewriting_model, store)
+    report = again.resume("r")
+    assert "warning" not in report and [(t.role, t.text) for t in again.turns][:6] == said
+    again.close()
