@@ -136,3 +136,30 @@ def test_reading_again_where_the_template_rewrites_past_answers(rewriting_model,
     report = again.resume("r")
     assert "warning" not in report and [(t.role, t.text) for t in again.turns][:6] == said
     again.close()
+
+
+def test_a_setting_or_a_rewind_before_the_next_answer_keeps_the_text_of_what_was_read_again(model, tmp_path):
+    """/set and /rewind write the sidecar at once, before any answer saves the exchanges read again:
+    it lists them on (as they were saved, their records still lost), so quitting then loses nothing;
+    a rewind drops from the list what it drops from the conversation."""
+    store = Store(tmp_path / "s")
+    said = talk(model, store, "d", QUESTIONS)
+    flip_a_byte_of_turn(store, "d", 3, model.cache.record_bytes)  # the second answer: exchanges 2 and 3
+    conv = conversation(model, store)
+    assert "note: read 2 exchanges again" in conv.resume("d")
+    conv.set_option("temperature", 0.5)
+    conv.close()
+    doc, _ = saved(store, "d")
+    assert [(t["role"], t["text"]) for t in doc["turns"]] == said and doc["sampler"]["temperature"] == 0.5
+    conv = conversation(model, store)
+    assert "note: read 2 exchanges again" in conv.resume("d") and conv.settings.temperature == 0.5
+    assert [(t.role, t.text) for t in conv.turns] == said
+    conv.rewind(1)
+    conv.close()
+    conv = conversation(model, store)
+    assert "note: read 1 exchange again" in conv.resume("d")
+    assert [(t.role, t.text) for t in conv.turns] == said[:4]
+    conv.ask("Go on")
+    conv.close()
+    doc, _ = saved(store, "d")
+    assert [t["text"] for t in doc["turns"] if t["role"] == "user"] == [*QUESTIONS[:2], "Go on"]

@@ -198,6 +198,9 @@ class Session:
         self._has_sidecar = False
         self._loaded = False  # state known (created, or loaded): needed before saving
         self._cache = None  # the cache last loaded or saved from: what a rewrite copies
+        # the sidecar's entries of the turns a load dropped whose text is intact (LoadResult.unread): listed
+        # on in every sidecar written until an append saves the conversation that read them again
+        self._unread_entries: list[dict] = []
         self.notes: list[str] = []  # things a save did that the user should hear of (caller drains)
 
     # ---- opening ---------------------------------------------------------------------------
@@ -516,6 +519,7 @@ class Session:
         self._loaded = True
         ms = (time.perf_counter() - t0) * 1000
         unread = readable_again(doc, turns) if doc is not None else []
+        self._unread_entries = doc["turns"][len(turns): len(turns) + len(unread)] if unread else []
         return LoadResult(self.name, n, list(turns), ms, warnings, dict(self.sampler), unread)
 
     def saved_rope_factors(self) -> str | None:
@@ -697,6 +701,7 @@ class Session:
         self.turns += turns
         self._crcs += crcs
         self.nrec = prev
+        self._unread_entries = []  # the conversation that read them again is saved now
 
     def truncate(self, n_turns: int, sampler: dict | None = None) -> None:
         """Keep the first n_turns saved turns: rewrite nrec, then the sidecar (with `sampler`, the
@@ -707,6 +712,7 @@ class Session:
             self.sampler = dict(sampler)
         if n_turns < 0:
             raise ValueError(f"cannot keep {n_turns} turns")
+        unread = self._unread_entries[: max(0, n_turns - len(self.turns))]  # those still in the conversation
         n_turns = min(n_turns, len(self.turns))
         turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
         n = turns[-1].last if turns else 0
@@ -716,11 +722,11 @@ class Session:
             try:
                 if not self._check_files(turns, crcs):
                     write_nrec(self._kv_fd, n)
-                self._write_sidecar(turns, crcs)
+                self._write_sidecar(turns, crcs, unread)
             except OSError as e:
                 raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
-            self.turns, self._crcs, self.nrec = turns, crcs, n
-            if not turns:
+            self.turns, self._crcs, self.nrec, self._unread_entries = turns, crcs, n, unread
+            if not turns and not unread:
                 self._remove_files()
 
     def _remove_files(self) -> None:
@@ -749,7 +755,7 @@ class Session:
         try:
             with self._saving():
                 self._check_files(self.turns, self._crcs)
-                self._write_sidecar(self.turns, self._crcs)
+                self._write_sidecar(self.turns, self._crcs, self._unread_entries)
         except OSError as e:
             self.sampler = old
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
@@ -837,8 +843,9 @@ class Session:
         release_lock(self._lock_fd)
         self._lock_fd = fd
 
-    def _write_sidecar(self, turns: list[Turn], crcs: list[int]) -> None:
-        """Atomically replace NAME.json: write NAME.json.tmp, fsync, rename over, fsync the directory."""
+    def _write_sidecar(self, turns: list[Turn], crcs: list[int], unread: list[dict] = ()) -> None:
+        """Atomically replace NAME.json: write NAME.json.tmp, fsync, rename over, fsync the directory.
+        `unread`: entries of turns whose records are lost, listed as they were after `turns`."""
         doc = {
             "format": FORMAT_VERSION,
             "model": self.ident,
@@ -851,7 +858,7 @@ class Session:
         doc["check"] = doc_check(doc)
         doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
                          "check": turn_check(t.role, t.text, t.first, t.last, c)}
-                        for t, c in zip(turns, crcs, strict=True)]
+                        for t, c in zip(turns, crcs, strict=True)] + list(unread)
         try:
             data = json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates in a text: escape them instead
