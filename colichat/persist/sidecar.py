@@ -1,7 +1,7 @@
 """The sidecar NAME.json's turns and checks: a Turn (role, text, its span of records), the CRC-32 of
-a turn's records, the "check" CRCs that cover each turn's fields and the document's settings, and
-what a load keeps of a sidecar's turn list (its longest sound prefix, exchanges whole). FORMAT.md
-describes the document.
+a turn's records, the "check" CRCs that cover each turn's fields and the document's settings, what
+a load keeps of a sidecar's turn list (its longest sound prefix, exchanges whole), and which turns it
+drops can be read again from their text (`readable_again`). FORMAT.md describes the document.
 """
 
 from __future__ import annotations
