@@ -559,19 +559,43 @@ def test_files_removed_or_replaced_while_open_are_written_again(colichat_home, t
         assert os.path.getsize(tmp_path / "other-name") == 40 + turns[1].last * cache.record_bytes
 
 
-@pytest.mark.parametrize("what", ["orphan sidecar", "empty kv"])
-def test_an_orphan_sidecar_or_empty_kv_file_is_shown_damaged_with_the_command_that_clears_it(colichat_home, what):
+def test_a_sidecar_whose_kv_file_was_deleted_is_a_conversation_whose_text_is_read_again(colichat_home):
+    """The KV file is the large one: deleting it to free its space leaves a conversation listed as
+    any other (from its sidecar), which opening returns to be read again from its text (no turn kept,
+    every exchange in `unread`); the next save writes a new KV file, then the sidecar."""
+    cache = make_cache()
+    store = Store()
+    turns = build(cache, 4)
+    with store.create(IDENT, layout_of(cache), name="z") as sess:
+        sess.append(cache, turns)
+    d = store.model_dir(IDENT)
+    os.unlink(d / "z.coli_kv")
+    [info] = store.list(IDENT)
+    assert info.damage is None and (info.turns, info.tokens) == (4, turns[-1].last)
+    assert store.latest(IDENT).name == "z"
+    with pytest.raises(SessionError, match="already exists"):
+        store.claim(IDENT, "z", layout_of(cache))
+    with store.open(IDENT, "z", layout_of(cache)) as sess:
+        res = sess.load(make_cache())
+        assert res.turns == [] and res.unread == turns and res.tokens == 0
+        assert res.warnings == ["the KV file z.coli_kv is not there: none of the 4 turns listed has its records"]
+        assert sorted(os.listdir(d)) == ["z.json", "z.lock"]  # opening wrote nothing
+        sess.append(cache, turns)  # (the chat program read them again into the cache)
+    with store.open(IDENT, "z", layout_of(cache)) as sess:
+        res = sess.load(make_cache())
+    assert res.turns == turns and res.warnings == [] and res.unread == []
+    store.delete(IDENT, "z")
+    assert sorted(os.listdir(d)) == ["z.lock"] and store.list(IDENT) == []
+
+
+def test_an_empty_kv_file_is_shown_damaged_with_the_command_that_clears_it(colichat_home):
     cache = make_cache()
     store = Store()
     with store.create(IDENT, layout_of(cache), name="z") as sess:
         sess.append(cache, build(cache, 2))
     d = store.model_dir(IDENT)
-    if what == "orphan sidecar":
-        os.unlink(d / "z.coli_kv")
-        line = "z: damaged (the sidecar z.json has no KV file z.coli_kv); /delete z removes it"
-    else:
-        os.truncate(d / "z.coli_kv", 0)
-        line = "z: damaged (empty KV file); /delete z removes it"
+    os.truncate(d / "z.coli_kv", 0)
+    line = "z: damaged (empty KV file); /delete z removes it"
     [info] = store.list(IDENT)
     assert info.describe() == line and store.latest(IDENT) is None
     for attempt in (lambda: store.open(IDENT, "z", layout_of(cache)),

@@ -163,3 +163,49 @@ def test_a_setting_or_a_rewind_before_the_next_answer_keeps_the_text_of_what_was
     conv.close()
     doc, _ = saved(store, "d")
     assert [t["text"] for t in doc["turns"] if t["role"] == "user"] == [*QUESTIONS[:2], "Go on"]
+
+
+def test_a_conversation_whose_kv_file_was_deleted_goes_on_from_its_text(model, tmp_path):
+    """The KV file deleted (it is the large one): reopening reads every exchange again from the
+    sidecar; /set and /rewind rewrite the sidecar alone, keeping what the conversation still holds;
+    the next answer writes a new KV file and the conversation reopens from it, with no warning."""
+    store = Store(tmp_path / "s")
+    said = talk(model, store, "k", QUESTIONS)
+    _, kv = saved(store, "k")
+    kv.unlink()
+    conv = conversation(model, store)
+    report = conv.resume("k")
+    assert "warning: the KV file k.coli_kv is not there: none of the 6 turns listed has its records" in report
+    assert "note: read 3 exchanges again from their saved text" in report
+    assert [(t.role, t.text) for t in conv.turns] == said
+    conv.set_option("temperature", 0.5)
+    doc, _ = saved(store, "k")
+    assert [(t["role"], t["text"]) for t in doc["turns"]] == said and doc["sampler"]["temperature"] == 0.5
+    conv.rewind(1)
+    doc, _ = saved(store, "k")
+    assert [(t["role"], t["text"]) for t in doc["turns"]] == said[:4] and not kv.exists()
+    conv.close()
+    conv = conversation(model, store)
+    assert "note: read 2 exchanges again" in conv.resume("k") and conv.settings.temperature == 0.5
+    conv.ask("Go on")
+    conv.close()
+    assert kv.exists()
+    conv = conversation(model, store)
+    report = conv.resume("k")
+    assert "warning" not in report and "note" not in report
+    assert [(t.role, t.text) for t in conv.turns][:4] == said[:4] and len(conv.turns) == 6
+    conv.rewind(3)  # every exchange: the conversation leaves the disk
+    conv.close()
+    assert store.list() == []
+
+
+def test_rewinding_every_exchange_of_a_conversation_read_from_its_text_leaves_no_conversation(model, tmp_path):
+    store = Store(tmp_path / "s")
+    talk(model, store, "k", QUESTIONS[:2])
+    _, kv = saved(store, "k")
+    kv.unlink()
+    conv = conversation(model, store)
+    conv.resume("k")
+    conv.rewind(2)
+    conv.close()
+    assert store.list() == [] and [p.name for p in kv.parent.iterdir()] == ["k.lock"]

@@ -300,6 +300,12 @@ def test_export_of_a_damaged_sidecar_is_one_line(damage, colichat_home):
     assert line == "colichat: session dmg: damaged (the sidecar is not a colichat sidecar); /delete dmg removes it"
 
 
+def saved_turns_last(home, name: str) -> int:
+    """The record after the last saved turn of session NAME, as its sidecar lists it."""
+    [side] = [p for p in session_files(home) if p.name == f"{name}.json"]
+    return json.loads(side.read_text("utf-8"))["turns"][-1]["last"]
+
+
 def _warnings(run) -> list[str]:
     return [line for line in run.err.splitlines() if line.startswith("warning: ")]
 
@@ -331,18 +337,27 @@ def test_export_shows_the_turns_opening_keeps_and_says_what_it_dropped(colichat_
 
 
 def test_export_refuses_what_opening_refuses(colichat_home):
-    """No KV file, a foreign KV file, no sidecar: one line each, as opening gives (or, with no
-    sidecar to read the text from, what does it), never the sidecar's text unchecked."""
+    """A foreign KV file, no sidecar: one line each, as opening gives (or, with no sidecar to read the
+    text from, what does it), never the sidecar's text unchecked. No KV file (deleted to free its
+    space): the text, as opening reads it again, and a warning saying so."""
     for name in ("nokv", "foreign", "bare"):
         chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0])).ok()
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "nokv.json")
     (directory / "nokv.coli_kv").unlink()
     (directory / "foreign.coli_kv").write_bytes(b"GGUF" + bytes(100))
     (directory / "bare.json").unlink()
-    for name in ("nokv", "foreign"):
-        [line] = chat(colichat_home, ["--export", name]).failed().errors()
-        assert chat(colichat_home, [*TINY_ARGS, "--session", name], "").failed().errors() == [line]
-        assert line.startswith(f"colichat: session {name}: damaged (") and line.endswith(f"/delete {name} removes it")
+    [line] = chat(colichat_home, ["--export", "foreign"]).failed().errors()
+    assert chat(colichat_home, [*TINY_ARGS, "--session", "foreign"], "").failed().errors() == [line]
+    assert line.startswith("colichat: session foreign: damaged (") and line.endswith("/delete foreign removes it")
+    export = chat(colichat_home, ["--export", "nokv"]).ok()
+    assert _warnings(export) == [
+        "warning: the KV file nokv.coli_kv is not there: none of the 2 turns listed has its records",
+        f"warning: turns 1-2 (records 0-{saved_turns_last(colichat_home, 'nokv')}) printed all the same: their "
+        "saved text is intact (reopening reads it again)"]
+    assert export.out.decode().split("\n", 4)[4] == \
+        f"## User\n\n{Q[0]}\n\n## Assistant\n\n{saved_answers(colichat_home, 'nokv')[0].strip()}\n"
+    opened = chat(colichat_home, [*TINY_ARGS, "--session", "nokv"], lines("/history")).ok()
+    assert _warnings(opened) == _warnings(export)[:1] and "note: read 1 exchange again" in opened.err
     assert chat(colichat_home, ["--export", "bare"]).failed().errors() == [
         "colichat: session bare has no sidecar, so no text to export: colichat --session bare with its model "
         "loads its cache as one imported turn, which /export writes"]

@@ -201,6 +201,7 @@ class Session:
         # the sidecar's entries of the turns a load dropped whose text is intact (LoadResult.unread): listed
         # on in every sidecar written until an append saves the conversation that read them again
         self._unread_entries: list[dict] = []
+        self._text_only = False  # opened from its sidecar alone: the KV file is not there (`_load_text_only`)
         self.notes: list[str] = []  # things a save did that the user should hear of (caller drains)
 
     # ---- opening ---------------------------------------------------------------------------
@@ -287,12 +288,15 @@ class Session:
         file opened for reading, and `load` reads it between two saves of that colichat (`_reading`);
         saving to it fails."""
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + KV_EXT, "session file") is None:
+        text_only = lstat_regular(base + KV_EXT, "session file") is None
+        side = lstat_regular(base + SIDECAR_EXT, "sidecar")
+        if text_only and (side is None or interrupted_create(base)):
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
-        lstat_regular(base + SIDECAR_EXT, "sidecar")
         s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name))
         try:
-            if read_only:
+            if text_only:  # its KV file was deleted (it is the large one): the text is read again
+                s._text_only = True
+            elif read_only:
                 s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
             else:
                 fd = open_file(s.kv_path, "session file", os.O_RDWR)
@@ -311,11 +315,15 @@ class Session:
         lock, modifies nothing: it reads between two saves of a colichat that has it open (`_reading`).
         A session without a sidecar has no text: refused."""
         base = os.path.join(str(directory), name)
-        if lstat_regular(base + KV_EXT, "session file") is None:
+        text_only = lstat_regular(base + KV_EXT, "session file") is None
+        side = lstat_regular(base + SIDECAR_EXT, "sidecar")
+        if text_only and (side is None or interrupted_create(base)):
             raise SessionError(f"no session named {name} (colichat --sessions lists them)")
-        lstat_regular(base + SIDECAR_EXT, "sidecar")
         s = cls(directory, name, _saved_model(base + SIDECAR_EXT), None, None)
         try:
+            if text_only:
+                s._text_only = True
+                return s._load_text_only()
             s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
             with s._reading():
                 return s._read_saved()
@@ -399,10 +407,35 @@ class Session:
              ctx_most: int | None = None) -> LoadResult:
         """Fill `cache` (see `_load`): a session opened read-only is read between two saves of a
         colichat that has it open (`_reading`)."""
+        if self._text_only:
+            self.layout.check_cache(cache)
+            return self._load_text_only(cache)
         if self._kv_fd is None:
             raise ValueError(f"session {self.name} is closed")
         with self._reading():
             return self._load(cache, ctx_limit, detokenize, exchanges, ctx_most)
+
+    def _load_text_only(self, cache=None) -> LoadResult:
+        """A session whose KV file is not there (deleted to free its space, say): no records to read,
+        so no turn is kept; its exchanges whose text is intact are returned to be read again
+        (LoadResult.unread), and the next save writes a new KV file first, then the sidecar. `cache`
+        (emptied) may be None (an export). Refuses a sidecar opening refuses."""
+        t0 = time.perf_counter()
+        doc = self._read_sidecar()
+        if doc is None:
+            raise SessionError(f"no session named {self.name} for this model (/sessions lists them)")
+        listed, _, warn = parse_turns(doc)
+        warnings = [f"the KV file {self.name}{KV_EXT} is not there: none of the {count(len(listed), 'turn')} "
+                    "listed has its records"] + ([warn] if warn else [])
+        if cache is not None:
+            cache.set_length(0)
+        self.turns, self._crcs, self.nrec, self._cache, self._has_sidecar = [], [], 0, cache, True
+        self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
+        self.created = doc.get("created") if isinstance(doc.get("created"), str) else now_iso()
+        self._loaded = True
+        unread = readable_again(doc, [])
+        self._unread_entries = doc["turns"][: len(unread)]
+        return LoadResult(self.name, 0, [], (time.perf_counter() - t0) * 1000, warnings, dict(self.sampler), unread)
 
     @contextlib.contextmanager
     def _reading(self):
@@ -681,6 +714,8 @@ class Session:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
         self._cache = cache
+        if self._text_only:  # a new KV file first (the sidecar, listing the text, stays until it is replaced)
+            self._new_kv_file()
         if not self.on_disk:  # the first save: the session appears whole or not at all
             self._remake_directory()
             self._check_lock()  # (a directory removed took the lock file with it)
@@ -703,6 +738,29 @@ class Session:
         self.nrec = prev
         self._unread_entries = []  # the conversation that read them again is saved now
 
+    def _new_kv_file(self) -> None:
+        """For a session opened from its sidecar alone: an empty KV file under its name (written whole
+        under NAME.coli_kv.tmp, then renamed), so that saves go on as for any session. A crash or an
+        error after the rename leaves the sidecar listing turns past the KV file's records: reopening
+        reads them again; the next save retries."""
+        tmp, fd = self.kv_path + ".tmp", None
+        try:
+            self._remake_directory()
+            self._check_lock()
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            fd = create_kv(tmp, self.layout)
+            os.rename(tmp, self.kv_path)
+            fsync_dir(self.directory)
+        except OSError as e:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _unlink_quietly(tmp)
+            raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
+                             "the conversation is still in memory (free some space; the next save retries)") from None
+        self._kv_fd, self._text_only = fd, False
+
     def truncate(self, n_turns: int, sampler: dict | None = None) -> None:
         """Keep the first n_turns saved turns: rewrite nrec, then the sidecar (with `sampler`, the
         settings from now on, when given); later records become dead space. Keeping more turns than
@@ -716,6 +774,16 @@ class Session:
         n_turns = min(n_turns, len(self.turns))
         turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
         n = turns[-1].last if turns else 0
+        if self._text_only:  # no records: the sidecar lists what is still in the conversation
+            self._unread_entries = unread
+            try:
+                if unread:
+                    self._write_sidecar([], [], unread)
+                else:
+                    os.unlink(self.json_path)  # (a conversation rewound to nothing is no conversation)
+            except OSError as e:
+                raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
+            return
         if self._kv_fd is None:  # claimed, nothing saved yet: nothing to cut
             return
         with self._saving():
@@ -750,6 +818,13 @@ class Session:
         """Record new sampler settings now (they are also saved with every append)."""
         self._require_loaded()
         old, self.sampler = self.sampler, dict(sampler)
+        if self._text_only:
+            try:
+                self._write_sidecar([], [], self._unread_entries)
+            except OSError as e:
+                self.sampler = old
+                raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
+            return
         if self._kv_fd is None:  # claimed, nothing saved yet: the first save writes them
             return
         try:

@@ -279,15 +279,20 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
     except OSError as e:
         return SessionInfo(name, model, directory.name, 0, 0, 0, 0.0, kv, damage=f"cannot read: {oserror_text(e)}")
     damage = None
-    if st is None:
+    if st is None:  # a sidecar alone (its KV file deleted, to free its space say): opening reads its text again
         if interrupted_create(str(directory / name)):
             return None
         try:
             sst = side.lstat()
         except OSError:
             return None
+        doc, _, damage = _listed_sidecar(side, directory)
+        if damage is None and isinstance(doc.get("turns"), list) and doc["turns"] \
+                and all(isinstance(t, dict) for t in doc["turns"]):
+            return SessionInfo(name, model_dir=directory.name, size=sst.st_size, path=kv,
+                               **_sidecar_summary(doc, 0, model, sst.st_mtime))
         return SessionInfo(name, model, directory.name, 0, 0, sst.st_size, sst.st_mtime, kv,
-                           damage=f"the sidecar {name}.json has no KV file {name}{KV_EXT}")
+                           damage=damage or f"the sidecar {name}.json lists no turns and has no KV file {name}{KV_EXT}")
     last_used, size = st.st_mtime, st.st_size
     if stat.S_ISLNK(st.st_mode):
         damage = "the KV file is a symbolic link"
@@ -492,7 +497,7 @@ class Store:
         """An existing session of this model, locked for writing (or `read_only`); load it next."""
         directory = self.model_dir(ident)
         check_name(name)
-        if not (directory / (name + KV_EXT)).exists() and not (directory / (name + KV_EXT)).is_symlink():
+        if not any(os.path.lexists(directory / (name + ext)) for ext in (KV_EXT, SIDECAR_EXT)):
             self.refuse_elsewhere(name)
         self._refuse_damaged(directory, name, layout)
         return Session.open(directory, name, ident, layout, read_only)
