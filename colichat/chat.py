@@ -59,6 +59,7 @@ class Conversation:
         self.turns: list[Turn] = []
         self.stop_requested = False
         self.unsaved_cut: int | None = None  # /regen: the saved session keeps this many turns from the next save on
+        self.unread_left = 0  # exchanges a stopped read left on disk, unread: they go with the next answer's save
         self.last_stats: TurnStats | None = None
         self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (cli.App)
         cfg = model.cfg
@@ -118,7 +119,7 @@ class Conversation:
                 self.clear()  # the failed read touched the cache: start clean (the old session is on disk)
             raise
         self.saving.adopt(new, name)
-        self.turns = list(res.turns)
+        self.turns, self.unsaved_cut, self.unread_left = list(res.turns), None, 0  # (of the conversation left)
         # Options given at start are the settings from now on, written with the next save: opening a
         # conversation to read it changes nothing on disk (FORMAT.md, "Loading reads only").
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
@@ -175,7 +176,7 @@ class Conversation:
 
     def clear(self) -> None:
         self.model.reset()
-        self.turns = []
+        self.turns, self.unsaved_cut, self.unread_left = [], None, 0
 
     def close(self) -> None:
         self.saving.close()
@@ -189,6 +190,8 @@ class Conversation:
                 return
             self.unsaved_cut = None
         self.saving.save(self.model.cache, self.turns, self.prefs.saved(), stats)
+        if stats.saved:
+            self.unread_left = 0
 
     def _save_settings(self) -> None:
         self.saving.save_settings(self.prefs.saved())
@@ -428,6 +431,7 @@ class Conversation:
         said = (f"read {count(done, 'exchange')} again from {'its' if done == 1 else 'their'} saved text "
                 f"({count(self.n_tokens - n0, 'token')} in {time.perf_counter() - t0:.1f} s)")
         saving = not self.saving.read_only  # (--no-save, a read-only file system: nothing is written)
+        self.unread_left = len(starts) - done if saving else 0
         if why is None:
             return (f"note: {said}: the conversation is whole again"
                     + (f"; the next answer saves {'its' if done == 1 else 'their'} records anew" if saving else ""))
@@ -468,7 +472,11 @@ class Conversation:
         if not 1 <= n <= len(starts):  # said as /forget says it
             raise ChatError(f"/rewind takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
         dropped = self.turns[starts[-n]:]
-        self._truncate_records(dropped[0].first)
+        if self.unread_left:  # a stopped read left exchanges on disk: they and these go with the next save
+            self._rebase(dropped[0].first, defer_cut=True)
+            self.turns = self.turns[: starts[-n]]
+        else:
+            self._truncate_records(dropped[0].first)
         if not self.turns and self.prefs.next_conversation():
             self._save_settings()
         return dropped

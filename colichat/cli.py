@@ -585,6 +585,24 @@ def print_out(text: str) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def stopped_by_ctrl_c(conv):
+    """While opening a conversation at start: Ctrl-C stops reading its damaged exchanges again (the
+    ones read are kept, as /resume does) instead of ending colichat. Yields a list, non-empty once
+    Ctrl-C came."""
+    came: list[bool] = []
+
+    def on_sigint(signum, frame):
+        came.append(True)
+        conv.stop_requested = True
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def interrupted() -> int:
     """Exit status 130; further Ctrl-C are ignored while the program ends (no traceback on the way out)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -654,7 +672,10 @@ def main(argv=None) -> int:
     try:
         if args.resume:
             status.show(BUSY["/resume"])
-            app.resume(args.session)
+            with stopped_by_ctrl_c(conv) as stopped:  # damaged exchanges read again: keep those read
+                app.resume(args.session)
+            if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
+                return interrupted()
         else:
             if args.session is not None and not args.no_save:
                 conv.saving.claim(args.session, conv.settings.to_dict())

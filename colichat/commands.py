@@ -209,8 +209,11 @@ def cmd_rewind(app, arg: str) -> None:
         preview = t.text.strip().replace("\n", " ")
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
     emptied = saved and not session.on_disk  # no exchange left: no saved conversation until the next answer
+    unread = app.conv.unread_left  # a stopped read left these on disk: the saved conversation waits for an answer
     app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context"
-            + (f"; session {session.name} is empty, off the disk until its next answer" if emptied else ""))
+            + (f"; session {session.name} is empty, off the disk until its next answer" if emptied else "")
+            + (f"; saved as it was (with the {count(unread, 'exchange')} not read) until the next answer"
+               if unread else ""))
     if waiting and app.conv.prefs.pending_system is False:  # rewound to no exchange: a new start
         app.say(f"system = {SETTINGS['system'].show(app.conv.settings.system)} (it waited for the next conversation)")
 

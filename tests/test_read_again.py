@@ -5,9 +5,11 @@ while it is read, the next answer saves the records anew, a stop keeps the excha
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
-from cli_helpers import TINY_LLAMA, copy_gguf
+from cli_helpers import TINY_ARGS, TINY_LLAMA, copy_gguf
 from persist_helpers import snapshot
 
 from colichat.chat import Conversation, Settings
@@ -209,3 +211,60 @@ def test_rewinding_every_exchange_of_a_conversation_read_from_its_text_leaves_no
     conv.rewind(2)
     conv.close()
     assert store.list() == [] and [p.name for p in kv.parent.iterdir()] == ["k.lock"]
+
+
+def test_a_rewind_after_a_stopped_reading_leaves_the_saved_conversation_whole_until_the_next_answer(model, tmp_path):
+    """A stop while reading again leaves exchanges unread, on disk only: a /rewind then cuts the
+    conversation in memory and, on disk, nothing until the next answer (as the stop's warning says), so
+    quitting after it loses none of them; the next answer saves the conversation as it is then."""
+    store = Store(tmp_path / "s")
+    said = talk(model, store, "d", QUESTIONS)
+    flip_a_byte_of_turn(store, "d", 0, model.cache.record_bytes)
+    before = files(store)
+    conv = conversation(model, store)
+
+    def stop_after_the_first(done, total):  # Ctrl-C once the first exchange is read
+        if len(conv.turns) >= 2:
+            conv.stop_requested = True
+
+    assert "then stopped: 1 more exchange not read" in conv.resume("d", on_progress=stop_after_the_first)
+    assert [(t.role, t.text) for t in conv.turns] == said[:4]
+    conv.rewind(1)
+    assert [(t.role, t.text) for t in conv.turns] == said[:2]
+    conv.close()
+    assert files(store) == before  # quitting now: all three exchanges still saved
+    conv = conversation(model, store)
+    assert "note: read 3 exchanges again" in conv.resume("d")
+    assert [(t.role, t.text) for t in conv.turns] == said
+    conv.close()
+    conv = conversation(model, store)
+    conv.resume("d", on_progress=stop_after_the_first)
+    conv.rewind(1)
+    conv.ask("Go on")  # the answer saves the conversation as it is now
+    conv.close()
+    doc, _ = saved(store, "d")
+    assert [t["text"] for t in doc["turns"] if t["role"] == "user"] == [QUESTIONS[0], "Go on"]
+
+
+def test_ctrl_c_while_reading_again_at_start_keeps_what_was_read_and_says_so(model, tmp_path, colichat_home,
+                                                                               monkeypatch, capsys):
+    """`colichat --session NAME` reading damaged exchanges again: Ctrl-C stops the reading as /resume's
+    does (the exchanges read are kept, the warning says how many were not), then, in pipe mode, ends
+    colichat (130) with nothing written."""
+    from colichat import chat, cli
+
+    store = Store()
+    talk(model, store, "d", QUESTIONS)
+    flip_a_byte_of_turn(store, "d", 0, model.cache.record_bytes)
+    before = files(store)
+    read_turn = chat.Conversation._read_turn
+
+    def ctrl_c_after_the_first_turn(self, *args, **kwargs):
+        read_turn(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(chat.Conversation, "_read_turn", ctrl_c_after_the_first_turn)
+    assert cli.main([*TINY_ARGS, "--ctx", "512", "--session", "d", "-p", "Go on"]) == 130
+    err = capsys.readouterr().err
+    assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in err
+    assert files(store) == before
