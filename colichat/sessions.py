@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 from collections import defaultdict
@@ -27,7 +26,7 @@ from .models import model_title
 from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
 from .persist.locks import lock_holder
 from .persist.session import SIDECAR_EXT, holds_conversation, more_context
-from .persist.sidecar import doc_check, span
+from .persist.sidecar import doc_check, document, span
 from .persist.store import damaged_text, model_file_now
 
 
@@ -198,9 +197,9 @@ def _saved_model(store: Store, model_path: str, session: str | None) -> tuple[st
         return None
     try:
         with open(info.path.parent / (info.name + SIDECAR_EXT), "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return None  # a damaged sidecar: resuming it says so
+            doc = document(f.read())
+    except OSError:
+        return None  # resuming it says why
     model = doc.get("model") if isinstance(doc, dict) else None
     if not isinstance(model, dict):
         return None  # (the same)

@@ -267,6 +267,21 @@ def test_a_changed_byte_in_a_turn_text_drops_that_turn_with_a_warning(saved):
                             "dropped it and 2 later"]
 
 
+def test_a_byte_that_is_not_utf8_in_a_turn_text_drops_that_turn_with_a_warning(saved):
+    """Not UTF-8 any more (a bit flipped in a character's first byte): the sidecar is still read, and
+    the turn whose text changed goes, as for any other changed byte; the listing shows the session."""
+    store, directory, turns, original = saved
+    data = (directory / "d.json").read_bytes()
+    pos = data.index(b"turn 2: h\xc3\xa9llo") + len("turn 2: h")
+    (directory / "d.json").write_bytes(data[:pos] + b"\xe3" + data[pos + 1 :])  # a lead byte without its tail
+    res, cache = load(store)
+    check_prefix(res, cache, turns, original, 2)
+    assert res.warnings == ["sidecar turn 3 is damaged (its role, text or span does not match its checksum): "
+                            "dropped it and 2 later"]
+    [row] = store.list()
+    assert row.name == "d" and not row.damage
+
+
 def test_changed_settings_in_the_sidecar_are_not_restored(colichat_home):
     cache = make_cache("mla")
     turns = build(cache, 2)

@@ -51,7 +51,17 @@ from .kvfile import (
     write_records,
 )
 from .locks import flock_for_save, flock_quietly, release_lock, take_lock
-from .sidecar import Turn, doc_check, drop_unanswered, parse_turns, readable_again, span, turn_check, turn_crc
+from .sidecar import (
+    Turn,
+    doc_check,
+    document,
+    drop_unanswered,
+    parse_turns,
+    readable_again,
+    span,
+    turn_check,
+    turn_crc,
+)
 
 # Tokens of context a reopened conversation has left at least, to go on with a short exchange: the
 # size a refusal of too small a context asks for (more_context), and below which the chat says the
@@ -142,10 +152,10 @@ def holds_conversation(base: str) -> bool:
         return False
     try:
         with open(base + ".json", "rb") as f:
-            doc = json.loads(f.read(MAX_SIDECAR_BYTES).decode("utf-8"))
-        return not (isinstance(doc, dict) and doc.get("turns") == [])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            doc = document(f.read(MAX_SIDECAR_BYTES))
+    except OSError:
         return True
+    return not (isinstance(doc, dict) and doc.get("turns") == [])
 
 
 class _SavedRecords:
@@ -171,8 +181,8 @@ def _saved_model(path: str) -> dict:
     for real refuses what is wrong with it."""
     try:
         with open(path, "rb") as f:
-            doc = json.loads(f.read(MAX_SIDECAR_BYTES).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            doc = document(f.read(MAX_SIDECAR_BYTES))
+    except OSError:
         return {}
     return doc["model"] if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else {}
 
@@ -361,10 +371,7 @@ class Session:
             data = os.read(fd, MAX_SIDECAR_BYTES + 1)
         finally:
             os.close(fd)
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            raise SessionError("damaged sidecar") from None
+        doc = document(data)
         if not isinstance(doc, dict):
             raise SessionError("damaged sidecar")
         return doc
@@ -658,10 +665,7 @@ class Session:
             raise SessionError(f"cannot read sidecar {self.json_path}: {oserror_text(e)}") from None
         finally:
             os.close(fd)
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nesting too deep
-            doc = None
+        doc = document(data)
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int) \
                 or not isinstance(doc.get("model"), dict) or doc["format"] < 1:
             raise SessionError(f"sidecar {self.json_path} is damaged (not a colichat sidecar); {aside}")

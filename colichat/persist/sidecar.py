@@ -30,6 +30,16 @@ def turn_crc(cache, t: Turn) -> int:
     return crc32(cache.raw(t.first, t.last))
 
 
+def document(data: bytes):
+    """The JSON value of a sidecar file's bytes; None if they are not JSON. A byte that is not UTF-8
+    (damage in a turn's text) reads as U+FFFD: that turn's check then fails, and only it and the
+    turns after it are lost, as with any other changed byte of a text."""
+    try:
+        return json.loads(data.decode("utf-8", "replace"))
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nesting too deep
+        return None
+
+
 def _canonical_crc(value) -> int:
     """CRC-32 of the value as compact, key-sorted, ASCII JSON: the same whatever the file's layout."""
     return crc32(json.dumps(value, ensure_ascii=True, sort_keys=True, separators=(",", ":")).encode("ascii"))

@@ -23,7 +23,6 @@ model never share sessions. Directories are created 0700, session files 0600.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shlex
@@ -61,7 +60,7 @@ from .session import (
     interrupted_create,
     remove_leftovers,
 )
-from .sidecar import doc_check
+from .sidecar import doc_check, document
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -360,11 +359,9 @@ def _listed_sidecar(side: Path, directory: Path) -> tuple[dict | None, int, str 
     if st.st_size > MAX_SIDECAR_BYTES:
         return None, st.st_size, "the sidecar is implausibly large"
     try:
-        doc = json.loads(side.read_bytes().decode("utf-8"))
+        doc = document(side.read_bytes())
     except OSError as e:
         return None, st.st_size, f"cannot read the sidecar: {oserror_text(e)}"
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        doc = None
     if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] < 1 \
             or not isinstance(doc.get("model"), dict):
         return None, st.st_size, "the sidecar is not a colichat sidecar"
