@@ -588,13 +588,33 @@ def test_a_sidecar_whose_kv_file_was_deleted_is_a_conversation_whose_text_is_rea
     assert sorted(os.listdir(d)) == ["z.lock"] and store.list(IDENT) == []
 
 
-def test_an_empty_kv_file_is_shown_damaged_with_the_command_that_clears_it(colichat_home):
+def test_an_empty_kv_file_is_read_again_from_its_sidecar_and_replaced_by_the_next_save(colichat_home):
+    """An empty KV file (a disk that lost its data, a hand's `: > FILE`) beside an intact sidecar: a
+    conversation as when the file was deleted, its text read again; the next save writes a new KV
+    file in place of the empty one. Without the sidecar nothing can be read: damaged, /delete."""
     cache = make_cache()
     store = Store()
+    turns = build(cache, 4)
     with store.create(IDENT, layout_of(cache), name="z") as sess:
-        sess.append(cache, build(cache, 2))
+        sess.append(cache, turns)
     d = store.model_dir(IDENT)
     os.truncate(d / "z.coli_kv", 0)
+    [info] = store.list(IDENT)
+    assert info.damage is None and info.turns == 4 and store.latest(IDENT).name == "z"
+    with pytest.raises(SessionError, match="already exists"):
+        store.claim(IDENT, "z", layout_of(cache))
+    with store.open(IDENT, "z", layout_of(cache)) as sess:
+        res = sess.load(make_cache())
+        assert res.turns == [] and res.unread == turns
+        assert res.warnings == ["the KV file z.coli_kv is damaged (empty KV file): none of the 4 turns listed "
+                                "has its records"]
+        assert os.path.getsize(d / "z.coli_kv") == 0  # opening wrote nothing
+        sess.append(cache, turns)  # (the chat program read them again into the cache)
+    with store.open(IDENT, "z", layout_of(cache)) as sess:
+        res = sess.load(make_cache())
+    assert res.turns == turns and res.warnings == [] and res.unread == []
+    os.truncate(d / "z.coli_kv", 0)
+    os.unlink(d / "z.json")
     line = "z: damaged (empty KV file); /delete z removes it"
     [info] = store.list(IDENT)
     assert info.describe() == line and store.latest(IDENT) is None
@@ -607,6 +627,8 @@ def test_an_empty_kv_file_is_shown_damaged_with_the_command_that_clears_it(colic
     store.delete(IDENT, "z")
     assert sorted(os.listdir(d)) == ["z.lock"] and store.list(IDENT) == []
     store.create(IDENT, layout_of(cache), name="z").close()
+
+
 def test_paths_follow_colichat_home(colichat_home, monkeypatch):
     from pathlib import Path
 

@@ -9,7 +9,7 @@ import os
 import signal
 
 import pytest
-from cli_helpers import TINY_ARGS, TINY_LLAMA, copy_gguf
+from cli_helpers import TINY, TINY_ARGS, TINY_LLAMA, copy_gguf
 from persist_helpers import snapshot
 
 from colichat.chat import Conversation, Settings
@@ -268,3 +268,35 @@ def test_ctrl_c_while_reading_again_at_start_keeps_what_was_read_and_says_so(mod
     err = capsys.readouterr().err
     assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in err
     assert files(store) == before
+
+
+@pytest.mark.parametrize("broken", ["deleted", "emptied", "another model's"])
+def test_a_kv_file_gone_or_broken_beside_its_sidecar_costs_no_exchange(broken, colichat_home):
+    """The KV file deleted, emptied (`: > FILE`), or replaced by another conversation's: its records are
+    lost, not its text. `--session NAME` reads every exchange again and goes on, the answer writes a
+    new KV file, and the conversation reopens whole with no warning; --export prints it meanwhile.
+    And a --ctx too small for what reading again takes is refused before the model loads, as for
+    any conversation (not opened with some of its exchanges left out)."""
+    from cli_helpers import chat, lines, saved_users, session_files
+
+    chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(*QUESTIONS[:2])).ok()
+    if broken == "another model's":
+        chat(colichat_home, [*TINY_ARGS, "--model", str(TINY / "ds-dense.gguf"), "--session", "other"], "Hi\n").ok()
+    kv = next(p for p in session_files(colichat_home) if p.name == "t.coli_kv")
+    if broken == "deleted":
+        kv.unlink()
+    elif broken == "emptied":
+        kv.write_bytes(b"")
+    else:
+        kv.write_bytes(next(p for p in session_files(colichat_home) if p.name == "other.coli_kv").read_bytes())
+    why = {"deleted": "is not there", "emptied": "is damaged (empty KV file)",
+           "another model's": "is damaged (its header disagrees with the sidecar"}[broken]
+    assert f"warning: the KV file t.coli_kv {why}" in chat(colichat_home, ["--export", "t"]).ok().err
+    small = chat(colichat_home, [*TINY_ARGS, "--ctx", "16", "--session", "t"], lines("Hi")).failed()
+    assert small.errors() == [small.errors()[0]] and "more than the context of 16: start colichat with --ctx" \
+        in small.errors()[0] and "loaded" not in small.err
+    run = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(QUESTIONS[2])).ok()
+    assert f"warning: the KV file t.coli_kv {why}" in run.err and "note: read 2 exchanges again" in run.err
+    assert saved_users(colichat_home, "t") == QUESTIONS
+    again = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines("/history")).ok()
+    assert "warning" not in again.err and "read" not in again.err.split("\n", 3)[-1]

@@ -345,6 +345,7 @@ def test_export_refuses_what_opening_refuses(colichat_home):
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "nokv.json")
     (directory / "nokv.coli_kv").unlink()
     (directory / "foreign.coli_kv").write_bytes(b"GGUF" + bytes(100))
+    (directory / "foreign.json").unlink()
     (directory / "bare.json").unlink()
     [line] = chat(colichat_home, ["--export", "foreign"]).failed().errors()
     assert chat(colichat_home, [*TINY_ARGS, "--session", "foreign"], "").failed().errors() == [line]

@@ -172,6 +172,41 @@ def check_writable(fd: int, path: str, what: str, fix: str = "") -> os.stat_resu
                        f"hard link (another file would change): {fix}")
 
 
+HEADER_FIELDS = ("n_layers", "A width", "B width", "index_hd", "indexed layers", "vocab", "nrec")
+
+
+def header_damage(size: int, raw: bytes) -> str | None:
+    """Why a KV file of `size` bytes starting with `raw` has no header a load can use, or None."""
+    if size == 0:
+        return "empty KV file"
+    if len(raw) < HEADER_SIZE:
+        return f"truncated header: {len(raw)} bytes, a header needs {HEADER_SIZE}"
+    if raw[:8] not in KIND_OF_MAGIC:
+        return f"not a KV file: magic {raw[:8]!r}"
+    fields = dict(zip(HEADER_FIELDS, HEADER.unpack(raw)[1:8], strict=True))
+    negative = [f"{k} {v}" for k, v in fields.items() if v < 0]
+    if negative:
+        return f"a negative field in its header: {', '.join(negative)}"
+    return None
+
+
+def unusable_header(path: str) -> str | None:
+    """`header_damage` of the regular file at `path`; None for a file it cannot judge (missing, a link,
+    a special file, one it may not read: those have refusals of their own)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        raw = os.pread(fd, HEADER_SIZE, 0) if stat.S_ISREG(st.st_mode) else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None if raw is None else header_damage(st.st_size, raw)
+
+
 def read_header(fd: int, path: str) -> tuple[Header, int]:
     """The header and the file size. Refuses files too short or with a magic colichat does not know."""
     size = os.fstat(fd).st_size

@@ -47,6 +47,7 @@ from .kvfile import (
     read_header,
     read_nrec_if_empty,
     read_records,
+    unusable_header,
     write_nrec,
     write_records,
 )
@@ -211,7 +212,8 @@ class Session:
         # the sidecar's entries of the turns a load dropped whose text is intact (LoadResult.unread): listed
         # on in every sidecar written until an append saves the conversation that read them again
         self._unread_entries: list[dict] = []
-        self._text_only = False  # opened from its sidecar alone: the KV file is not there (`_load_text_only`)
+        self._text_only = False  # opened from its sidecar alone: no KV file, or none it can read (`_load_text_only`)
+        self._kv_damage: str | None = None  # why not, when there is one
         self.notes: list[str] = []  # things a save did that the user should hear of (caller drains)
 
     # ---- opening ---------------------------------------------------------------------------
@@ -302,10 +304,11 @@ class Session:
         side = lstat_regular(base + SIDECAR_EXT, "sidecar")
         if text_only and (side is None or interrupted_create(base)):
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
+        damage = None if text_only or side is None else unusable_header(base + KV_EXT)
         s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name))
         try:
-            if text_only:  # its KV file was deleted (it is the large one): the text is read again
-                s._text_only = True
+            if text_only or damage:  # its KV file deleted (it is the large one), or broken: the text is read again
+                s._text_only, s._kv_damage = True, damage
             elif read_only:
                 s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
             else:
@@ -329,10 +332,11 @@ class Session:
         side = lstat_regular(base + SIDECAR_EXT, "sidecar")
         if text_only and (side is None or interrupted_create(base)):
             raise SessionError(f"no session named {name} (colichat --sessions lists them)")
+        damage = None if text_only or side is None else unusable_header(base + KV_EXT)
         s = cls(directory, name, _saved_model(base + SIDECAR_EXT), None, None)
         try:
-            if text_only:
-                s._text_only = True
+            if text_only or damage:
+                s._text_only, s._kv_damage = True, damage
                 return s._load_text_only()
             s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
             with s._reading():
@@ -347,14 +351,20 @@ class Session:
         no lock: it reads between two saves of a colichat that has it open (`_reading`)."""
         s = cls(directory, name, {}, None, None)
         try:
-            if lstat_regular(s.kv_path, "session file") is None:
-                return None
-            s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
-            with s._reading():
-                header, size = read_header(s._kv_fd, s.kv_path)
-                s.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
-                                       header.vocab, header.index_hd, header.n_index_layers)
+            header = None
+            if lstat_regular(s.kv_path, "session file") is not None and not unusable_header(s.kv_path):
+                s._kv_fd = open_file(s.kv_path, "session file", os.O_RDONLY)
+                with s._reading():
+                    header, size = read_header(s._kv_fd, s.kv_path)
+                    doc = s._sidecar_as_it_is()
+            else:
                 doc = s._sidecar_as_it_is()
+            if header is None or isinstance(doc, dict) and isinstance(doc.get("layout"), dict) \
+                    and s._header_disagreement(doc, header):
+                turns = readable_again(doc, []) if doc is not None else []  # no records: all read again
+                return turns[-1].last if turns else None
+            s.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
+                                   header.vocab, header.index_hd, header.n_index_layers)
             return s._listed_prefix(doc, header.nrec, size, [])[2]
         except (SessionError, OSError, ZeroDivisionError):  # (a header of records of no bytes)
             return None
@@ -384,7 +394,10 @@ class Session:
             raise SessionError(f"session {self.name} has no sidecar, so no text to export: colichat --session "
                                f"{self.name} with its model loads its cache as one imported turn, which /export "
                                "writes")
-        self._check_header_against(doc, header)
+        why = self._header_disagreement(doc, header)
+        if why:
+            self._text_only, self._kv_damage = True, why
+            return self._load_text_only()
         self.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
                                   header.vocab, header.index_hd, header.n_index_layers)
         records = min(header.nrec, (size - HEADER_SIZE) // max(1, self.layout.record_bytes))
@@ -416,31 +429,38 @@ class Session:
         colichat that has it open (`_reading`)."""
         if self._text_only:
             self.layout.check_cache(cache)
-            return self._load_text_only(cache)
+            return self._load_text_only(cache, ctx_limit, ctx_most)
         if self._kv_fd is None:
             raise ValueError(f"session {self.name} is closed")
         with self._reading():
             return self._load(cache, ctx_limit, detokenize, exchanges, ctx_most)
 
-    def _load_text_only(self, cache=None) -> LoadResult:
-        """A session whose KV file is not there (deleted to free its space, say): no records to read,
-        so no turn is kept; its exchanges whose text is intact are returned to be read again
-        (LoadResult.unread), and the next save writes a new KV file first, then the sidecar. `cache`
-        (emptied) may be None (an export). Refuses a sidecar opening refuses."""
+    def _load_text_only(self, cache=None, ctx_limit: int | None = None, ctx_most: int | None = None) -> LoadResult:
+        """A session whose KV file is not there (deleted to free its space, say) or has no header a load
+        can use (`_kv_damage`): no records to read, so no turn is kept; its exchanges whose text is
+        intact are returned to be read again (LoadResult.unread), and the next save writes a new KV
+        file first (in place of the broken one), then the sidecar. `cache` (emptied) may be None (an
+        export). Refuses a sidecar opening refuses, and (as `_load`) text that reads again into more
+        tokens than ctx_limit."""
         t0 = time.perf_counter()
         doc = self._read_sidecar()
         if doc is None:
             raise SessionError(f"no session named {self.name} for this model (/sessions lists them)")
         listed, _, warn = parse_turns(doc)
-        warnings = [f"the KV file {self.name}{KV_EXT} is not there: none of the {count(len(listed), 'turn')} "
+        state = f"is damaged ({self._kv_damage})" if self._kv_damage else "is not there"
+        warnings = [f"the KV file {self.name}{KV_EXT} {state}: none of the {count(len(listed), 'turn')} "
                     "listed has its records"] + ([warn] if warn else [])
+        unread = readable_again(doc, [])
+        n = unread[-1].last if unread else 0
+        ctx = None if cache is None else cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
+        if ctx is not None and n > ctx:
+            raise SessionError(more_context(self.name, n, ctx, ctx_most))
         if cache is not None:
             cache.set_length(0)
         self.turns, self._crcs, self.nrec, self._cache, self._has_sidecar = [], [], 0, cache, True
         self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
         self.created = doc.get("created") if isinstance(doc.get("created"), str) else now_iso()
         self._loaded = True
-        unread = readable_again(doc, [])
         self._unread_entries = doc["turns"][: len(unread)]
         return LoadResult(self.name, 0, [], (time.perf_counter() - t0) * 1000, warnings, dict(self.sampler), unread)
 
@@ -506,7 +526,10 @@ class Session:
         header, size = read_header(self._kv_fd, self.kv_path)
         doc = self._read_sidecar()  # first: the model that saved it tells damage from another model's file
         if doc is not None and (header.magic != MAGIC[self.layout.kind] or header.mismatches(self.layout)):
-            self._check_header_against(doc, header)
+            why = self._header_disagreement(doc, header)
+            if why:  # not this conversation's records: its text is read again
+                self._text_only, self._kv_damage = True, why
+                return self._load_text_only(cache, ctx_limit, ctx_most)
         if header.magic != MAGIC[self.layout.kind]:
             raise SessionError(f"session {self.name} holds a cache of another kind of model "
                                f"(magic {header.magic!r}, this model needs {MAGIC[self.layout.kind]!r}); "
@@ -591,16 +614,15 @@ class Session:
         raise SessionError(f"{head} and this model's with {mine!r}: rotate with {saved!r} to resume it, "
                            "or start a new session with /reset")
 
-    def _check_header_against(self, doc: dict, header) -> None:
-        """A header that disagrees with the layout its own sidecar recorded is damaged (SessionError)."""
+    def _header_disagreement(self, doc: dict, header) -> str | None:
+        """How a header disagrees with the layout its own sidecar recorded (damage, or another
+        session's KV file put in its place), or None."""
         saved = doc.get("layout") if isinstance(doc.get("layout"), dict) else {}
         got = {"kind": KIND_OF_MAGIC[header.magic], "n_layer": header.n_layer, "a_width": header.a_width,
                "b_width": header.b_width, "vocab": header.vocab, "index_hd": header.index_hd,
                "n_index_layers": header.n_index_layers}
         bad = [f"{k} {v} (sidecar: {saved.get(k)})" for k, v in got.items() if saved.get(k) != v]
-        if bad:
-            raise SessionError(f"session {self.name} is damaged: the header of {self.kv_path} disagrees with "
-                               f"its sidecar ({', '.join(bad)}); it cannot be loaded")
+        return f"its header disagrees with the sidecar: {', '.join(bad)}" if bad else None
 
     def _listed_prefix(self, doc, nrec: int, size: int, warnings: list[str]):
         """(turns, crcs, records to read): the sidecar's turns that lie within the whole records
@@ -763,7 +785,10 @@ class Session:
             _unlink_quietly(tmp)
             raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
                              "the conversation is still in memory (free some space; the next save retries)") from None
-        self._kv_fd, self._text_only = fd, False
+        if self._kv_fd is not None:  # the broken file this one replaced
+            with contextlib.suppress(OSError):
+                os.close(self._kv_fd)
+        self._kv_fd, self._text_only, self._kv_damage = fd, False, None
 
     def truncate(self, n_turns: int, sampler: dict | None = None) -> None:
         """Keep the first n_turns saved turns: rewrite nrec, then the sidecar (with `sampler`, the

@@ -40,7 +40,6 @@ from ..units import count, format_size
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
-    KIND_OF_MAGIC,
     MAGIC,
     CacheLayout,
     Header,
@@ -48,6 +47,7 @@ from .kvfile import (
     SessionError,
     SessionExists,
     fsync_dir,
+    header_damage,
     oserror_text,
 )
 from .locks import flock_for_save, release_lock, take_lock
@@ -249,23 +249,6 @@ def damaged_text(name: str, damage: str) -> str:
     return f"{name}: damaged ({damage}); /delete {name} removes it"
 
 
-HEADER_FIELDS = ("n_layers", "A width", "B width", "index_hd", "indexed layers", "vocab", "nrec")
-
-
-def _kv_damage(st, raw: bytes) -> str | None:
-    if st.st_size == 0:
-        return "empty KV file"
-    if len(raw) < HEADER_SIZE:
-        return f"truncated header: {len(raw)} bytes, a header needs {HEADER_SIZE}"
-    if raw[:8] not in KIND_OF_MAGIC:
-        return f"not a KV file: magic {raw[:8]!r}"
-    fields = dict(zip(HEADER_FIELDS, HEADER.unpack(raw)[1:8], strict=True))
-    negative = [f"{k} {v}" for k, v in fields.items() if v < 0]
-    if negative:
-        return f"a negative field in its header: {', '.join(negative)}"
-    return None
-
-
 def _session_info(directory: Path, name: str, layout: CacheLayout | None = None) -> SessionInfo | None:
     """Read-only summary of one session (with `damage` set if opening would refuse it); None if
     nothing is there under that name. `layout`: the model's, where it is known (see `_dir_layout`)."""
@@ -286,8 +269,7 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
         except OSError:
             return None
         doc, _, damage = _listed_sidecar(side, directory)
-        if damage is None and isinstance(doc.get("turns"), list) and doc["turns"] \
-                and all(isinstance(t, dict) for t in doc["turns"]):
+        if damage is None and _lists_turns(doc):
             return SessionInfo(name, model_dir=directory.name, size=sst.st_size, path=kv,
                                **_sidecar_summary(doc, 0, model, sst.st_mtime))
         return SessionInfo(name, model, directory.name, 0, 0, sst.st_size, sst.st_mtime, kv,
@@ -304,11 +286,16 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
                 raw = os.pread(fd, HEADER_SIZE, 0)
             finally:
                 os.close(fd)
-            damage = _kv_damage(st, raw) or _layout_damage(raw, layout)
+            damage = header_damage(st.st_size, raw) or _layout_damage(raw, layout)
             if damage is None:
                 tokens = HEADER.unpack(raw)[7]
                 if tokens == 0 and not _holds(directory / name):  # emptied (every exchange rewound)
                     return None
+            else:  # no records to read: a sidecar that lists the text makes it a conversation read again
+                doc, side_size, side_damage = _listed_sidecar(side, directory)
+                if side_damage is None and _lists_turns(doc):
+                    return SessionInfo(name, model_dir=directory.name, size=size + side_size, path=kv,
+                                       **_sidecar_summary(doc, 0, model, last_used))
         except OSError as e:
             damage = f"cannot read: {oserror_text(e)}"
     if damage:
@@ -321,6 +308,12 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
         return SessionInfo(name, model_dir=directory.name, size=size, path=kv,
                            **_sidecar_summary(doc, tokens, model, last_used))
     return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
+
+
+def _lists_turns(doc: dict | None) -> bool:
+    """Whether a sidecar document lists turns (the text a session without usable records is read from)."""
+    return isinstance(doc, dict) and isinstance(doc.get("turns"), list) and bool(doc["turns"]) \
+        and all(isinstance(t, dict) for t in doc["turns"])
 
 
 def _holds(base: Path) -> bool:
