@@ -239,3 +239,17 @@ def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_lates
     assert all(line in rows for line in damaged)
     for name in ("foreign", "linked", "bare"):
         chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).failed()
+
+
+def test_a_damaged_conversation_of_another_model_is_named_not_passed_over(colichat_home):
+    """--session NAME where only another model has NAME, damaged beyond reading (no sidecar, an empty KV
+    file): one line naming it, not a new conversation of the default model under the same name."""
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
+    kv.write_bytes(b"")
+    kv.with_suffix(".json").unlink()
+    run = chat(colichat_home, ["--session", "s"], lines("Hi")).failed()
+    assert run.errors() == [f"colichat: session s of another model ({kv.parent.name}) is damaged (empty KV file); "
+                            "start colichat with that model's --model PATH to see it in /sessions, or choose "
+                            "another name"]
+    assert sorted(p.name for p in session_files(colichat_home)) == ["s.coli_kv", "s.lock"]  # no new "s"

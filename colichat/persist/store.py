@@ -502,8 +502,13 @@ class Store:
         """SessionError 'session NAME belongs to another model (MODEL, last run from PATH); HINT' if
         another model has a loadable session NAME (asked where the model in use has none of that name).
         The hint by default: the command that reopens it, where its model's file is still there."""
-        infos = [i for i in self.list() if i.name == name and not i.damage]  # newest first
+        found = [i for i in self.list() if i.name == name]  # newest first
+        infos = [i for i in found if not i.damage]
         if not infos:
+            if found:  # (a damaged one: not a new conversation of that name beside it, unsaid)
+                raise SessionError(f"session {name} of another model ({found[0].model_dir}) is damaged "
+                                   f"({found[0].damage}); start colichat with that model's --model PATH to "
+                                   "see it in /sessions, or choose another name")
             return
         there = [p for p in map(model_file_now, infos) if p]
         if hint is None:
