@@ -326,3 +326,19 @@ def test_a_model_given_by_a_link_keeps_the_link_as_its_path_when_mapped_from_the
     second = load(str(link), n_ctx=64, cache_dir=cache)
     assert not second.w["token_embd"].flags.writeable  # mapped from the cache
     assert first.cfg.path == second.cfg.path == str(link)
+
+
+def test_a_model_given_by_a_relative_path_maps_its_own_experts_from_any_directory(tmp_path, monkeypatch):
+    """The entry records the file its quantized tensors (the routed experts) are mapped from as a real
+    path: given relatively at the first start, the same file reached from another directory maps its
+    own tensors, never those of whatever that relative path names there."""
+    for d, seed in (("a", 1), ("b", 2)):  # same shapes, other weights, at the same relative path
+        (tmp_path / d).mkdir()
+        write_deepseek2(tmp_path / d / "model.gguf", DS2Spec(n_expert=8, n_expert_used=2, qtype="Q8_0", seed=seed))
+    cache = tmp_path / "weights"
+    monkeypatch.chdir(tmp_path / "a")
+    first = _logits(load("model.gguf", n_ctx=64, cache_dir=cache))
+    monkeypatch.chdir(tmp_path / "b")
+    again = load("../a/model.gguf", n_ctx=64, cache_dir=cache)
+    assert not again.w["token_embd"].flags.writeable  # from the cache entry
+    assert np.array_equal(_logits(again), first)

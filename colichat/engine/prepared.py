@@ -148,6 +148,8 @@ class Prepared:
         maps: dict[str, mmap.mmap] = {}
         records, files, offsets = [], {}, {}
         for name, qtype, ne, n_bytes, file, off, dtype, shape in meta["tensors"]:
+            if not os.path.isabs(file):  # (an older colichat's entry: relative to a directory it does not say)
+                raise DamagedEntry(f"it names {file} by a relative path")
             if file not in maps:
                 maps[file] = _map(file)
             if off + np.dtype(dtype).itemsize * int(np.prod(shape)) > len(maps[file]):
@@ -207,7 +209,7 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
             os.fsync(f.fileno())
         records = [
             [t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.n_bytes),
-             tensors.files[t.name], tensors.offsets[t.name], t.data.dtype.str, list(t.data.shape)]
+             os.path.realpath(tensors.files[t.name]), tensors.offsets[t.name], t.data.dtype.str, list(t.data.shape)]
             for t in tensors.by_name.values()
         ]
         meta = {
