@@ -55,3 +55,51 @@ def test_bad_utf8_refused_here_replaced_by_the_lenient_walk(tmp_path):
     with pytest.raises(HeaderError, match="not UTF-8"):
         GGUFFile(str(bad))
     assert read_header(bytes(src), keep=lambda key: True).kv["general.architecture"] == "\ufffdlama"
+
+
+def _run_cli(path) -> tuple[int, str]:
+    """colichat -p on GGUF `path`, in this process: (exit status, stderr); any exception escapes."""
+    import contextlib
+    import io
+
+    from colichat import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["--model", str(path), "-p", "hi", "--max-tokens", "1", "--no-save"])
+    return rc, err.getvalue()
+
+
+@pytest.mark.parametrize("name,flips", [("llama.gguf", 120), ("ds-v3.gguf", 80)])
+def test_a_flipped_bit_in_a_gguf_header_is_refused_in_one_line_or_runs(name, flips, tmp_path, colichat_home):
+    """A bit flipped anywhere in the header region (metadata, tensor table): colichat runs, or says what
+    is wrong in one line (exit 1), never a traceback (before: a string length beyond the file, a text
+    value that is not UTF-8 and a shape numpy could not take escaped as exceptions)."""
+    good = (TINY / name).read_bytes()
+    rng = np.random.default_rng(11)
+    bad = tmp_path / name
+    for pos in rng.integers(0, 12000, flips):
+        data = bytearray(good)
+        data[pos] ^= 1 << int(rng.integers(0, 8))
+        bad.write_bytes(bytes(data))
+        rc, err = _run_cli(bad)
+        assert rc == 0 or rc == 1 and err.splitlines()[-1].startswith("colichat: "), (pos, err[-300:])
+
+
+def test_odd_gguf_values_are_refused_in_one_line(tmp_path, colichat_home):
+    from cli_helpers import copy_gguf
+
+    good = (TINY / "llama.gguf").read_bytes()
+    cases = {"a string length beyond the file": (763, 0xFF)}
+    at = good.index(b"{%")  # the chat template's text
+    cases["a chat template that is not UTF-8"] = (at + 1, 0x80)
+    for why, (pos, mask) in cases.items():
+        data = bytearray(good)
+        data[pos] ^= mask
+        (tmp_path / "bad.gguf").write_bytes(bytes(data))
+        rc, err = _run_cli(tmp_path / "bad.gguf")
+        assert rc == 1 and len(err.splitlines()) == 1 and "damaged" in err and "download it again" in err, (why, err)
+    path = copy_gguf(TINY / "llama.gguf", tmp_path / "heads.gguf", set_keys={"llama.attention.head_count": 0})
+    rc, err = _run_cli(path)
+    assert (rc, err) == (1, f"colichat: {path}: damaged GGUF file: llama.attention.head_count 0, "
+                            "llama.embedding_length 256; download it again\n")

@@ -181,13 +181,14 @@ def _open_one(path: str):
         return GGUFFile(path)  # a well-formed file, read in one pass (gguf_file.py)
     except Truncated as e:
         raise ModelError(f"{path}: truncated GGUF file: {e} (a download cut short?)") from None
-    except HeaderError:  # not what it fully understands: gguf-py reads it, and says what is wrong
-        pass
+    except (HeaderError, OverflowError, ValueError):  # not what it understands (a length beyond any file,
+        pass                                            # a shape numpy cannot take): gguf-py says what is wrong
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/... on damaged files
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelError(f"{path}: damaged or truncated GGUF file ({msg})") from None
+        raise ModelError(f"{path}: damaged or truncated GGUF file: its header cannot be read ({msg}); "
+                         "download it again") from None
     reader.path = path  # for messages and for finding the other parts of a split model
     return reader
 
@@ -198,7 +199,11 @@ def field(reader, key: str, default=None, required: bool = False):
         if required:
             raise ModelError(f"{reader.path}: missing GGUF key '{key}'")
         return default
-    return f.contents()
+    try:
+        return f.contents()
+    except UnicodeDecodeError:
+        raise ModelError(f"{reader.path}: damaged GGUF file: the value of {key} is not UTF-8 text; "
+                         "download it again") from None
 
 
 def _scalar(v):
@@ -326,6 +331,9 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
 
     n_embd = int(key("embedding_length", required=True))
     n_head = int(key("attention.head_count", required=True))
+    if n_head <= 0 or n_embd <= 0:
+        raise ModelError(f"{path}: damaged GGUF file: {arch}.attention.head_count {n_head}, "
+                         f"{arch}.embedding_length {n_embd}; download it again")
     n_head_kv = int(key("attention.head_count_kv", n_head))
     key_length = int(key("attention.key_length", n_embd // n_head))
     n_nextn = int(key("nextn_predict_layers", 0) or 0)

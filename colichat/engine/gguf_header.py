@@ -87,6 +87,8 @@ def _value(buf, pos: int, vtype: int, keep: bool, errors: str):
             values, u64, n_buf = [], _U64, len(buf)
             for _ in range(count):
                 (n,) = u64(buf, pos)
+                if n > n_buf:  # (a damaged length: no slice of the file could hold it)
+                    raise struct.error("a string longer than the file")
                 if keep:
                     values.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors))
                 pos += 8 + n
