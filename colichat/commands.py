@@ -22,7 +22,7 @@ from .sessions import markdown
 from .settings import BY_NAME as SETTINGS
 from .settings import TABLE, key_of, printable, unquoted
 from .units import count
-from .wrap import wrap_line
+from .wrap import displayable, wrap_line
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def cmd_rewind(app, arg: str) -> None:
     waiting = app.conv.prefs.pending_system is not False
     dropped = app.conv.rewind(n)
     for t in dropped:
-        preview = t.text.strip().replace("\n", " ")
+        preview = displayable(t.text.strip().replace("\n", " "))
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
     emptied = saved and not session.on_disk  # no exchange left: no saved conversation until the next answer
     unread = app.conv.unread_left  # a stopped read left these on disk: the saved conversation waits for an answer

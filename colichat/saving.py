@@ -15,6 +15,7 @@ import os
 from .errors import ChatError
 from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
 from .units import format_size
+from .wrap import displayable
 
 CURRENT_MARK = "* "  # in /sessions, the row of the conversation in use (the others start with two spaces)
 
@@ -200,7 +201,7 @@ class Saving:
         info = self.store.latest(self.ident)
         if info is None:
             return None
-        return f"latest saved conversation: {info.describe()} (/resume to continue it)"
+        return f"latest saved conversation: {displayable(info.describe())} (/resume to continue it)"
 
     def names(self) -> list[str]:
         """This model's saved conversations, newest first (for Tab completion)."""
@@ -210,7 +211,8 @@ class Saving:
         if not self.store:
             raise ChatError("saving is off (--no-save): no sessions")
         current = self.session.name if self.session else None
-        return [(CURRENT_MARK if i.name == current else "  ") + i.describe() for i in self.store.list(self.ident)]
+        return [(CURRENT_MARK if i.name == current else "  ") + displayable(i.describe())
+                for i in self.store.list(self.ident)]
 
     def delete(self, name: str) -> str:
         """Delete a saved conversation of this model (not the one in use)."""

@@ -28,6 +28,7 @@ from .persist.locks import lock_holder
 from .persist.session import SIDECAR_EXT, holds_conversation, more_context
 from .persist.sidecar import doc_check, document, span
 from .persist.store import damaged_text, model_file_now
+from .wrap import displayable
 
 
 def _fingerprint(model_path: str) -> str | None:
@@ -242,7 +243,7 @@ def listing(store: Store) -> list[str]:
     for (model, directory), infos in by_model.items():
         file = next((i.model_file for i in infos if i.model_file), "")
         lines.append(f"{model_title(model, file)} ({directory}):")
-        lines += ["  " + i.describe() for i in infos]
+        lines += ["  " + displayable(i.describe()) for i in infos]  # (texts from files: shown, not acted on)
     return lines
 
 

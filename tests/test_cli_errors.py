@@ -740,3 +740,19 @@ def test_failure_inside_an_answer_leaves_cache_and_turns_consistent(colichat_hom
     ref = chat(colichat_home, [*TINY_ARGS, "--session", "r"], lines(*Q[:2])).ok()
     assert saved_answers(colichat_home, "s") == saved_answers(colichat_home, "r")
     assert ref.out.endswith(answers_bytes([answer]))
+
+
+def test_control_characters_from_files_are_shown_not_sent_to_the_terminal(colichat_home, tmp_path):
+    """A model's general.name and a saved message with escape sequences (colour, window title, bell):
+    the first line, the latest-conversation line, /sessions and --sessions show them in caret
+    notation, as /history does, so they cannot act on the terminal."""
+    from cli_helpers import copy_gguf
+
+    path = copy_gguf(TINY_LLAMA, tmp_path / "odd.gguf", set_keys={"general.name": "evil\x1b[31mred\x07"})
+    chat(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "4", "--session", "e"],
+         lines("\x1b[31mRED\x1b]0;TITLE\x07 msg")).ok()
+    run = chat(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "4"], lines("/sessions")).ok()
+    shown = run.err + chat(colichat_home, ["--sessions"]).ok().out.decode()
+    assert "\x1b" not in shown and "\x07" not in shown, shown
+    assert run.err.startswith("evil^[[31mred^G (llama, ")
+    assert 'latest saved conversation: e: 2 turns, ' in run.err and '"^[[31mRED^[]0;TITLE^G msg"' in run.err
