@@ -92,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--numerics", choices=["fast", "llama.cpp"],  # default fast (None: not given)
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp; default fast)")
-    p.add_argument("--no-save", action="store_true", help="write nothing to disk: a saved conversation (--session "
-                   "NAME, --resume, /resume) opens and goes on unsaved (one-shot -p runs and messages from a pipe "
+    p.add_argument("--no-save", action="store_true", help="write nothing of yours (no conversation, no typed "
+                   "line in the input history): a saved conversation (--session NAME, --resume, /resume) opens "
+                   "and goes on unsaved (one-shot -p runs and messages from a pipe "
                    "are saved only with --session NAME or --resume)")
     p.add_argument("--sessions", action="store_true", help="list the saved conversations of every model and exit "
                    "(not with -p, --resume, --session, --model)")

@@ -99,8 +99,19 @@ def _bindings(screen: Screen | None = None) -> KeyBindings:
     return kb
 
 
-def _history():
-    """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails."""
+class _ReadOnlyHistory(FileHistory):
+    """The history file's lines for Up, and nothing typed now written to it (--no-save)."""
+
+    def store_string(self, string: str) -> None:
+        pass
+
+
+def _history(no_save: bool = False):
+    """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails. With
+    --no-save the file's lines are recalled but nothing is added (nor the file created)."""
+    if no_save:
+        path = paths().state / "history"
+        return _ReadOnlyHistory(str(path)) if path.is_file() else InMemoryHistory()
     try:
         state = private_dir(paths().state)
         os.close(private_file(state / "history", os.O_WRONLY | os.O_CREAT | os.O_APPEND))  # 0600 before use
@@ -148,7 +159,8 @@ def yes_or_no(question: str, screen: Screen | None = None) -> bool:
 
 
 def make_session(app) -> PromptSession:
-    session = PromptSession(history=_history(), completer=SlashCompleter(app), key_bindings=_bindings(app.screen),
+    session = PromptSession(history=_history(app.conv.saving.no_save), completer=SlashCompleter(app),
+                            key_bindings=_bindings(app.screen),
                             complete_while_typing=False, prompt_continuation=_continuation,
                             enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering
     session.app.timeoutlen = None  # Esc waits for the next key: Esc, a pause, Enter is still a newline

@@ -704,3 +704,20 @@ def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colich
                        f"another model now): colichat --model {llama} --session sym reopens it, or choose another "
                        "name\n")
     assert names_on_disk(colichat_home) == ["first", "sym"]
+
+
+def test_no_save_adds_nothing_typed_to_the_input_history(colichat_home):
+    """--no-save writes no typed line: Up still recalls the lines of earlier runs, none is added, and
+    a history file that is not there is not created."""
+    from colichat.repl import _history
+
+    state = colichat_home / "state"
+    history = _history(no_save=True)
+    history.append_string("my secret message")
+    assert not (state / "history").exists()
+    _history().append_string("an earlier line")  # a run with saving on
+    before = (state / "history").read_bytes()
+    history = _history(no_save=True)
+    assert list(history.load_history_strings()) == ["an earlier line"]
+    history.append_string("my secret message")
+    assert (state / "history").read_bytes() == before
