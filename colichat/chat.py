@@ -98,6 +98,9 @@ class Conversation:
         said, changed = self.prefs.set(key, value, started=bool(self.turns))
         if changed:
             self._save_settings()
+        if key == "draft" and value and self.model.cfg.n_nextn and self.model.mtp is None:
+            said += (" (prompt lookup only: the model's MTP block was not loaded, as with --draft 0 at start; "
+                     "start colichat with --draft N to draft with it too)")
         return said
 
     # --- the conversation and its session ---------------------------------------------------------

@@ -23,6 +23,7 @@ try:
     import argparse
     import contextlib
     import sys
+    import warnings
 
     from wcwidth import wcswidth
 
@@ -612,6 +613,9 @@ def interrupted() -> int:
 
 def main(argv=None) -> int:
     open_standard_streams()
+    # Weights that overflow float32 (a damaged or odd file): the model's own check says so in one line
+    # (the NaN it computes); numpy's warnings, printed with their source lines, are not for the user.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"colichat\.")
     args = parse_args(argv)
     status = StatusLine()
     banner: list[str] = []  # the lines shown before the REPL (it draws them again on a resize)

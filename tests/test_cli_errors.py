@@ -756,3 +756,15 @@ def test_control_characters_from_files_are_shown_not_sent_to_the_terminal(colich
     assert "\x1b" not in shown and "\x07" not in shown, shown
     assert run.err.startswith("evil^[[31mred^G (llama, ")
     assert 'latest saved conversation: e: 2 turns, ' in run.err and '"^[[31mRED^[]0;TITLE^G msg"' in run.err
+
+
+def test_weights_that_overflow_show_no_numpy_warnings(colichat_home, tmp_path):
+    """A model whose output head overflows float32: one line from colichat (it computed NaN or not),
+    no numpy RuntimeWarning with its source line."""
+    import numpy as np
+    from cli_helpers import copy_gguf
+
+    with np.errstate(over="ignore"):  # (weights beyond float32: inf)
+        path = copy_gguf(TINY_LLAMA, tmp_path / "huge.gguf", scale={"output.weight": 1e39})
+    run = chat(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "2", "-p", "hi"])
+    assert "RuntimeWarning" not in run.err and "computed NaN" in run.err, run.err

@@ -291,3 +291,14 @@ def test_a_costly_source_is_asked_only_when_it_can_beat_the_free_one():
             assert mtp.asked == 0 and gen.by_source["lookup"][1] > 0
         else:  # no free match: MTP drafts
             assert lookup.asked > 0 and mtp.asked > 0 and gen.by_source["MTP"][1] > 0
+
+
+def test_set_draft_says_when_the_mtp_block_was_not_loaded():
+    """Started with --draft 0, an MTP model has no MTP block loaded (its rows cost memory): /set draft N
+    then drafts by prompt lookup alone, and says so with what brings the block in."""
+    off = Conversation(load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=64, mtp=False), Settings(draft=0), save=False)
+    said = off.set_option("draft", 5)
+    assert said.endswith("(prompt lookup only: the model's MTP block was not loaded, as with --draft 0 at start; "
+                         "start colichat with --draft N to draft with it too)")
+    on = Conversation(load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=64), Settings(draft=0), save=False)
+    assert "MTP" not in on.set_option("draft", 5) and "MTP" not in off.set_option("draft", 0)
