@@ -74,11 +74,16 @@ def talk(model, store: Store, name: str, questions) -> list[tuple[str, str]]:
     return turns
 
 
+def saved_then_damaged(model, store: Store, questions, turn: int) -> tuple[list[tuple[str, str]], dict]:
+    """Session "d" of `questions`, a byte of turn `turn`'s records changed: (its turns, its files then)."""
+    said = talk(model, store, "d", questions)
+    flip_a_byte_of_turn(store, "d", turn, model.cache.record_bytes)
+    return said, files(store)
+
+
 def test_damaged_records_are_read_again_from_the_saved_text_and_saved_anew_with_the_next_answer(model, tmp_path):
     store = Store(tmp_path / "s")
-    said = talk(model, store, "d", QUESTIONS[:2])
-    flip_a_byte_of_turn(store, "d", 1, model.cache.record_bytes)  # the first answer: both exchanges dropped
-    before = files(store)
+    said, before = saved_then_damaged(model, store, QUESTIONS[:2], 1)  # the first answer: both exchanges dropped
     conv = conversation(model, store)
     report = conv.resume("d")
     assert "warning: dropped turns 2-4" in report and "checksum mismatch" in report
@@ -98,9 +103,7 @@ def test_damaged_records_are_read_again_from_the_saved_text_and_saved_anew_with_
 
 def test_a_stop_while_reading_again_keeps_the_exchanges_read_and_writes_nothing(model, tmp_path):
     store = Store(tmp_path / "s")
-    said = talk(model, store, "d", QUESTIONS)
-    flip_a_byte_of_turn(store, "d", 0, model.cache.record_bytes)
-    before = files(store)
+    said, before = saved_then_damaged(model, store, QUESTIONS, 0)
     conv = conversation(model, store)
 
     def stop_at_once(done, total):  # Ctrl-C while the first message is read
@@ -218,9 +221,7 @@ def test_a_rewind_after_a_stopped_reading_leaves_the_saved_conversation_whole_un
     conversation in memory and, on disk, nothing until the next answer (as the stop's warning says), so
     quitting after it loses none of them; the next answer saves the conversation as it is then."""
     store = Store(tmp_path / "s")
-    said = talk(model, store, "d", QUESTIONS)
-    flip_a_byte_of_turn(store, "d", 0, model.cache.record_bytes)
-    before = files(store)
+    said, before = saved_then_damaged(model, store, QUESTIONS, 0)
     conv = conversation(model, store)
 
     def stop_after_the_first(done, total):  # Ctrl-C once the first exchange is read
@@ -254,9 +255,7 @@ def test_ctrl_c_while_reading_again_at_start_keeps_what_was_read_and_says_so(mod
     from colichat import chat, cli
 
     store = Store()
-    talk(model, store, "d", QUESTIONS)
-    flip_a_byte_of_turn(store, "d", 0, model.cache.record_bytes)
-    before = files(store)
+    _, before = saved_then_damaged(model, store, QUESTIONS, 0)
     read_turn = chat.Conversation._read_turn
 
     def ctrl_c_after_the_first_turn(self, *args, **kwargs):

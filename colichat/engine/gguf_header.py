@@ -85,13 +85,14 @@ def _value(buf, pos: int, vtype: int, keep: bool, errors: str):
             return (np.frombuffer(buf, dtype, count, pos).tolist() if keep else None), end
         if etype == STRING:  # the token and merge lists: the hot loop of a tokenizer's start
             values, u64, n_buf = [], _U64, len(buf)
-            for _ in range(count):
-                (n,) = u64(buf, pos)
-                if n > n_buf:  # (a damaged length: no slice of the file could hold it)
-                    raise struct.error("a string longer than the file")
-                if keep:
-                    values.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors))
-                pos += 8 + n
+            try:
+                for _ in range(count):
+                    (n,) = u64(buf, pos)
+                    if keep:
+                        values.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors))
+                    pos += 8 + n
+            except OverflowError:  # a damaged length that no slice can take
+                raise struct.error("a string longer than the file") from None
             if pos > n_buf:
                 raise struct.error("buffer ends inside an array")
             return (values if keep else None), pos

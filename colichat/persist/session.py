@@ -396,8 +396,7 @@ class Session:
                                "writes")
         why = self._header_disagreement(doc, header)
         if why:
-            self._text_only, self._kv_damage = True, why
-            return self._load_text_only()
+            return self._read_text_instead(why)
         self.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
                                   header.vocab, header.index_hd, header.n_index_layers)
         records = min(header.nrec, (size - HEADER_SIZE) // max(1, self.layout.record_bytes))
@@ -434,6 +433,12 @@ class Session:
             raise ValueError(f"session {self.name} is closed")
         with self._reading():
             return self._load(cache, ctx_limit, detokenize, exchanges, ctx_most)
+
+    def _read_text_instead(self, why: str, cache=None, ctx_limit: int | None = None,
+                           ctx_most: int | None = None) -> LoadResult:
+        """The KV file has records, but not this conversation's (`why`): load as `_load_text_only`."""
+        self._text_only, self._kv_damage = True, why
+        return self._load_text_only(cache, ctx_limit, ctx_most)
 
     def _load_text_only(self, cache=None, ctx_limit: int | None = None, ctx_most: int | None = None) -> LoadResult:
         """A session whose KV file is not there (deleted to free its space, say) or has no header a load
@@ -528,8 +533,7 @@ class Session:
         if doc is not None and (header.magic != MAGIC[self.layout.kind] or header.mismatches(self.layout)):
             why = self._header_disagreement(doc, header)
             if why:  # not this conversation's records: its text is read again
-                self._text_only, self._kv_damage = True, why
-                return self._load_text_only(cache, ctx_limit, ctx_most)
+                return self._read_text_instead(why, cache, ctx_limit, ctx_most)
         if header.magic != MAGIC[self.layout.kind]:
             raise SessionError(f"session {self.name} holds a cache of another kind of model "
                                f"(magic {header.magic!r}, this model needs {MAGIC[self.layout.kind]!r}); "
