@@ -32,6 +32,7 @@ from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
 from .system_prompt import problem_for_set, refusal
 from .units import count
+from .wrap import displayable
 
 FULL_BELOW = REOPEN_ROOM  # a resumed conversation with fewer tokens of context left is said to be full
 # A prompt longer than PROMPT_STEPPED is read PROMPT_STEP tokens at a time: progress is shown and a
@@ -60,6 +61,8 @@ class Conversation:
         self.stop_requested = False
         self.unsaved_cut: int | None = None  # /regen: the saved session keeps this many turns from the next save on
         self.unread_left = 0  # exchanges a stopped read left on disk, unread: they go with the next answer's save
+        self.cut_failed: str | None = None  # why the last /rewind could not cut the saved session (it waits)
+        self.save_failed = False  # a save or a cut failed since the last save that worked: the disk is behind
         self.last_stats: TurnStats | None = None
         self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (cli.App)
         cfg = model.cfg
@@ -110,6 +113,11 @@ class Conversation:
         exchanges whose records were damaged but whose text is intact: those are read again from
         their text (`_read_again`, with `on_progress`), so that going on never loses them."""
         new, name = self.saving.open(name)
+        try:
+            self._keep_saved(f"/resume {name}")
+        except ChatError:
+            new.close()
+            raise
         rope = self.model.rope_factors
         try:
             self._take_rope_factors(new)
@@ -123,6 +131,7 @@ class Conversation:
             raise
         self.saving.adopt(new, name)
         self.turns, self.unsaved_cut, self.unread_left = list(res.turns), None, 0  # (of the conversation left)
+        self.save_failed = False
         # Options given at start are the settings from now on, written with the next save: opening a
         # conversation to read it changes nothing on disk (FORMAT.md, "Loading reads only").
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
@@ -169,20 +178,55 @@ class Conversation:
         """/save NAME: the conversation, from the cache, into a new session (saving.Saving.save_as)."""
         return self.saving.save_as(name, self.model.cache, self.turns, self.prefs.saved())
 
-    def reset(self) -> str:
-        """A new empty conversation; the current session stays on disk."""
+    def new(self) -> str:
+        """/new: a new empty conversation; the current session stays on disk."""
+        self._keep_saved("/new")
         old = self.saving.leave()
         self.clear()
         if self.prefs.next_conversation():
             self._save_settings()
         return f"new conversation (session {old} is saved; /resume {old} reopens it)" if old else "new conversation"
 
+    def reset(self) -> str:
+        """/reset (the format's kv_disk_reset): this conversation emptied in place. Same name, its KV file
+        cut to its header and its sidecar listing no turn (Session.truncate with keep_files), its
+        settings kept; the next message starts it again, as a new conversation of that name would."""
+        if not self.turns:
+            raise ChatError("nothing to reset: the conversation is empty")
+        n, tokens, first = self.exchanges(), self.n_tokens, self.turns[0]
+        self.clear()
+        failed = self._cut_on_disk(0, keep_files=True)
+        if self.prefs.next_conversation():
+            self._save_settings()
+        preview = displayable(first.text.strip().replace("\n", " "))
+        said = (f"removed {count(n, 'exchange')} ({count(tokens, 'token')}), from \"{preview[:60]}"
+                f"{'...' if len(preview) > 60 else ''}\"")
+        where = self.saving.session.name if self.saving.session and self.saving.session.on_disk else None
+        if failed:
+            return f"{said}; {failed}"
+        return said + (f"; session {where} is empty, its settings kept" if where else "")
+
     def clear(self) -> None:
         self.model.reset()
-        self.turns, self.unsaved_cut, self.unread_left = [], None, 0
+        self.turns, self.unsaved_cut, self.unread_left, self.save_failed = [], None, 0, False
 
     def close(self) -> None:
+        """Quitting: a cut or turns a failed save left unwritten get one more try, then the session is closed."""
+        if self.save_failed and not self.unread_left:
+            self._save(TurnStats())
         self.saving.close()
+
+    def _keep_saved(self, doing: str) -> None:
+        """Before this conversation is left (/new, /resume, /forget): turns a failed save left unwritten
+        are saved now, or `doing` is refused, saying why: leaving would lose them. (With exchanges a
+        stopped read left unread, the disk holds more than memory: nothing to save.)"""
+        if not self.save_failed or self.unread_left:
+            return
+        stats = TurnStats()
+        self._save(stats)
+        if stats.saved is False:
+            raise ChatError(f"this conversation is not saved ({stats.save_error}), and {doing} would lose it: "
+                            "free some space and try again (/export FILE writes it elsewhere)")
 
     def _save(self, stats: TurnStats) -> None:
         if self.unsaved_cut is not None:  # the answer /regen replaces goes from the disk only now
@@ -190,9 +234,12 @@ class Conversation:
                 self.saving.truncate(self.unsaved_cut, self.prefs.saved())
             except ChatError as e:
                 stats.saved, stats.save_error = False, str(e)
+                self.save_failed = True
                 return
             self.unsaved_cut = None
         self.saving.save(self.model.cache, self.turns, self.prefs.saved(), stats)
+        if stats.saved is not None:
+            self.save_failed = not stats.saved
         if stats.saved:
             self.unread_left = 0
 
@@ -349,9 +396,10 @@ class Conversation:
         if not 1 <= n <= len(starts):
             raise ChatError(f"/forget takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
         kept = self.turns[starts[n]:] if n < len(starts) else []
-        old = self.saving.session.name if self.saving.session else None
+        self._keep_saved("/forget")
+        old = self.saving.session.name if self.saving.session and self.saving.session.on_disk else None
         self.stop_requested, stopped = False, False
-        self.reset()
+        self.new()
         try:
             for t in kept:
                 if self.stop_requested and old:  # Ctrl-C: back to the conversation as it was, below
@@ -475,6 +523,7 @@ class Conversation:
         if not 1 <= n <= len(starts):  # said as /forget says it
             raise ChatError(f"/rewind takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
         dropped = self.turns[starts[-n]:]
+        self.cut_failed = None
         if self.unread_left:  # a stopped read left exchanges on disk: they and these go with the next save
             self._rebase(dropped[0].first, defer_cut=True)
             self.turns = self.turns[: starts[-n]]
@@ -503,6 +552,19 @@ class Conversation:
         self._cut(n, len(self.turns))
 
     def _cut(self, n: int, kept_turns: int) -> None:
-        """Truncate the cache to n rows and the saved session to its first kept_turns turns."""
+        """Truncate the cache to n rows and the saved session to its first kept_turns turns; a cut the
+        disk refused is said in `cut_failed` and made with the next save."""
         self.model.cache.truncate(n)
-        self.saving.truncate(kept_turns, self.prefs.saved())
+        self.cut_failed = self._cut_on_disk(kept_turns)
+
+    def _cut_on_disk(self, kept_turns: int, keep_files: bool = False) -> str | None:
+        """Cut the saved session to its first kept_turns turns now; if the disk refuses, the cut waits
+        for the next save (unsaved_cut: an append never runs before it), and the reason is returned."""
+        try:
+            self.saving.truncate(kept_turns, self.prefs.saved(), keep_files)
+        except ChatError as e:
+            self.unsaved_cut = kept_turns if self.unsaved_cut is None else min(self.unsaved_cut, kept_turns)
+            self.save_failed = True
+            return (f"{e}: the saved conversation keeps them until the next answer saves it "
+                    "(or quitting, which tries again)")
+        return None

@@ -195,6 +195,10 @@ def cmd_export(app, arg: str) -> None:
     app.say(f"exported {count(len(conv.turns), 'turn')} to {printable(path, 200)}")
 
 
+def cmd_new(app, arg: str) -> None:
+    app.say(app.conv.new())
+
+
 def cmd_reset(app, arg: str) -> None:
     app.say(app.conv.reset())
 
@@ -210,6 +214,8 @@ def cmd_rewind(app, arg: str) -> None:
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
     emptied = saved and not session.on_disk  # no exchange left: no saved conversation until the next answer
     unread = app.conv.unread_left  # a stopped read left these on disk: the saved conversation waits for an answer
+    if app.conv.cut_failed:
+        app.say(f"warning: {app.conv.cut_failed}")
     app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context"
             + (f"; session {session.name} is empty, off the disk until its next answer" if emptied else "")
             + (f"; saved as it was (with the {count(unread, 'exchange')} not read) until the next answer"
@@ -277,8 +283,10 @@ COMMANDS = [
     Command("/resume", "[NAME]", "reopen a saved conversation (the latest by default), no re-prefill", cmd_resume),
     Command("/sessions", "", "list saved conversations of this model", cmd_sessions,
             instead="/resume NAME reopens one"),
-    Command("/new", "", "start a new empty conversation (the current one stays saved)", cmd_reset,
-            ("/clear", "/reset"), instead="/rename NAME names this conversation"),
+    Command("/new", "", "start a new empty conversation (the current one stays saved)", cmd_new,
+            ("/clear",), instead="/rename NAME names this conversation"),
+    Command("/reset", "", "empty this conversation in place: same name, every exchange removed from memory and "
+            "disk, settings kept", cmd_reset, instead="/rewind N drops the last N exchanges"),
     Command("/rename", "NEW", "give this conversation another name (or, before its first answer, its name)",
             cmd_rename),
     Command("/save", "NAME", "keep a copy of this conversation as NAME (written from memory, no re-prefill)",

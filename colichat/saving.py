@@ -153,14 +153,14 @@ class Saving:
             except (SessionError, OSError):
                 pass  # saved again with the next answer
 
-    def truncate(self, kept_turns: int, settings: dict) -> None:
+    def truncate(self, kept_turns: int, settings: dict, keep_files: bool = False) -> None:
         """The saved session keeps its first kept_turns turns (the cache was cut to match), and the
-        settings in use."""
+        settings in use (`keep_files`: see Session.truncate)."""
         if self.session and not self.read_only:
             try:
-                self.session.truncate(kept_turns, settings)
+                self.session.truncate(kept_turns, settings, keep_files)
             except SessionError as e:
-                raise ChatError(f"{e} (the conversation goes on in memory)") from None
+                raise ChatError(str(e)) from None
 
     def save_as(self, name: str, cache, turns: list, settings: dict) -> str:
         """Write the conversation from the cache into a new session NAME (no forward pass). An

@@ -57,7 +57,7 @@ def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, dr
     message = "copy: one two three one two three one two three"
     full, _ = conv.ask(message)
     full_ids = model.cache.token_ids()[conv.turns[-1].first:]
-    conv.reset()
+    conv.new()
     pieces, passes = [], []
     decode, prefill = model.decode, model.prefill
 
@@ -106,7 +106,7 @@ def test_a_stop_inside_a_character_keeps_only_whole_characters(model):
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     split = next(i for i, t in enumerate(ids)  # a token that begins a character and ends none
                  if utf8.decode(conv.tok.piece(t)) == "" and utf8.getstate()[0])
-    conv.reset()
+    conv.new()
     decode, calls = model.decode, []
 
     def run(*args, **kwargs):  # decode call k + 1 makes token k: Ctrl-C while the one after `split` computes
@@ -255,7 +255,7 @@ def test_system_prompt_change_waits_for_the_next_conversation(model):
     plain = run(False)[1]  # an independent run that never heard of the system prompt
     conv, ids = run(True)
     assert ids == plain and conv.turns[0].first == 0  # the prompt set midway changed no token
-    conv.reset()
+    conv.new()
     assert conv.settings.system == "Be brief." and "system (next)" not in conv.prefs.options()
     conv.ask("hello")  # the next conversation reads it
     prompt = model.tokenizer.decode(model.cache.token_ids()[: conv.turns[0].last])
@@ -285,9 +285,9 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
 
 
 @pytest.mark.parametrize("name", ["plm", "minicpm3"])
-def test_mla_models_rewind_reset_and_resume(colichat_home, name):
+def test_mla_models_rewind_new_and_resume(colichat_home, name):
     """The deepseek2-derived models in a conversation: /rewind then the same question gives the
-    same answer and the same cache; /reset then the first question answers as a fresh conversation;
+    same answer and the same cache; /new then the first question answers as a fresh conversation;
     the saved session resumes with the cache to the byte."""
     m = load(str(TINY / f"{name}.gguf"), n_ctx=256)
     conv = Conversation(m, Settings(temperature=0, max_tokens=8), session_name="s")
@@ -299,11 +299,11 @@ def test_mla_models_rewind_reset_and_resume(colichat_home, name):
     assert m.cache.records[: m.cache.length].tobytes() == rows1 and conv.exchanges() == 1
     assert conv.ask("and again")[0] == second
     assert m.cache.records[: m.cache.length].tobytes() == rows2
-    conv.reset()
+    conv.new()
     assert m.cache.length == 0 and conv.ask("hello")[0] == first
     assert m.cache.records[: m.cache.length].tobytes() == rows1
     conv.close()
     again = Conversation(m, Settings(temperature=0))
-    again.resume("s")  # the session of the first two exchanges, kept by /reset
+    again.resume("s")  # the session of the first two exchanges, kept by /new
     assert again.exchanges() == 2 and m.cache.records[: m.cache.length].tobytes() == rows2
     again.close()

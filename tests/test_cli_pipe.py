@@ -153,10 +153,10 @@ def test_resume_without_a_name_takes_the_latest(tiny_ref, colichat_home):
     assert c.out == answers_bytes(ref[2:])
 
 
-def test_reset_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
+def test_new_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
     ref = tiny_ref[2]
     run = chat(colichat_home, [*TINY_ARGS, "--session", "first"],
-               lines(Q[0], "/reset", Q[0], "/sessions", "/resume first", "/history", Q[1])).ok()
+               lines(Q[0], "/new", Q[0], "/sessions", "/resume first", "/history", Q[1])).ok()
     err = run.err.splitlines()
     assert "new conversation (session first is saved; /resume first reopens it)" in err
     names = session_names(run)
@@ -167,7 +167,7 @@ def test_reset_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
     assert any(line.startswith("  first: 2 turns, ") for line in listed)
     tokens, turns, name = run.resumed()
     assert (turns, name) == (2, "first")
-    # After /reset the same question gets the answer of a fresh conversation; after /resume the
+    # After /new the same question gets the answer of a fresh conversation; after /resume the
     # conversation goes on exactly as an uninterrupted one.
     assert run.out == answers_bytes([ref[0], ref[0], ref[1]])
     assert saved_users(colichat_home, "first") == Q[:2]

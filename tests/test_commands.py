@@ -282,7 +282,7 @@ def test_rewind_says_what_regen_and_forget_say(app):
 def test_help_says_each_thing_once(app):
     listing = run(app, "/help")
     assert not any(") (" in line for line in listing), listing
-    assert any("(the current one stays saved; also /clear, /reset)" in line for line in listing)
+    assert any("(the current one stays saved; also /clear)" in line for line in listing)
     assert any("(Ctrl-D works too; also /exit, /bye, /q)" in line for line in listing)
     assert any(line.startswith("/set KEY VALUE") and "(/help set lists them)" in line for line in listing)
     explained = run(app, "/help set")
@@ -329,7 +329,7 @@ def tab(text: str) -> list[str]:
 
 def test_tab_completes_command_names_after_help(app):
     assert tab("/help se") == ["/help sessions", "/help set"]
-    assert tab("/help /re") == ["/help /resume", "/help /rename", "/help /rewind", "/help /regen"]
+    assert tab("/help /re") == ["/help /resume", "/help /reset", "/help /rename", "/help /rewind", "/help /regen"]
     assert tab("/HELP q") == ["/HELP quit"]
     assert len(tab("/help ")) == len(COMMANDS) and tab("/help set x") == []
     assert tab("/he") == ["/help"]

@@ -1,6 +1,6 @@
 """Sessions of sparse-attention MLA models: the COLIKV1 header and records carry the indexer keys
 (Ic) exactly as docs/dsa-mtp-spec.md says (checked with a parser written here with struct), a file
-of another indexer shape is refused with one line, /rewind, /reset and /resume work, and MTP rows
+of another indexer shape is refused with one line, /rewind, /new and /resume work, and MTP rows
 are never written. (Resume in a new process: test_persist_resume.py.)
 """
 
@@ -92,7 +92,7 @@ def test_a_file_of_another_indexer_shape_is_refused_with_one_line(glm, colichat_
     assert glm.cache.length == 0
 
 
-def test_rewind_reset_and_resume(glm, colichat_home):
+def test_rewind_new_and_resume(glm, colichat_home):
     glm.reset()
     conv = Conversation(glm, Settings(temperature=0, max_tokens=8), session_name="talk")
     conv.ask("hello there")
@@ -104,7 +104,7 @@ def test_rewind_reset_and_resume(glm, colichat_home):
     assert glm.cache.length == after1.size
     conv.ask("and a second question, longer than top_k")
     assert glm.cache.records[: glm.cache.length].tobytes() == after2.tobytes()  # same rows, Ic included
-    assert "talk" in conv.reset() and glm.cache.length == 0
+    assert "talk" in conv.new() and glm.cache.length == 0
     conv.resume("talk")
     assert glm.cache.records[: glm.cache.length].tobytes() == after2.tobytes()
     conv.rewind(1)  # on disk too: a fresh resume sees the first exchange only

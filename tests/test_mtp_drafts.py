@@ -94,7 +94,7 @@ def converse(make_model, home, draft: int):
     ask(conv, "again: " + answers[-1])
     conv.rewind(1)
     ask(conv, "and now this: " + answers[-1])
-    conv.reset()  # /new: another conversation in the same cache
+    conv.new()  # /new: another conversation in the same cache
     ask(conv, "something else: " + answers[-1])
     conv.resume("s")  # back to the first one, in the same model
     ask(conv, "and again: " + answers[-1])

@@ -2,8 +2,9 @@
 
 A child process appends and truncates turns of deterministic records (seeded by turn index) and is
 SIGKILLed before its K-th I/O call (every point of the save sequence: record write, its fsync, nrec
-write, its fsync, sidecar temp write, its fsync, rename, directory fsync), halfway through a write,
-or at a random time. Write errors come from RLIMIT_FSIZE in a child and from failing os calls.
+write, its fsync, sidecar temp write, its fsync, rename, directory fsync; a rewind's sidecar, nrec and
+cut of the file), halfway through a write, or at a random time. No crash leaves turns a rewind removed
+listed to be read again from their text. Write errors come from RLIMIT_FSIZE in a child and from failing os calls.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from persist_helpers import IDENT, TESTS, build, expected_records, fill_turn, layout_of, make_cache, plan
 
 from colichat.persist import SessionError, Store, Turn
+from colichat.persist.kvfile import HEADER_SIZE
 
 MAX_TURNS = 30
 EXPECTED = expected_records("mla", MAX_TURNS + 1)
@@ -57,7 +59,7 @@ def deadly(fn, name):
         return fn(*args)
     return call
 if mode in ("before", "half"):
-    for name in ("pwrite", "fsync", "write", "replace"):
+    for name in ("pwrite", "fsync", "write", "replace", "ftruncate"):
         setattr(os, name, deadly(getattr(os, name), name))
 
 rng = random.Random(seed)
@@ -117,6 +119,7 @@ def check_session(possible: set[int]) -> int:
     m = len(res.turns)
     assert m in possible, (m, possible, res.warnings)
     assert res.turns == plan(m)
+    assert not res.unread, "turns a rewind removed are listed to be read again"
     n = res.tokens
     assert cache.raw(0, n).tobytes() == memoryview(EXPECTED[:n]).cast("B").tobytes()
     return m
@@ -156,6 +159,7 @@ sys.path.insert(0, {tests!r})
 import numpy as np
 from persist_helpers import IDENT, build, layout_of, make_cache
 from colichat.persist import SessionError, Store, Turn
+from colichat.persist.kvfile import HEADER_SIZE
 
 big_text = sys.argv[1] == "sidecar"
 cache = make_cache("mla")
@@ -245,18 +249,44 @@ def test_write_error_at_each_step(colichat_home, monkeypatch, name, nth, retry):
 
 
 def test_write_error_during_truncate(colichat_home, monkeypatch):
+    """The sidecar is a rewind's commit: an error writing it leaves the disk at the previous save; an
+    error after it (the nrec write, the cut of the file) is reported too, but leaves the rewound state,
+    which is what the sidecar lists, and the next append writes over the records it no longer covers."""
     cache = make_cache("mla")
     turns = build(cache, 3)
     store = Store()
     with store.create(IDENT, layout_of(cache), name="tr") as sess:
         sess.append(cache, turns)
-        monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+        monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
         with pytest.raises(SessionError, match="could not save session tr: I/O error"):
             sess.truncate(1)
         monkeypatch.undo()
         assert sess.turns == turns
     with store.open(IDENT, "tr", layout_of(cache)) as sess:
         assert sess.load(make_cache("mla")).turns == turns
+        monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+        with pytest.raises(SessionError, match="could not save session tr: I/O error"):
+            sess.truncate(1)
+        monkeypatch.undo()
+        assert sess.turns == turns[:1]
+    with store.open(IDENT, "tr", layout_of(cache)) as sess:
+        res = sess.load(make_cache("mla"))
+        assert res.turns == turns[:1] and not res.unread and "an interrupted save" in res.warnings[0]
+        sess.append(cache, turns[:2])
+    with store.open(IDENT, "tr", layout_of(cache)) as sess:
+        assert sess.load(make_cache("mla")).turns == turns[:2]
+
+
+def test_a_rewind_cuts_the_kv_file_to_its_records(colichat_home):
+    cache = make_cache("mla")
+    turns = build(cache, 3)
+    with Store().create(IDENT, layout_of(cache), name="cut") as sess:
+        sess.append(cache, turns)
+        full = os.path.getsize(sess.kv_path)
+        sess.truncate(1)
+        assert os.path.getsize(sess.kv_path) == HEADER_SIZE + turns[0].last * sess.layout.record_bytes < full
+        sess.truncate(0, keep_files=True)  # /reset: emptied in place
+        assert os.path.getsize(sess.kv_path) == HEADER_SIZE
 
 
 def test_failing_append_of_new_turns_only(colichat_home, monkeypatch):

@@ -62,7 +62,7 @@ def test_existing_name_is_refused_and_reset_keeps_the_old_session(colichat_home)
         sess.append(cache, build(cache, 2))
     with pytest.raises(SessionError, match="already exists"):
         store.create(IDENT, layout_of(cache), name="a")
-    with store.create(IDENT, layout_of(cache)) as fresh:  # /reset: a new empty session
+    with store.create(IDENT, layout_of(cache)) as fresh:  # /new: a new empty session
         assert fresh.name != "a" and fresh.nrec == 0
     with store.open(IDENT, "a", layout_of(cache)) as sess:
         assert sess.load(make_cache()).tokens == build(make_cache(), 2)[-1].last

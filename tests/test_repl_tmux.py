@@ -80,9 +80,9 @@ def test_interactive_session(tmux_chat):
     t.wait_for(lambda s: len(FOOTER.findall(s)) >= 3, MODEL_WAIT, "the third footer")
 
     # multi-line input: Esc-Enter inserts a newline; a """ block spans lines (even one starting with /)
-    t.type("/reset")
+    t.type("/new")
     t.keys("Enter")
-    t.wait_for(lambda s: "new conversation" in s, SCREEN_WAIT, "/reset")
+    t.wait_for(lambda s: "new conversation" in s, SCREEN_WAIT, "/new")
     t.type("Say yes.")
     t.keys("Escape", "Enter")
     t.type("Only yes.")
@@ -170,9 +170,9 @@ def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home,
         assert not any("reading your message" in line for line in shown)
 
         # /resume (a file read from disk) shows what it does until the result line
-        t.type("/reset")
+        t.type("/new")
         t.keys("Enter")
-        t.wait_for(lambda s: "new conversation" in s, SCREEN_WAIT, "/reset")
+        t.wait_for(lambda s: "new conversation" in s, SCREEN_WAIT, "/new")
         t.type("/resume")
         t.keys("Enter")
         screen = t.wait_for(lambda s: re.search(r"^resumed \d+ tokens", s, re.M), SCREEN_WAIT, "/resume")

@@ -794,10 +794,14 @@ class Session:
                 os.close(self._kv_fd)
         self._kv_fd, self._text_only, self._kv_damage = fd, False, None
 
-    def truncate(self, n_turns: int, sampler: dict | None = None) -> None:
-        """Keep the first n_turns saved turns: rewrite nrec, then the sidecar (with `sampler`, the
-        settings from now on, when given); later records become dead space. Keeping more turns than
-        are saved (after a failed save) keeps them all."""
+    def truncate(self, n_turns: int, sampler: dict | None = None, keep_files: bool = False) -> None:
+        """Keep the first n_turns saved turns: rewrite the sidecar (with `sampler`, the settings from
+        now on, when given), then nrec, then cut the KV file to its records. The sidecar goes first:
+        once it is replaced, the turns it no longer lists are gone for good (a crash before nrec is
+        written leaves records no turn covers, dropped at the next load, never text read again).
+        Keeping more turns than are saved (after a failed save) keeps them all. Cut to no turn, the
+        files are removed (no exchange is no saved conversation), unless `keep_files` (/reset: the
+        conversation emptied in place, its KV file cut to its header and its sidecar listing no turn)."""
         self._require_loaded()
         if sampler is not None:
             self.sampler = dict(sampler)
@@ -810,7 +814,7 @@ class Session:
         if self._text_only:  # no records: the sidecar lists what is still in the conversation
             self._unread_entries = unread
             try:
-                if unread:
+                if unread or keep_files:
                     self._write_sidecar([], [], unread)
                 else:
                     os.unlink(self.json_path)  # (a conversation rewound to nothing is no conversation)
@@ -821,14 +825,25 @@ class Session:
             return
         with self._saving():
             try:
-                if not self._check_files(turns, crcs):
-                    write_nrec(self._kv_fd, n)
+                rewritten = self._check_files(turns, crcs)
                 self._write_sidecar(turns, crcs, unread)
+                # committed: an error now leaves records no turn covers (dropped by a load), and a retry
+                # or the next append writes nrec again
+                self.turns, self._crcs, self.nrec, self._unread_entries = turns, crcs, n, unread
+                if not rewritten:
+                    write_nrec(self._kv_fd, n)
+                    self._cut_file(n)
             except OSError as e:
                 raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
-            self.turns, self._crcs, self.nrec, self._unread_entries = turns, crcs, n, unread
-            if not turns and not unread:
+            if not turns and not unread and not keep_files:
                 self._remove_files()
+
+    def _cut_file(self, n: int) -> None:
+        """Once nrec n is durable: the KV file holds its header and n records, no dead space after them."""
+        size = HEADER_SIZE + n * self.layout.record_bytes
+        if os.fstat(self._kv_fd).st_size > size:
+            os.ftruncate(self._kv_fd, size)
+            os.fsync(self._kv_fd)
 
     def _remove_files(self) -> None:
         """A session cut to no turns is no conversation (holds_conversation): its files go (the

@@ -36,7 +36,7 @@ def document(data: bytes):
     turns after it are lost, as with any other changed byte of a text."""
     try:
         return json.loads(data.decode("utf-8", "replace"))
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nesting too deep
+    except (ValueError, RecursionError):  # JSONDecodeError, an integer of over 4,300 digits; nesting too deep
         return None
 
 

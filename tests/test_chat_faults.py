@@ -1,0 +1,151 @@
+"""A conversation's saves that fail (a full disk, an I/O error) and /reset, in process: what the disk
+keeps, what the user is told, and that nothing a user removed comes back nor anything unsaved is
+dropped silently (/forget, /new, /resume after failed saves; a /rewind whose cut fails)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+
+import pytest
+from cli_helpers import TINY_LLAMA
+
+from colichat.chat import Conversation, Settings
+from colichat.engine import load
+from colichat.errors import ChatError
+from colichat.persist import Store
+from colichat.persist.kvfile import HEADER_SIZE
+
+Q = ["Hello there", "And again", "Once more"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(TINY_LLAMA, n_ctx=512)
+
+
+def conversation(model, store: Store, name: str | None = "s") -> Conversation:
+    model.reset()
+    return Conversation(model, Settings(temperature=0, max_tokens=6), store=store, session_name=name)
+
+
+@contextlib.contextmanager
+def failing(monkeypatch, *calls: str, err: int = errno.ENOSPC):
+    """Every os call named in `calls` fails with `err` (a full disk: ENOSPC on every write)."""
+    with monkeypatch.context() as mp:
+        for name in calls:
+            mp.setattr(os, name, lambda *a, **k: (_ for _ in ()).throw(OSError(err, os.strerror(err))))
+        yield
+
+
+def saved_texts(store: Store, name: str = "s") -> list[str]:
+    """The turns' texts the sidecar of NAME lists ([] when there is none)."""
+    found = list(store.root.glob(f"*/{name}.json"))
+    return [t["text"] for t in json.loads(found[0].read_text("utf-8"))["turns"]] if found else []
+
+
+def kv_file(store: Store, name: str = "s"):
+    [path] = store.root.glob(f"*/{name}.coli_kv")
+    return path
+
+
+def test_forget_after_failed_saves_is_refused_until_the_conversation_is_saved(model, tmp_path, monkeypatch):
+    """A full disk at the first two answers: /forget (and /new) would leave a conversation never saved;
+    they refuse, saying so, and once there is room they save it first."""
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store)
+    with failing(monkeypatch, "pwrite", "write"):
+        for q in Q[:2]:
+            _, stats = conv.ask(q)
+            assert stats.saved is False
+        for leave in (lambda: conv.forget(1), conv.new):
+            with pytest.raises(ChatError, match="not saved .*No space left on device.* would lose it"):
+                leave()
+        assert conv.exchanges() == 2  # nothing was dropped
+    said = conv.forget(1)
+    assert "of s (still saved as it was)" in said
+    assert saved_texts(store, "s")[0::2] == Q[:2]  # saved before it was left, both exchanges
+    conv.close()
+
+
+def test_a_failed_rewind_is_made_by_the_next_save_and_the_next_answer_is_saved(model, tmp_path, monkeypatch):
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store)
+    for q in Q[:2]:
+        conv.ask(q)
+    with failing(monkeypatch, "fsync", err=errno.EIO):
+        dropped = conv.rewind(1)
+    assert [t.text for t in dropped][0] == Q[1] and "Input/output error" in conv.cut_failed
+    assert saved_texts(store)[0::2] == Q[:2]  # the disk as before: the rewind waits for the next save
+    _, stats = conv.ask(Q[2])
+    assert stats.saved is True
+    assert saved_texts(store)[0::2] == [Q[0], Q[2]]
+    conv.close()
+    model.reset()
+    again = conversation(model, store, None)
+    again.resume("s")
+    assert [t.text for t in again.turns][0::2] == [Q[0], Q[2]]
+    again.close()
+
+
+def test_quitting_after_a_failed_rewind_tries_the_cut_again(model, tmp_path, monkeypatch):
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store)
+    for q in Q[:2]:
+        conv.ask(q)
+    with failing(monkeypatch, "replace", err=errno.EIO):
+        conv.rewind(1)
+    assert conv.cut_failed and saved_texts(store)[0::2] == Q[:2]
+    conv.close()
+    assert saved_texts(store)[0::2] == Q[:1]  # the text rewound is not on disk any more
+
+
+def test_reset_empties_the_conversation_in_place_and_the_next_message_starts_it_anew(model, tmp_path):
+    """/reset: same name, the KV file cut to its header, the sidecar listing no turn, the settings kept;
+    after a message the KV file is byte for byte a new conversation of that name with that message."""
+    store = Store(tmp_path / "a")
+    conv = conversation(model, store)
+    conv.set_option("temperature", 0.0)
+    for q in Q[:2]:
+        conv.ask(q)
+    said = conv.reset()
+    assert "removed 2 exchanges" in said and "session s is empty" in said
+    assert os.path.getsize(kv_file(store)) == HEADER_SIZE
+    [sidecar] = store.root.glob("*/s.json")
+    doc = json.loads(sidecar.read_text("utf-8"))
+    assert doc["turns"] == [] and doc["sampler"]["temperature"] == 0.0
+    assert conv.turns == [] and model.cache.length == 0 and conv.saving.name == "s"
+    conv.ask(Q[2])
+    after_reset = kv_file(store).read_bytes()
+    conv.close()
+
+    fresh = Store(tmp_path / "b")
+    conv = conversation(model, fresh)
+    conv.ask(Q[2])
+    conv.close()
+    assert kv_file(fresh).read_bytes() == after_reset
+
+
+def test_reset_of_an_empty_conversation_is_refused(model, tmp_path):
+    conv = conversation(model, Store(tmp_path / "s"))
+    with pytest.raises(ChatError, match="nothing to reset"):
+        conv.reset()
+
+
+def test_a_sidecar_with_a_huge_integer_is_listed_as_damaged(model, tmp_path):
+    """json.loads refuses integers of more than 4,300 digits (ValueError): such a sidecar is damaged,
+    and the model's other conversations are listed and opened as ever."""
+    store = Store(tmp_path / "s")
+    for name in ("good", "huge"):
+        conv = conversation(model, store, name)
+        conv.ask(Q[0])
+        conv.close()
+    [sidecar] = store.root.glob("*/huge.json")
+    sidecar.write_text(sidecar.read_text("utf-8").replace('"nrec": ', '"nrec": ' + "9" * 5000 + ", \"x\": "))
+    infos = {i.name: i for i in store.list()}
+    assert infos["huge"].damage and not infos["good"].damage
+    conv = conversation(model, store, None)
+    assert "resumed" in conv.resume("good")
+    conv.close()
