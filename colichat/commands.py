@@ -7,6 +7,7 @@ and the rest of the line as one string. A bad command raises a typed error (erro
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from dataclasses import dataclass
@@ -163,15 +164,50 @@ def cmd_save(app, arg: str) -> None:
     app.say(app.conv.save_as(arg.strip()))
 
 
-def export_path(arg: str, title: str) -> str:
+def export_path(arg: str, title: str) -> tuple[str, bool]:
     """Where /export writes: FILE as typed (one pair of enclosing quotes removed, as /set does; `~`
-    expanded), TITLE.md in it when FILE is a directory, TITLE.md here by default."""
-    given = unquoted(arg.strip())
+    expanded), or TITLE.md in FILE when it is a directory, or here by default; and whether colichat
+    chose the file's name (then TITLE-2.md, TITLE-3.md, ... follow when it is taken)."""
+    raw = arg.strip()
+    given = unquoted(raw)
+    if raw[:1] in ("'", '"') and (given == raw or raw[0] in given):
+        raise ChatError("/export takes one file name: put a name with spaces in one pair of quotes "
+                        '(/export "my notes.md")')
     if given == "-":  # stdout carries only the answers (pipe mode): a Markdown copy there would mix in
         raise ChatError("/export writes a file, not standard output: /export FILE "
                         "(colichat --export NAME prints a saved conversation)")
     path = expand_home(given or f"{title}.md", ChatError)
-    return os.path.join(path, f"{title}.md") if given and os.path.isdir(path) else path
+    if given and os.path.isdir(path):
+        return os.path.join(path, f"{title}.md"), True
+    if given.endswith(("/", os.sep)):
+        raise ChatError(f"there is no directory {printable(given)}: make it first, or give /export a file name")
+    return path, not given
+
+
+def write_export(path: str, text: str, chosen: bool) -> str:
+    """Write `text` to a new file (0600, as everything colichat writes: it holds the conversation) at
+    `path`, never over an existing one; where colichat chose the name, the next free NAME-2.md etc."""
+    stem, ext = os.path.splitext(path)
+    for k in range(1, 1000 if chosen else 2):
+        candidate = path if k == 1 else f"{stem}-{k}{ext}"
+        try:
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        except ValueError:  # a NUL in the name
+            raise ChatError(f"cannot write '{printable(path)}': not a file name") from None
+        except OSError as e:
+            raise ChatError(f"cannot write {printable(path)}: {e.strerror or type(e).__name__}") from None
+        try:
+            os.fchmod(fd, 0o600)
+            with open(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+                f.write(text)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(candidate)
+            raise ChatError(f"cannot write {printable(candidate)}: {e.strerror or type(e).__name__}") from None
+        return candidate
+    raise ChatError(f"{printable(path)} already exists: give /export another file name")
 
 
 def cmd_export(app, arg: str) -> None:
@@ -180,18 +216,10 @@ def cmd_export(app, arg: str) -> None:
     if not conv.turns:
         raise ChatError("nothing to export yet: the conversation is empty")
     title = conv.saving.name or "conversation"
-    path = export_path(arg, title)
+    path, chosen = export_path(arg, title)
     model = model_title(conv.model.cfg.name, conv.model.cfg.path)  # as the banner names it
     text = markdown(title, model, [(t.role, t.text) for t in conv.turns], conv.settings.system)
-    try:
-        with open(path, "x", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(text)
-    except FileExistsError:
-        raise ChatError(f"{printable(path)} already exists: give /export another file name") from None
-    except ValueError:  # a NUL in the name
-        raise ChatError(f"cannot write '{printable(path)}': not a file name") from None
-    except OSError as e:
-        raise ChatError(f"cannot write {printable(path)}: {e.strerror or type(e).__name__}") from None
+    path = write_export(path, text, chosen)
     app.say(f"exported {count(len(conv.turns), 'turn')} to {printable(path, 200)}")
 
 

@@ -149,3 +149,23 @@ def test_a_sidecar_with_a_huge_integer_is_listed_as_damaged(model, tmp_path):
     conv = conversation(model, store, None)
     assert "resumed" in conv.resume("good")
     conv.close()
+
+
+def test_a_kv_file_cut_short_in_place_by_another_program_is_written_again(model, tmp_path):
+    """`truncate -s 100 s.coli_kv` between two answers: the next save notices (the file is shorter than
+    its records) and writes the session again from memory, instead of saying `saved` over zeros."""
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store)
+    for q in Q[:2]:
+        conv.ask(q)
+    os.truncate(kv_file(store), 100)
+    _, stats = conv.ask(Q[2])
+    assert stats.saved is True and "was cut short by another program" in stats.save_note
+    rows = model.cache.raw(0, model.cache.length).tobytes()
+    conv.close()
+    model.reset()
+    again = conversation(model, store, None)
+    said = again.resume("s")
+    assert "warning" not in said and again.exchanges() == 3
+    assert model.cache.raw(0, model.cache.length).tobytes() == rows
+    again.close()

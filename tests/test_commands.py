@@ -247,7 +247,45 @@ def test_export_to_a_directory_writes_name_md_in_it_and_never_overwrites(app, tm
     name = app.conv.saving.name
     assert run(app, "/export notes") == [f"exported 2 turns to notes/{name}.md"]
     assert (tmp_path / "notes" / f"{name}.md").read_text().startswith("# ")
-    assert run(app, "/export notes/") == [f"colichat: notes/{name}.md already exists: give /export another file name"]
+    assert run(app, "/export notes/") == [f"exported 2 turns to notes/{name}-2.md"]  # a name colichat chose
+
+
+def test_export_never_overwrites_a_file_named_by_the_user_and_numbers_its_own(app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app.conv.ask("hello")
+    name = app.conv.saving.name
+    assert run(app, "/export") == [f"exported 2 turns to {name}.md"]
+    assert run(app, "/export") == [f"exported 2 turns to {name}-2.md"]
+    run(app, "/export mine.md")
+    assert run(app, "/export mine.md") == ["colichat: mine.md already exists: give /export another file name"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_export_files_are_private(app, tmp_path, monkeypatch, umask):
+    monkeypatch.chdir(tmp_path)
+    app.conv.ask("hello")
+    old = os.umask(umask)
+    try:
+        run(app, "/export a.md")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.md").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("arg", ['"a" "b"', '"un', "'a' b'", '"a"b"'])
+def test_export_refuses_unbalanced_or_several_quoted_names(app, tmp_path, monkeypatch, arg):
+    monkeypatch.chdir(tmp_path)
+    app.conv.ask("hello")
+    said = run(app, f"/export {arg}")
+    assert len(said) == 1 and said[0].startswith("colichat: /export takes one file name")
+    assert list(tmp_path.iterdir()) == [tmp_path / "s"]
+
+
+def test_export_to_a_missing_directory_says_so(app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app.conv.ask("hello")
+    assert run(app, "/export nowhere/") == ["colichat: there is no directory nowhere/: make it first, or give "
+                                            "/export a file name"]
 
 
 def test_export_dash_is_refused_not_a_file_named_dash(app, tmp_path, monkeypatch):

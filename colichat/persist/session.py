@@ -902,8 +902,8 @@ class Session:
         return True
 
     def _check_files(self, turns: list[Turn], crcs: list[int]) -> bool:
-        """Before a save: if another program removed, replaced or hard-linked this session's files
-        since they were opened, write the KV file again, holding `turns`, from the cache (and take
+        """Before a save: if another program removed, replaced, hard-linked or cut short this session's
+        files since they were opened, write the KV file again, holding `turns`, from the cache (and take
         the lock again if its file went, and the directory if it went). True if it did (with a note
         saying so)."""
         gone = self._remake_directory()
@@ -914,10 +914,11 @@ class Session:
         except FileNotFoundError:
             cur = None
         same = cur is not None and (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)
-        if same and st.st_nlink == 1:
+        short = st.st_size < HEADER_SIZE + self.nrec * self.layout.record_bytes  # (truncate -s, in place)
+        if same and st.st_nlink == 1 and not short:
             return False
         what = ("removed with its directory" if gone else "removed") if cur is None else \
-            "given another name (a hard link)" if same else "replaced"
+            "given another name (a hard link)" if same and st.st_nlink != 1 else "cut short" if same else "replaced"
         n = turns[-1].last if turns else 0
         if n and (self._cache is None or self._cache.length < n
                   or any(turn_crc(self._cache, t) != c for t, c in zip(turns, crcs, strict=True))):
