@@ -304,3 +304,37 @@ def test_failing_append_of_new_turns_only(colichat_home, monkeypatch):
         with pytest.raises(ValueError):
             sess.append(cache, [Turn("user", "gap", turns[2].last + 1, turns[2].last + 2)])
         assert sess.turns == turns
+
+
+RENAME_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from persist_helpers import IDENT, build, layout_of, make_cache
+from colichat.persist import Store
+
+cache = make_cache("mla")
+store = Store()
+sess = store.create(IDENT, layout_of(cache), name="a")
+sess.append(cache, build(cache, 2))
+real = os.unlink
+os.unlink = lambda path, *a, **k: os.kill(os.getpid(), signal.SIGKILL) if path.endswith(".json") else real(path, *a, **k)
+store.rename(sess, "b")
+"""
+
+
+def test_a_rename_killed_between_its_links_and_unlinks_is_finished_by_the_next_listing(colichat_home):
+    """SIGKILL after both files are linked under the new name, while the old names are unlinked: the
+    next listing finishes the rename (the conversation under the new name only, intact), where both
+    names were refused for their two hard links."""
+    child = subprocess.run([sys.executable, "-c", RENAME_CHILD.format(tests=str(TESTS))],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    directory = Store().model_dir(IDENT)
+    assert (directory / "a.json").stat().st_nlink == 2  # the crash left both names
+    infos = Store().list(IDENT)
+    assert [(i.name, i.damage) for i in infos] == [("b", None)]
+    assert not list(directory.glob("*.renaming")) and not (directory / "a.coli_kv").exists()
+    cache = make_cache("mla")
+    with Store().open(IDENT, "b", layout_of(cache)) as sess:
+        res = sess.load(cache)
+    assert len(res.turns) == 2 and res.warnings == []

@@ -50,6 +50,7 @@ from .kvfile import (
     header_damage,
     oserror_text,
 )
+from . import renaming
 from .locks import flock_for_save, release_lock, take_lock
 from .session import (
     KV_EXT,
@@ -472,6 +473,7 @@ class Store:
             directory = self._make_dir(self.model_dir(ident))
         except SessionError:
             return None
+        renaming.finish_renames(str(directory))
         try:
             return Session.claim(directory, check_name(name), ident, layout, sampler)
         except FileExistsError:
@@ -487,6 +489,7 @@ class Store:
         """An existing session of this model, locked for writing (or `read_only`); load it next."""
         directory = self.model_dir(ident)
         check_name(name)
+        renaming.finish_renames(str(directory))
         if not any(os.path.lexists(directory / (name + ext)) for ext in (KV_EXT, SIDECAR_EXT)):
             self.refuse_elsewhere(name)
         self._refuse_damaged(directory, name, layout)
@@ -582,6 +585,7 @@ class Store:
             exts: list[str] = []
             done: list[str] = []
             try:
+                renaming.mark(sess.directory, new, sess.name)
                 for ext in (KV_EXT, SIDECAR_EXT):  # (an error here must not read as "no such file")
                     try:
                         os.lstat(old + ext)
@@ -595,6 +599,7 @@ class Store:
             except OSError as e:
                 for path in done:
                     os.unlink(path)
+                renaming.unmark(sess.directory, new)
                 raise SessionError(f"cannot rename session {sess.name}: {oserror_text(e)}") from None
             try:
                 for ext in reversed(exts):
@@ -603,6 +608,7 @@ class Store:
                 copy = False
             except OSError:
                 copy = True  # the old name stays as a second copy; /delete removes it
+            renaming.unmark(sess.directory, new)
         except BaseException:
             release_lock(fd)
             raise
@@ -636,6 +642,7 @@ class Store:
                 dirs = []
         infos = []
         for d in dirs:
+            renaming.finish_renames(str(d))
             try:
                 names = [p.name[: -len(ext)] for p in d.iterdir() for ext in (KV_EXT, ".json")
                          if p.name.endswith(ext)]
