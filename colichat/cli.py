@@ -32,7 +32,7 @@ try:
     from .commands import dispatch, is_command, is_quit_word, message_text
     from .engine import MIN_CTX
     from .errors import USER_ERRORS, ChatError, UsageError
-    from .inputs import ESCAPED, FENCE, clean_line, inputs_of, read_input
+    from .inputs import ESCAPED, FENCE, Message, clean_line, inputs_of, read_input
     from .models import DefaultModelMissing, default_model_path
     from .paths import expand_home, paths
     from .persist import SessionError, Store, check_name
@@ -689,7 +689,7 @@ def main(argv=None) -> int:
                 say(hint)
         if args.prompt is not None:
             app.keep = "--session NAME"
-            return pipe_mode(app, [args.prompt])
+            return pipe_mode(app, [Message(args.prompt)])  # a message, even one that starts with /
         if interactive:
             from .repl import run
 

@@ -317,7 +317,11 @@ store = Store()
 sess = store.create(IDENT, layout_of(cache), name="a")
 sess.append(cache, build(cache, 2))
 real = os.unlink
-os.unlink = lambda path, *a, **k: os.kill(os.getpid(), signal.SIGKILL) if path.endswith(".json") else real(path, *a, **k)
+def unlink(path, *a, **k):
+    if path.endswith(".json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *a, **k)
+os.unlink = unlink
 store.rename(sess, "b")
 """
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from ..engine.gguf_header import HeaderError, read_header
 from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
 from ..units import count, format_size
+from . import renaming
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
@@ -50,7 +51,6 @@ from .kvfile import (
     header_damage,
     oserror_text,
 )
-from . import renaming
 from .locks import flock_for_save, release_lock, take_lock
 from .session import (
     KV_EXT,
