@@ -169,3 +169,16 @@ def test_a_kv_file_cut_short_in_place_by_another_program_is_written_again(model,
     assert "warning" not in said and again.exchanges() == 3
     assert model.cache.raw(0, model.cache.length).tobytes() == rows
     again.close()
+
+
+def test_an_answer_that_fills_the_context_uses_every_slot_and_the_note_counts_them(tmp_path):
+    """The note before an answer says how many tokens it can have, exactly; an answer cut by the context
+    ends with none left (the footer said `1 left` with `context full`: the last slot was never used)."""
+    small = load(TINY_LLAMA, n_ctx=64)
+    conv = Conversation(small, Settings(temperature=0, max_tokens=200), store=Store(tmp_path / "s"))
+    notes = []
+    _, stats = conv.ask("hello", on_note=notes.append)
+    [note] = notes
+    room = int(note.split()[1])
+    assert stats.stopped == "context" and small.cache.length == 64 and stats.generated == room
+    conv.close()

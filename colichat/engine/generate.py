@@ -70,10 +70,10 @@ class Generation:
                 if tid in self.stop_ids:
                     self.stopped = "eog"
                     return
-                if cache.room() < 2:
+                if cache.room() < 1:  # (the last slot holds the last token shown)
                     self.stopped = "context"
                     return
-                k = min(self.draft, self.max_tokens - self.generated - 1, cache.room() - 2)
+                k = min(self.draft, self.max_tokens - self.generated - 1, cache.room() - 1)
                 guess, src = self._propose(n, tid, k) if k > 0 else ([], None)
                 for i, rate in enumerate(self.rates):
                     if i != src:  # not checked this step: drift back toward the prior
