@@ -565,7 +565,7 @@ def from_the_shell(args) -> int:
         model = args.model or default_model_path()
     except DefaultModelMissing:
         model = None
-    text, warnings, note = export_saved(store, model, args.export)
+    text, warnings, note = export_saved(store, model, args.export, given=args.model is not None)
     if note:  # the other models' conversations of that name, and how to print one
         to_stderr(note)
     for line in warnings:  # as opening says what it drops

@@ -247,10 +247,11 @@ def listing(store: Store) -> list[str]:
     return lines
 
 
-def export_saved(store: Store, model_path: str | None, name: str) -> tuple[str, list[str]]:
-    """Saved conversation NAME as Markdown (this model's, as --session NAME reopens it, else the newest
-    of that name): the turns opening it would keep, checked as opening checks them, the warnings for
-    what it drops, and a note naming the other models' conversations NAME (or None).
+def export_saved(store: Store, model_path: str | None, name: str, given: bool = False) -> tuple[str, list[str]]:
+    """Saved conversation NAME as Markdown (this model's, as --session NAME reopens it; without a model
+    given, the newest of that name): the turns opening it would keep, checked as opening checks them, the warnings for
+    what it drops, and a note naming the other models' conversations NAME (or None). `given`: the
+    model was named (--model), so only its conversation NAME will do.
     A session opening refuses is refused, with the same line (no model is loaded: the checks over
     records and text are over the files' bytes)."""
     check_name(name)
@@ -258,7 +259,11 @@ def export_saved(store: Store, model_path: str | None, name: str) -> tuple[str, 
     found = [i for i in store.list() if i.name == name]  # newest first
     if not found:
         raise SessionError(f"no session named {name} (colichat --sessions lists them)")
-    info = next((i for i in found if i.made_by(fp)), None) or next((i for i in found if not i.damage), found[0])
+    mine = next((i for i in found if i.made_by(fp)), None)
+    if given and mine is None:  # an explicit --model: its conversation or none, as --session NAME
+        raise SessionError(f"no session named {name} for {model_path} (another model has one: colichat --export "
+                           f"{name} without --model prints it; colichat --sessions lists them)")
+    info = mine or next((i for i in found if not i.damage), found[0])
     note = namesakes_note(store, name, info.model_dir, f"colichat --export {name} --model {{path}} prints it")
     if info.damage:
         raise SessionError(f"session {damaged_text(name, info.damage)}")

@@ -243,6 +243,9 @@ def test_export_takes_model_to_choose_whose_conversation(tmp_path, colichat_home
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     mine = chat(colichat_home, ["--export", "s", "--model", other]).ok().out.decode()
     assert Q[1] in mine and Q[0] not in mine
+    third = copy_gguf(TINY_LLAMA, tmp_path / "third.gguf", scale={"blk.0.ffn_up.weight": 0.5})
+    none = chat(colichat_home, ["--export", "s", "--model", third])  # none of its own: not another's
+    assert none.rc == 1 and none.out == b"" and f"no session named s for {third}" in none.err
 
 
 def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeypatch):
