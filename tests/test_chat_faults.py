@@ -182,3 +182,22 @@ def test_an_answer_that_fills_the_context_uses_every_slot_and_the_note_counts_th
     room = int(note.split()[1])
     assert stats.stopped == "context" and small.cache.length == 64 and stats.generated == room
     conv.close()
+
+
+def test_a_damaged_token_count_in_a_sidecar_is_not_listed(model, tmp_path):
+    """--sessions and /sessions show the tokens of the turns whose checks hold, at most what the KV file
+    has: a sidecar whose last turn says `last: 10**12` no longer lists a conversation of 10^12 tokens."""
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store)
+    conv.ask(Q[0])
+    tokens = model.cache.length
+    conv.close()
+    [sidecar] = store.root.glob("*/s.json")
+    doc = json.loads(sidecar.read_text("utf-8"))
+    doc["turns"][-1]["last"] = 10**12
+    sidecar.write_text(json.dumps(doc))
+    [info] = store.list()
+    assert info.tokens <= tokens and "1,000,000,000,000" not in info.describe()
+    os.unlink(kv_file(store))  # the sidecar alone: the count is its checked turns'
+    [info] = store.list()
+    assert info.tokens < tokens

@@ -101,7 +101,7 @@ def test_a_colichat_sidecar_with_damaged_turns_is_listed_from_the_header(turns, 
     [info] = store.list(IDENT)
     readable = b'"last": 7' in turns
     assert info.damage is None and info.model == store.model_dir(IDENT).name  # no readable model name
-    assert info.tokens == (7 if readable else build(make_cache(), 2)[-1].last)
+    assert info.tokens == build(make_cache(), 2)[-1].last  # (a turn's unchecked "last" is not believed)
     assert info.first == ("hi" if readable else "") and info.turns == (1 if b"role" in turns else 0)
     assert info.last_used == os.path.getmtime(info.path.with_suffix(".coli_kv"))
 

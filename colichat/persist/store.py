@@ -61,7 +61,7 @@ from .session import (
     interrupted_create,
     remove_leftovers,
 )
-from .sidecar import doc_check, document
+from .sidecar import doc_check, document, parse_turns
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -272,7 +272,7 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
         doc, _, damage = _listed_sidecar(side, directory)
         if damage is None and _lists_turns(doc):
             return SessionInfo(name, model_dir=directory.name, size=sst.st_size, path=kv,
-                               **_sidecar_summary(doc, 0, model, sst.st_mtime))
+                               **_sidecar_summary(doc, None, model, sst.st_mtime))
         return SessionInfo(name, model, directory.name, 0, 0, sst.st_size, sst.st_mtime, kv,
                            damage=damage or f"the sidecar {name}.json lists no turns and has no KV file {name}{KV_EXT}")
     last_used, size = st.st_mtime, st.st_size
@@ -296,7 +296,7 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
                 doc, side_size, side_damage = _listed_sidecar(side, directory)
                 if side_damage is None and _lists_turns(doc):
                     return SessionInfo(name, model_dir=directory.name, size=size + side_size, path=kv,
-                                       **_sidecar_summary(doc, 0, model, last_used))
+                                       **_sidecar_summary(doc, None, model, last_used))
         except OSError as e:
             damage = f"cannot read: {oserror_text(e)}"
     if damage:
@@ -386,17 +386,20 @@ def _dir_layout(directory: Path) -> CacheLayout | None:
     return None
 
 
-def _sidecar_summary(doc: dict, tokens: int, model: str, last_used: float) -> dict:
+def _sidecar_summary(doc: dict, tokens: int | None, model: str, last_used: float) -> dict:
     """SessionInfo's turns, tokens, model (name, file name, path), first (line of the first message)
     and last_used from a sidecar whose turns are a list of objects; a damaged value gives way to the
-    header's (tokens, model, last_used), a missing or damaged file name or path to ""."""
+    header's (model, last_used), a missing or damaged file name or path to "". The token count is the
+    end of the turns whose checks hold, at most the records the KV file has (`tokens`; None: no KV
+    file); with no such turn, the KV file's."""
     turns = doc["turns"]
-    last = turns[-1].get("last") if turns else 0
+    sound = parse_turns(doc)[0]  # (a damaged count, say 10**12, is not believed)
+    checked = sound[-1].last if sound else 0
     saved = doc["model"] if isinstance(doc.get("model"), dict) else {}
     text = next((t.get("text") for t in turns if t.get("role") == "user"), "")
     return {
         "turns": len(turns),
-        "tokens": last if type(last) is int else tokens,
+        "tokens": checked if tokens is None else min(checked, tokens) if sound else tokens,
         "model": str(saved.get("name") or model),
         "model_file": saved.get("file") if isinstance(saved.get("file"), str) else "",
         "model_path": saved.get("path") if isinstance(saved.get("path"), str) else "",
