@@ -15,7 +15,7 @@ from cli_helpers import TINY_LLAMA
 from colichat.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.errors import ChatError
-from colichat.persist import Store
+from colichat.persist import SessionError, Store
 from colichat.persist.kvfile import HEADER_SIZE
 
 Q = ["Hello there", "And again", "Once more"]
@@ -201,3 +201,19 @@ def test_a_damaged_token_count_in_a_sidecar_is_not_listed(model, tmp_path):
     os.unlink(kv_file(store))  # the sidecar alone: the count is its checked turns'
     [info] = store.list()
     assert info.tokens < tokens
+
+
+def test_delete_refuses_a_directory_in_place_of_a_kv_file_and_deletes_nothing(model, tmp_path):
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store, "x")
+    conv.ask(Q[0])
+    conv.close()
+    kv = kv_file(store, "x")
+    os.unlink(kv)
+    os.mkdir(kv)
+    [sidecar] = store.root.glob("*/x.json")
+    conv = conversation(model, store, None)
+    with pytest.raises(SessionError, match="x.coli_kv is a directory.* nothing was deleted"):
+        conv.saving.delete("x")
+    assert sidecar.exists() and kv.is_dir()
+    conv.close()

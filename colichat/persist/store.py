@@ -548,11 +548,16 @@ class Store:
         base = os.path.join(str(directory), name)
         if not any(os.path.lexists(base + ext) for ext in (KV_EXT, ".json")):
             raise SessionError(f"no session named {name} for this model (/sessions lists them)")
+        paths = (base + SIDECAR_EXT, base + KV_EXT, base + SIDECAR_EXT + ".tmp", base + KV_EXT + ".tmp")
+        for path in paths:  # checked before anything goes: a directory there is not colichat's to remove
+            if os.path.isdir(path) and not os.path.islink(path):
+                raise SessionError(f"cannot delete session {name}: {path} is a directory, which colichat did not "
+                                   f"make; nothing was deleted (remove it yourself: rm -r '{path}')")
         fd = take_lock(base + ".lock", name)
         freed = 0
         kv = _open_to_remove(base + KV_EXT)  # a reader without the lock (--export) ends its read first
         try:  # links are removed, never followed; the temporary files of an interrupted save go too
-            for path in (base + SIDECAR_EXT, base + KV_EXT, base + SIDECAR_EXT + ".tmp", base + KV_EXT + ".tmp"):
+            for path in paths:
                 try:
                     freed += os.lstat(path).st_size
                     os.unlink(path)
