@@ -31,7 +31,8 @@ from .persist.store import damaged_text, model_file_now
 from .wrap import displayable
 
 
-def _fingerprint(model_path: str) -> str | None:
+def model_fingerprint(model_path: str) -> str | None:
+    """The weights fingerprint of the GGUF at `model_path` (found before it loads), None if unreadable."""
     try:
         return weights_fingerprint(model_path)
     except OSError:
@@ -60,7 +61,7 @@ def model_to_reopen(store: Store, default_path: str | None, session: str | None,
         return None
     if session is not None:
         check_name(session)
-    fp = _fingerprint(default_path) if default_path else None
+    fp = model_fingerprint(default_path) if default_path else None
     infos = [i for i in store.list() if session is None or i.name == session]  # newest first
     if session is not None and any(i.made_by(fp) for i in infos):
         return None
@@ -97,7 +98,7 @@ def before_load(store: Store, model_path: str, session: str | None, resume: bool
     is a SessionError."""
     if session is not None:
         check_name(session)
-    fp = _fingerprint(model_path)
+    fp = model_fingerprint(model_path)
     if fp is None:
         return resume, None
     mine = store.dirs_for(fp)
@@ -133,7 +134,7 @@ def moved_link_note(store: Store, model_path: str) -> str | None:
     """For --model PATH --resume finding no conversation of this model: a note when conversations were
     saved with PATH while it led to another file (a link since pointed elsewhere) that still holds their
     model, naming that file and the command that reopens them (None otherwise)."""
-    fp, given = _fingerprint(model_path), os.path.abspath(model_path)
+    fp, given = model_fingerprint(model_path), os.path.abspath(model_path)
     theirs = [i for i in store.list() if i.model_path == given and not i.damage and not i.made_by(fp)]
     now = model_file_now(theirs[0]) if theirs else None  # the newest one's model, if still there
     if not now or now == given:
@@ -159,7 +160,7 @@ def _namesakes_note(store: Store, fp: str, session: str) -> str | None:
 def _reopened(store: Store, model_path: str, session: str | None) -> SessionInfo | None:
     """The conversation --resume reopens with this model (--session NAME, else this model's latest);
     None when there is none (or the model cannot be read: loading it says why)."""
-    fp = _fingerprint(model_path)
+    fp = model_fingerprint(model_path)
     if fp is None:
         return None
     return next((i for i in store.list() if i.made_by(fp) and not i.damage
@@ -173,7 +174,7 @@ def refuse_if_open(store: Store, model_path: str, session: str | None, resume: b
     colichat that took the session meanwhile."""
     if session is None and not resume:
         return
-    fp = _fingerprint(model_path)
+    fp = model_fingerprint(model_path)
     if fp is None:
         return
     if session is None:
@@ -255,7 +256,7 @@ def export_saved(store: Store, model_path: str | None, name: str, given: bool = 
     A session opening refuses is refused, with the same line (no model is loaded: the checks over
     records and text are over the files' bytes)."""
     check_name(name)
-    fp = _fingerprint(model_path) if model_path else None
+    fp = model_fingerprint(model_path) if model_path else None
     found = [i for i in store.list() if i.name == name]  # newest first
     if not found:
         raise SessionError(f"no session named {name} (colichat --sessions lists them)")
@@ -280,7 +281,7 @@ def export_saved(store: Store, model_path: str | None, name: str, given: bool = 
 def reopen_note(store: Store, model_path: str, name: str) -> str | None:
     """For --session NAME without --model, reopening this model's conversation NAME: a note naming
     the other models' conversations NAME, and how to open one of them (None if there are none)."""
-    fp = _fingerprint(model_path)
+    fp = model_fingerprint(model_path)
     mine = [i for i in store.list() if i.name == name and i.made_by(fp)]
     if not mine:
         return None

@@ -19,6 +19,7 @@ from .persist import SessionError, Store, check_name
 from .sessions import (
     before_load,
     context_problem,
+    model_fingerprint,
     model_to_reopen,
     moved_link_note,
     reopen_note,
@@ -118,6 +119,14 @@ def check_saving(args) -> str | None:
     problem = sessions_dir_problem(root)
     if problem and not (os.path.isdir(root) and os.access(root, os.R_OK | os.X_OK)):
         raise _cannot_save(root, problem)
+    if problem is None:  # the model's own directory in it (found by its weights' fingerprint), if it has one
+        fp = model_fingerprint(args.model)
+        for d in Store(root).dirs_for(fp) if fp else []:
+            problem = sessions_dir_problem(d)
+            if problem and not os.access(d, os.R_OK | os.X_OK):
+                raise _cannot_save(d, problem)
+            if problem:
+                break
     return problem
 
 

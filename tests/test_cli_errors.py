@@ -545,6 +545,27 @@ def test_sessions_directory_without_permission_is_refused_at_start(mode, colicha
     assert saved_users(colichat_home, "s") == [Q[0]]
 
 
+def test_a_model_sessions_directory_without_permission_is_refused_at_start(colichat_home):
+    """The model's own directory under sessions/ (chmod 500): refused before the model loads, naming
+    that directory, as for the sessions directory itself (it was found only by the first answer's save,
+    naming a file); --resume opens its conversation read-only."""
+    prefix = unprivileged()
+    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    [model_dir] = (colichat_home / "data" / "sessions").iterdir()
+    model_dir.chmod(0o500)
+    try:
+        run = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(Q[1]), prefix=prefix).failed()
+        assert run.out == b"" and run.footers() == [], run.err
+        [line] = run.errors()
+        assert line.startswith(f"colichat: cannot save conversations in {model_dir.parent} ({model_dir}: "
+                               "Permission denied); "), line
+        run = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[1]), prefix=prefix).ok()
+        assert run.err.startswith(f"note: {model_dir}: Permission denied: the conversation opens read-only")
+    finally:
+        model_dir.chmod(0o700)
+    assert saved_users(colichat_home, "s") == [Q[0]]
+
+
 def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_home):
     first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     before = {p: p.read_bytes() for p in session_files(colichat_home)}
