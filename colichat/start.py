@@ -86,10 +86,17 @@ def sessions_dir_problem(root) -> str | None:
     """Why conversations cannot be saved under `root` (the sessions directory), or None: its deepest
     existing ancestor must be a directory colichat can read, write and enter."""
     d = os.path.abspath(root)
-    while not os.path.lexists(d):
-        d = os.path.dirname(d)
-    if not os.path.isdir(d):
-        return f"{d} is not a directory"
+    try:
+        while True:
+            try:
+                os.lstat(d)
+                break
+            except (FileNotFoundError, NotADirectoryError):  # (a file on the way is found as the parent)
+                d = os.path.dirname(d)
+        if not stat.S_ISDIR(os.stat(d).st_mode):
+            return f"{d} is not a directory"
+    except OSError as e:  # (an I/O error is said as one, not as "not a directory")
+        return f"cannot examine {d}: {e.strerror or e}"
     if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
         try:  # access() says no; the error of a real attempt says why (permission, read-only)
             os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY))

@@ -217,3 +217,25 @@ def test_delete_refuses_a_directory_in_place_of_a_kv_file_and_deletes_nothing(mo
         conv.saving.delete("x")
     assert sidecar.exists() and kv.is_dir()
     conv.close()
+
+
+def test_an_io_error_at_start_is_said_as_one(model, tmp_path, monkeypatch):
+    """EIO on the sessions directory's stat said it 'is not a directory', and EIO while listing a
+    model's conversations made a saved name look new (then 'already exists'): each now says what failed."""
+    from pathlib import Path
+
+    from colichat.start import sessions_dir_problem
+
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store, "x")
+    conv.ask(Q[0])
+    conv.close()
+    real_stat = os.stat
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "stat", lambda p, *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
+                   if str(p) == str(store.root) else real_stat(p, *a, **k))
+        assert sessions_dir_problem(store.root) == f"cannot examine {store.root}: Input/output error"
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "iterdir", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+        with pytest.raises(SessionError, match="cannot list the conversations in .*: Input/output error"):
+            store.list(conv.saving.ident)

@@ -640,7 +640,8 @@ class Store:
             return []
 
     def list(self, ident: dict | None = None) -> list[SessionInfo]:
-        """Sessions of one model (or all), newest first. Never raises on damaged entries."""
+        """Sessions of one model (or all), newest first. Never raises on damaged entries; a directory
+        that cannot be read (an I/O error) is a SessionError naming it."""
         if ident is not None:
             dirs = [self.model_dir(ident)]
         else:
@@ -654,8 +655,10 @@ class Store:
             try:
                 names = [p.name[: -len(ext)] for p in d.iterdir() for ext in (KV_EXT, ".json")
                          if p.name.endswith(ext)]
-            except OSError:
-                continue
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # (no conversation of that model yet)
+            except OSError as e:  # said as what failed: not "no such session", then "already exists"
+                raise SessionError(f"cannot list the conversations in {d}: {oserror_text(e)}") from None
             layout = _dir_layout(d)
             infos += [i for i in (_session_info(d, n, layout) for n in sorted(set(names)) if NAME_RE.fullmatch(n))
                       if i]
