@@ -330,19 +330,22 @@ def test_expert_cache_is_bounded_and_exact(tmp_path):
 
 
 def test_expert_cache_default_follows_available_memory(tmp_path, monkeypatch):
-    """Not told a size, load() gives routed experts half of what MemAvailable leaves after the dense
-    weights and the KV cache, at least 512 MiB; with no /proc/meminfo, model.py's fixed default."""
+    """Not told a size, load() gives routed experts the least of half of what MemAvailable leaves after
+    the dense weights and the KV cache and the GGUF's size less the dense weights, at least 512 MiB;
+    with no /proc/meminfo, model.py's fixed default stands for the first (test_expert_cache.py has more)."""
     assert model_mod.auto_expert_cache_mib(None, 1 << 30) is None
     assert model_mod.auto_expert_cache_mib(10 << 30, 2 << 30) == 4096.0
     assert model_mod.auto_expert_cache_mib(3 << 30, 2 << 30) == 512.0  # the floor
+    assert model_mod.auto_expert_cache_mib(10 << 30, 2 << 30, 1 << 30) == 1024.0  # the file's room
     path = str(write_deepseek2(tmp_path / "m.gguf", DS2Spec(n_expert=16, qtype="Q8_0", n_embd=64, n_ff_exp=32)))
     monkeypatch.setattr(model_mod, "available_memory", lambda: 8 << 30)
     m = load(path, n_ctx=128)
-    committed = m.weight_bytes + m.cache.record_bytes * 128
-    assert m.experts.capacity == int(((8 << 30) - committed) / 2)
+    assert model_mod.gguf_bytes(m.tensors) < m.weight_bytes  # Q8_0 file below its f32 weights: no room
+    assert m.experts.capacity == model_mod.EXPERT_CACHE_MIN_MIB << 20
     assert load(path, n_ctx=128, expert_cache=1).experts.capacity == 1 << 20  # an explicit size wins
     monkeypatch.setattr(model_mod, "available_memory", lambda: None)
-    assert load(path, n_ctx=128).experts.capacity == model_mod.DEFAULT_EXPERT_CACHE_MIB << 20
+    monkeypatch.setattr(model_mod, "EXPERT_CACHE_MIN_MIB", 0)
+    assert load(path, n_ctx=128).experts.capacity == 0  # the file's room (none) still bounds the fixed default
 
 
 @pytest.mark.parametrize("mib, shown", [(0.5, "1 MiB"), (0.05, "1 MiB"), (0, "0 MiB"), (2, "2 MiB"), (2.1, "3 MiB")])

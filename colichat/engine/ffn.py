@@ -1,16 +1,22 @@
 """Feed-forward blocks: SwiGLU, and the deepseek2 mixture of experts (routing, routed experts kept
-quantized and dequantized per expert into a bounded LRU cache, shared experts).
+quantized and dequantized per expert into a slab of fixed slots (ExpertCache), shared experts).
 
 Axis letters: engine/__init__.py (T, D, F; X routed experts, U used per token, Y expert groups).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
+import inspect
+import os
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from . import dequant
+from .gguf import ModelError
 from .ops import linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
@@ -73,46 +79,185 @@ def select_experts(probs: np.ndarray, bias: np.ndarray | None, r: Routing) -> tu
     return ids, w
 
 
-class ExpertCache:
-    """Routed experts of every MoE layer, dequantized on first use and kept in an LRU bounded in bytes.
+class Part(NamedTuple):
+    """Where one expert's share of a *_exps tensor lies in the GGUF, and where it goes in a slot."""
 
-    The quantized expert tensors stay in the GGUF memory map; `get(layer, e)` returns the fused
-    (gate_up (2F, D), down (D, F)) f32 pair of one expert, dequantizing it on a miss.
+    qtype: object  # gguf.GGMLQuantizationType
+    path: str      # the file (a part of a split model)
+    offset: int    # of expert 0's bytes in the file
+    n_bytes: int   # of one expert
+    row_bytes: int
+    start: int     # floats [start, stop) of a slot's 3FD: gate (or gate_up), up, down
+    stop: int
+
+
+class ExpertCache:
+    """Routed experts of every MoE layer, dequantized on use into a slab of fixed slots.
+
+    `get(layer, e)` returns one expert's f32 (gate_up (2F, D), down (D, F)): views of its slot, valid
+    until the next get (moe() uses them at once). Every routed expert of a model has the same shape.
+
+    Slab: one f32 array (S, 3FD) of S = capacity // slot bytes slots (at most one per routed expert),
+    made with np.empty: a slot's pages are touched when first filled, then only overwritten, so a miss
+    allocates nothing but the dequantizer's temporaries. A capacity below one expert caches nothing:
+    every use dequantizes into a single scratch slot.
+
+    Policy: use frequency with aging. Every expert (resident or not) has a count, +1 per use; every
+    `aging` uses, as many as the model has routed experts (X L), all counts are halved, so a count is
+    about its expert's uses over the last two such periods. A miss fills a free slot, else evicts the
+    resident expert with the lowest count (the least recently used among equal counts): a burst of
+    one-off experts evicts one-off experts, not the ones most tokens are routed to.
+
+    Reading: a miss reads the expert's quantized bytes with os.preadv into one reusable buffer, not
+    through the GGUF memory map, so they do not stay resident in this process (the kernel's page cache
+    holds them, outside RSS; through the map every expert ever read would stay counted in RSS).
+    One thread at a time: the read buffer and the slots are shared.
     """
 
     def __init__(self, tensors, layers: list[int], capacity_bytes: int):
         self.tensors = tensors
         self.layers = set(layers)
-        self.capacity = int(capacity_bytes)
-        self.entries: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
+        self.capacity = max(0, int(capacity_bytes))
+        self.hits = self.misses = 0
+        self.order = {l: i for i, l in enumerate(layers)}  # expert index k = order[layer] * X + e
+        self.by_index = list(layers)
+        x, d, f = tensors.shape(f"blk.{layers[0]}.ffn_down_exps.weight")  # (X, D, F)
+        self.n_expert, self.shape = x, (f, d)
+        self.parts = {l: self._parts(l) for l in layers}
+        per = 3 * f * d  # floats of one expert: gate_up (2F, D) then down (D, F)
+        stride = -(-per // 16) * 16  # slots start on 64-byte boundaries
+        self.slot_bytes = 4 * stride
+        n = min(self.capacity // self.slot_bytes, x * len(layers))  # S
+        self.caching = n > 0
+        try:
+            self.slab = _aligned_empty(max(n, 1), stride)  # (S, 3FD + pad)
+        except MemoryError:
+            raise ModelError(f"an expert cache of {n:,} experts ({n * self.slot_bytes >> 20:,} MiB) does not fit "
+                             "in memory: ask for a smaller one") from None
+        self.flat = [row[:per] for row in self.slab]  # S x (3FD,)
+        self.views = [(v[: 2 * f * d].reshape(2 * f, d), v[2 * f * d :].reshape(d, f)) for v in self.flat]
+        self.keys = np.full(len(self.flat), -1, dtype=np.int64)  # (S,) expert index held, -1 free
+        self.last = np.zeros(len(self.flat), dtype=np.int64)  # (S,) tick of the last use
+        self.slot_of: dict[int, int] = {}  # expert index -> slot
+        self.counts = np.zeros(x * len(layers), dtype=np.float64)  # (L X,) aged use counts
+        self.aging = x * len(layers)
+        self.tick = 0
+        self.buf = np.empty(max(p.n_bytes for ps in self.parts.values() for p in ps), dtype=np.uint8)
+        self.fds: dict[str, int] = {}
+        weakref.finalize(self, _close_all, self.fds)
+
+    def _parts(self, l: int) -> list[Part]:
+        t, b, x = self.tensors, f"blk.{l}.", self.n_expert
+        f, d = self.shape
+        if t.has(b + "ffn_gate_up_exps.weight"):
+            names, shapes = ["ffn_gate_up_exps"], [(x, 2 * f, d)]
+        else:
+            names, shapes = ["ffn_gate_exps", "ffn_up_exps"], [(x, f, d)] * 2
+        names, shapes = names + ["ffn_down_exps"], shapes + [(x, d, f)]
+        parts, at = [], 0
+        for name, shape in zip(names, shapes, strict=True):
+            name = b + name + ".weight"
+            assert t.shape(name) == shape, f"{name}: {t.shape(name)}, not {shape}: all experts share one shape"
+            n = t.nbytes(name) // x
+            parts.append(Part(t.qtype(name), t.files[name], t.offsets[name], n, n // shape[1], at,
+                              at + shape[1] * shape[2]))
+            at = parts[-1].stop
+        return parts
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the experts held (a slot each)."""
+        return len(self.slot_of) * self.slot_bytes
+
+    @property
+    def entries(self) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+        """(layer, e) -> (gate_up, down) of every expert held."""
+        x = self.n_expert
+        return {(self.by_index[k // x], k % x): self.views[s] for k, s in self.slot_of.items()}
 
     def get(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray]:
-        key = (layer, e)
-        hit = self.entries.get(key)
-        if hit is not None:
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return hit
-        self.misses += 1
-        b, t = f"blk.{layer}.", self.tensors
-        if t.has(b + "ffn_gate_up_exps.weight"):
-            gate_up = t.f32(b + "ffn_gate_up_exps.weight", expert=e)  # (2F, D)
+        k = self.order[layer] * self.n_expert + e
+        self.tick += 1
+        s = self.slot_of.get(k)
+        if s is None:
+            self.misses += 1
+            s = self.victim()
+            if self.caching:  # emptied first: a fill cut short (Ctrl-C, a read error) leaves a free slot
+                self.slot_of.pop(int(self.keys[s]), None)
+                self.keys[s] = -1
+                self._fill(self.flat[s], layer, e)
+                self.keys[s], self.slot_of[k] = k, s
+            else:
+                self._fill(self.flat[s], layer, e)
         else:
-            gate_up = np.concatenate(
-                [t.f32(b + "ffn_gate_exps.weight", expert=e), t.f32(b + "ffn_up_exps.weight", expert=e)]
-            )  # (2F, D)
-        down = t.f32(b + "ffn_down_exps.weight", expert=e)  # (D, F)
-        size = gate_up.nbytes + down.nbytes
-        while self.entries and self.bytes + size > self.capacity:
-            _, (g, d) = self.entries.popitem(last=False)
-            self.bytes -= g.nbytes + d.nbytes
-        if size <= self.capacity:
-            self.entries[key] = (gate_up, down)
-            self.bytes += size
-        return gate_up, down
+            self.hits += 1
+        self.counts[k] += 1
+        self.last[s] = self.tick
+        if self.tick % self.aging == 0:
+            self.counts *= 0.5
+        return self.views[s]
+
+    def victim(self) -> int:
+        """The slot a miss fills: a free one, else the lowest count's (least recently used of equals)."""
+        if not self.caching:
+            return 0  # the scratch slot
+        free = np.flatnonzero(self.keys < 0)
+        if free.size:
+            return int(free[0])
+        c = self.counts[self.keys]  # (S,)
+        low = np.flatnonzero(c == c.min())
+        return int(low[np.argmin(self.last[low])])
+
+    def _fill(self, flat: np.ndarray, layer: int, e: int) -> None:
+        """Dequantize expert e of `layer` into a slot's floats (3FD,), part by part."""
+        for p in self.parts[layer]:
+            raw = self._read(p.path, p.offset + e * p.n_bytes, p.n_bytes)  # (n_bytes,) uint8
+            _dequantize(raw, p.qtype, p.row_bytes, flat[p.start : p.stop])
+
+    def _read(self, path: str, offset: int, n: int) -> np.ndarray:
+        """n bytes of `path` from `offset`, into the reusable buffer (no memory map, no new array)."""
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = self.fds[path] = os.open(path, os.O_RDONLY)
+        view, done = memoryview(self.buf)[:n], 0
+        while done < n:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{path}: ends before byte {offset + n:,} (an expert's data)")
+            done += got
+        return self.buf[:n]
+
+
+def _dequantize(raw: np.ndarray, qtype, row_bytes: int, out: np.ndarray) -> None:
+    """One expert's raw bytes (uint8) -> `out` (flat f32): the values Tensors.f32(name, expert=e) gives,
+    written in place by a dequantizer that takes `out`, else copied in."""
+    import gguf
+
+    fast = dequant.FAST.get(qtype.name)
+    if fast is not None and _takes_out(fast):
+        fast(raw, out=out)
+    elif fast is not None:
+        np.copyto(out, fast(raw))
+    else:
+        np.copyto(out, gguf.quants.dequantize(raw.reshape(-1, row_bytes), qtype).reshape(-1))
+
+
+@functools.cache
+def _takes_out(fn) -> bool:
+    return "out" in inspect.signature(fn).parameters
+
+
+def _aligned_empty(rows: int, cols: int) -> np.ndarray:
+    """np.empty((rows, cols), float32) starting on a 64-byte boundary (pages untouched until written)."""
+    base = np.empty(rows * cols + 16, dtype=np.float32)
+    skip = (-base.ctypes.data % 64) // 4
+    return base[skip : skip + rows * cols].reshape(rows, cols)
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: ExpertCache) -> np.ndarray:

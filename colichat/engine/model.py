@@ -32,6 +32,7 @@ Axis letters: engine/__init__.py.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,13 +119,31 @@ def available_memory() -> int | None:
     return None
 
 
-def auto_expert_cache_mib(available: int | None, committed: int) -> float | None:
-    """The bound of the routed-expert cache nobody set: half of what MemAvailable leaves after the
-    dense weights and the KV cache (`committed` bytes), at least EXPERT_CACHE_MIN_MIB. None where
-    the available memory is unknown (then Model uses DEFAULT_EXPERT_CACHE_MIB)."""
-    if available is None:
+def auto_expert_cache_mib(available: int | None, committed: int, file_room: int | None = None) -> float | None:
+    """The bound (MiB) of the routed-expert cache nobody set, the least of:
+
+    - EXPERT_CACHE_SHARE of what MemAvailable (`available` bytes) leaves after the dense weights and
+      the KV cache (`committed` bytes): the rest of the machine keeps the other half;
+    - `file_room`: the GGUF's size less the dense f32 weights, so that dense weights + expert cache
+      hold no more bytes than the file llama.cpp maps whole. Routed experts are read without mapping
+      them (ffn.ExpertCache), so colichat's peak RSS (that, + KV + scratch + the quantized pages of
+      the dense weights read at load) stays at or below llama.cpp's (file + KV + compute buffers).
+      DeepSeek-V2-Lite (11.1 GiB Q4_K/Q8_0 file, 4.9 GiB dense f32): a 6.2 GiB cache, 192 of its
+      1,664 routed experts, about 13.5 GiB in all (estimated) beside llama.cpp's 16.2 (measured).
+      All experts are cached where they fit (never more slots than the model has experts);
+
+    at least EXPERT_CACHE_MIN_MIB (a few experts of any model). None where the available memory is
+    unknown and no file_room is given (then Model uses DEFAULT_EXPERT_CACHE_MIB in place of the first)."""
+    if available is None and file_room is None:
         return None
-    return max(EXPERT_CACHE_MIN_MIB, EXPERT_CACHE_SHARE * (available - committed) / (1 << 20))
+    share = DEFAULT_EXPERT_CACHE_MIB if available is None else EXPERT_CACHE_SHARE * (available - committed) / (1 << 20)
+    room = float("inf") if file_room is None else file_room / (1 << 20)
+    return max(EXPERT_CACHE_MIN_MIB, min(share, room))
+
+
+def gguf_bytes(tensors: Tensors) -> int:
+    """The size of the GGUF file (all parts of a split model) the tensors are read from."""
+    return sum(os.path.getsize(p) for p in set(tensors.files.values()))
 
 
 @dataclass(frozen=True)
@@ -185,7 +204,8 @@ class Model:
         forward = forward_class(mod, numerics)
         if expert_cache is None and cfg.n_expert:
             committed = self.weight_bytes + self.cache.record_bytes * n_ctx
-            expert_cache = auto_expert_cache_mib(available_memory(), committed)
+            room = gguf_bytes(tensors) - self.weight_bytes if tensors is not None else None
+            expert_cache = auto_expert_cache_mib(available_memory(), committed, room)
             if expert_cache is None:
                 expert_cache = DEFAULT_EXPERT_CACHE_MIB
         self.fwd = forward(cfg, weights, tensors, n_ctx, expert_cache)
@@ -274,7 +294,9 @@ class Model:
         if self.experts is not None:
             per_expert = 3 * cfg.n_ff_exp * cfg.n_embd * 4  # gate, up, down as f32
             all_f32 = per_expert * cfg.n_expert * len(self.experts.layers)
-        bound = min(self.experts.capacity, all_f32) if self.experts is not None else 0
+        bound = 0
+        if self.experts is not None:  # the slab never holds more than all experts, nor less than one (scratch)
+            bound = max(min(self.experts.capacity, all_f32), self.experts.slab.nbytes)
         return MemoryEstimate(self.weight_bytes, bound, all_f32, self.cache.record_bytes, self.n_ctx,
                               mtp_bytes_per_token(cfg) if self.mtp is not None else 0)
 
