@@ -90,7 +90,7 @@ def test_below_one_expert_nothing_is_cached():
     for _ in range(3):
         c.get(1, 0)
     assert not c.caching and c.misses == 3 and c.hits == 0 and c.entries == {} and c.bytes == 0
-    assert len(c.slab) == 1  # the scratch slot
+    assert len(c.slab) == c.fill_threads  # a scratch slot per filling thread
 
 
 def test_the_slab_never_has_more_slots_than_the_model_has_experts():
@@ -179,9 +179,9 @@ def test_load_bounds_the_default_cache_by_the_file_size_and_an_explicit_size_win
     assert load(path, n_ctx=64, expert_cache=1).experts.capacity == 1 << 20
 
 
-def test_the_memory_estimate_counts_the_scratch_slot_of_a_cache_of_nothing():
+def test_the_memory_estimate_counts_the_scratch_slots_of_a_cache_of_nothing():
     m = load(str(TINY / "ds-v3.gguf"), n_ctx=64, expert_cache=0)
-    assert m.memory_estimate().experts == m.experts.slab.nbytes == _expert_bytes("ds-v3")
+    assert m.memory_estimate().experts == m.experts.slab.nbytes == m.experts.fill_threads * _expert_bytes("ds-v3")
 
 
 def test_a_fill_cut_short_leaves_no_expert_with_wrong_values(monkeypatch):

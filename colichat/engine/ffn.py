@@ -6,10 +6,10 @@ Axis letters: engine/__init__.py (T, D, F; X routed experts, U used per token, Y
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,6 +20,7 @@ from .gguf import ModelError
 from .ops import linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
+FILL_THREADS = 2  # threads dequantizing an expert cache's misses at once (at most the cores there are)
 
 
 def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
@@ -108,10 +109,15 @@ class ExpertCache:
     resident expert with the lowest count (the least recently used among equal counts): a burst of
     one-off experts evicts one-off experts, not the ones most tokens are routed to.
 
-    Reading: a miss reads the expert's quantized bytes with os.preadv into one reusable buffer, not
-    through the GGUF memory map, so they do not stay resident in this process (the kernel's page cache
-    holds them, outside RSS; through the map every expert ever read would stay counted in RSS).
-    One thread at a time: the read buffer and the slots are shared.
+    Reading: a miss reads the expert's quantized bytes with os.preadv into a reusable buffer (one per
+    filling thread), not through the GGUF memory map, so they do not stay resident in this process (the
+    kernel's page cache holds them, outside RSS; through the map every expert ever read would stay
+    counted in RSS).
+
+    Filling: `fetch(layer, es)` makes a group of experts resident at once (at most `batch`, the slots
+    there are), and dequantizes its misses on `fill_threads` threads (the calling one and a helper on
+    the second core: numpy releases the GIL in its kernels). A fill writes the same bits on any thread.
+    Called from one thread at a time.
     """
 
     def __init__(self, tensors, layers: list[int], capacity_bytes: int):
@@ -129,8 +135,9 @@ class ExpertCache:
         self.slot_bytes = 4 * stride
         n = min(self.capacity // self.slot_bytes, x * len(layers))  # S
         self.caching = n > 0
-        try:
-            self.slab = _aligned_empty(max(n, 1), stride)  # (S, 3FD + pad)
+        self.fill_threads = min(FILL_THREADS, _cores())
+        try:  # (without caching: a scratch slot per filling thread)
+            self.slab = _aligned_empty(n if n else self.fill_threads, stride)  # (S, 3FD + pad)
         except MemoryError:
             raise ModelError(f"an expert cache of {n:,} experts ({n * self.slot_bytes >> 20:,} MiB) does not fit "
                              "in memory: ask for a smaller one") from None
@@ -142,9 +149,12 @@ class ExpertCache:
         self.counts = np.zeros(x * len(layers), dtype=np.float64)  # (L X,) aged use counts
         self.aging = x * len(layers)
         self.tick = 0
-        self.buf = np.empty(max(p.n_bytes for ps in self.parts.values() for p in ps), dtype=np.uint8)
+        self.batch = len(self.flat)  # experts a fetch can hold at once
+        self.read_bytes = max(p.n_bytes for ps in self.parts.values() for p in ps)
+        self.bufs = threading.local()  # .buf: each filling thread's read buffer
+        self.pool = ThreadPoolExecutor(self.fill_threads - 1, "colichat-experts") if self.fill_threads > 1 else None
         self.fds: dict[str, int] = {}
-        weakref.finalize(self, _close_all, self.fds)
+        weakref.finalize(self, _close_all, self.fds, self.pool)
 
     def _parts(self, l: int) -> list[Part]:
         t, b, x = self.tensors, f"blk.{l}.", self.n_expert
@@ -176,37 +186,77 @@ class ExpertCache:
         return {(self.by_index[k // x], k % x): self.views[s] for k, s in self.slot_of.items()}
 
     def get(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray]:
-        k = self.order[layer] * self.n_expert + e
-        self.tick += 1
-        s = self.slot_of.get(k)
-        if s is None:
-            self.misses += 1
-            s = self.victim()
-            if self.caching:  # emptied first: a fill cut short (Ctrl-C, a read error) leaves a free slot
-                self.slot_of.pop(int(self.keys[s]), None)
-                self.keys[s] = -1
-                self._fill(self.flat[s], layer, e)
-                self.keys[s], self.slot_of[k] = k, s
-            else:
-                self._fill(self.flat[s], layer, e)
-        else:
-            self.hits += 1
-        self.counts[k] += 1
-        self.last[s] = self.tick
-        if self.tick % self.aging == 0:
-            self.counts *= 0.5
-        return self.views[s]
+        return self.fetch(layer, [e])[0]
 
-    def victim(self) -> int:
-        """The slot a miss fills: a free one, else the lowest count's (least recently used of equals)."""
-        if not self.caching:
-            return 0  # the scratch slot
-        free = np.flatnonzero(self.keys < 0)
-        if free.size:
-            return int(free[0])
-        c = self.counts[self.keys]  # (S,)
+    def fetch(self, layer: int, es: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(gate_up (2F, D), down (D, F)) of experts `es` (distinct, at most `batch`) of `layer`, all
+        resident until the next fetch; misses are dequantized on up to fill_threads threads."""
+        if len(es) > self.batch:
+            raise ValueError(f"{len(es)} experts at once, more than the {self.batch} slots")
+        ks = [self.order[layer] * self.n_expert + e for e in es]
+        slots = [self.slot_of.get(k) for k in ks]
+        held = {s for s in slots if s is not None}  # (this group's: never a victim of its own misses)
+        jobs = []
+        for i, (k, s) in enumerate(zip(ks, slots, strict=True)):
+            self.tick += 1
+            if s is None:
+                self.misses += 1
+                s = slots[i] = self.victim(held)
+                held.add(s)
+                if self.caching:  # emptied first: a fill cut short (Ctrl-C, a read error) leaves a free slot
+                    self.slot_of.pop(int(self.keys[s]), None)
+                    self.keys[s] = -1
+                jobs.append((s, layer, es[i]))
+            else:
+                self.hits += 1
+            self.counts[k] += 1
+            self.last[s] = self.tick
+            if self.tick % self.aging == 0:
+                self.counts *= 0.5
+        self._fill_all(jobs)
+        if self.caching:
+            for k, s in zip(ks, slots, strict=True):
+                self.keys[s], self.slot_of[k] = k, s
+        return [self.views[s] for s in slots]
+
+    def victim(self, held=frozenset()) -> int:
+        """The slot a miss fills, not one of `held`: a free one, else the lowest count's (least recently
+        used of equals); without caching, a scratch slot."""
+        free = [s for s in np.flatnonzero(self.keys < 0).tolist() if s not in held]
+        if free or not self.caching:
+            return free[0]
+        c = np.where(np.isin(np.arange(len(self.keys)), list(held)), np.inf, self.counts[self.keys])  # (S,)
         low = np.flatnonzero(c == c.min())
         return int(low[np.argmin(self.last[low])])
+
+    def _fill_all(self, jobs: list[tuple[int, int, int]]) -> None:
+        """Fill slots (slot, layer, e): the calling thread and the helper take the next job when free; it
+        returns once every fill has ended (an error or Ctrl-C too: no fill goes on into a slot after it)."""
+        if self.pool is None or len(jobs) < 2:
+            for s, layer, e in jobs:
+                self._fill(self.flat[s], layer, e)
+            return
+        lock, todo = threading.Lock(), iter(jobs)
+
+        def work() -> None:
+            while True:
+                with lock:
+                    job = next(todo, None)
+                if job is None:
+                    return
+                s, layer, e = job
+                self._fill(self.flat[s], layer, e)
+
+        helper = self.pool.submit(work)
+        try:
+            work()
+        except BaseException:
+            with lock:  # nothing more is handed out; the helper's fill under way ends before this returns
+                for _ in todo:
+                    pass
+            wait([helper])
+            raise
+        helper.result()
 
     def _fill(self, flat: np.ndarray, layer: int, e: int) -> None:
         """Dequantize expert e of `layer` into a slot's floats (3FD,), part by part."""
@@ -215,36 +265,32 @@ class ExpertCache:
             _dequantize(raw, p.qtype, p.row_bytes, flat[p.start : p.stop])
 
     def _read(self, path: str, offset: int, n: int) -> np.ndarray:
-        """n bytes of `path` from `offset`, into the reusable buffer (no memory map, no new array)."""
+        """n bytes of `path` from `offset`, into this thread's reusable buffer (no memory map, no new array)."""
         fd = self.fds.get(path)
         if fd is None:
-            fd = self.fds[path] = os.open(path, os.O_RDONLY)
-        view, done = memoryview(self.buf)[:n], 0
+            fd = self.fds.setdefault(path, os.open(path, os.O_RDONLY))
+        buf = getattr(self.bufs, "buf", None)
+        if buf is None:
+            buf = self.bufs.buf = np.empty(self.read_bytes, dtype=np.uint8)
+        view, done = memoryview(buf)[:n], 0
         while done < n:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
                 raise OSError(f"{path}: ends before byte {offset + n:,} (an expert's data)")
             done += got
-        return self.buf[:n]
+        return buf[:n]
 
 
 def _dequantize(raw: np.ndarray, qtype, row_bytes: int, out: np.ndarray) -> None:
-    """One expert's raw bytes (uint8) -> `out` (flat f32): the values Tensors.f32(name, expert=e) gives,
-    written in place by a dequantizer that takes `out`, else copied in."""
+    """One expert's raw bytes (uint8) -> `out` (flat f32, written in place): the values
+    Tensors.f32(name, expert=e) gives."""
     import gguf
 
     fast = dequant.FAST.get(qtype.name)
-    if fast is not None and _takes_out(fast):
+    if fast is not None:
         fast(raw, out=out)
-    elif fast is not None:
-        np.copyto(out, fast(raw))
     else:
         np.copyto(out, gguf.quants.dequantize(raw.reshape(-1, row_bytes), qtype).reshape(-1))
-
-
-@functools.cache
-def _takes_out(fn) -> bool:
-    return "out" in inspect.signature(fn).parameters
 
 
 def _aligned_empty(rows: int, cols: int) -> np.ndarray:
@@ -254,10 +300,19 @@ def _aligned_empty(rows: int, cols: int) -> np.ndarray:
     return base[skip : skip + rows * cols].reshape(rows, cols)
 
 
-def _close_all(fds: dict) -> None:
+def _close_all(fds: dict, pool) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()
+    if pool is not None:
+        pool.shutdown(wait=False)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: ExpertCache) -> np.ndarray:
@@ -272,11 +327,13 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: Expe
     ends = np.append(starts[1:], flat.size)
     out = np.zeros_like(x)  # (T, D)
     wf = w.reshape(-1)
-    for e, a, b in zip(hit.tolist(), starts.tolist(), ends.tolist(), strict=True):
-        sel = order[a:b]  # (M,) assignment indices of expert e
-        rows = sel // k  # (M,) token of each assignment; each token picks an expert at most once
-        gate_up, down = experts.get(layer, e)
-        y = swiglu(x[rows], gate_up, down)  # (M, D)
-        y *= wf[sel][:, None]
-        out[rows] += y
+    spans = list(zip(hit.tolist(), starts.tolist(), ends.tolist(), strict=True))
+    for g in range(0, len(spans), experts.batch):  # a group of experts resident at once (ExpertCache.fetch)
+        group = spans[g : g + experts.batch]
+        for (_, a, b), (gate_up, down) in zip(group, experts.fetch(layer, [e for e, _, _ in group]), strict=True):
+            sel = order[a:b]  # (M,) assignment indices of expert e
+            rows = sel // k  # (M,) token of each assignment; each token picks an expert at most once
+            y = swiglu(x[rows], gate_up, down)  # (M, D)
+            y *= wf[sel][:, None]
+            out[rows] += y
     return out
