@@ -43,6 +43,11 @@ PROMPT_STEP, PROMPT_STEPPED = 256, 512
 __all__ = ["FULL_BELOW", "ChatError", "Conversation", "Settings", "TurnStats"]
 
 
+def takes(n: int) -> str:
+    """'1 to N' exchanges, or '1' when there is one."""
+    return "1" if n == 1 else f"1 to {n}"
+
+
 class Conversation:
     """The turns of one conversation over the model's cache: asking, forgetting, rewinding, resuming.
 
@@ -208,6 +213,7 @@ class Conversation:
 
     def clear(self) -> None:
         self.model.reset()
+        self.last_stats = None  # (/stats of a new conversation shows no answer of the old one)
         self.turns, self.unsaved_cut, self.unread_left, self.save_failed = [], None, 0, False
 
     def close(self) -> None:
@@ -394,7 +400,8 @@ class Conversation:
             n = next(k for k in range(1, len(starts) + 1)
                      if k == len(starts) or self.n_tokens - self.turns[starts[k]].first <= half)
         if not 1 <= n <= len(starts):
-            raise ChatError(f"/forget takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
+            has = count(len(starts), 'exchange')
+            raise ChatError(f"/forget takes {takes(len(starts))}: the conversation has {has}")
         kept = self.turns[starts[n]:] if n < len(starts) else []
         self._keep_saved("/forget")
         old = self.saving.session.name if self.saving.session and self.saving.session.on_disk else None
@@ -521,7 +528,8 @@ class Conversation:
         if not starts:
             raise ChatError("nothing to rewind: the conversation is empty")
         if not 1 <= n <= len(starts):  # said as /forget says it
-            raise ChatError(f"/rewind takes 1 to {len(starts)}: the conversation has {count(len(starts), 'exchange')}")
+            raise ChatError(f"/rewind takes {takes(len(starts))}: the conversation has {count(len(starts), 'exchange')}"
+                            + (" (/reset empties it)" if n > len(starts) else ""))
         dropped = self.turns[starts[-n]:]
         self.cut_failed = None
         if self.unread_left:  # a stopped read left exchanges on disk: they and these go with the next save

@@ -274,6 +274,9 @@ def cmd_set(app, arg: str) -> None:
     parts = arg.strip().split(None, 1)
     if not parts:
         raise ChatError("/set needs a setting and a value: /set KEY VALUE (/help set lists them)")
+    if parts[0].lower() == "parameter" and len(parts) == 2:  # ollama's /set parameter KEY VALUE
+        raise ChatError(f"did you mean /set {printable(parts[1])}? (colichat's /set takes the key first; "
+                        "/help set lists them)")
     key = key_of(parts[0])
     row = SETTINGS[key]
     if len(parts) == 1:
@@ -292,7 +295,7 @@ def shown_setting(options: dict, key: str) -> str:
 
 
 def cmd_show(app, arg: str) -> None:
-    """The settings as /set takes them."""
+    """The settings as /set takes them (`/show info` and the like, ollama's, are pointed here)."""
     for key, value in app.conv.prefs.options().items():
         app.say(f"{key:<15}{SETTINGS[key.split()[0]].show(value)}")
 
@@ -338,11 +341,20 @@ BY_NAME = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
 QUIT_WORDS = ("exit", "quit", "bye")  # alone on a line: meant as /quit, not as a message
 
 
+# other chat programs' commands (ollama's, llm's): what colichat calls them
+ELSEWHERE = {"/load": "/resume NAME", "/show info": "/show (and /stats)", "/show parameters": "/show",
+             "/show modelfile": "/show", "/show template": "/show", "/show system": "/set system",
+             "/show license": "/show"}
+
+
 def find_command(name: str) -> Command:
     """The command called `name` (or an alias), or a ChatError suggesting the nearest one."""
     cmd = BY_NAME.get(name.lower())
     if cmd is not None:
         return cmd
+    if name.lower() in ELSEWHERE:
+        raise ChatError(f"unknown command '{printable(name)}': did you mean {ELSEWHERE[name.lower()]}? "
+                        "/help lists the commands")
     if name == "/":  # nearest to nothing: a guess such as /q would be noise
         raise ChatError("/ alone is not a command: /help lists them")
     near = difflib.get_close_matches(name.lower(), list(BY_NAME), n=1, cutoff=0.6)
@@ -373,6 +385,9 @@ def dispatch(app, line: str) -> None:
     """Run one command line; ChatError carries the one-line message for a bad one."""
     name, arg = (line.strip().split(None, 1) + [""])[:2]
     cmd = find_command(name)
+    said = f"{name} {arg.strip()}".lower()
+    if said in ELSEWHERE:
+        raise ChatError(f"'{printable(said)}' is not a colichat command: did you mean {ELSEWHERE[said]}?")
     if not cmd.args and arg.strip():  # refused, not ignored: `/new notes` must not look like it named anything
         hint = f" ({cmd.instead})" if cmd.instead else ""
         raise ChatError(f"{name.lower()} takes no argument{hint}")

@@ -297,7 +297,7 @@ def test_bad_commands_are_named_back_and_the_input_goes_on(colichat_home):
     expected = [
         "colichat: unknown command '/frobnicate': /help lists the commands",
         "colichat: nothing to rewind: the conversation is empty",
-        "colichat: /rewind takes 1 to 1: the conversation has 1 exchange",
+        "colichat: /rewind takes 1: the conversation has 1 exchange (/reset empties it)",
         "colichat: /rewind takes a whole number, not 'two'",
         "colichat: no session named nosuch for this model (/sessions lists them)",
         "colichat: invalid session name '../etc'",

@@ -312,9 +312,26 @@ def test_rewind_says_what_regen_and_forget_say(app):
     app.conv.ask("hello")
     app.conv.ask("again")
     for n in ("0", "3", "-1"):
-        assert run(app, f"/rewind {n}") == ["colichat: /rewind takes 1 to 2: the conversation has 2 exchanges"]
+        more = " (/reset empties it)" if n == "3" else ""
+        assert run(app, f"/rewind {n}") == [f"colichat: /rewind takes 1 to 2: the conversation has 2 exchanges{more}"]
         assert run(app, f"/forget {n}") == ["colichat: /forget takes 1 to 2: the conversation has 2 exchanges"]
     assert app.conv.exchanges() == 2
+
+
+def test_habits_from_other_chat_programs_get_a_did_you_mean(app):
+    assert run(app, "/set parameter temperature 0") == [
+        "colichat: did you mean /set temperature 0? (colichat's /set takes the key first; /help set lists them)"]
+    assert run(app, "/load trip") == ["colichat: unknown command '/load': did you mean /resume NAME? /help lists the "
+                                      "commands"]
+    assert run(app, "/show info") == ["colichat: '/show info' is not a colichat command: did you mean /show (and "
+                                      "/stats)?"]
+
+
+def test_stats_after_new_shows_no_answer_of_the_conversation_before(app):
+    app.conv.ask("hello")
+    assert any(line.startswith("last answer:") for line in run(app, "/stats"))
+    run(app, "/new")
+    assert not any(line.startswith("last answer:") for line in run(app, "/stats"))
 
 
 def test_help_says_each_thing_once(app):
