@@ -183,7 +183,7 @@ def test_a_tilde_without_a_home_directory_says_so_not_no_such_file(no_home, monk
         paths()
     with pytest.raises(ChatError, match=r"^~/notes.md: ~ cannot be expanded: .*; give the full path, or set HOME$"):
         export_path("~/notes.md", "talk")
-    assert export_path("notes.md", "talk") == "notes.md"  # no ~: nothing to expand
+    assert export_path("notes.md", "talk") == ("notes.md", False)  # no ~: nothing to expand
 
 
 @pytest.mark.parametrize("home", ["", "relative/dir"], ids=["empty", "relative"])

@@ -14,6 +14,7 @@ from persist_helpers import IDENT, VOCAB, build, layout_of, make_cache, plan
 
 from colichat.engine.cache import KVCache
 from colichat.persist import CacheLayout, SessionError, Store, Turn
+from colichat.persist.kvfile import HEADER_SIZE
 
 MAGICS = {"mla": b"COLIKV1\0", "gqa": b"COLIGQA\0"}
 
@@ -176,15 +177,16 @@ def test_a_format_1_sidecar_still_loads_with_a_warning(colichat_home):
     assert res.turns == turns and res.warnings == []
 
 
-def test_truncate_then_append_reuses_dead_space(colichat_home):
+def test_truncate_cuts_the_file_and_append_writes_after_the_kept_records(colichat_home):
     cache = make_cache("mla")
     turns = build(cache, 4)
     store = Store()
     with store.create(IDENT, layout_of(cache), name="t") as sess:
         sess.append(cache, turns)
-        size = open(sess.kv_path, "rb").seek(0, 2)
         sess.truncate(2)
         assert sess.nrec == turns[1].last and sess.turns == turns[:2]
+        record = sess.layout.record_bytes
+        assert open(sess.kv_path, "rb").seek(0, 2) == HEADER_SIZE + turns[1].last * record  # cut to its records
         assert parse(open(sess.kv_path, "rb").read())[0][7] == turns[1].last
         other = make_cache("mla")  # a different third turn, in the same rows
         other.records[: turns[1].last] = cache.records[: turns[1].last]
@@ -192,7 +194,7 @@ def test_truncate_then_append_reuses_dead_space(colichat_home):
         other.set_length(turns[1].last + 3)
         new = Turn("assistant", "regenerated", turns[1].last, turns[1].last + 3)
         sess.append(other, sess.turns + [new])
-        assert open(sess.kv_path, "rb").seek(0, 2) == size  # written over dead space, no growth
+        assert open(sess.kv_path, "rb").seek(0, 2) == HEADER_SIZE + new.last * record
     with store.open(IDENT, "t", layout_of(cache)) as sess:
         res = sess.load(loaded := make_cache("mla"))
     assert res.turns == turns[:2] + [new] and res.warnings == []
