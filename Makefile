@@ -6,7 +6,7 @@ BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.colichat-installed
 TEST_STAMP := $(VENV)/.colichat-test-tools
 
-.PHONY: venv chat test lint bench clean
+.PHONY: venv chat test test-fast lint bench clean
 
 venv: $(TEST_STAMP)
 
@@ -35,9 +35,14 @@ test: lint
 	  { apt-get update -qq && apt-get install -y -qq tmux strace >/dev/null; }
 	$(BIN)/python -m pytest -q -rs
 
+# The in-process tier (engine, persistence, commands through the in-process harness): no process, no terminal.
+test-fast: lint
+	$(BIN)/python -m pytest -q -rs -m "not process"
+
+# ARGS=--moe runs the real-size MoE benchmark (benchmarks/moe.py) instead, with the other ARGS.
 bench: venv
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python benchmarks/bench.py $(ARGS)
+	$(BIN)/python benchmarks/$(if $(filter --moe,$(ARGS)),moe,bench).py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
