@@ -36,6 +36,7 @@ try:
     from .models import DefaultModelMissing, default_model_path
     from .paths import expand_home, paths
     from .persist import SessionError, Store, check_name
+    from .prune import prune_kv
     from .sessions import export_saved, listing, refuse_if_open
     from .settings import TABLE, SettingError, Settings
     from .start import (
@@ -101,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(not with -p, --resume, --session, --model)")
     p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit; --model "
                    "chooses whose when several models have one of that name (not with -p, --resume, --session)")
+    p.add_argument("--prune-kv", metavar="DAYS", type=float, help="free the disk space of conversations not used "
+                   "for DAYS days: their KV files go, their text stays (reopening one reads it again); then exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
@@ -153,9 +156,18 @@ CHAT_OPTIONS = (("prompt", "-p"), ("resume", "--resume"), ("session", "--session
 
 def check_combinations(args) -> None:
     """Options that contradict each other, or that would do nothing, are refused (never ignored)."""
-    if args.sessions and args.export is not None:
-        raise UsageError("--sessions and --export each print and exit: give one of them")
-    if not args.sessions and args.export is None:
+    shell = [o for o, given in (("--sessions", args.sessions), ("--export", args.export is not None),
+                                ("--prune-kv", args.prune_kv is not None)) if given]
+    if len(shell) > 1:
+        raise UsageError(f"{' and '.join(shell)} each do their work and exit: give one of them")
+    if args.prune_kv is not None and not 0 <= args.prune_kv < float("inf"):
+        raise UsageError("--prune-kv takes a number of days, 0 or more")
+    if not shell:
+        return
+    if args.prune_kv is not None:
+        unused = [option for attr, option in CHAT_OPTIONS if getattr(args, attr) not in (None, False)]
+        if unused:
+            raise UsageError(f"--prune-kv frees disk space and exits: {', '.join(unused)} cannot be used with it")
         return
     unused = [option for attr, option in CHAT_OPTIONS if getattr(args, attr) not in (None, False)]
     if args.sessions and args.model is not None:  # --export NAME --model PATH: that model's NAME
@@ -549,13 +561,18 @@ def pipe_mode(app: App, inputs=None) -> int:
 
 
 def from_the_shell(args) -> int:
-    """--sessions and --export NAME: read the saved conversations, print to stdout, no model loaded."""
+    """--sessions and --export NAME: read the saved conversations, print to stdout; --prune-kv DAYS: free
+    their KV files' space. No model is loaded."""
     root = paths().data / "sessions"
     problem = unreadable_sessions(root)
     if problem:  # else the listing would say "no saved conversations" of conversations it cannot see
         raise SessionError(f"cannot read the saved conversations in {root} ({problem}); fix that, or set "
                            "COLICHAT_HOME to the directory that holds them")
     store = Store()
+    if args.prune_kv is not None:
+        for line in prune_kv(store, args.prune_kv):
+            to_stderr(line)
+        return 0
     if args.sessions:
         rows = listing(store)
         if sys.stdout.isatty():  # as /sessions shows them
@@ -635,7 +652,7 @@ def main(argv=None) -> int:
         return 2
     args.numerics = args.numerics or "fast"
     try:
-        if args.sessions or args.export is not None:
+        if args.sessions or args.export is not None or args.prune_kv is not None:
             return from_the_shell(args)
         args.model = choose_model(args, say)
         check_model_file(args.model)
