@@ -209,8 +209,10 @@ def test_an_option_the_model_or_the_sessions_refuse_exits_1(kind, colichat_home)
 CONTRADICTIONS = {
     "sessions-and-p": (["--sessions", "-p", "hi"], "--sessions lists every model's saved conversations and "
                        "exits: -p cannot be used with it"),
-    "sessions-and-export": (["--sessions", "--export", "foo"], "--sessions and --export each print and exit: "
-                            "give one of them"),
+    "sessions-and-export": (["--sessions", "--export", "foo"], "--sessions and --export each do their work and "
+                            "exit: give one of them"),
+    "prune-and-p": (["--prune-kv", "3", "-p", "hi"], "--prune-kv frees disk space and exits: -p cannot be used "
+                    "with it"),
     "sessions-and-model": (["--sessions", "--model", TINY_LLAMA], "--sessions lists every model's saved "
                            "conversations and exits: --model cannot be used with it"),
     "export-and-chat": (["--export", "s", "-p", "hi", "--resume", "--temperature", "0"], "--export prints a saved "
