@@ -183,6 +183,23 @@ class Conversation:
         """/save NAME: the conversation, from the cache, into a new session (saving.Saving.save_as)."""
         return self.saving.save_as(name, self.model.cache, self.turns, self.prefs.saved())
 
+    def fork(self, n: int | None = None) -> str:
+        """/fork [N]: continue in a new conversation made of this one's first n exchanges (default: all),
+        saved at once (saving.Saving.fork: their records copied, no forward pass); this one stays
+        saved as it is. The cache keeps the fork's records."""
+        starts = [i for i, t in enumerate(self.turns) if t.role == "user"]
+        if not starts:
+            raise ChatError("nothing to fork: the conversation is empty")
+        n = len(starts) if n is None else n
+        if not 1 <= n <= len(starts):
+            raise ChatError(f"/fork takes {takes(len(starts))}: the conversation has {count(len(starts), 'exchange')}")
+        self._keep_saved("/fork")
+        kept = self.turns[: starts[n] if n < len(starts) else len(self.turns)]
+        said = self.saving.fork(self.model.cache, kept, n, self.prefs.saved())
+        self.turns, self.unsaved_cut, self.unread_left, self.cut_failed = kept, None, 0, None
+        self.model.cache.truncate(kept[-1].last)
+        return said
+
     def new(self) -> str:
         """/new: a new empty conversation; the current session stays on disk."""
         self._keep_saved("/new")

@@ -257,11 +257,19 @@ def cmd_forget(app, arg: str) -> None:
     app.say(app.conv.forget(n, on_progress=app.prefill_progress("the exchanges kept")))
 
 
+def cmd_fork(app, arg: str) -> None:
+    n = _int_arg(arg, 0, "/fork") if arg.strip() else None
+    app.say(app.conv.fork(n))
+
+
 def cmd_regen(app, arg: str) -> None:
     app.answer(None)  # the last message, answered again (Conversation.regen)
 
 
 def cmd_history(app, arg: str) -> None:
+    forked = app.conv.saving.lineage()
+    if forked:
+        app.say(report.forked_line(*forked))
     if not app.conv.turns:
         app.say("the conversation is empty")
     for t in app.conv.turns:
@@ -328,6 +336,9 @@ COMMANDS = [
     Command("/rewind", "[N]", "drop the last N exchanges (default 1)", cmd_rewind),
     Command("/forget", "[N]", "continue in a new conversation without the N oldest exchanges (default: enough "
             "to free half the context); the current one stays saved", cmd_forget),
+    Command("/fork", "[N]", "continue in a new conversation made of this one's first N exchanges (default: all), "
+            "named after it (NAME-fork, NAME-fork-2, ...; /rename renames it); records copied, no re-prefill; "
+            "the current one stays saved as it is", cmd_fork),
     Command("/regen", "", "drop the last answer and answer the last message again", cmd_regen,
             instead="/rewind, then a message, asks something else"),
     Command("/history", "", "show the conversation so far", cmd_history,

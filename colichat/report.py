@@ -115,6 +115,11 @@ def recap(turns) -> list[str]:
     return head + [turn_line(t) for t in turns[users[-1]:]]
 
 
+def forked_line(parent: str, branch: int) -> str:
+    """/history's first line for a fork: where it branched from its parent."""
+    return f"forked from {displayable(parent)} after exchange {branch}"
+
+
 def turn_line(turn) -> str:
     """A turn as /history shows it: 'user> TEXT', its control characters shown (wrap.displayable)."""
     return f"{turn.role}> {displayable(turn.text)}"

@@ -14,7 +14,8 @@ import os
 
 from .errors import ChatError
 from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
-from .units import format_size
+from .persist.store import under_parents
+from .units import count, format_size
 from .wrap import displayable
 
 CURRENT_MARK = "* "  # in /sessions, the row of the conversation in use (the others start with two spaces)
@@ -188,6 +189,35 @@ class Saving:
         copy.close()
         return f"saved a copy as session {name} (the conversation goes on in {self.session.name})"
 
+    def fork(self, cache, turns: list, branch: int, settings: dict) -> str:
+        """/fork: `turns`, this conversation's first `branch` exchanges, into a new session PARENT-fork
+        (-2, -3, ...: the first free name), from the session's KV file where it holds them as saved,
+        else from the cache (Session.fork): no forward pass. The conversation goes on in the fork; the
+        session in use stays on disk as it is."""
+        self._refuse_unless_writable("nothing can be forked")
+        parent = self.session
+        if parent is None or not parent.on_disk:
+            raise ChatError("this conversation is not saved: /save NAME saves it, then /fork forks it")
+        new = self.store.create(self.ident, self.layout, None, settings, stem=f"{parent.name[:54]}-fork", files=False)
+        try:
+            copied = parent.fork(new, cache, turns, branch)
+        except BaseException as e:
+            new.close()  # (no file of it is left: Session.fork)
+            if isinstance(e, SaveFailed):
+                raise ChatError(f"{e.what}; nothing was written (free some space, then /fork again)") from None
+            raise
+        parent.close()
+        self.session, self.name = new, new.name
+        how = f"copied from {parent.name}'s file" if copied else "written from memory"
+        return (f"forked {parent.name} after exchange {branch}: the conversation goes on in {new.name} "
+                f"({count(turns[-1].last, 'token')} {how}, no re-prefill); {parent.name} stays saved as it was "
+                f"(/rename NEW names the fork)")
+
+    def lineage(self) -> tuple[str, int] | None:
+        """(parent, branch) if the conversation in use is a fork (Session.parent, .branch), else None."""
+        s = self.session
+        return (s.parent, s.branch) if s is not None and s.parent else None
+
     @staticmethod
     def _copy_failed(e: SaveFailed, name: str) -> ChatError:
         """A /save that could not be written: it is not retried (the next save is the conversation's own)."""
@@ -211,8 +241,8 @@ class Saving:
         if not self.store:
             raise ChatError("saving is off (--no-save): no sessions")
         current = self.session.name if self.session else None
-        return [(CURRENT_MARK if i.name == current else "  ") + displayable(i.describe())
-                for i in self.store.list(self.ident)]
+        return [(CURRENT_MARK if i.name == current else "  ") + "  " * depth + displayable(i.describe())
+                for i, depth in under_parents(self.store.list(self.ident))]
 
     def delete(self, name: str) -> str:
         """Delete a saved conversation of this model (not the one in use)."""

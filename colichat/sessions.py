@@ -27,7 +27,7 @@ from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, che
 from .persist.locks import lock_holder
 from .persist.session import SIDECAR_EXT, holds_conversation, more_context
 from .persist.sidecar import doc_check, document, span
-from .persist.store import damaged_text, model_file_now
+from .persist.store import damaged_text, model_file_now, under_parents
 from .wrap import displayable
 
 
@@ -244,7 +244,8 @@ def listing(store: Store) -> list[str]:
     for (model, directory), infos in by_model.items():
         file = next((i.model_file for i in infos if i.model_file), "")
         lines.append(f"{model_title(model, file)} ({directory}):")
-        lines += ["  " + displayable(i.describe()) for i in infos]  # (texts from files: shown, not acted on)
+        lines += ["  " + "  " * depth + displayable(i.describe())  # (texts from files: shown, not acted on)
+                  for i, depth in under_parents(infos)]  # forks under their parents
     return lines
 
 

@@ -6,6 +6,7 @@ writer's lock, locks.py).
     res = sess.load(cache, ctx_limit=None, detokenize=None)               # -> LoadResult
     sess.append(cache, turns)     # save the turns not yet on disk (see `append`)
     sess.truncate(n_turns)        # keep the first n_turns turns (rewind)
+    sess.fork(new, cache, turns, branch)   # its first exchanges into `new` (claimed), copied from its file
     sess.close()                  # or use the session as a context manager
 
 Turns tile the records: turn 0 starts at record 0 and each turn starts where the previous one ends.
@@ -71,6 +72,9 @@ REOPEN_ROOM = 16
 FORMAT_VERSION = 2  # 2: a "check" CRC over the sidecar's settings, and one over each turn's fields
 KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
 MAX_SIDECAR_BYTES = 256 << 20
+COPY_CHUNK = 8 << 20  # a fork's records copied by reads and writes: this many bytes at a time
+# copy_file_range errors that mean "not here" (an old kernel, another file system, a special file): copy by hand
+NO_COPY_RANGE = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
 @dataclass
@@ -118,6 +122,42 @@ def _unlink_quietly(path: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def copy_bytes(src: int, dst: int, size: int) -> None:
+    """Bytes [0, size) of file `src` into `dst` at the same offsets: with copy_file_range where there
+    is one (in the kernel; blocks shared where the file system can, as btrfs and XFS do), else, or for
+    what it leaves, by reads and writes. OSError as any write's; EIO if `src` ends early."""
+    done, copy_range = 0, getattr(os, "copy_file_range", None)
+    while copy_range is not None and done < size:
+        try:
+            n = copy_range(src, dst, min(size - done, 1 << 30), done, done)
+        except OSError as e:
+            if e.errno not in NO_COPY_RANGE:
+                raise
+            n = 0
+        if not n:
+            break
+        done += n
+    while done < size:
+        data = os.pread(src, min(size - done, COPY_CHUNK), done)
+        if not data:
+            raise OSError(errno.EIO, "the KV file it is copied from ended early")
+        view = memoryview(data)
+        while view:
+            wrote = os.pwrite(dst, view, done)
+            view, done = view[wrote:], done + wrote
+
+
+def lineage(doc: dict) -> tuple[str | None, int | None]:
+    """(parent, branch) of a fork, as its sidecar records them: the conversation it was forked from and
+    the exchanges of it that it began with; (None, None) for one that is no fork, or whose document
+    check fails (its settings, these with them, are not believed)."""
+    parent, branch = doc.get("parent"), doc.get("branch")
+    if not isinstance(parent, str) or not 0 < len(parent) <= 64 or type(branch) is not int or branch < 1 \
+            or doc.get("check") != doc_check(doc):
+        return None, None
+    return parent, branch
 
 
 def interrupted_create(base: str) -> bool:
@@ -206,6 +246,8 @@ class Session:
         self.nrec = 0  # records covered by self.turns
         self.sampler: dict = {}  # saved with every sidecar write
         self.created = now_iso()
+        self.parent: str | None = None  # a fork's: the conversation it was forked from (saved in the sidecar)
+        self.branch: int | None = None  # and the exchanges of it it began with
         self._has_sidecar = False
         self._loaded = False  # state known (created, or loaded): needed before saving
         self._cache = None  # the cache last loaded or saved from: what a rewrite copies
@@ -257,8 +299,10 @@ class Session:
         """Whether the session's files exist (a claimed session has none until its first save)."""
         return self._kv_fd is not None
 
-    def _create_files(self, cache=None, turns: list[Turn] = (), crcs: list[int] = ()) -> None:
-        """Write the session whole (the header, the records of `turns` from `cache`, nrec) under
+    def _create_files(self, cache=None, turns: list[Turn] = (), crcs: list[int] = (),
+                      source: int | None = None) -> None:
+        """Write the session whole (the header, the records of `turns` from `cache`, or copied from the
+        KV file open as `source` (a fork's: `copy_bytes`), nrec) under
         NAME.coli_kv.tmp, then the sidecar, then rename the KV file into place: until that rename
         NAME is no session (a sidecar beside NAME.coli_kv.tmp with no NAME.coli_kv is what an
         interrupted create leaves, see `interrupted_create`), after it the session is whole.
@@ -272,8 +316,11 @@ class Session:
         try:
             remove_leftovers(os.path.join(self.directory, self.name))
             fd = create_kv(tmp, self.layout)
-            if n:
+            if n and source is not None:  # its header and first records: the header's nrec is set next
+                copy_bytes(source, fd, HEADER_SIZE + n * self.layout.record_bytes)
+            elif n:
                 write_records(fd, 0, cache.raw(0, n), self.layout.record_bytes)
+            if n:
                 write_nrec(fd, n)
             self._write_sidecar(list(turns), list(crcs))
             os.rename(tmp, self.kv_path)
@@ -465,6 +512,7 @@ class Session:
         self.turns, self._crcs, self.nrec, self._cache, self._has_sidecar = [], [], 0, cache, True
         self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
         self.created = doc.get("created") if isinstance(doc.get("created"), str) else now_iso()
+        self.parent, self.branch = lineage(doc)
         self._loaded = True
         self._unread_entries = doc["turns"][: len(unread)]
         return LoadResult(self.name, 0, [], (time.perf_counter() - t0) * 1000, warnings, dict(self.sampler), unread)
@@ -583,6 +631,7 @@ class Session:
         if doc is not None:
             self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
             self.created = doc.get("created") if isinstance(doc.get("created"), str) else now_iso()
+            self.parent, self.branch = lineage(doc)
         self._loaded = True
         ms = (time.perf_counter() - t0) * 1000
         unread = readable_again(doc, turns) if doc is not None else []
@@ -768,6 +817,26 @@ class Session:
         self.nrec = prev
         self._unread_entries = []  # the conversation that read them again is saved now
 
+    def fork(self, new: Session, cache, turns: list[Turn], branch: int) -> bool:
+        """Save `turns`, this conversation's first `branch` exchanges, into `new` (claimed, no files yet):
+        its fork. Where this session's KV file holds them as saved (the bytes the cache holds), the new
+        file's header and records are copied from it (`copy_bytes`), else written from `cache`; the
+        sidecar names this session as the parent. True if copied. A failure leaves no file of `new`."""
+        new.parent, new.branch = self.name, branch
+        turns = [Turn(t.role, t.text, t.first, t.last) for t in turns]
+        n, k = turns[-1].last, len(turns)
+        try:
+            saved = self.on_disk and not self._text_only and self.turns[:k] == turns \
+                and os.fstat(self._kv_fd).st_size >= HEADER_SIZE + n * self.layout.record_bytes
+        except OSError:
+            saved = False
+        if not saved:
+            new.append(cache, turns)
+            return False
+        new._create_files(cache, turns, self._crcs[:k], source=self._kv_fd)
+        new._cache = cache
+        return True
+
     def _new_kv_file(self) -> None:
         """For a session opened from its sidecar alone: an empty KV file under its name (written whole
         under NAME.coli_kv.tmp, then renamed), so that saves go on as for any session. A crash or an
@@ -811,6 +880,10 @@ class Session:
         n_turns = min(n_turns, len(self.turns))
         turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
         n = turns[-1].last if turns else 0
+        if self.branch:  # a fork cut below its branch point begins with fewer exchanges; cut to none, it is no fork
+            self.branch = min(self.branch, sum(t.role == "user" for t in turns)
+                              + sum(isinstance(e, dict) and e.get("role") == "user" for e in unread)) or None
+            self.parent = self.parent if self.branch else None
         if self._text_only:  # no records: the sidecar lists what is still in the conversation
             self._unread_entries = unread
             try:
@@ -979,6 +1052,8 @@ class Session:
             "sampler": self.sampler,
             "nrec": turns[-1].last if turns else 0,
         }
+        if self.parent:  # a fork: where it came from (covered by the check, as the settings are)
+            doc["parent"], doc["branch"] = self.parent, self.branch
         doc["check"] = doc_check(doc)
         doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
                          "check": turn_check(t.role, t.text, t.first, t.last, c)}

@@ -8,6 +8,7 @@
     sess = store.claim(ident, name, layout, sampler=None)   # the same, its files made by the first save
     sess = store.open(ident, name, layout)     # existing session, locked (then sess.load(...))
     store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None
+    under_parents(infos) -> [(SessionInfo, depth)]   # the same, each fork after its parent
     store.latest(ident) -> SessionInfo | None
     store.is_empty(ident, name)                # an empty session left on disk: no conversation
     store.rename(sess, new)                    # an open session under another name
@@ -59,6 +60,7 @@ from .session import (
     Session,
     holds_conversation,
     interrupted_create,
+    lineage,
     remove_leftovers,
 )
 from .sidecar import doc_check, document, parse_turns
@@ -206,6 +208,8 @@ class SessionInfo:
     model_file: str = ""  # the GGUF's file name as saved in the sidecar (sessions of older versions: "")
     model_path: str = ""  # the GGUF's absolute path as saved in the sidecar (sessions of older versions: "")
     model_real_path: str = ""  # the file that path led to, links resolved (sessions of older versions: "")
+    parent: str | None = None  # a fork's: the conversation it was forked from
+    branch: int | None = None  # and the exchanges of it it began with
 
     def model_paths(self) -> list[str]:
         """Where the model that saved it was: the path it was given by, then the file that led to."""
@@ -225,8 +229,33 @@ class SessionInfo:
             if age >= secs or unit == "s":
                 break
         first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
+        fork = f" (fork of {self.parent} at exchange {self.branch})" if self.parent else ""
         return (f"{self.name}: {count(self.turns, 'turn')}, {count(self.tokens, 'token')}, {format_size(self.size)}, "
-                f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else ""))
+                f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else "") + fork)
+
+
+def under_parents(infos: list[SessionInfo]) -> list[tuple[SessionInfo, int]]:
+    """A listing's rows in order, with their depth: each conversation (in the order given, newest first)
+    followed by its forks (theirs after each), one level deeper. A fork whose parent is not listed
+    (deleted, renamed) is a row of its own; so are forks that name each other (renames)."""
+    listed = {(i.model_dir, i.name) for i in infos}
+    forks: dict[tuple[str, str], list[SessionInfo]] = {}
+    for i in infos:
+        if i.parent and (i.model_dir, i.parent) in listed:
+            forks.setdefault((i.model_dir, i.parent), []).append(i)
+    rows: list[tuple[SessionInfo, int]] = []
+    seen: set[tuple[str, str]] = set()
+    tops = [i for i in infos if not (i.parent and (i.model_dir, i.parent) in listed)]
+    for top in tops + infos:  # (then what a loop of forks left out)
+        stack = [(top, 0)]
+        while stack:
+            info, depth = stack.pop()
+            if (info.model_dir, info.name) in seen:
+                continue
+            seen.add((info.model_dir, info.name))
+            rows.append((info, depth))
+            stack += [(f, depth + 1) for f in reversed(forks.get((info.model_dir, info.name), []))]
+    return rows
 
 
 def model_file_now(info: SessionInfo, fingerprints: dict | None = None) -> str | None:
@@ -387,16 +416,17 @@ def _dir_layout(directory: Path) -> CacheLayout | None:
 
 
 def _sidecar_summary(doc: dict, tokens: int | None, model: str, last_used: float) -> dict:
-    """SessionInfo's turns, tokens, model (name, file name, path), first (line of the first message)
-    and last_used from a sidecar whose turns are a list of objects; a damaged value gives way to the
-    header's (model, last_used), a missing or damaged file name or path to "". The token count is the
-    end of the turns whose checks hold, at most the records the KV file has (`tokens`; None: no KV
-    file); with no such turn, the KV file's."""
+    """SessionInfo's turns, tokens, model (name, file name, path), first (line of the first message),
+    last_used and a fork's parent and branch (session.lineage) from a sidecar whose turns are a list
+    of objects; a damaged value gives way to the header's (model, last_used), a missing or damaged
+    file name or path to "". The token count is the end of the turns whose checks hold, at most the
+    records the KV file has (`tokens`; None: no KV file); with no such turn, the KV file's."""
     turns = doc["turns"]
     sound = parse_turns(doc)[0]  # (a damaged count, say 10**12, is not believed)
     checked = sound[-1].last if sound else 0
     saved = doc["model"] if isinstance(doc.get("model"), dict) else {}
     text = next((t.get("text") for t in turns if t.get("role") == "user"), "")
+    parent, branch = lineage(doc)
     return {
         "turns": len(turns),
         "tokens": checked if tokens is None else min(checked, tokens) if sound else tokens,
@@ -406,6 +436,8 @@ def _sidecar_summary(doc: dict, tokens: int | None, model: str, last_used: float
         "model_real_path": saved.get("real_path") if isinstance(saved.get("real_path"), str) else "",
         "first": next((x.strip() for x in text.splitlines() if x.strip()), "") if isinstance(text, str) else "",
         "last_used": _timestamp(doc.get("updated"), last_used),
+        "parent": parent,
+        "branch": branch,
     }
 
 
