@@ -98,6 +98,8 @@ def cmd_sessions(app, arg: str) -> None:
         app.say(line, hang=4)
     if len(listed) < len(rows):
         app.say(older_line(len(rows) - len(listed)))
+    elif not window or len(rows) + 3 <= window[1]:  # (room for it below the rows, the command's and the prompt's)
+        app.say(app.conv.saving.total())
 
 
 def older_line(hidden: int) -> str:

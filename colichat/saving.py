@@ -14,7 +14,7 @@ import os
 
 from .errors import ChatError
 from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
-from .persist.store import under_parents
+from .persist.store import total_line, under_parents
 from .units import count, format_size
 from .wrap import displayable
 
@@ -243,6 +243,10 @@ class Saving:
         current = self.session.name if self.session else None
         return [(CURRENT_MARK if i.name == current else "  ") + "  " * depth + displayable(i.describe())
                 for i, depth in under_parents(self.store.list(self.ident))]
+
+    def total(self) -> str:
+        """The foot of /sessions: how many conversations this model has, and their bytes on disk."""
+        return total_line(self.store.list(self.ident))
 
     def delete(self, name: str) -> str:
         """Delete a saved conversation of this model (not the one in use)."""

@@ -27,7 +27,7 @@ from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, che
 from .persist.locks import lock_holder
 from .persist.session import SIDECAR_EXT, holds_conversation, more_context
 from .persist.sidecar import doc_check, document, span
-from .persist.store import damaged_text, model_file_now, under_parents
+from .persist.store import damaged_text, model_file_now, total_line, under_parents
 from .wrap import displayable
 
 
@@ -237,8 +237,8 @@ def context_problem(store: Store, model_path: str, session: str | None, n_ctx: i
 
 def listing(store: Store) -> list[str]:
     """Every saved conversation, grouped by model (newest first), for `colichat --sessions`."""
-    by_model = defaultdict(list)
-    for info in store.list():
+    by_model, every = defaultdict(list), store.list()
+    for info in every:
         by_model[(info.model, info.model_dir)].append(info)
     lines = []
     for (model, directory), infos in by_model.items():
@@ -246,6 +246,8 @@ def listing(store: Store) -> list[str]:
         lines.append(f"{model_title(model, file)} ({directory}):")
         lines += ["  " + "  " * depth + displayable(i.describe())  # (texts from files: shown, not acted on)
                   for i, depth in under_parents(infos)]  # forks under their parents
+    if lines:
+        lines.append(total_line(every))
     return lines
 
 

@@ -372,7 +372,8 @@ def test_sessions_from_the_shell(colichat_home):
     out = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
     title = first.err.splitlines()[0].split(" (")[0]  # the model as the banner names it
     assert title == "llama" and re.fullmatch(r"llama \(llama\.gguf-[0-9a-f]{12}\):", out[0]), out
-    assert out[1].startswith("  two: 2 turns, ") and out[2].startswith("  one: 2 turns, ") and len(out) == 3
+    assert out[1].startswith("  two: 2 turns, ") and out[2].startswith("  one: 2 turns, ") and len(out) == 4
+    assert out[3].startswith("2 conversations, ") and out[3].endswith(" KiB on disk")  # the total
 
 
 def test_a_conversation_rewound_to_no_exchange_is_not_a_saved_conversation(ref, colichat_home):
@@ -386,7 +387,7 @@ def test_a_conversation_rewound_to_no_exchange_is_not_a_saved_conversation(ref, 
                                             "off the disk until its next answer")
         assert [p.name for p in session_files(colichat_home) if p.stem == name] == [f"{name}.lock"]
     listed = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
-    assert [row.split(":")[0] for row in listed[1:]] == ["  old"]
+    assert [row.split(":")[0] for row in listed[1:-1]] == ["  old"] and listed[-1].startswith("1 conversation, ")
     assert chat(colichat_home, [*TINY_ARGS, "--resume"], "").ok().resumed()[2] == "old"
     assert chat(colichat_home, ["--export", "e"]).failed().errors() == [
         "colichat: no session named e (colichat --sessions lists them)"]
@@ -413,7 +414,7 @@ def test_an_empty_session_left_on_disk_is_not_listed_nor_reopened(colichat_home)
     os.utime(kv, None)
     assert [i.name for i in Store().list()] == ["old"]
     listed = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
-    assert [row.split(":")[0] for row in listed[1:]] == ["  old"]
+    assert [row.split(":")[0] for row in listed[1:-1]] == ["  old"] and listed[-1].startswith("1 conversation, ")
     run = chat(colichat_home, [*TINY_ARGS, "--session", "x"], lines("/resume e", "/sessions", "/resume")).failed()
     assert run.errors() == ["colichat: no session named e for this model (/sessions lists them)"]
     assert [row.split(":")[0] for row in run.err.splitlines() if row.startswith("  ")] == ["  old"]

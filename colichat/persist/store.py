@@ -274,6 +274,11 @@ def model_file_now(info: SessionInfo, fingerprints: dict | None = None) -> str |
     return None
 
 
+def total_line(infos: list[SessionInfo]) -> str:
+    """'5 conversations, 12.3 MiB on disk': the foot of /sessions and --sessions."""
+    return f"{count(len(infos), 'conversation')}, {format_size(sum(i.size for i in infos))} on disk"
+
+
 def damaged_text(name: str, damage: str) -> str:
     """The one line for a damaged session, the same in /sessions, --session and --resume."""
     return f"{name}: damaged ({damage}); /delete {name} removes it"
