@@ -1,0 +1,545 @@
+"""A MoE model at the real size (issue 34): colichat on a DeepSeek-V2-Lite-shaped GGUF against the machine's
+numpy limit and, side by side, llama.cpp on the same file.
+
+    .venv/bin/python benchmarks/moe.py [--vs-llamacpp "$(../shared/tools/llamacpp/make-venv.sh)"]
+    .venv/bin/python benchmarks/moe.py --layers 3 --uniform-only     # a smoke run on a 3-layer file
+    make bench ARGS="--moe --vs-llamacpp PYTHON"                     # the same through the Makefile
+
+Files (random blocks, written once as a stream to --dir, default ~/.cache/colichat-bench/; 11.9 GB at 27
+layers): V2-Lite's shape (hidden 2048, 16 heads, no q_lora, kv_lora 512, one dense layer of 10944, then 64
+routed experts of 1408 + 2 shared, 6 used, softmax gating, vocabulary 102400, YaRN 40), experts gate/up
+Q4_K and down Q8_0, other matrices Q8_0, norms and routers f32. v2lite-uniform.gguf routes near uniformly
+(an expert cache's worst case); v2lite-skewed.gguf has a selection bias (exp_probs_b: it only chooses) on
+13 of each layer's 64 experts, so that they get about 60% of the routes (measured and printed).
+
+Each engine runs in its own process (its peak RSS is its own) on the same token ids: load; prefill 64;
+a fresh KV cache and prefill 512; decode 48 tokens after those (1-24, then 25-48, the steady state).
+colichat: its default threads and expert cache (--expert-cache overrides); the 512 tokens get a new Model
+over the same weights (a cold expert cache). llama.cpp (llama-cpp-python, imported only in the child this
+script starts with that python): n_threads=2, n_threads_batch=2. Each phase records the share of the CPUs
+other processes used meanwhile (a shared machine: figures with a high share are disturbed). Markdown
+tables on stdout, then a one-line JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # gguf_factory writes the model
+
+MOE = dict(  # V2-Lite's MoE part, over gguf_factory.V2_LITE_DENSE's attention, vocabulary and YaRN
+    n_dense=1, n_ff=10944, n_expert=64, n_expert_used=6, n_expert_shared=2, n_ff_exp=1408, gating=1,
+    n_group=0, weights_norm=False, weights_scale=1.0,
+    qtypes={"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q8_0"},
+)
+HOT = 13  # experts per layer with the selection bias in the skewed file: 20% of 64
+SKEW_BIAS = 0.033  # added to their softmax probabilities (~1/64 each) before the top 6 are chosen
+PHASES = ("prefill64", "prefill512", "decode_first", "decode_steady")
+FIRST, DECODE = 24, 48  # decode: tokens 1..FIRST, then FIRST+1..DECODE (steady state)
+N_CTX = 1024
+SEED = 34
+QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "Q4_0")
+FP16_AT = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+GIB = 1 << 30
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def best(fn, reps: int = 5) -> float:
+    """Seconds of the fastest of `reps` calls of fn() after a warm-up call (the least disturbed one)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM: file pages it mapped and touched included), in bytes."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def cpu_mark() -> tuple[float, float, float]:
+    """(wall seconds, busy seconds of all CPUs, this process's CPU seconds) now."""
+    f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    t = os.times()
+    return time.perf_counter(), (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+
+def others_share(a: tuple, b: tuple) -> float:
+    """Share of the machine's CPUs that other processes used between two cpu_marks (0.5 on 2 cores: a core)."""
+    return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / max(1e-9, (b[0] - a[0]) * (os.cpu_count() or 1)))
+
+
+# --- the files ---------------------------------------------------------------------------------------
+
+
+def spec_for(layers: int, skewed: bool):
+    """The DS2Spec of the V2-Lite-shaped MoE file with `layers` layers (the skewed one has exp_probs_b)."""
+    from gguf_factory import V2_LITE_DENSE
+
+    return replace(V2_LITE_DENSE, **MOE, n_layer=layers, probs_bias=skewed)
+
+
+def file_ok(path: Path, spec) -> bool:
+    """Whether `path` is a complete file of `spec`: all its tensors, the last one's data within the file."""
+    import gguf
+    from gguf_factory import tensor_shapes
+
+    try:
+        r = gguf.GGUFReader(path)
+        last = r.tensors[-1]
+        return len(r.tensors) == len(tensor_shapes(spec)) and last.data_offset + last.n_bytes <= path.stat().st_size
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def model_file(folder: Path, layers: int, skewed: bool, bias: float) -> Path:
+    """The file (written once, as a stream: memory for one expert) and, if skewed, its bias set to `bias`."""
+    from gguf_factory import write_deepseek2
+
+    spec = spec_for(layers, skewed)
+    path = folder / f"v2lite-{'skewed' if skewed else 'uniform'}{'' if layers == 27 else f'-L{layers}'}.gguf"
+    if not file_ok(path, spec):
+        folder.mkdir(parents=True, exist_ok=True)
+        say(f"writing {path} (random blocks)")
+        t = time.perf_counter()
+        write_deepseek2(path.with_suffix(".part"), spec)
+        os.replace(path.with_suffix(".part"), path)
+        say(f"wrote {path.stat().st_size / 1e9:.1f} GB in {time.perf_counter() - t:.0f} s")
+    if skewed:
+        set_bias(path, bias)
+    return path
+
+
+def set_bias(path: Path, bias: float) -> None:
+    """exp_probs_b of every MoE layer, in place: `bias` for HOT experts picked per layer (fixed seed), else 0."""
+    import gguf
+
+    r = gguf.GGUFReader(path, "r+")
+    rng = np.random.default_rng(SEED)
+    for t in r.tensors:
+        if t.name.endswith("exp_probs_b.bias"):
+            b = np.zeros(t.data.shape, dtype=np.float32)  # (X,)
+            b[rng.choice(b.size, HOT, replace=False)] = bias
+            t.data[...] = b
+    r.data.flush()
+
+
+def token_ids(n_vocab: int) -> dict[str, list[int]]:
+    """The prompts and decode tokens both engines get (fixed seed, above the byte and special tokens)."""
+    rng = np.random.default_rng(SEED)
+    return {"prompt64": rng.integers(300, n_vocab, 64).tolist(), "prompt512": rng.integers(300, n_vocab, 512).tolist(),
+            "decode": rng.integers(300, n_vocab, DECODE).tolist()}
+
+
+# --- the engines, each in a child process ---------------------------------------------------------------
+
+
+def run_phases(out: dict, tokens: dict, engine, logits_dir: Path, name: str) -> None:
+    """The phases, the same for both engines. engine: prefill(ids) -> last logits (V,), decode(id) -> (V,),
+    fresh() (an empty KV cache), note() -> extra figures of the phase just ended. Logits go to logits_dir."""
+    dec = tokens["decode"]
+    runs = {"prefill64": lambda: engine.prefill(tokens["prompt64"]),
+            "prefill512": lambda: engine.prefill(tokens["prompt512"]),
+            "decode_first": lambda: [engine.decode(i) for i in dec[:FIRST]][-1],
+            "decode_steady": lambda: [engine.decode(i) for i in dec[FIRST:]][-1]}
+    for phase in PHASES:
+        if phase == "prefill512":
+            engine.fresh()
+        a = cpu_mark()
+        logits = np.asarray(runs[phase](), dtype=np.float32).reshape(-1)  # (V,)
+        b = cpu_mark()
+        np.save(logits_dir / f"{name}-{phase}.npy", logits)
+        out[phase] = {"s": b[0] - a[0], "others_cpu": others_share(a, b), "finite": bool(np.isfinite(logits).all()),
+                      "rss": peak_rss(), **engine.note()}
+    out["peak_rss"] = peak_rss()
+
+
+class RouteCounter:
+    """Counts the experts colichat's router picks per layer (wraps deepseek2.Forward.ffn to know the layer,
+    ffn.select_experts to see the picks)."""
+
+    def __init__(self, n_layer: int, n_expert: int):
+        from colichat.engine import deepseek2, ffn
+
+        self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)  # (L, X)
+        self.layer = None
+        fwd_ffn, select = deepseek2.Forward.ffn, ffn.select_experts
+
+        def layer_ffn(fwd, l, u):
+            self.layer = l
+            try:
+                return fwd_ffn(fwd, l, u)
+            finally:
+                self.layer = None
+
+        def counted(probs, bias, r):
+            ids, w = select(probs, bias, r)  # (T, U) x2
+            if self.layer is not None:
+                np.add.at(self.counts[self.layer], ids.reshape(-1), 1)
+            return ids, w
+
+        deepseek2.Forward.ffn, ffn.select_experts = layer_ffn, counted
+
+    def take(self, hot: np.ndarray | None) -> dict:
+        """Share of the routes since the last take that went to each layer's top 20% of experts and (skewed
+        file; hot: (L, X) bool) to the biased ones. Resets the counts."""
+        c, self.counts = self.counts, np.zeros_like(self.counts)
+        if not c.sum():
+            return {}
+        out = {"top20_share": float(np.sort(c, axis=1)[:, ::-1][:, :HOT].sum() / c.sum())}
+        if hot is not None:
+            out["biased_share"] = float((c * hot).sum() / c.sum())
+        return out
+
+
+def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
+    """colichat as run_phases drives it; fresh() gives a new Model over the same weights (an empty KV cache
+    and a cold expert cache of the same size)."""
+    from colichat.engine import Model, load
+
+    m = load(path, n_ctx=N_CTX, expert_cache=expert_cache)
+    cfg, state = m.cfg, {"m": m, "seen": (0, 0)}
+    routes = RouteCounter(cfg.n_layer, cfg.n_expert)
+    bias = [m.w.get(f"blk.{l}.exp_probs_b", np.zeros(cfg.n_expert)) for l in range(cfg.n_layer)]
+    hot = np.stack(bias) > 0 if any("exp_probs_b" in k for k in m.w) else None  # (L, X)
+
+    def fresh() -> None:
+        old = state.pop("m")
+        w, tok, tensors, mib = old.w, old.tokenizer, old.tensors, old.experts.capacity / (1 << 20)
+        del old
+        gc.collect()
+        state.update(m=Model(cfg, w, tok, N_CTX, tensors, expert_cache=mib), seen=(0, 0))
+
+    def note() -> dict:
+        e, (h, x) = state["m"].experts, state["seen"]
+        state["seen"] = (e.hits, e.misses)
+        return {"hits": e.hits - h, "misses": e.misses - x, **routes.take(hot)}
+
+    return SimpleNamespace(prefill=lambda ids: state["m"].prefill(ids, all_logits=False), fresh=fresh, note=note,
+                           decode=lambda i: state["m"].decode(i), model=lambda: state["m"])
+
+
+def llamacpp(path: str) -> SimpleNamespace:
+    """llama.cpp (llama-cpp-python) as run_phases drives it: only ever in the --vs-llamacpp python's process."""
+    from llama_cpp import Llama
+
+    llm = Llama(path, n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2, verbose=False)
+
+    def run(ids) -> np.ndarray:
+        llm.eval(ids)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()  # (V,) the last token's
+
+    # reset: the next eval drops every cached row
+    return SimpleNamespace(prefill=run, decode=lambda i: run([i]), fresh=llm.reset, note=dict)
+
+
+def child(engine_name: str, path: str, tok_file: str, expert_cache: float | None) -> dict:
+    """One engine's figures on one file (in a child process: its peak RSS is its own)."""
+    tokens = json.loads(Path(tok_file).read_text())
+    t = time.perf_counter()
+    engine = colichat(path, expert_cache) if engine_name == "colichat" else llamacpp(path)
+    out = {"load_s": time.perf_counter() - t, "rss_load": peak_rss()}
+    if engine_name == "colichat":
+        m = engine.model()
+        out.update(expert_cache_mib=m.experts.capacity >> 20, memory=str(m.memory_estimate()))
+        del m
+    run_phases(out, tokens, engine, Path(tok_file).parent, f"{Path(path).stem}-{engine_name}")
+    return out
+
+
+def run_child(cmd: list[str]) -> dict:
+    """Run a child that prints its figures as JSON on its last stdout line; {"error": ...} if it fails."""
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode or not lines:
+        return {"error": f"exit {p.returncode}: {(p.stderr or p.stdout).strip()[-800:]}"}
+    return json.loads(lines[-1])
+
+
+# --- the numpy limit ----------------------------------------------------------------------------------
+
+
+def dequantizer(name: str):
+    """(fn(blocks, out), label): what colichat dequantizes a quant type with (engine/dequant.FAST, writing into
+    `out` where it can, as into an expert-cache slot), or gguf-py's gguf.quants.dequantize."""
+    import gguf
+
+    from colichat.engine import dequant
+
+    fast = dequant.FAST.get(name)
+    if fast is not None and "out" in inspect.signature(fast).parameters:
+        return (lambda data, out: fast(data, out=out)), "colichat, into a buffer"
+    if fast is not None:
+        return (lambda data, out: fast(data)), "colichat"
+    qtype = gguf.GGMLQuantizationType[name]
+    return (lambda data, out: gguf.quants.dequantize(data, qtype)), "gguf-py"
+
+
+def measure_limits(mb: int = 30) -> dict:
+    """Measured: f32 matvec bandwidth (1 and 2 BLAS threads), copy bandwidth, 2-thread sgemm GFLOP/s, and
+    dequantize throughput per quant type on `mb` MB of random blocks (sane fp16 scales) in pieces of one
+    expert matrix (1408 x 2048 values), on 1 and on 2 threads."""
+    import gguf
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+
+    def matvec(n: int) -> float:
+        w = rng.standard_normal((65536, 2048), dtype=np.float32)  # (N, D): 512 MiB, far beyond the caches
+        x = rng.standard_normal(2048, dtype=np.float32)  # (D,)
+        with threadpool_limits(n, user_api="blas"):
+            return w.nbytes / best(lambda: w @ x) / 1e9
+
+    def copy() -> float:  # each byte read once and written once; the target touched first (no page faults)
+        src, dst = np.ones(256 << 20, dtype=np.uint8), np.zeros(256 << 20, dtype=np.uint8)
+        return src.nbytes / best(lambda: np.copyto(dst, src)) / 1e9
+
+    def sgemm() -> float:
+        a = rng.standard_normal((2048, 2048), dtype=np.float32)
+        with threadpool_limits(2, user_api="blas"):
+            return 2 * 2048**3 / best(lambda: a @ a) / 1e9
+
+    def dequantize(name: str, pool: ThreadPoolExecutor) -> dict:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+        per = 1408 * 2048 // block  # blocks of one expert matrix
+        data = rng.integers(0, 256, ((mb << 20) // size // per * per, size), dtype=np.uint8)  # (blocks, bytes)
+        for at in FP16_AT[name]:
+            data[:, at : at + 2] = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
+        out = np.zeros(data.shape[0] * block, dtype=np.float32)  # touched, as a slab slot that was filled before
+        fn, impl = dequantizer(name)
+        pieces = [(data[i : i + per], out[i * block : (i + per) * block]) for i in range(0, data.shape[0], per)]
+        one = best(lambda: [fn(*p) for p in pieces], 3)
+        two = best(lambda: list(pool.map(lambda p: fn(*p), pieces)), 3)
+        return {"impl": impl, "in_mbps": data.nbytes / one / 1e6, "out_mbps": out.nbytes / one / 1e6,
+                "in_mbps_2": data.nbytes / two / 1e6}
+
+    with ThreadPoolExecutor(2) as pool:
+        deq = {name: dequantize(name, pool) for name in QUANT_TYPES}
+    return {"matvec_gbps_1": matvec(1), "matvec_gbps_2": matvec(2), "copy_gbps": copy(), "sgemm_gflops": sgemm(),
+            "dequant": deq}
+
+
+def faster(a, b):
+    """Figure by figure, the better of two measurements of the machine (the less disturbed one)."""
+    if isinstance(a, dict):
+        return {k: faster(v, b[k]) for k, v in a.items()}
+    return max(a, b) if isinstance(a, float) else a
+
+
+def bounds(spec, lim: dict) -> dict:
+    """The numpy limit. Decode seconds per token: every f32 byte it touches (the dense part: all matrices,
+    routers and norms but the routed experts, the output head, one embedding row; and 6 routed experts per
+    MoE layer) read once at the matvec bandwidth, plus, per missed expert, dequantizing its Q4_K gate/up and
+    Q8_0 down (on 2 threads where faster). Prefill 512: every expert of every MoE layer dequantized once plus
+    its FLOPs (2 x tokens x active parameters, attention, the last token's logits) at the sgemm rate."""
+    from gguf_factory import tensor_shapes
+
+    d, fe, u, t = spec.n_embd, spec.n_ff_exp, spec.n_expert_used, 512
+    dense = layer_params = 0
+    for name, shape in tensor_shapes(spec):
+        if "_exps." not in name:
+            dense += 4 * (d if name == "token_embd.weight" else int(np.prod(shape)))
+            layer_params += int(np.prod(shape)) if name.startswith("blk.") and len(shape) >= 2 else 0
+    n_moe, expert = spec.n_layer - spec.n_dense, 3 * fe * d  # MoE layers; values of one expert
+    q4k, q80 = 2 * fe * d // 256 * 144, d * fe // 32 * 34  # an expert's bytes in the file
+    deq = lim["dequant"]
+    miss_1 = (q4k / deq["Q4_K"]["in_mbps"] + q80 / deq["Q8_0"]["in_mbps"]) / 1e6
+    miss = min(miss_1, (q4k / deq["Q4_K"]["in_mbps_2"] + q80 / deq["Q8_0"]["in_mbps_2"]) / 1e6)  # both cores
+    bw = max(lim["matvec_gbps_1"], lim["matvec_gbps_2"]) * 1e9
+    routed = 4 * expert * u * n_moe
+    hit = (dense + routed) / bw
+    attn = spec.n_layer * spec.n_head * (spec.qk_head + spec.v_head) * t * (t + 1)  # 2 x H x (K + Dv) x T(T+1)/2
+    flops = 2 * t * (layer_params + expert * u * n_moe) + attn + 2 * spec.n_vocab * d
+    return {"dense": dense, "routed": routed, "routes": u * n_moe, "n_moe": n_moe, "expert_f32": 4 * expert,
+            "expert_q": q4k + q80, "miss_s_1thread": miss_1, "miss_s": miss, "dense_s": dense / bw,
+            "routed_s": routed / bw, "decode_hit_s": hit, "decode_miss_s": hit + u * n_moe * miss,
+            "prefill512_deq_s": n_moe * spec.n_expert * miss, "prefill512_flops": flops,
+            "prefill512_s": n_moe * spec.n_expert * miss + flops / (lim["sgemm_gflops"] * 1e9)}
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+FIGURES = [("load_s", "load, s"), ("prefill64", "prefill 64 tokens, tok/s"),
+           ("prefill512", "prefill 512 tokens, tok/s"), ("decode_first", f"decode tokens 1-{FIRST}, tok/s"),
+           ("decode_steady", f"decode tokens {FIRST + 1}-{DECODE} (steady), tok/s"),
+           ("peak_rss_gib", "peak RSS, GiB"), ("finite", "logits finite in every phase")]
+
+
+def rates(r: dict | None) -> dict:
+    """The figures of one engine's run: load s, tok/s, peak RSS GiB ({} where it did not run)."""
+    if not r or "error" in r:
+        return {}
+    n = {"prefill64": 64, "prefill512": 512, "decode_first": FIRST, "decode_steady": DECODE - FIRST}
+    return {"load_s": r["load_s"], **{p: n[p] / r[p]["s"] for p in PHASES}, "peak_rss_gib": r["peak_rss"] / GIB,
+            "finite": all(r[p]["finite"] for p in PHASES)}
+
+
+def cell(v) -> str:
+    return "-" if v is None else str(v) if isinstance(v, bool) else f"{v:.2f}"
+
+
+def report_limits(lim: dict, b: dict) -> None:
+    """The measured machine and the bounds worked out from it."""
+    print("### The machine's numpy limit (the better of two measurements, before and after)\n\n"
+          "| measured | value |\n|---|---|\n"
+          f"| f32 matvec (65536 x 2048), 1 / 2 BLAS threads | {lim['matvec_gbps_1']:.1f} / "
+          f"{lim['matvec_gbps_2']:.1f} GB/s |\n| copy of 256 MiB (each byte read and written) | "
+          f"{lim['copy_gbps']:.1f} GB/s |\n| sgemm 2048^3, 2 BLAS threads | {lim['sgemm_gflops']:.0f} GFLOP/s |\n")
+    print("| quant type | dequantizer | input MB/s, 1 thread | f32 output MB/s, 1 thread | output / copy bandwidth "
+          "| input MB/s, 2 threads |\n|---|---|---|---|---|---|")
+    for name, q in lim["dequant"].items():
+        print(f"| {name} | {q['impl']} | {q['in_mbps']:,.0f} | {q['out_mbps']:,.0f} | "
+              f"{q['out_mbps'] / 1e3 / lim['copy_gbps']:.0%} | {q['in_mbps_2']:,.0f} |")
+    rows = [
+        ("dense part: attention, dense layer, shared experts, routers, norms, output head, 1 embedding row",
+         f"{b['dense'] / GIB:.2f} GiB", f"{b['dense_s']:.3f} s"),
+        (f"routed experts: {b['routes']} = 6 x {b['n_moe']} layers of {b['expert_f32'] / 2**20:.0f} MiB",
+         f"{b['routed'] / GIB:.2f} GiB", f"{b['routed_s']:.3f} s"),
+        (f"one expert miss: dequantize its {b['expert_q'] / 2**20:.1f} MiB of Q4_K gate/up + Q8_0 down, "
+         "1 thread / the better of 1 and 2", "", f"{b['miss_s_1thread'] * 1e3:.1f} / {b['miss_s'] * 1e3:.1f} ms"),
+        ("**decode at 100% expert-cache hits**", "",
+         f"**{b['decode_hit_s']:.2f} s = {1 / b['decode_hit_s']:.2f} tok/s**"),
+        (f"**decode at 0% hits** (+ {b['routes']} misses)", "",
+         f"**{b['decode_miss_s']:.2f} s = {1 / b['decode_miss_s']:.2f} tok/s**"),
+        (f"**prefill 512**: every expert dequantized once ({b['prefill512_deq_s']:.0f} s) + "
+         f"{b['prefill512_flops'] / 1e12:.2f} TFLOP at the sgemm rate", "",
+         f"**{b['prefill512_s']:.0f} s = {512 / b['prefill512_s']:.1f} tok/s**"),
+    ]
+    print("\n| a decode token touches (f32) | bytes | time bound |\n|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+
+
+def report_file(title: str, col: dict, ref: dict | None, b: dict, logits_dir: Path, stem: str) -> None:
+    """One file's tables: the figures side by side, colichat's expert cache and routing, against the bound."""
+    c, r = rates(col), rates(ref)
+    print(f"### {title}\n")
+    for name, run in (("colichat", col), ("llama.cpp", ref)):
+        if run and "error" in run:
+            print(f"{name} failed: {run['error']}\n")
+    print("| figure | colichat |" + (" llama.cpp 0.3.36 | colichat / llama.cpp |\n|---|---|---|---|" if ref
+                                      else "\n|---|---|"))
+    for key, text in FIGURES:
+        row = f"| {text} | {cell(c.get(key))} |"
+        if ref:
+            ratio = c[key] / r[key] if isinstance(c.get(key), float) and r.get(key) else None
+            row += f" {cell(r.get(key))} | {'' if ratio is None else f'{ratio:.3f}'} |"
+        print(row)
+    print("| CPU share other processes used, per phase (" + ", ".join(PHASES) + ") | "
+          + " | ".join(" / ".join(f"{x[p]['others_cpu']:.2f}" for p in PHASES) if rates(x) else "-"
+                       for x in ([col, ref] if ref else [col])) + (" | |" if ref else " |"))
+    if not c:
+        print()
+        return
+    biased = "biased_share" in col["prefill512"]
+    print(f"\ncolichat: {col['memory']}; expert cache {col['expert_cache_mib']:,} MiB\n")
+    print("| colichat phase | expert hits | misses | hit rate | routes to each layer's top 20% of experts |"
+          + (" to the 13 biased |" if biased else "") + "\n|---|---|---|---|---|" + ("---|" if biased else ""))
+    for p in PHASES:
+        q = col[p]
+        print(f"| {p} | {q['hits']} | {q['misses']} | {q['hits'] / max(1, q['hits'] + q['misses']):.0%} | "
+              f"{cell(q.get('top20_share'))} |" + (f" {q['biased_share']:.2f} |" if biased else ""))
+    steady = col["decode_steady"]
+    h = steady["hits"] / max(1, steady["hits"] + steady["misses"])
+    at_h = b["decode_hit_s"] + (1 - h) * (b["decode_miss_s"] - b["decode_hit_s"])
+    print("\n| against the numpy limit | colichat | bound | colichat's speed / the bound's |\n|---|---|---|---|\n"
+          f"| decode steady, s/token (bound at its hit rate, {h:.0%}) | {1 / c['decode_steady']:.2f} | {at_h:.2f} "
+          f"| {at_h * c['decode_steady']:.0%} |\n| prefill 512, s | {512 / c['prefill512']:.0f} | "
+          f"{b['prefill512_s']:.0f} | {b['prefill512_s'] * c['prefill512'] / 512:.0%} |")
+    if r:
+        corr = [np.corrcoef(*(np.load(logits_dir / f"{stem}-{e}-{p}.npy").astype(np.float64)
+                              for e in ("colichat", "llamacpp")))[0, 1] for p in PHASES]
+        print("\ncorrelation of colichat's last logits with llama.cpp's, per phase: "
+              + ", ".join(f"{v:.4f}" for v in corr))
+    print()
+
+
+# --- main ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vs-llamacpp", metavar="PYTHON", help="a python with llama-cpp-python 0.3.36: run it too")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--skewed-only", action="store_true", help="only the skewed-routing file")
+    only.add_argument("--uniform-only", action="store_true", help="only the uniform-routing file")
+    p.add_argument("--layers", type=int, default=27, help="layers of the file (default 27; 3 for a smoke run)")
+    p.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "colichat-bench", help="where the files go")
+    p.add_argument("--skew-bias", type=float, default=SKEW_BIAS, help=f"the hot experts' bias ({SKEW_BIAS})")
+    p.add_argument("--expert-cache", type=float, help="colichat's expert cache in MiB (default: the engine's)")
+    p.add_argument("--moe", action="store_true", help=argparse.SUPPRESS)  # make bench ARGS=--moe passes it on
+    p.add_argument("--child", nargs=3, metavar=("ENGINE", "GGUF", "TOKENS"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:  # one engine on one file: its figures as JSON on the last line
+        print(json.dumps(child(*args.child, args.expert_cache)))
+        return 0
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    say(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; measuring the machine")
+    lim = measure_limits()
+    runs, tmp = {}, tempfile.TemporaryDirectory(prefix="colichat-moe-")
+    logits_dir = Path(tmp.name)
+    tok_file = logits_dir / "tokens.json"
+    tok_file.write_text(json.dumps(token_ids(spec_for(args.layers, False).n_vocab)))
+    for label in ("uniform", "skewed"):
+        if args.skewed_only and label == "uniform" or args.uniform_only and label == "skewed":
+            continue
+        path = model_file(args.dir, args.layers, label == "skewed", args.skew_bias)
+        cache = ["--expert-cache", str(args.expert_cache)] if args.expert_cache else []
+        say(f"{label}: colichat")
+        col = run_child([sys.executable, __file__, "--child", "colichat", str(path), str(tok_file), *cache])
+        ref = None
+        if args.vs_llamacpp and args.layers not in (26, 27):  # llama.cpp's is_lite: no q_lora key needed
+            ref = {"error": "not run: llama.cpp 0.3.36 takes a deepseek2 file without q_lora only at 26 or 27 layers"}
+        elif args.vs_llamacpp:
+            say(f"{label}: llama.cpp")
+            ref = run_child([args.vs_llamacpp, __file__, "--child", "llamacpp", str(path), str(tok_file)])
+        runs[label] = (path, col, ref)
+    say("measuring the machine again")
+    lim = faster(lim, measure_limits())
+    b = bounds(spec_for(args.layers, False), lim)
+    load1 = os.getloadavg()
+    print(f"## MoE at the real size: DeepSeek-V2-Lite-shaped, {args.layers} layers, random blocks\n\n"
+          f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; load average (1/5/15 min) before "
+          f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}\n")
+    report_limits(lim, b)
+    summary = {"layers": args.layers, "limits": lim, "bounds": b, "loadavg": [load0, load1]}
+    for label, (path, col, ref) in runs.items():
+        bias = f", selection bias {args.skew_bias} on {HOT} of 64 experts per layer" if label == "skewed" else ""
+        title = f"{label} routing: {path.name}, {path.stat().st_size / 1e9:.1f} GB{bias}"
+        report_file(title, col, ref, b, logits_dir, path.stem)
+        summary[label] = {"colichat": rates(col), "llamacpp": rates(ref), "colichat_run": col, "llamacpp_run": ref}
+    tmp.cleanup()
+    summary["run_s"] = time.perf_counter() - t0
+    print(json.dumps(summary, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
