@@ -46,6 +46,7 @@ try:
         check_saving,
         choose_model,
         load_model,
+        model_sampling,
         reopen_at_start,
         saved_context,
         saving_mode,
@@ -680,6 +681,9 @@ def main(argv=None) -> int:
         with waiting:
             model = load_model(args, say, status, mtp=settings.draft > 0,  # --draft 0: no MTP rows either
                                system=settings.system)
+        settings, note = model_sampling(settings, given, model.cfg)
+        if note:
+            say(note)
         conv = Conversation(model, settings, session_name=args.session, pinned=given, no_save=args.no_save,
                             save_new=person_types or args.session is not None or args.resume, read_only=read_only)
     except USER_ERRORS as e:

@@ -26,6 +26,7 @@ from .sessions import (
     resume_context,
     resume_rope_factors,
 )
+from .settings import SettingError
 
 
 def choose_model(args, say) -> str:
@@ -178,6 +179,26 @@ def check_rope_factors(args) -> None:
     problem = saved and resume_problem(args.model, args.ctx, saved[1])
     if problem:
         raise SessionError(f"session {saved[0]} cannot be resumed: {problem}")
+
+
+def model_sampling(settings, given: frozenset, cfg) -> tuple:
+    """The sampling defaults the model file carries (general.sampling.*, ModelConfig.sampling) for the
+    settings no option gave: (settings, the note that names them, or None). A saved conversation's own
+    settings still win when it reopens (ChatSettings.apply_saved); a value a setting cannot take is left out."""
+    taken = {}
+    for name, value in cfg.sampling:
+        if name in given:
+            continue
+        value = round(value, 6) if isinstance(value, float) else value  # (a float32 0.6 is 0.60000002)
+        try:
+            settings = settings.with_(**{name: value})
+        except SettingError:
+            continue
+        taken[name] = value
+    if not taken:
+        return settings, None
+    said = ", ".join(f"{k} {v:g}" for k, v in taken.items())
+    return settings, f"note: the model's own sampling defaults: {said} (/set or an option changes them)"
 
 
 def load_model(args, say, status, mtp: bool = True, system: str | None = None):

@@ -175,8 +175,8 @@ def copy_gguf(src, dst, drop_keys=(), drop_tensors=(), arch: str | None = None, 
               set_keys: dict | None = None) -> str:
     """Rewrite GGUF `src` as `dst` without some keys or tensors, with another general.architecture,
     with some tensors multiplied by a factor (`scale={name: factor}`: the same model, other weights),
-    or with other values for some of its keys (`set_keys={key: value}`, of the key's type; a string key
-    it lacks is added)."""
+    or with other values for some of its keys (`set_keys={key: value}`, of the key's type; a key it lacks
+    is added as a float32, an int32 or a string, after the value's type)."""
     import gguf
     import numpy as np
 
@@ -188,9 +188,9 @@ def copy_gguf(src, dst, drop_keys=(), drop_tensors=(), arch: str | None = None, 
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, (set_keys or {}).get(key, f.contents()), vtype, sub)
-    for key, value in (set_keys or {}).items():
+    for key, value in (set_keys or {}).items():  # a key it lacks: a float32, an int32 or a string
         if key not in reader.fields:
-            writer.add_string(key, value)
+            {float: writer.add_float32, int: writer.add_int32}.get(type(value), writer.add_string)(key, value)
     for t in reader.tensors:
         if t.name in drop_tensors:
             continue

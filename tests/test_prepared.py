@@ -342,3 +342,24 @@ def test_a_model_given_by_a_relative_path_maps_its_own_experts_from_any_director
     again = load("../a/model.gguf", n_ctx=64, cache_dir=cache)
     assert not again.w["token_embd"].flags.writeable  # from the cache entry
     assert np.array_equal(_logits(again), first)
+
+
+def test_the_sampling_defaults_a_model_file_carries_are_the_defaults(tmp_path):
+    """general.sampling.* (as the model's makers set them): the defaults of the settings no option
+    gives, said in a note; an option wins; a value a setting cannot take is left out."""
+    from cli_helpers import TINY_LLAMA, copy_gguf
+
+    from colichat.engine import load
+    from colichat.settings import Settings
+    from colichat.start import model_sampling
+
+    path = copy_gguf(TINY_LLAMA, tmp_path / "s.gguf", set_keys={
+        "general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.top_p": 7.0})
+    cfg = load(path, n_ctx=64, cache_dir=tmp_path / "c").cfg
+    assert dict(cfg.sampling) == {"temperature": pytest.approx(0.6), "top_k": 20, "top_p": 7.0}
+    again = load(path, n_ctx=64, cache_dir=tmp_path / "c").cfg  # mapped from the prepared cache
+    assert again.sampling == cfg.sampling
+    settings, note = model_sampling(Settings(), frozenset({"top_k"}), cfg)
+    assert settings.temperature == 0.6 and settings.top_k == 40 and settings.top_p == 0.95  # 7: not a top_p
+    assert note == "note: the model's own sampling defaults: temperature 0.6 (/set or an option changes them)"
+    assert model_sampling(Settings(), frozenset(), load(TINY_LLAMA, n_ctx=64).cfg) == (Settings(), None)

@@ -86,6 +86,7 @@ class ModelConfig:
     attn_temp_scale: float = 0.0  # Mistral-Large-3 query temperature tuning (0 = off)
     attn_temp_length: int = 0
     n_nextn: int = 0          # MTP (NextN) blocks after the trunk: blk.{n_layer}.. (never in the cache)
+    sampling: tuple = ()      # the model's own sampling defaults (general.sampling.*): ((setting, value), ...)
     # sparse-attention MLA (deepseek32, glm-dsa): the lightning indexer; zero without one
     index_n_head: int = 0     # Hi
     index_head_dim: int = 0   # Di
@@ -308,6 +309,22 @@ class Tensors:
         return name
 
 
+# general.sampling.* keys (gguf-py's Keys.General.SAMPLING_*) -> colichat's settings of the same meaning
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "penalty_repeat": "repeat_penalty", "penalty_last_n": "repeat_last_n"}
+
+
+def sampling_defaults(reader) -> tuple:
+    """The sampling defaults the model's makers put in the file (general.sampling.temp, ...), as
+    ((setting, number), ...): values that are not numbers are left out (the settings check the rest)."""
+    found = []
+    for key, setting in SAMPLING_KEYS.items():
+        v = field(reader, f"general.sampling.{key}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            found.append((setting, v))
+    return tuple(found)
+
+
 def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
     """The one place metadata becomes a config: the keys every architecture has, read here, then
     the architecture module's config() (model.ARCHITECTURES). Defaults are llama.cpp's (docs:
@@ -377,6 +394,7 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
         tied_output=not tensors.has("output.weight"),
         n_nextn=n_nextn,
+        sampling=sampling_defaults(reader),
     )
     if n_nextn and not all(tensors.has(f"blk.{n_layer + m}.nextn.eh_proj.weight") for m in range(n_nextn)):
         raise ModelError(f"{path}: nextn_predict_layers is {n_nextn} but 'blk.{n_layer}.nextn.eh_proj.weight' "

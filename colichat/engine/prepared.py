@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives ident
 
 from .gguf import ModelConfig, TensorRecord, Tensors
 
-PREPARED_FORMAT = 2
+PREPARED_FORMAT = 3  # 3: the config has the model's sampling defaults
 ALIGN = 64
 FREE_MARGIN = 1 << 30  # bytes the weights cache leaves free on its disk
 FULL_CHECK_BYTES = 1 << 30  # entries up to this size are checked in full at every start (~0.3 s)
@@ -130,6 +130,7 @@ class Prepared:
         named = path if given is None else given
         if cfg["name"] == os.path.basename(cfg["path"]):  # no general.name: named after the path given
             cfg["name"] = os.path.basename(named)  # now, as load_config names it (a link stays the link)
+        cfg["sampling"] = tuple(tuple(pair) for pair in cfg.get("sampling", ()))  # (JSON made them lists)
         self.config = ModelConfig(**{**cfg, "path": named})
         self.tokenizer_meta = meta["tokenizer"]
         size = os.path.getsize(entry / "weights.f32")
