@@ -6,30 +6,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from app_helpers import Recorder, run
 from conftest import TINY
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from colichat.chat import Conversation, Settings
-from colichat.cli import App
 from colichat.commands import COMMANDS
 from colichat.engine import Sampler, load
 from colichat.persist import Store
 from colichat.settings import TABLE
-
-
-class Recorder(App):
-    """An App whose status lines are kept for the test and whose answers are dropped."""
-
-    def __init__(self, conv):
-        super().__init__(conv, interactive=False)
-        self.lines: list[str] = []
-
-    def say(self, line: str, hang: int = 0) -> None:
-        self.lines.append(line)
-
-    def out(self, text: str) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +31,6 @@ def app(model, tmp_path):
     conv.close()
 
 
-def run(app, line: str) -> list[str]:
-    app.lines.clear()
-    app.handle(line)
-    return list(app.lines)
 
 
 # ---- /set ---------------------------------------------------------------------------------------

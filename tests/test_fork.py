@@ -10,10 +10,10 @@ import json
 import os
 
 import pytest
+from app_helpers import Recorder, run
 from cli_helpers import TINY_LLAMA
 
 from colichat.chat import Conversation, Settings
-from colichat.cli import App
 from colichat.engine import load
 from colichat.errors import ChatError
 from colichat.persist import Store
@@ -203,16 +203,6 @@ def test_a_sidecar_whose_check_fails_is_no_fork(model, tmp_path):
 # ---- the commands ----------------------------------------------------------------------------------
 
 
-class Recorder(App):
-    def __init__(self, conv):
-        super().__init__(conv, interactive=False)
-        self.lines: list[str] = []
-
-    def say(self, line: str, hang: int = 0) -> None:
-        self.lines.append(line)
-
-    def out(self, text: str) -> None:
-        pass
 
 
 @pytest.fixture
@@ -222,10 +212,6 @@ def app(model, tmp_path):
     conv.close()
 
 
-def run(app, line: str) -> list[str]:
-    app.lines.clear()
-    app.handle(line)
-    return list(app.lines)
 
 
 def test_fork_refusals_are_one_line(app):
