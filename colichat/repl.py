@@ -85,6 +85,7 @@ def _bindings(screen: Screen | None = None) -> KeyBindings:
     def _interrupt(event):
         """Ctrl-C at the prompt drops the line, which stays on screen marked `^C` (as in a shell)."""
         buf = event.current_buffer
+        event.app.empty_interrupt = not buf.text  # (run() says once that Ctrl-D quits)
         buf.text += "^C"
         buf.cursor_position = len(buf.text)
         event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
@@ -248,11 +249,15 @@ def run(app) -> int:
     def on_sigint(signum, frame):
         app.interrupted()  # ^C shown; the answer ends after the current token and shows nothing more
 
+    told = False  # that Ctrl-D quits, after a Ctrl-C at an empty prompt (once: Ctrl-C does not quit)
     with keys_wait(app.continued):  # also between prompts: a key typed as a prompt ends is never echoed out of place
         while not app.quitting:
             try:
                 text = read_input(session, app.screen)  # prompt_toolkit's own terminal mode while it reads
             except KeyboardInterrupt:
+                if getattr(session.app, "empty_interrupt", False) and not told:
+                    app.say("(Ctrl-D quits)")
+                    told = True
                 continue
             except (EOFError, OSError):  # Ctrl-D, or the terminal is gone (its window closed, SIGHUP ignored)
                 break

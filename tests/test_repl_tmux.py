@@ -108,6 +108,14 @@ def test_interactive_session(tmux_chat):
     t.keys("C-c")
     t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> some text^C\n>"), SCREEN_WAIT,
                "the dropped line and a new prompt")
+    assert "(Ctrl-D quits)" not in t.screen()
+    t.keys("C-c")  # at an empty prompt: once, what quits
+    t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("> ^C\n(Ctrl-D quits)\n>"), SCREEN_WAIT,
+               "the hint after Ctrl-C at an empty prompt")
+    t.keys("C-c")
+    screen = t.wait_for(lambda s: "\n".join(lines_of(s)).endswith("(Ctrl-D quits)\n> ^C\n>"), SCREEN_WAIT,
+                        "a second Ctrl-C: no second hint")
+    assert screen.count("(Ctrl-D quits)") == 1
     t.keys("C-d")
     t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
 
