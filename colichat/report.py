@@ -104,15 +104,26 @@ def system_tokens(conv) -> int:
     return len(conv.tok.encode(system)) if system else 0
 
 
+RECAP_LINES = 8  # a turn of the recap longer than this many lines (a long paste) shows its first ones
+
+
 def recap(turns) -> list[str]:
     """Where a resumed conversation stands, on the terminal: its last exchange as /history shows it,
-    after a line counting the exchanges before it."""
+    after a line counting the exchanges before it; a turn of more than RECAP_LINES lines is folded to its
+    first ones and a line counting the rest (a long paste would fill the window)."""
     users = [i for i, t in enumerate(turns) if t.role == "user"]
     if not users:
         return []
     earlier = len(users) - 1
     head = [f"({count(earlier, 'earlier exchange')}; /history shows the whole conversation)"] if earlier else []
-    return head + [turn_line(t) for t in turns[users[-1]:]]
+    shown = []
+    for t in turns[users[-1]:]:
+        lines = turn_line(t).split("\n")
+        if len(lines) > RECAP_LINES:
+            lines = lines[:RECAP_LINES - 1] + [f"(... {count(len(lines) - RECAP_LINES + 1, 'more line')}; "
+                                               "/history shows them)"]
+        shown.append("\n".join(lines))
+    return head + shown
 
 
 def forked_line(parent: str, branch: int) -> str:

@@ -415,3 +415,17 @@ def test_sessions_cut_to_the_window_still_shows_the_current_conversation(app, mo
     rows = run(app, "/sessions")
     assert [row.split(":")[0] for row in rows[:-1]] == [f"  topic-{k}" for k in range(7, 0, -1)] + ["* topic-0"]
     assert rows[-1].startswith("8 conversations, ") and rows[-1].endswith(" on disk")  # the total, room left for it
+
+
+def test_a_resumed_conversation_folds_a_long_pasted_turn_of_its_last_exchange():
+    from colichat.persist import Turn
+    from colichat.report import RECAP_LINES, recap
+
+    paste = "\n".join(f"line {k}" for k in range(40))
+    shown = recap([Turn("user", "hi", 0, 1), Turn("assistant", "hello", 1, 2), Turn("user", paste, 2, 3),
+                   Turn("assistant", "short answer", 3, 4)])
+    assert shown[0] == "(1 earlier exchange; /history shows the whole conversation)"
+    folded = shown[1].split("\n")
+    assert len(folded) == RECAP_LINES and folded[0] == "user> line 0"
+    assert folded[-1] == f"(... {40 - RECAP_LINES + 1} more lines; /history shows them)"
+    assert shown[2] == "assistant> short answer"
