@@ -424,6 +424,7 @@ class Conversation:
         old = self.saving.session.name if self.saving.session and self.saving.session.on_disk else None
         self.stop_requested, stopped = False, False
         self.new()
+        self.saving.stem = f"{old[:54]}-cont" if old and kept else None  # named after where it came from
         try:
             for t in kept:
                 if self.stop_requested and old:  # Ctrl-C: back to the conversation as it was, below

@@ -30,6 +30,7 @@ class Saving:
         self.rope_factors = rope_factors  # () -> the rope factors the cache rows are rotated with now
         self.session: Session | None = None  # once created, claimed or resumed
         self.name = name
+        self.stem: str | None = None  # the name a new conversation's first save takes (else its first message's)
         self.save_new = save_new
         self.read_only = read_only or no_save
         self.no_save = no_save or store is None
@@ -79,13 +80,13 @@ class Saving:
         """Go on in `session` (loaded); the one in use is closed."""
         if self.session:
             self.session.close()
-        self.session, self.name = session, name
+        self.session, self.name, self.stem = session, name, None
 
     def leave(self) -> str | None:
         """The next conversation is a new one: close the session in use; its name if it is on disk."""
         old = self.session.name if self.session and self.session.on_disk else None
         self.close()
-        self.name = None
+        self.name = self.stem = None
         return old
 
     def close(self) -> None:
@@ -136,9 +137,9 @@ class Saving:
         try:
             if self.session is None:
                 first = next((t.text for t in turns if t.role == "user"), "")
-                self.session = self.store.create(self.ident, self.layout, self.name, settings, stem=slug(first),
-                                                 files=False)
-                self.name = self.session.name
+                self.session = self.store.create(self.ident, self.layout, self.name, settings,
+                                                 stem=self.stem or slug(first), files=False)
+                self.name, self.stem = self.session.name, None
             self.session.append(cache, turns, settings)
             stats.saved = True
             stats.save_note = "; ".join(self.session.notes) or None

@@ -239,3 +239,15 @@ def test_an_io_error_at_start_is_said_as_one(model, tmp_path, monkeypatch):
         mp.setattr(Path, "iterdir", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
         with pytest.raises(SessionError, match="cannot list the conversations in .*: Input/output error"):
             store.list(conv.saving.ident)
+
+
+def test_forget_names_its_new_conversation_after_the_one_it_came_from(model, tmp_path):
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store, "trip")
+    for q in Q[:2]:
+        conv.ask(q)
+    assert "saved as trip-cont" in conv.forget(1)
+    conv.forget(1)  # its only exchange: a new empty conversation, whose first message names it
+    conv.ask(Q[2])
+    assert conv.saving.name == "once-more"
+    conv.close()

@@ -24,7 +24,7 @@ def test_a_message_that_does_not_fit_is_refused_with_what_helps(colichat_home):
     # /forget: a new conversation from the exchanges that fill at most half the context, then the message.
     assert saved_users(colichat_home, "full") == LONG[:3]
     new = session_names(run)[-1]
-    assert new != "full" and saved_users(colichat_home, new) == LONG[2:4]
+    assert new == "full-cont" and saved_users(colichat_home, new) == LONG[2:4]  # named after where it came from
     assert saved_turns(colichat_home, new)[:2] == saved_turns(colichat_home, "full")[4:]
     [said] = [line for line in run.err.splitlines() if line.startswith("new conversation without")]
     assert said.startswith("new conversation without the 2 oldest exchanges of full (still saved as it was): "
