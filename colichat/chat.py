@@ -297,6 +297,12 @@ class Conversation:
         keep = max([0] + [t.last for t in self.turns if t.last <= lcp])
         return ids[keep:], keep
 
+    def fits(self, user_text: str) -> bool:
+        """Whether a message fits in the context left with room for its answer (at least
+        min(max_tokens, 256) tokens, under which ask's note says the answer may be cut)."""
+        ids, start = self._prompt_ids(user_text)
+        return self.model.n_ctx - start - len(ids) >= min(self.settings.max_tokens, 256)
+
     # --- one exchange -----------------------------------------------------------------------------
 
     def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None) -> tuple[str, TurnStats]:

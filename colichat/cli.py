@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--numerics", choices=["fast", "llama.cpp"],  # default fast (None: not given)
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp; default fast)")
+    p.add_argument("--auto-forget", action="store_true", help="when a message would not fit in the context left "
+                   "(or would leave too little room for its answer), go on in a new conversation without the "
+                   "oldest exchanges first, as /forget does, instead of refusing it (for scripts)")
     p.add_argument("--no-save", action="store_true", help="write nothing of yours (no conversation, no typed "
                    "line in the input history): a saved conversation (--session NAME, --resume, /resume) opens "
                    "and goes on unsaved (one-shot -p runs and messages from a pipe "
@@ -302,6 +305,7 @@ class App:
         # the footer is dim, apart from the answer; not for a terminal without styles, nor with NO_COLOR
         self.dim = sys.stderr.isatty() and not dumb_terminal() and not os.environ.get("NO_COLOR")
         self.keep = "/save NAME"  # what keeps an unsaved conversation (-p: an option, there is no next line)
+        self.auto_forget = False  # --auto-forget: a message that does not fit is sent after a /forget
 
     def say(self, line: str, hang: int = 0) -> None:
         """A status line; `hang`: where its rows after a break start on a terminal (a table's second column)."""
@@ -419,6 +423,8 @@ class App:
 
     def answer(self, text: str | None) -> None:
         """Answer the message `text`, or with None the last message again (/regen)."""
+        if text is not None and self.auto_forget and self.conv.turns and not self.conv.fits(text):
+            self.say(self.conv.forget(on_progress=self.prefill_progress("the exchanges kept")))
         self.status.show("reading your message ...")
         shown = {"on_text": self.out, "on_progress": self.prefill_progress(), "on_note": self.say}
         try:
@@ -431,6 +437,9 @@ class App:
             self.out("\n")
         footer = report.footer(self.conv, stats, self.keep)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
+        if stats.stopped == "context":  # cut, not ended: say what lets it go on
+            self.say("note: the answer was cut: the context is full. /forget goes on in a new conversation without "
+                     "the oldest exchanges (--auto-forget does so by itself before a message that does not fit)")
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
@@ -694,6 +703,7 @@ def main(argv=None) -> int:
         to_stderr("colichat: interrupted while starting")
         return interrupted()
     app = App(conv, interactive, status, banner)
+    app.auto_forget = args.auto_forget
     say = app.say
     try:
         if args.resume:

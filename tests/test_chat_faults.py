@@ -251,3 +251,31 @@ def test_forget_names_its_new_conversation_after_the_one_it_came_from(model, tmp
     conv.ask(Q[2])
     assert conv.saving.name == "once-more"
     conv.close()
+
+
+def test_auto_forget_goes_on_without_the_oldest_exchanges_instead_of_refusing(tmp_path):
+    from app_helpers import Recorder, run
+
+    small = load(TINY_LLAMA, n_ctx=128)
+    said = {}
+    for auto in (False, True):
+        small.reset()
+        conv = Conversation(small, Settings(temperature=0, max_tokens=8), store=Store(tmp_path / str(auto)),
+                            session_name="long")
+        app = Recorder(conv)
+        app.auto_forget = auto
+        said[auto] = [line for k in range(8) for line in run(app, f"Message number {k}, a few words long.")]
+        conv.close()
+    assert any("it was not sent" in line for line in said[False])
+    assert not any("it was not sent" in line for line in said[True])
+    assert any(line.startswith("new conversation without the") and "saved as long-cont" in line for line in said[True])
+
+
+def test_an_answer_cut_by_the_context_says_what_lets_it_go_on(tmp_path):
+    from app_helpers import Recorder, run
+
+    small = load(TINY_LLAMA, n_ctx=64)
+    conv = Conversation(small, Settings(temperature=0, max_tokens=200), store=Store(tmp_path / "s"))
+    said = run(Recorder(conv), "hello")
+    assert "context full" in said[-2] and said[-1].startswith("note: the answer was cut: the context is full. /forget")
+    conv.close()
