@@ -77,10 +77,12 @@ class Saving:
         return self.store.open(self.ident, name, self.layout, read_only=self.read_only), name
 
     def adopt(self, session: Session, name: str) -> None:
-        """Go on in `session` (loaded); the one in use is closed."""
+        """Go on in `session` (loaded); the one in use is closed. It is the latest used from now on."""
         if self.session:
             self.session.close()
         self.session, self.name, self.stem = session, name, None
+        if not self.read_only:
+            self.store.used(self.ident, name)
 
     def leave(self) -> str | None:
         """The next conversation is a new one: close the session in use; its name if it is on disk."""

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import time
 
 import pytest
 from cli_helpers import TINY_LLAMA
@@ -279,3 +280,22 @@ def test_an_answer_cut_by_the_context_says_what_lets_it_go_on(tmp_path):
     said = run(Recorder(conv), "hello")
     assert "context full" in said[-2] and said[-1].startswith("note: the answer was cut: the context is full. /forget")
     conv.close()
+
+
+def test_the_latest_conversation_is_the_one_last_used_not_only_the_last_saved(model, tmp_path):
+    store = Store(tmp_path / "s")
+    for name in ("older", "newer"):
+        conv = conversation(model, store, name)
+        conv.ask(Q[0])
+        conv.close()
+        time.sleep(0.02)
+    ident = conversation(model, store, None).saving.ident
+    assert store.latest(ident).name == "newer"
+    conv = conversation(model, store, None)
+    conv.resume("older")  # reopened: the last used, though "newer" was saved after it
+    conv.close()
+    assert store.latest(ident).name == "older"
+    conv = conversation(model, store, "third")
+    conv.ask(Q[1])  # a save after that reopening: the newest again
+    conv.close()
+    assert store.latest(ident).name == "third"

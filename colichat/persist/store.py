@@ -23,6 +23,7 @@ model never share sessions. Directories are created 0700, session files 0600.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -66,6 +67,7 @@ from .session import (
 from .sidecar import doc_check, document, parse_turns
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+LAST_USED = "last-used"  # beside the sessions directory: per model, the conversation last reopened (Store.used)
 
 
 # ---- model identity ---------------------------------------------------------------------------
@@ -702,8 +704,35 @@ class Store:
         return sorted(infos, key=lambda i: (i.last_used, i.name), reverse=True)
 
     def latest(self, ident: dict) -> SessionInfo | None:
+        """The conversation of this model last used: the one last reopened (`used`) if that was after
+        the newest save, else the newest saved."""
         found = [i for i in self.list(ident) if not i.damage]
-        return found[0] if found else None
+        try:
+            mark = self.root.parent / LAST_USED / self.model_dir(ident).name
+            name, when = mark.read_text("utf-8").strip(), mark.stat().st_mtime
+        except (OSError, UnicodeDecodeError):
+            return found[0] if found else None
+        used = next((i for i in found if i.name == name), None)
+        return used if used is not None and when > found[0].last_used else (found[0] if found else None)
+
+    def used(self, ident: dict, name: str) -> None:
+        """Conversation NAME was reopened now: `latest` names it until another is saved or reopened. A
+        small file per model in LAST_USED beside the sessions directory, written whole (nothing under the
+        sessions directory is touched: reopening a conversation writes nothing of it); where it cannot be
+        written, nothing is said."""
+        mark = self.root.parent / LAST_USED / self.model_dir(ident).name
+        tmp = mark.with_name(mark.name + ".tmp")
+        try:
+            private_dir(mark.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, name.encode("utf-8"))
+            finally:
+                os.close(fd)
+            os.replace(tmp, mark)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     @staticmethod
     def _make_dir(directory: Path) -> Path:
