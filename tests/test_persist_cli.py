@@ -100,8 +100,8 @@ def test_opening_a_damaged_conversation_with_options_writes_nothing(colichat_hom
 
 
 def test_options_given_when_reopening_are_saved_with_the_next_answer_only(colichat_home):
-    """--temperature 1.5 on a saved conversation applies at once but changes nothing on disk (the
-    conversation does not become the latest) until an answer or a /set saves it."""
+    """--temperature 1.5 on a saved conversation applies at once but changes nothing of it on disk until
+    an answer or a /set saves it (reopened, it is the latest used: the start-up line names it)."""
     chat(colichat_home, [*TINY_ARGS, "--temperature", "0.5", "--session", "st"], lines("Hello there")).ok()
     chat(colichat_home, [*TINY_ARGS, "--session", "other"], lines("Thanks a lot")).ok()
     directory = session_dir(colichat_home)
@@ -111,7 +111,7 @@ def test_options_given_when_reopening_are_saved_with_the_next_answer_only(colich
         assert "temperature    1.5" in run.err.splitlines()
         assert snapshot(directory) == before, args
     latest = chat(colichat_home, TINY_ARGS, lines("/quit")).ok()
-    assert "latest saved conversation: other: " in latest.err
+    assert "latest saved conversation: st: " in latest.err
 
     def saved_temperature():
         return json.loads((directory / "st.json").read_text("utf-8"))["sampler"]["temperature"]

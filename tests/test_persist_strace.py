@@ -170,7 +170,9 @@ def test_a_failed_rewind_save_is_said_and_the_next_answer_saves_the_rewound_conv
 
     chat(colichat_home, [*TINY_ARGS, "--session", "a"], lines("one", "two")).ok()
     call = inject.split(":")[0]
-    run = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={call}", "-e", f"inject={inject}",
+    [sidecar] = colichat_home.glob("data/sessions/*/a.json")  # -P: only the calls on its files count
+    run = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(sidecar), "-P", f"{sidecar}.tmp",
+                          "-e", f"trace={call}", "-e", f"inject={inject}",
                           *CHAT, *TINY_ARGS, "--session", "a"], input=lines("/rewind", "extra msg").encode(),
                          capture_output=True, env=env_for(colichat_home), cwd=str(colichat_home), timeout=300)
     err = run.stderr.decode()
