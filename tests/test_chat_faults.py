@@ -32,6 +32,14 @@ def conversation(model, store: Store, name: str | None = "s") -> Conversation:
     return Conversation(model, Settings(temperature=0, max_tokens=6), store=store, session_name=name)
 
 
+def talked(model, store: Store, n: int, name: str | None = "s") -> Conversation:
+    """A conversation of session NAME that has asked the first n questions (Q), each answered and saved."""
+    conv = conversation(model, store, name)
+    for q in Q[:n]:
+        conv.ask(q)
+    return conv
+
+
 @contextlib.contextmanager
 def failing(monkeypatch, *calls: str, err: int = errno.ENOSPC):
     """Every os call named in `calls` fails with `err` (a full disk: ENOSPC on every write)."""
@@ -73,9 +81,7 @@ def test_forget_after_failed_saves_is_refused_until_the_conversation_is_saved(mo
 
 def test_a_failed_rewind_is_made_by_the_next_save_and_the_next_answer_is_saved(model, tmp_path, monkeypatch):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:2]:
-        conv.ask(q)
+    conv = talked(model, store, 2)
     with failing(monkeypatch, "fsync", err=errno.EIO):
         dropped = conv.rewind(1)
     assert [t.text for t in dropped][0] == Q[1] and "Input/output error" in conv.cut_failed
@@ -93,9 +99,7 @@ def test_a_failed_rewind_is_made_by_the_next_save_and_the_next_answer_is_saved(m
 
 def test_quitting_after_a_failed_rewind_tries_the_cut_again(model, tmp_path, monkeypatch):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:2]:
-        conv.ask(q)
+    conv = talked(model, store, 2)
     with failing(monkeypatch, "replace", err=errno.EIO):
         conv.rewind(1)
     assert conv.cut_failed and saved_texts(store)[0::2] == Q[:2]
@@ -156,9 +160,7 @@ def test_a_kv_file_cut_short_in_place_by_another_program_is_written_again(model,
     """`truncate -s 100 s.coli_kv` between two answers: the next save notices (the file is shorter than
     its records) and writes the session again from memory, instead of saying `saved` over zeros."""
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:2]:
-        conv.ask(q)
+    conv = talked(model, store, 2)
     os.truncate(kv_file(store), 100)
     _, stats = conv.ask(Q[2])
     assert stats.saved is True and "was cut short by another program" in stats.save_note
@@ -244,9 +246,7 @@ def test_an_io_error_at_start_is_said_as_one(model, tmp_path, monkeypatch):
 
 def test_forget_names_its_new_conversation_after_the_one_it_came_from(model, tmp_path):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store, "trip")
-    for q in Q[:2]:
-        conv.ask(q)
+    conv = talked(model, store, 2, "trip")
     assert "saved as trip-cont" in conv.forget(1)
     conv.forget(1)  # its only exchange: a new empty conversation, whose first message names it
     conv.ask(Q[2])

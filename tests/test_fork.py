@@ -36,6 +36,14 @@ def conversation(model, store: Store, name: str | None = "trip", **kw) -> Conver
     return Conversation(model, Settings(temperature=0, max_tokens=6), store=store, session_name=name, **kw)
 
 
+def talked(model, store: Store, n: int, name: str | None = "trip") -> Conversation:
+    """A conversation of session NAME that has asked the first n questions (Q), each answered and saved."""
+    conv = conversation(model, store, name)
+    for q in Q[:n]:
+        conv.ask(q)
+    return conv
+
+
 def files(store: Store, name: str):
     [kv] = store.root.glob(f"*/{name}.coli_kv")
     return kv, kv.with_suffix(".json")
@@ -91,9 +99,7 @@ def test_a_fork_is_written_from_memory_where_the_parent_file_does_not_hold_it(mo
     """A parent KV file cut short by another program: the fork's records come from the cache (the same
     bytes), and the parent is left as it is found."""
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:3]:
-        conv.ask(q)
+    conv = talked(model, store, 3)
     os.truncate(files(store, "trip")[0], HEADER_SIZE + 3)
     before = snapshot(store, "trip")
     assert "written from memory, no re-prefill" in conv.fork(2)
@@ -107,9 +113,7 @@ def test_a_fork_is_written_from_memory_where_the_parent_file_does_not_hold_it(mo
 @pytest.mark.parametrize("how", ["no copy_file_range", "EXDEV"])
 def test_without_copy_file_range_the_fork_is_copied_by_reads_and_writes(model, tmp_path, monkeypatch, how):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:3]:
-        conv.ask(q)
+    conv = talked(model, store, 3)
     if how == "EXDEV":
         monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")))
     else:
@@ -125,9 +129,7 @@ def test_without_copy_file_range_the_fork_is_copied_by_reads_and_writes(model, t
 
 def test_a_copy_that_fails_leaves_no_fork_and_the_conversation_as_it_was(model, tmp_path, monkeypatch):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:2]:
-        conv.ask(q)
+    conv = talked(model, store, 2)
     rows = model.cache.length
     with monkeypatch.context() as mp:
         mp.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
@@ -143,9 +145,7 @@ def test_a_copy_that_fails_leaves_no_fork_and_the_conversation_as_it_was(model, 
 
 def test_a_reopened_fork_goes_on_as_the_live_one(model, tmp_path):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:3]:
-        conv.ask(q)
+    conv = talked(model, store, 3)
     conv.fork(2)
     conv.close()
     again = conversation(model, store, None)
@@ -159,9 +159,7 @@ def test_a_reopened_fork_goes_on_as_the_live_one(model, tmp_path):
 
 def test_the_parent_is_free_once_forked_and_a_second_fork_takes_the_next_name(model, tmp_path):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:2]:
-        conv.ask(q)
+    conv = talked(model, store, 2)
     conv.fork(1)
     other = conversation(model, store, None)
     assert "resumed" in other.resume("trip")  # its lock went with the fork
@@ -174,9 +172,7 @@ def test_the_parent_is_free_once_forked_and_a_second_fork_takes_the_next_name(mo
 
 def test_forks_that_are_cut_below_their_branch_point_say_so_and_cut_to_nothing_are_no_forks(model, tmp_path):
     store = Store(tmp_path / "s")
-    conv = conversation(model, store)
-    for q in Q[:3]:
-        conv.ask(q)
+    conv = talked(model, store, 3)
     conv.fork(2)
     conv.ask(M)
     conv.rewind(2)
