@@ -57,8 +57,10 @@ class Conversation:
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
                  store: Store | None = None, pinned=frozenset(), save_new: bool = True, read_only: bool = False,
-                 no_save: bool = False):
+                 no_save: bool = False, kv: str = "f32"):
         self.model = model
+        self.kv = kv  # how a new conversation's rows are stored (--kv); a saved one keeps its own
+        model.cache.set_codec(kv)  # (ValueError: a codec this model's rows cannot take)
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
         self.prefs = ChatSettings(settings, pinned)
@@ -73,7 +75,8 @@ class Conversation:
         cfg = model.cfg
         self.saving = Saving((store or Store()) if save else None,
                              model_identity(cfg.path, cfg.arch, cfg.name) if save else None,
-                             CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new, read_only,
+                             lambda: CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new,
+                             read_only,
                              rope_factors=lambda: model.rope_factors, no_save=no_save,
                              n_ctx=model.n_ctx)
 
@@ -111,6 +114,18 @@ class Conversation:
                      "start colichat with --draft N to draft with it too)")
         return said
 
+    def set_kv(self, codec: str) -> str:
+        """/set kv CODEC: how new conversations keep their cache (--kv); an empty one takes it now."""
+        problem = self.model.cache.codec_problem(codec)
+        if problem:
+            raise ChatError(problem)
+        self.kv = codec
+        if not self.turns and not (self.saving.session and self.saving.session.on_disk):
+            self.model.cache.set_codec(codec)
+        if self.model.cache.codec == codec:
+            return f"kv = {codec}"
+        return f"kv = {codec} (for new conversations: this one stays {self.model.cache.codec}, as it was saved)"
+
     # --- the conversation and its session ---------------------------------------------------------
 
     def resume(self, name: str | None = None, on_progress=None) -> str:
@@ -142,6 +157,9 @@ class Conversation:
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
         damaged = damaged_settings(res.sampler)
         lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged] + self._check_saved_system()
+        if self.model.cache.codec != self.kv:
+            lines.append(f"note: {name} is kept as {self.model.cache.codec}, as it was saved; --kv {self.kv} is for "
+                         "new conversations")
         if res.unread:
             lines.append(self._read_again(res.unread, on_progress))
         if self.prefs.pending_system is not False:  # --system given: this conversation was read with its own
@@ -205,6 +223,7 @@ class Conversation:
         self._keep_saved("/new")
         old = self.saving.leave()
         self.clear()
+        self.model.cache.set_codec(self.kv)
         if self.prefs.next_conversation():
             self._save_settings()
         return f"new conversation (session {old} is saved; /resume {old} reopens it)" if old else "new conversation"

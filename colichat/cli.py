@@ -92,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default: half of the memory left "
                    "after the weights and the context, at least 512)")
+    p.add_argument("--kv", choices=["f32", "fp8", "int4"], default="f32",
+                   help="how new conversations keep their KV cache on disk and in memory: f32 (exact, the default), "
+                   "fp8 (colibri's COLIKV2, about 4x smaller) or int4 (COLIKV3, about 7x smaller); a saved "
+                   "conversation keeps the one it was saved in")
     p.add_argument("--numerics", choices=["fast", "llama.cpp"],  # default fast (None: not given)
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp; default fast)")
@@ -693,8 +697,12 @@ def main(argv=None) -> int:
         settings, note = model_sampling(settings, given, model.cfg)
         if note:
             say(note)
+        problem = model.cache.codec_problem(args.kv)
+        if problem:
+            raise SettingError(f"--kv {args.kv}: {problem}")
         conv = Conversation(model, settings, session_name=args.session, pinned=given, no_save=args.no_save,
-                            save_new=person_types or args.session is not None or args.resume, read_only=read_only)
+                            save_new=person_types or args.session is not None or args.resume, read_only=read_only,
+                            kv=args.kv)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1

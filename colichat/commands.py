@@ -287,6 +287,9 @@ def cmd_set(app, arg: str) -> None:
     if parts[0].lower() == "parameter" and len(parts) == 2:  # ollama's /set parameter KEY VALUE
         raise ChatError(f"did you mean /set {printable(parts[1])}? (colichat's /set takes the key first; "
                         "/help set lists them)")
+    if parts[0].lower() == "kv":  # --kv: not a sampler setting, the format of new conversations' caches
+        app.say(app.conv.set_kv(parts[1].strip().lower()) if len(parts) == 2 else f"kv = {app.conv.kv}")
+        return
     key = key_of(parts[0])
     row = SETTINGS[key]
     if len(parts) == 1:
@@ -308,6 +311,7 @@ def cmd_show(app, arg: str) -> None:
     """The settings as /set takes them (`/show info` and the like, ollama's, are pointed here)."""
     for key, value in app.conv.prefs.options().items():
         app.say(f"{key:<15}{SETTINGS[key.split()[0]].show(value)}")
+    app.say(f"{'kv':<15}{app.conv.kv}")  # (new conversations'; /stats says how this one is kept)
 
 
 def cmd_stats(app, arg: str) -> None:

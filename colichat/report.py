@@ -59,7 +59,7 @@ def stats_lines(conv) -> list[str]:
     cache, saving = conv.model.cache, conv.saving
     lines = [f"context: {conv.n_tokens} of {conv.model.n_ctx} tokens, {count(conv.exchanges(), 'exchange')}",
              f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
-             f"{format_size(conv.n_tokens * cache.record_bytes)} in use"]
+             f"{format_size(conv.n_tokens * cache.record_bytes)} in use; saved as {saving.layout.describe()}"]
     if saving.session:
         lines.append(f"session {saving.session.name}: {format_size(saving.disk_bytes())} on disk")
     else:

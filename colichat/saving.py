@@ -22,10 +22,12 @@ CURRENT_MARK = "* "  # in /sessions, the row of the conversation in use (the oth
 
 
 class Saving:
-    def __init__(self, store: Store | None, ident: dict | None, layout: CacheLayout, name: str | None = None,
+    def __init__(self, store: Store | None, ident: dict | None, layout, name: str | None = None,
                  save_new: bool = True, read_only: bool = False, rope_factors=lambda: None, no_save: bool = False,
                  n_ctx: int | None = None):
-        self.store, self.weights_ident, self.layout = store, ident, layout
+        # () -> CacheLayout: the cache's layout now (its codec is the conversation's), or a fixed one
+        self._layout = layout if callable(layout) else lambda: layout
+        self.store, self.weights_ident = store, ident
         self.n_ctx = n_ctx  # the context size the conversation runs with: reopening it takes it again
         self.rope_factors = rope_factors  # () -> the rope factors the cache rows are rotated with now
         self.session: Session | None = None  # once created, claimed or resumed
@@ -34,6 +36,10 @@ class Saving:
         self.save_new = save_new
         self.read_only = read_only or no_save
         self.no_save = no_save or store is None
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self._layout()
 
     @property
     def ident(self) -> dict | None:

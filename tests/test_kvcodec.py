@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from colichat.engine import kvcodec
 from colichat.engine.cache import record_bytes as f32_record_bytes
-from colichat.persist import kvcodec
-from colichat.persist.kvcodec import (
+from colichat.engine.kvcodec import (
     decode_row,
     decode_rows,
     encode_row,

@@ -271,6 +271,7 @@ class Forward:
         n = pos0 + t
         cache.a[slot][pos0:n] = rms_norm(z[:, nq : nq + c], w[b + "attn_kv_a_norm"], cfg.rms_eps)  # c (T, C)
         cache.b[slot][pos0:n] = self.rope(z[:, nq + c :], rot)  # k_pe (T, R)
+        cache.round_rows(slot, pos0, n)  # (a compact cache: what its file will give back)
         q_scale = None
         if cfg.attn_temp_scale:  # Mistral-Large-3: 1 + tau * ln(floor(p / length) + 1) per query
             p = np.arange(pos0, n, dtype=np.float64)

@@ -113,6 +113,7 @@ class Forward:
         kc, vc = cache.a[l], cache.b[l]  # (N, G*E) views
         kc[pos0:n] = k.reshape(t, g * e)
         vc[pos0:n] = qkv[:, (h + g) * e :]
+        cache.round_rows(l, pos0, n)  # (a compact cache: what its file will give back)
         o = gqa_attention(q, kc[:n].reshape(n, g, e), vc[:n].reshape(n, g, e), pos0, self.kq_scale)  # (T, H*E)
         x = x + linear(o, w[b + "attn_output"])  # (T, D)
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)

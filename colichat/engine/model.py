@@ -200,7 +200,8 @@ class Model:
         mod = architecture(cfg)
         a, b = mod.cache_widths(cfg)
         self.cache = KVCache(mod.CACHE_KIND, cfg.n_layer, a, b, n_ctx,  # + Ic rows of sparse attention
-                             cfg.index_head_dim if cfg.n_index_layers else 0, cfg.n_index_layers)
+                             cfg.index_head_dim if cfg.n_index_layers else 0, cfg.n_index_layers,
+                             cfg.head_dim if mod.CACHE_KIND == "gqa" else 0)  # (a compact GQA row: one head)
         forward = forward_class(mod, numerics)
         if expert_cache is None and cfg.n_expert:
             committed = self.weight_bytes + self.cache.record_bytes * n_ctx

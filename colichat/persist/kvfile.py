@@ -1,14 +1,20 @@
 """The .coli_kv file: a 40-byte header, then fixed-size per-token records (see FORMAT.md).
 
-    magic (8 bytes)  b"COLIKV1\\0" (MLA) or b"COLIGQA\\0" (GQA)
-    8 x int32 LE     n_layers, A width, B width, index_hd, n_index_layers, vocab, nrec, 0
-    nrec records     int32 token id, then per layer A f32 then B f32 (MLA: c, k_pe; GQA: K, V),
-                     then index_hd f32 for each of the n_index_layers indexer layers (DSA: Ic)
+    magic (8 bytes)  MLA: b"COLIKV1\\0" (f32), b"COLIKV2\\0" (fp8), b"COLIKV3\\0" (int4): colibri's;
+                     GQA: b"COLIGQA\\0", b"COLIGQ2\\0", b"COLIGQ3\\0": colichat's own, the same codecs
+    8 x int32 LE     n_layers, A width, B width, index_hd, n_index_layers, vocab, nrec, mode
+                     (mode: 0 f32, 1 fp8, codec<<8 | bits = 0x104 int4; a compact GQA file has no
+                     indexer and holds its row width, head_dim, where index_hd is)
+    nrec records     int32 token id, then per layer the A rows then the B rows (MLA: c, k_pe, one
+                     row each; GQA: K, V, one row per head), each row W f32, or in a compact codec
+                     its codes and f32 scale (engine/kvcodec.py); then index_hd f32 for each of the
+                     n_index_layers indexer layers (DSA: Ic)
 
-A record is byte-for-byte the in-memory record of `colichat.engine.cache.KVCache`, so records move
-between the file and the cache with one write (`cache.raw(first, last)`) or a few large reads
-straight into the cache buffer. Everything here works on raw file descriptors with positioned I/O;
-no function modifies a file unless its name says it writes.
+A record is byte-for-byte what `colichat.engine.cache.KVCache.raw` holds (the f32 record, or the
+stored codes of a compact cache), so records move between the file and the cache with one write
+(`cache.raw(first, last)`) or a few large reads straight into the cache buffer. Everything here
+works on raw file descriptors with positioned I/O; no function modifies a file unless its name says
+it writes.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..engine.cache import record_bytes
+from ..engine.cache import stored_record_bytes
 
-MAGIC = {"mla": b"COLIKV1\0", "gqa": b"COLIGQA\0"}
-KIND_OF_MAGIC = {m: k for k, m in MAGIC.items()}
+MAGIC = {("mla", "f32"): b"COLIKV1\0", ("mla", "fp8"): b"COLIKV2\0", ("mla", "int4"): b"COLIKV3\0",
+         ("gqa", "f32"): b"COLIGQA\0", ("gqa", "fp8"): b"COLIGQ2\0", ("gqa", "int4"): b"COLIGQ3\0"}
+KIND_OF_MAGIC = {m: k for (k, _), m in MAGIC.items()}
+CODEC_OF_MAGIC = {m: c for (_, c), m in MAGIC.items()}
+MODE = {"f32": 0, "fp8": 1, "int4": 1 << 8 | 4}  # header h[7]: colibri's KV8 flag, or codec << 8 | bits
 HEADER = struct.Struct("<8s8i")
 HEADER_SIZE = HEADER.size  # 40
 NREC_OFFSET = 8 + 6 * 4  # byte offset of the nrec field
@@ -59,7 +68,8 @@ def oserror_text(e: OSError) -> str:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """What the header describes: the cache kind, its widths and the model's vocabulary size."""
+    """What the header describes: the cache kind, its widths, the model's vocabulary size, and how
+    rows are stored (`codec`; a compact GQA file's rows are `head_dim` wide, one per head)."""
 
     kind: str  # "mla" or "gqa"
     n_layer: int
@@ -68,29 +78,59 @@ class CacheLayout:
     vocab: int
     index_hd: int = 0  # DSA indexer key width (0: no indexer)
     n_index_layers: int = 0
+    codec: str = "f32"  # f32, fp8 or int4 (engine/kvcodec.py)
+    head_dim: int = 0  # compact GQA only: the width of one stored row
 
     @classmethod
     def from_cache(cls, cache, vocab: int) -> CacheLayout:
+        head = cache.row_width if cache.kind == "gqa" and cache.codec != "f32" else 0
         return cls(cache.kind, cache.n_layer, cache.a_width, cache.b_width, int(vocab),
-                   cache.index_hd, cache.n_index_layers)
+                   cache.index_hd, cache.n_index_layers, cache.codec, head)
+
+    @classmethod
+    def from_header(cls, h: Header) -> CacheLayout:
+        kind, codec = KIND_OF_MAGIC[h.magic], CODEC_OF_MAGIC[h.magic]
+        if kind == "gqa" and codec != "f32":
+            return cls(kind, h.n_layer, h.a_width, h.b_width, h.vocab, 0, h.n_index_layers, codec, h.index_hd)
+        return cls(kind, h.n_layer, h.a_width, h.b_width, h.vocab, h.index_hd, h.n_index_layers, codec)
+
+    def with_codec(self, codec: str, head_dim: int) -> CacheLayout:
+        """The same model's layout, its rows stored in `codec` (`head_dim`: the GQA row width)."""
+        head = (head_dim or self.head_dim) if self.kind == "gqa" and codec != "f32" else 0
+        return CacheLayout(self.kind, self.n_layer, self.a_width, self.b_width, self.vocab, self.index_hd,
+                           self.n_index_layers, codec, head)
+
+    @property
+    def magic(self) -> bytes:
+        return MAGIC[self.kind, self.codec]
 
     @property
     def record_bytes(self) -> int:
-        return record_bytes(self.n_layer, self.a_width, self.b_width, self.index_hd, self.n_index_layers)
+        return stored_record_bytes(self.n_layer, self.a_width, self.b_width, self.codec, self.head_dim,
+                                   self.index_hd, self.n_index_layers)
 
     def header(self, nrec: int) -> Header:
-        return Header(MAGIC[self.kind], self.n_layer, self.a_width, self.b_width,
-                      self.index_hd, self.n_index_layers, self.vocab, nrec, 0)
+        fourth = self.head_dim if self.head_dim else self.index_hd
+        return Header(self.magic, self.n_layer, self.a_width, self.b_width,
+                      fourth, self.n_index_layers, self.vocab, nrec, MODE[self.codec])
 
     def check_cache(self, cache) -> None:
         """A programming error, not a user one: the cache handed in must have this layout."""
-        got = (cache.kind, cache.n_layer, cache.a_width, cache.b_width, cache.record_bytes)
-        want = (self.kind, self.n_layer, self.a_width, self.b_width, self.record_bytes)
+        got = (cache.kind, cache.n_layer, cache.a_width, cache.b_width, cache.codec, cache.stored_bytes)
+        want = (self.kind, self.n_layer, self.a_width, self.b_width, self.codec, self.record_bytes)
         if got != want:
             raise ValueError(f"cache layout {got} does not match the session layout {want}")
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        """The sidecar's "layout" (an f32 one as colichat wrote it before compact codecs: no codec key)."""
+        d = dict(self.__dict__)
+        if self.codec == "f32":
+            del d["codec"], d["head_dim"]
+        return d
+
+    def describe(self) -> str:
+        """'fp8 (COLIKV2, 1,160 bytes a token)'."""
+        return f"{self.codec} ({self.magic.rstrip(bytes(1)).decode()}, {self.record_bytes:,} bytes a token)"
 
 
 @dataclass(frozen=True)
@@ -103,20 +143,35 @@ class Header:
     n_index_layers: int
     vocab: int
     nrec: int
-    reserved: int
+    mode: int
 
     def pack(self) -> bytes:
         return HEADER.pack(self.magic, self.n_layer, self.a_width, self.b_width, self.index_hd,
-                           self.n_index_layers, self.vocab, self.nrec, self.reserved)
+                           self.n_index_layers, self.vocab, self.nrec, self.mode)
 
     def mismatches(self, layout: CacheLayout) -> list[str]:
-        """Fields that differ from what this model needs, as `name file/model` phrases."""
+        """Fields that differ from what this model needs, as `name file/model` phrases (the codec is
+        the file's own: a model reads every codec)."""
         a, b = ("kv_lora", "qk_rope") if layout.kind == "mla" else ("K width", "V width")
-        pairs = [("n_layers", self.n_layer, layout.n_layer), (a, self.a_width, layout.a_width),
-                 (b, self.b_width, layout.b_width), ("index_hd", self.index_hd, layout.index_hd),
-                 ("indexed layers", self.n_index_layers, layout.n_index_layers),
-                 ("vocab", self.vocab, layout.vocab)]
+        mine = CacheLayout.from_header(self)
+        pairs = [("n_layers", mine.n_layer, layout.n_layer), (a, mine.a_width, layout.a_width),
+                 (b, mine.b_width, layout.b_width), ("index_hd", mine.index_hd, layout.index_hd),
+                 ("indexed layers", mine.n_index_layers, layout.n_index_layers),
+                 ("vocab", mine.vocab, layout.vocab)]
         return [f"{n} {f} (model: {m})" for n, f, m in pairs if f != m]
+
+
+def mode_damage(magic: bytes, mode: int) -> str | None:
+    """Why a header's mode is not the one its magic stores rows with (another codec or bit width,
+    which colichat does not read), or None."""
+    codec = CODEC_OF_MAGIC[magic]
+    if mode == MODE[codec]:
+        return None
+    name = magic.rstrip(bytes(1)).decode(errors="replace")
+    if codec == "int4":
+        what = "PolarQuant (codec 0)" if mode >> 8 == 0 else f"codec {mode >> 8}"
+        return f"{name} {what} at {mode & 255} bits, which colichat does not read (it reads codec 1 at 4 bits)"
+    return f"{name} with mode {mode}, which colichat does not read (expected {MODE[codec]})"
 
 
 def lstat_regular(path: str, what: str) -> os.stat_result | None:
@@ -218,7 +273,10 @@ def read_header(fd: int, path: str) -> tuple[Header, int]:
         raise SessionError(f"{path}: short read of the header")
     h = Header(*HEADER.unpack(raw))
     if h.magic not in KIND_OF_MAGIC:
-        raise SessionError(f"{path} is not a colichat/COLIKV1 KV file (magic {h.magic!r})")
+        raise SessionError(f"{path} is not a colichat/COLIKV KV file (magic {h.magic!r})")
+    why = mode_damage(h.magic, h.mode)
+    if why:
+        raise SessionError(f"{path} is {why}; it was left as it is")
     if min(h.n_layer, h.a_width, h.b_width, h.index_hd, h.n_index_layers, h.vocab, h.nrec) < 0:
         raise SessionError(f"{path}: damaged header (negative field)")
     return h, size

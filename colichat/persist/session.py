@@ -33,9 +33,9 @@ import numpy as np
 from ..paths import private_dir
 from ..units import count
 from .kvfile import (
+    CODEC_OF_MAGIC,
     HEADER_SIZE,
     KIND_OF_MAGIC,
-    MAGIC,
     CacheLayout,
     SaveFailed,
     SessionError,
@@ -204,9 +204,10 @@ class _SavedRecords:
     CRCs and token ids are over the file's bytes), so a session's turns are checked without its model."""
 
     def __init__(self, layout: CacheLayout, capacity: int):
-        self.kind, self.n_layer = layout.kind, layout.n_layer
+        self.kind, self.n_layer, self.codec = layout.kind, layout.n_layer, layout.codec
         self.a_width, self.b_width = layout.a_width, layout.b_width
         self.record_bytes, self.capacity, self.length = layout.record_bytes, capacity, 0
+        self.stored_bytes = self.record_bytes
         self._buf = bytearray(capacity * self.record_bytes)
         self.tokens = np.ndarray((capacity,), "<i4", self._buf, strides=(self.record_bytes,))  # (N,) token ids
 
@@ -215,6 +216,12 @@ class _SavedRecords:
 
     def set_length(self, n: int) -> None:
         self.length = n
+
+    def set_codec(self, codec: str) -> None:
+        assert codec == self.codec, "a saved-records buffer is made in its file's codec"
+
+    def loaded(self, n: int) -> None:
+        """(The checks are over the file's bytes: nothing to decode.)"""
 
 
 def _saved_model(path: str) -> dict:
@@ -410,8 +417,7 @@ class Session:
                     and s._header_disagreement(doc, header):
                 turns = readable_again(doc, []) if doc is not None else []  # no records: all read again
                 return turns[-1].last if turns else None
-            s.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
-                                   header.vocab, header.index_hd, header.n_index_layers)
+            s.layout = CacheLayout.from_header(header)
             return s._listed_prefix(doc, header.nrec, size, [])[2]
         except (SessionError, OSError, ZeroDivisionError):  # (a header of records of no bytes)
             return None
@@ -444,8 +450,7 @@ class Session:
         why = self._header_disagreement(doc, header)
         if why:
             return self._read_text_instead(why)
-        self.layout = CacheLayout(KIND_OF_MAGIC[header.magic], header.n_layer, header.a_width, header.b_width,
-                                  header.vocab, header.index_hd, header.n_index_layers)
+        self.layout = CacheLayout.from_header(header)
         records = min(header.nrec, (size - HEADER_SIZE) // max(1, self.layout.record_bytes))
         self._loaded = True
         return self.load(_SavedRecords(self.layout, records), exchanges=True)
@@ -578,13 +583,14 @@ class Session:
         self.layout.check_cache(cache)
         header, size = read_header(self._kv_fd, self.kv_path)
         doc = self._read_sidecar()  # first: the model that saved it tells damage from another model's file
-        if doc is not None and (header.magic != MAGIC[self.layout.kind] or header.mismatches(self.layout)):
+        kind = KIND_OF_MAGIC[header.magic]
+        if doc is not None and (kind != self.layout.kind or header.mismatches(self.layout)):
             why = self._header_disagreement(doc, header)
             if why:  # not this conversation's records: its text is read again
                 return self._read_text_instead(why, cache, ctx_limit, ctx_most)
-        if header.magic != MAGIC[self.layout.kind]:
+        if kind != self.layout.kind:
             raise SessionError(f"session {self.name} holds a cache of another kind of model "
-                               f"(magic {header.magic!r}, this model needs {MAGIC[self.layout.kind]!r}); "
+                               f"(magic {header.magic!r}, this model needs {self.layout.magic!r}); "
                                "start a new session with /reset")
         bad = header.mismatches(self.layout)
         if bad:
@@ -602,14 +608,20 @@ class Session:
         elif doc is not None and doc["format"] == 1:
             warnings.append("the sidecar was written by an older colichat: its turn texts carry no "
                             "checksum (the next save adds them)")
-        turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings)
+        # a conversation keeps the codec it was saved in: the cache takes the file's
+        layout = self.layout.with_codec(CODEC_OF_MAGIC[header.magic], getattr(cache, "row_width", 0))
+        turns, crcs, n = self._listed_prefix(doc, header.nrec, size, warnings, layout.record_bytes)
         ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
         if n > ctx:
             raise SessionError(more_context(self.name, n, ctx, ctx_most))
+        codec = cache.codec
         try:
-            read_records(self._kv_fd, cache.raw(0, n), self.layout.record_bytes)
+            cache.set_codec(layout.codec)
+            read_records(self._kv_fd, cache.raw(0, n), layout.record_bytes)
+            cache.loaded(n)
         except (OSError, SessionError) as e:
             cache.set_length(0)
+            cache.set_codec(codec)
             why = oserror_text(e) if isinstance(e, OSError) else str(e)
             raise SessionError(f"could not read session {self.name} ({why}); the cache was cleared") from None
         if doc is not None:
@@ -626,7 +638,7 @@ class Session:
         cache.set_length(n)
 
         self.turns, self._crcs, self.nrec = turns, crcs, n
-        self._cache = cache
+        self._cache, self.layout = cache, layout
         self._has_sidecar = doc is not None
         if doc is not None:
             self.sampler = doc.get("sampler") if isinstance(doc.get("sampler"), dict) else {}
@@ -671,16 +683,15 @@ class Session:
         """How a header disagrees with the layout its own sidecar recorded (damage, or another
         session's KV file put in its place), or None."""
         saved = doc.get("layout") if isinstance(doc.get("layout"), dict) else {}
-        got = {"kind": KIND_OF_MAGIC[header.magic], "n_layer": header.n_layer, "a_width": header.a_width,
-               "b_width": header.b_width, "vocab": header.vocab, "index_hd": header.index_hd,
-               "n_index_layers": header.n_index_layers}
+        saved = {"codec": "f32", "head_dim": 0, **saved}  # (an f32 sidecar names no codec)
+        got = CacheLayout.from_header(header).__dict__
         bad = [f"{k} {v} (sidecar: {saved.get(k)})" for k, v in got.items() if saved.get(k) != v]
         return f"its header disagrees with the sidecar: {', '.join(bad)}" if bad else None
 
-    def _listed_prefix(self, doc, nrec: int, size: int, warnings: list[str]):
+    def _listed_prefix(self, doc, nrec: int, size: int, warnings: list[str], record_bytes: int | None = None):
         """(turns, crcs, records to read): the sidecar's turns that lie within the whole records
-        present (all records present when there is no sidecar)."""
-        whole = (size - HEADER_SIZE) // self.layout.record_bytes
+        present (all records present when there is no sidecar), of `record_bytes` (the layout's)."""
+        whole = (size - HEADER_SIZE) // (record_bytes or self.layout.record_bytes)
         avail = min(nrec, whole)
         if whole < nrec:
             warnings.append(f"the KV file is cut short: its header lists {nrec} records, "

@@ -43,7 +43,7 @@ from . import renaming
 from .kvfile import (
     HEADER,
     HEADER_SIZE,
-    MAGIC,
+    KIND_OF_MAGIC,
     CacheLayout,
     Header,
     SessionBusy,
@@ -51,6 +51,7 @@ from .kvfile import (
     SessionExists,
     fsync_dir,
     header_damage,
+    mode_damage,
     oserror_text,
 )
 from .locks import flock_for_save, release_lock, take_lock
@@ -323,8 +324,12 @@ def _session_info(directory: Path, name: str, layout: CacheLayout | None = None)
                 raw = os.pread(fd, HEADER_SIZE, 0)
             finally:
                 os.close(fd)
-            damage = header_damage(st.st_size, raw) or _layout_damage(raw, layout)
-            if damage is None:
+            damage = header_damage(st.st_size, raw)
+            foreign = None if damage else mode_damage(raw[:8], HEADER.unpack(raw)[8])
+            damage = damage or _layout_damage(raw, layout)
+            if foreign:  # a codec colichat does not read: opening refuses it (its text is not read again)
+                damage = foreign
+            elif damage is None:
                 tokens = HEADER.unpack(raw)[7]
                 if tokens == 0 and not _holds(directory / name):  # emptied (every exchange rewound)
                     return None
@@ -366,7 +371,7 @@ def _layout_damage(raw: bytes, layout: CacheLayout | None) -> str | None:
     if layout is None:
         return None
     header = Header(*HEADER.unpack(raw))
-    if header.magic != MAGIC[layout.kind]:
+    if KIND_OF_MAGIC[header.magic] != layout.kind:
         return f"a cache of another kind of model: magic {header.magic!r}"
     bad = header.mismatches(layout)
     return f"a cache of another model: {', '.join(bad)}" if bad else None
@@ -417,7 +422,8 @@ def _dir_layout(directory: Path) -> CacheLayout | None:
             layout = CacheLayout(**doc["layout"])
         except TypeError:
             continue
-        if layout.kind in MAGIC and all(type(v) is int for k, v in doc["layout"].items() if k != "kind"):
+        if layout.kind in ("mla", "gqa") and all(type(v) is int for k, v in doc["layout"].items()
+                                                 if k not in ("kind", "codec")):
             return layout
     return None
 

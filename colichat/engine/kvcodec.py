@@ -48,16 +48,25 @@ Q4_LEVELS = np.array([-2.733, -2.069, -1.618, -1.256, -0.942, -0.657, -0.388, -0
 _TINY, _HUGE = F32(1e-35), F32(3.4e38)  # a row's amax (fp8) or norm (int4) must be above _TINY, at most _HUGE
 
 
+def width_problem(width: int, codec: str) -> str | None:
+    """Why rows of `width` values cannot be kept in `codec` (an unknown codec; int4 rows whose width is
+    not a power of two, 2 to 2048), or None."""
+    if codec not in CODECS:
+        return f"unknown KV format {codec!r}: expected one of {', '.join(CODECS)}"
+    if width < 1:
+        return f"a KV row has at least one value, not {width}"
+    if codec == "int4" and (width < 2 or width > MAX_WIDTH or width & (width - 1)):
+        return (f"the int4 KV format needs rows whose width is a power of two (2 to {MAX_WIDTH}); "
+                f"this model has rows of {width}: use fp8 or f32")
+    return None
+
+
 def row_bytes(width: int, codec: str) -> int:
     """Bytes of one stored row of `width` values, with its 4-byte scale or radius (f32 rows have none).
-    ValueError for an unknown codec, and for int4 rows whose width is not a power of two (2 to 2048)."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown KV format {codec!r}: expected one of {', '.join(CODECS)}")
-    if width < 1:
-        raise ValueError(f"a KV row has at least one value, not {width}")
-    if codec == "int4" and (width < 2 or width > MAX_WIDTH or width & (width - 1)):
-        raise ValueError(f"the int4 KV format needs rows whose width is a power of two (2 to {MAX_WIDTH}); "
-                         f"this model has rows of {width}: use fp8 or f32")
+    ValueError where `width_problem` says why not."""
+    problem = width_problem(width, codec)
+    if problem:
+        raise ValueError(problem)
     return {"f32": 4 * width, "fp8": width + 4, "int4": width // 2 + 4}[codec]
 
 
