@@ -206,14 +206,18 @@ def test_compact_files_are_smaller_by_their_codecs_ratio(models, tmp_path):
 
 
 def test_kv_from_the_command_line_a_whole_run_and_a_refusal(colichat_home):
-    """--kv fp8 from the shell: the session file is COLIGQ2 and resumes; --kv int4 on a model whose rows
-    it cannot take is one line, exit 1."""
+    """--kv fp8 from the shell: the session file is COLIGQ2, and resumed in a second process it ends as
+    the one process that had both messages; --kv int4 on a model whose rows it cannot take is one
+    line, exit 1."""
     args = ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "4"]
     chat(colichat_home, [*args, "--kv", "fp8", "--session", "k", "-p", "Hello"]).ok()
     [path] = colichat_home.glob("**/k.coli_kv")
     assert path.read_bytes()[:8] == b"COLIGQ2\0"
     assert chat(colichat_home, [*args, "--session", "k", "--resume", "-p", "Again"]).ok().resumed()[2] == "k"
     assert path.read_bytes()[:8] == b"COLIGQ2\0"  # (no --kv: it keeps its own)
+    chat(colichat_home, [*args, "--kv", "fp8", "--session", "whole"], "Hello\nAgain\n").ok()  # one process
+    [whole] = colichat_home.glob("**/whole.coli_kv")
+    assert whole.read_bytes() == path.read_bytes()
     r = chat(colichat_home, ["--model", str(TINY / "ds-dense.gguf"), "--kv", "int4", "-p", "Hi"]).failed()
     assert r.errors() == ["colichat: --kv int4: the int4 KV format needs rows whose width is a power of two "
                           "(2 to 2048); this model has rows of 160: use fp8 or f32"]
