@@ -57,8 +57,9 @@ class Conversation:
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
                  store: Store | None = None, pinned=frozenset(), save_new: bool = True, read_only: bool = False,
-                 no_save: bool = False, kv: str = "f32"):
+                 no_save: bool = False, kv: str = "f32", reuse: bool = True):
         self.model = model
+        self.reuse = reuse  # a new conversation starts from a saved one's records where its prompt begins alike
         self.kv = kv  # how a new conversation's rows are stored (--kv); a saved one keeps its own
         model.cache.set_codec(kv)  # (ValueError: a codec this model's rows cannot take)
         self.tok = model.tokenizer
@@ -273,7 +274,7 @@ class Conversation:
     def _save(self, stats: TurnStats) -> None:
         if self.unsaved_cut is not None:  # the answer /regen replaces goes from the disk only now
             try:
-                self.saving.truncate(self.unsaved_cut, self.prefs.saved())
+                self.saving.truncate(self.model.cache, self.unsaved_cut, self.prefs.saved())
             except ChatError as e:
                 stats.saved, stats.save_error = False, str(e)
                 self.save_failed = True
@@ -348,6 +349,11 @@ class Conversation:
         random = sampler.rng.bit_generator.state
         self.clock.start()
         try:
+            if self.reuse and not self.turns and first == 0:
+                stats.reused, source = self.saving.reuse(self.model.cache, ids)
+                if stats.reused and on_note:
+                    on_note(f"reused {stats.reused:,} tokens from {source}")
+            ids = ids[stats.reused :]
             logits = self._prefill(ids, on_progress)
             stats.prompt_tokens, stats.prefill_s = len(ids), self.clock.elapsed()
             user = Turn("user", user_text, first, self.n_tokens)
@@ -612,7 +618,7 @@ class Conversation:
         """Cut the saved session to its first kept_turns turns now; if the disk refuses, the cut waits
         for the next save (unsaved_cut: an append never runs before it), and the reason is returned."""
         try:
-            self.saving.truncate(kept_turns, self.prefs.saved(), keep_files)
+            self.saving.truncate(self.model.cache, kept_turns, self.prefs.saved(), keep_files)
         except ChatError as e:
             self.unsaved_cut = kept_turns if self.unsaved_cut is None else min(self.unsaved_cut, kept_turns)
             self.save_failed = True

@@ -96,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="how new conversations keep their KV cache on disk and in memory: f32 (exact, the default), "
                    "fp8 (colibri's COLIKV2, about 4x smaller) or int4 (COLIKV3, about 7x smaller); a saved "
                    "conversation keeps the one it was saved in")
+    p.add_argument("--no-reuse", action="store_true", help="prefill every new conversation's prompt in full, "
+                   "even where a saved conversation of the model begins with the same tokens (by default their "
+                   "records are read instead, saying so)")
     p.add_argument("--numerics", choices=["fast", "llama.cpp"],  # default fast (None: not given)
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp; default fast)")
@@ -702,7 +705,7 @@ def main(argv=None) -> int:
             raise SettingError(f"--kv {args.kv}: {problem}")
         conv = Conversation(model, settings, session_name=args.session, pinned=given, no_save=args.no_save,
                             save_new=person_types or args.session is not None or args.resume, read_only=read_only,
-                            kv=args.kv)
+                            kv=args.kv, reuse=not args.no_reuse)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1

@@ -22,6 +22,7 @@ class TurnStats:
     drafted: int = 0  # speculative decoding: drafts checked, and kept
     accepted: int = 0
     by_source: dict = field(default_factory=dict)  # with several sources: name -> (checked, kept) of those used
+    reused: int = 0  # prompt tokens whose records were read from a saved conversation, not prefilled
 
     @property
     def prefill_tps(self) -> float:
@@ -49,7 +50,8 @@ def footer(conv, stats: TurnStats, keep: str = "/save NAME") -> str:
         drafts = f", drafts {stats.accepted}/{stats.drafted} accepted ({share:.0f}%{each})"
     note = f"\nnote: {stats.save_note}" if stats.save_note else ""
     n_ctx = conv.model.n_ctx
-    return (f"[{count(stats.generated, 'token')}, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens} "
+    reused = f" (+{stats.reused} reused)" if stats.reused else ""
+    return (f"[{count(stats.generated, 'token')}, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens}{reused} "
             f"at {stats.prefill_tps:.0f} tok/s, context {conv.n_tokens}/{n_ctx}, "
             f"{n_ctx - conv.n_tokens} left{drafts}{stop}; {saved}]{note}")
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from .errors import ChatError
 from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
 from .persist.store import total_line, under_parents
 from .units import count, format_size
 from .wrap import displayable
 
+MIN_REUSE = 32  # tokens: a shorter shared prefix is prefilled (reading a file for it would cost as much)
 CURRENT_MARK = "* "  # in /sessions, the row of the conversation in use (the others start with two spaces)
 
 
@@ -149,12 +152,53 @@ class Saving:
                                                  stem=self.stem or slug(first), files=False)
                 self.name, self.stem = self.session.name, None
             self.session.append(cache, turns, settings)
+            self._index(cache)
             stats.saved = True
             stats.save_note = "; ".join(self.session.notes) or None
             self.session.notes.clear()
         except (SessionError, OSError) as e:
             stats.saved = False
             stats.save_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+    def _index(self, cache) -> None:
+        """The prefix index learns what the session in use holds now (what it has on disk)."""
+        s, index = self.session, self.store.prefix_index(self.ident)
+        if not s.turns:  # (rewound to nothing, or reset)
+            index.drop(s.name)
+        elif s.nrec <= cache.length:
+            index.record(s.name, cache.codec, cache.tokens[: s.nrec], [t.last for t in s.turns])
+
+    def reuse(self, cache, ids: list[int]) -> tuple[int, str | None]:
+        """Fill the empty `cache` with the records of the longest prefix of `ids` (all but its last token,
+        whose logits the prompt needs) that a saved conversation of this model holds in the cache's
+        codec, found by the prefix index and read as /resume reads (header, fingerprint, checksums;
+        the conversation's own files are not written): (tokens reused, NAME), or (0, None)."""
+        if not self.store or self.ident is None or cache.length:
+            return 0, None
+        codec = cache.codec
+        for shared, name in self.store.prefix_index(self.ident).candidates(codec, ids[:-1])[:3]:
+            if shared < MIN_REUSE:
+                break
+            try:
+                source = self.store.open(self.ident, name, self.layout, read_only=True)
+            except (SessionError, OSError):
+                continue
+            try:
+                res = source.load(cache, cache.capacity)
+            except (SessionError, OSError):
+                res = None
+            finally:
+                source.close()
+            n = 0
+            if res is not None and not res.unread and cache.codec == codec:  # (records, not text read again)
+                have = cache.tokens[: min(cache.length, len(ids) - 1)]
+                n = int(np.argmin(np.append(have == np.asarray(ids[: have.size]), False)))  # common prefix
+            cache.set_codec(codec)
+            if n >= MIN_REUSE:
+                cache.truncate(n)
+                return n, name
+            cache.set_length(0)
+        return 0, None
 
     def save_settings(self, settings: dict) -> None:
         if self.session and not self.read_only:
@@ -163,14 +207,15 @@ class Saving:
             except (SessionError, OSError):
                 pass  # saved again with the next answer
 
-    def truncate(self, kept_turns: int, settings: dict, keep_files: bool = False) -> None:
-        """The saved session keeps its first kept_turns turns (the cache was cut to match), and the
+    def truncate(self, cache, kept_turns: int, settings: dict, keep_files: bool = False) -> None:
+        """The saved session keeps its first kept_turns turns (`cache` was cut to match), and the
         settings in use (`keep_files`: see Session.truncate)."""
         if self.session and not self.read_only:
             try:
                 self.session.truncate(kept_turns, settings, keep_files)
             except SessionError as e:
                 raise ChatError(str(e)) from None
+            self._index(cache)
 
     def save_as(self, name: str, cache, turns: list, settings: dict) -> str:
         """Write the conversation from the cache into a new session NAME (no forward pass). An

@@ -261,7 +261,7 @@ def test_export_refuses_unbalanced_or_several_quoted_names(app, tmp_path, monkey
     app.conv.ask("hello")
     said = run(app, f"/export {arg}")
     assert len(said) == 1 and said[0].startswith("colichat: /export takes one file name")
-    assert list(tmp_path.iterdir()) == [tmp_path / "s"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefixes", "s"]  # (the store's), no export
 
 
 def test_export_to_a_missing_directory_says_so(app, tmp_path, monkeypatch):
@@ -276,7 +276,7 @@ def test_export_dash_is_refused_not_a_file_named_dash(app, tmp_path, monkeypatch
     app.conv.ask("hello")
     said = run(app, "/export -")
     assert len(said) == 1 and said[0].startswith("colichat: /export writes a file, not standard output")
-    assert list(tmp_path.iterdir()) == [tmp_path / "s"]  # only the sessions
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefixes", "s"]  # only the store's
 
 
 def test_export_expands_the_home_directory(app, tmp_path, monkeypatch):

@@ -55,6 +55,7 @@ from .kvfile import (
     oserror_text,
 )
 from .locks import flock_for_save, release_lock, take_lock
+from .prefixes import PrefixIndex
 from .session import (
     KV_EXT,
     MAX_SIDECAR_BYTES,
@@ -68,6 +69,7 @@ from .session import (
 from .sidecar import doc_check, document, parse_turns
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+PREFIXES = "prefixes"  # beside the sessions directory: per model, the prefix index (prefixes.py)
 LAST_USED = "last-used"  # beside the sessions directory: per model, the conversation last reopened (Store.used)
 
 
@@ -615,6 +617,7 @@ class Store:
             if kv is not None:
                 os.close(kv)
             release_lock(fd)
+        self.prefix_index(ident).drop(name)
         return freed
 
     def rename(self, sess: Session, new: str) -> None:
@@ -720,6 +723,11 @@ class Store:
             return found[0] if found else None
         used = next((i for i in found if i.name == name), None)
         return used if used is not None and when > found[0].last_used else (found[0] if found else None)
+
+    def prefix_index(self, ident: dict) -> PrefixIndex:
+        """This model's prefix index (prefixes.py): a small file in PREFIXES beside the sessions directory."""
+        directory = self.model_dir(ident)
+        return PrefixIndex(self.root.parent / PREFIXES / (directory.name + ".json"), directory)
 
     def used(self, ident: dict, name: str) -> None:
         """Conversation NAME was reopened now: `latest` names it until another is saved or reopened. A
