@@ -32,7 +32,10 @@ try:
     from .commands import dispatch, is_command, is_quit_word, message_text
     from .engine import MIN_CTX
     from .errors import USER_ERRORS, ChatError, UsageError
+    from .hub import is_hub_model, model_file
+    from .hub import parse as parse_hub_model
     from .inputs import ESCAPED, FENCE, Message, clean_line, inputs_of, read_input
+    from .model_list import NO_MODELS, model_rows
     from .models import DefaultModelMissing, default_model_path
     from .paths import expand_home, paths
     from .persist import SessionError, Store, check_name
@@ -79,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Chat with a GGUF model in the terminal; every conversation is kept on disk "
         "as its KV cache and reopens instantly with /resume.",
     )
-    p.add_argument("--model", metavar="PATH", help="a GGUF file (default: the model that saved the conversation "
-                   "--session or --resume reopens, else SmolLM2-135M-Instruct)")
+    p.add_argument("--model", metavar="PATH", help="a GGUF file, or hf:OWNER/REPO[:QUANT] (or hf:OWNER/REPO/FILE.gguf) "
+                   "from the Hugging Face Hub, downloaded into its cache (default: the model that saved the "
+                   "conversation --session or --resume reopens, else SmolLM2-135M-Instruct)")
     p.add_argument("--session", metavar="NAME", help="name of the conversation: a new one, or the saved one "
                    "of that name, reopened")
     p.add_argument("--resume", action="store_true", help="resume the latest conversation (of any model when "
@@ -113,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(not with -p, --resume, --session, --model)")
     p.add_argument("--export", metavar="NAME", help="print saved conversation NAME as Markdown and exit; --model "
                    "chooses whose when several models have one of that name (not with -p, --resume, --session)")
+    p.add_argument("--models", action="store_true", help="list the GGUF models colichat has used or finds in the "
+                   "Hugging Face cache (architecture, size, whether they run here) and exit")
     p.add_argument("--prune-kv", metavar="DAYS", type=float, help="free the disk space of conversations not used "
                    "for DAYS days: their KV files go, their text stays (reopening one reads it again); then exit")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
@@ -142,6 +148,8 @@ def check_command_line(args) -> tuple[Settings, frozenset]:
         raise UsageError("--model needs a path")
     if args.model:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
         args.model = expand_home(args.model, UsageError, "--model ")
+    if is_hub_model(args.model):
+        parse_hub_model(args.model)
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("-p/--prompt needs a message")
     if args.ctx is not None and args.ctx < MIN_CTX:
@@ -168,7 +176,7 @@ CHAT_OPTIONS = (("prompt", "-p"), ("resume", "--resume"), ("session", "--session
 def check_combinations(args) -> None:
     """Options that contradict each other, or that would do nothing, are refused (never ignored)."""
     shell = [o for o, given in (("--sessions", args.sessions), ("--export", args.export is not None),
-                                ("--prune-kv", args.prune_kv is not None)) if given]
+                                ("--prune-kv", args.prune_kv is not None), ("--models", args.models)) if given]
     if len(shell) > 1:
         raise UsageError(f"{' and '.join(shell)} each do their work and exit: give one of them")
     if args.prune_kv is not None and not 0 <= args.prune_kv < float("inf"):
@@ -181,11 +189,11 @@ def check_combinations(args) -> None:
             raise UsageError(f"--prune-kv frees disk space and exits: {', '.join(unused)} cannot be used with it")
         return
     unused = [option for attr, option in CHAT_OPTIONS if getattr(args, attr) not in (None, False)]
-    if args.sessions and args.model is not None:  # --export NAME --model PATH: that model's NAME
+    if (args.sessions or args.models) and args.model is not None:  # --export NAME --model PATH: that model's NAME
         unused.insert(0, "--model")
     if unused:
         what = ("--sessions lists every model's saved conversations" if args.sessions
-                else "--export prints a saved conversation")
+                else "--models lists the models" if args.models else "--export prints a saved conversation")
         raise UsageError(f"{what} and exits: {', '.join(unused)} cannot be used with it")
 
 
@@ -579,13 +587,15 @@ def pipe_mode(app: App, inputs=None) -> int:
 
 def from_the_shell(args) -> int:
     """--sessions and --export NAME: read the saved conversations, print to stdout; --prune-kv DAYS: free
-    their KV files' space. No model is loaded."""
+    their KV files' space; --models: the models known, on stdout. No model is loaded."""
     root = paths().data / "sessions"
     problem = unreadable_sessions(root)
     if problem:  # else the listing would say "no saved conversations" of conversations it cannot see
         raise SessionError(f"cannot read the saved conversations in {root} ({problem}); fix that, or set "
                            "COLICHAT_HOME to the directory that holds them")
     store = Store()
+    if args.models:
+        return print_out("".join(f"{row}\n" for row in model_rows(store)) or NO_MODELS)
     if args.prune_kv is not None:
         for line in prune_kv(store, args.prune_kv):
             to_stderr(line)
@@ -595,6 +605,8 @@ def from_the_shell(args) -> int:
         if sys.stdout.isatty():  # as /sessions shows them
             rows = [wrap_line(row, _columns(), hang=4) for row in rows]
         return print_out("\n".join(rows) + "\n" if rows else "no saved conversations\n")
+    if is_hub_model(args.model):  # --export NAME --model hf:...: the one downloaded (nothing is downloaded)
+        args.model = model_file(args.model, to_stderr, offline=True)
     try:
         model = args.model or default_model_path()
     except DefaultModelMissing:
@@ -669,7 +681,7 @@ def main(argv=None) -> int:
         return 2
     args.numerics = args.numerics or "fast"
     try:
-        if args.sessions or args.export is not None or args.prune_kv is not None:
+        if args.sessions or args.export is not None or args.prune_kv is not None or args.models:
             return from_the_shell(args)
         args.model = choose_model(args, say)
         check_model_file(args.model)

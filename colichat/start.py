@@ -11,7 +11,7 @@ import stat
 import tempfile
 import time
 
-from . import system_prompt
+from . import hub, system_prompt
 from .engine import ContextError, ModelError, default_context, load, resume_problem, trained_context
 from .models import DefaultModelMissing, default_model_path, model_title
 from .paths import paths
@@ -30,10 +30,10 @@ from .settings import SettingError
 
 
 def choose_model(args, say) -> str:
-    """--model, else the model that saved the conversation --session NAME or --resume reopens (where
-    its file still is), else the default model."""
-    if args.model is not None:
-        return args.model
+    """--model (a file, or a model of the Hugging Face Hub), else the model that saved the conversation
+    --session NAME or --resume reopens (where its file still is), else the default model."""
+    if args.model is not None:  # (hf:OWNER/REPO...: from the hub's cache, else downloaded)
+        return hub.model_file(args.model, say) if hub.is_hub_model(args.model) else args.model
     try:
         default, missing = default_model_path(), None
     except DefaultModelMissing as e:

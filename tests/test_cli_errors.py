@@ -215,6 +215,10 @@ CONTRADICTIONS = {
                     "with it"),
     "sessions-and-model": (["--sessions", "--model", TINY_LLAMA], "--sessions lists every model's saved "
                            "conversations and exits: --model cannot be used with it"),
+    "models-and-model": (["--models", "--model", TINY_LLAMA, "-p", "hi"], "--models lists the models and exits: "
+                         "--model, -p cannot be used with it"),
+    "models-and-sessions": (["--models", "--sessions"], "--sessions and --models each do their work and exit: "
+                            "give one of them"),
     "export-and-chat": (["--export", "s", "-p", "hi", "--resume", "--temperature", "0"], "--export prints a saved "
                         "conversation and exits: -p, --resume cannot be used with it"),
     "export-and-session": (["--export", "s", "--session", "t", "--ctx", "64"], "--export prints a saved "

@@ -5,6 +5,7 @@
     resume_problem("model.gguf", n_ctx, rope_factors)  # before loading: can a saved conversation go on
     trained_context("model.gguf")       # before loading: the most context load() gives (None: not said)
     default_context(n_ctx_train)        # the context load() gives without n_ctx
+    check_headers(path, file_headers("model.gguf"))  # from headers alone (a download's too): runs and fits?
 
 The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
 
@@ -21,15 +22,27 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from .cache import record_bytes
-from .gguf import MIN_CTX, ContextError, ModelConfig, ModelError, Tensors, load_config, open_gguf, trained_context
+from .gguf import (
+    MIN_CTX,
+    ContextError,
+    ModelConfig,
+    ModelError,
+    Tensors,
+    check_architecture,
+    file_headers,
+    load_config,
+    open_gguf,
+    trained_context,
+)
 from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
 
-__all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "default_context",
-           "load", "load_tokenizer", "resume_problem", "trained_context"]
+__all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "check_headers",
+           "f32_bytes_but_experts",
+           "default_context", "file_headers", "load", "load_tokenizer", "resume_problem", "trained_context"]
 
 
 def load_tokenizer(path_or_reader):
@@ -123,14 +136,27 @@ def resume_problem(path: str, n_ctx: int | None, rope_factors: str | None) -> st
 
 def dense_f32_bytes(tensors: Tensors) -> int:
     """What dequantizing every tensor but the routed experts (which stay quantized) takes as f32."""
+    return f32_bytes_but_experts((name, tensors.shape(name)) for name in tensors.by_name)
+
+
+def f32_bytes_but_experts(shapes) -> int:
+    """dense_f32_bytes of (name, shape) pairs (a loaded model's, or a GGUF header's tensor infos)."""
     total = 0
-    for name in tensors.by_name:
+    for name, shape in shapes:
         if "_exps." not in name:
             n = 1
-            for d in tensors.shape(name):
+            for d in shape:
                 n *= d
             total += 4 * n
     return total
+
+
+def check_headers(path: str, headers: list) -> None:
+    """Refuse from a GGUF's headers alone (gguf_header.Header of every part of a split model, the first
+    holding the metadata), before anything is downloaded or loaded, what load() refuses before any work:
+    an architecture colichat does not run, dense weights that would not fit in memory as f32."""
+    check_architecture(path, headers[0].kv.get("general.architecture"))
+    check_memory(path, f32_bytes_but_experts((t.name, t.shape) for h in headers for t in h.tensors))
 
 
 def check_context(n_ctx: int, n_ctx_train: int, record_bytes: int, weight_bytes: int) -> None:

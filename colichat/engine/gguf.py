@@ -325,13 +325,10 @@ def sampling_defaults(reader) -> tuple:
     return tuple(found)
 
 
-def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
-    """The one place metadata becomes a config: the keys every architecture has, read here, then
-    the architecture module's config() (model.ARCHITECTURES). Defaults are llama.cpp's (docs:
-    mla-spec section 1)."""
+def check_architecture(path: str, arch) -> None:
+    """Refuse (ModelError) an architecture colichat does not run, naming those it runs."""
     from .model import ARCHITECTURES
 
-    arch = field(reader, "general.architecture", required=True)
     if arch in KNOWN_UNSUPPORTED:
         raise ModelError(
             f"{path}: architecture '{arch}' is not supported ({KNOWN_UNSUPPORTED[arch]}); "
@@ -341,6 +338,36 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
         raise ModelError(
             f"{path}: architecture '{arch}' is not supported; colichat runs: {', '.join(ARCHITECTURES)}"
         )
+
+
+def file_headers(path: str) -> list:
+    """The headers (gguf_header.Header, tensor infos included) of GGUF `path` and, for a split model, of
+    every part (found from `path`'s name and split.count): what can be said of a model without loading
+    it. OSError, HeaderError or struct.error (a short or damaged file), ModelError (a part misnamed)."""
+    heads = [_file_header(path)]
+    count = heads[0].kv.get("split.count")
+    if type(count) is int and count > 1:
+        parts = _part_paths(path, count)
+        heads = [heads[0] if p == path else _file_header(p) for p in parts]
+    return heads
+
+
+def _file_header(path: str):
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
+            raise HeaderError("an empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return read_header(buf, lambda key: key in ("general.architecture", "split.count", "split.no"))
+
+
+def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
+    """The one place metadata becomes a config: the keys every architecture has, read here, then
+    the architecture module's config() (model.ARCHITECTURES). Defaults are llama.cpp's (docs:
+    mla-spec section 1)."""
+    from .model import ARCHITECTURES
+
+    arch = field(reader, "general.architecture", required=True)
+    check_architecture(path, arch)
 
     def key(k, default=None, required=False, raw=False):  # raw: an array key as stored (not collapsed)
         v = field(reader, f"{arch}.{k}", default, required)
