@@ -8,7 +8,12 @@ Each exchange is two turns over consecutive cache records:
 The cache only ever grows by appending (or shrinks by truncating), so what is on disk is a
 prefix of what is in memory. The template text of a new user turn is computed from the messages
 alone (`render(messages + [user]) minus (render(messages before the last answer) + answer)`), so a
-resumed conversation continues with exactly the tokens an uninterrupted one would have.
+resumed conversation continues with exactly the tokens an uninterrupted one would have. A template
+that renders earlier turns otherwise than they were read (R1's and GLM's drop a past answer's
+thinking, which the model read as it wrote it) makes the new prompt differ from the cache: the
+cache keeps the rows before the first token that differs, and the rest is read again (`_rebase`).
+An answer is kept as the model wrote it, thinking and all: the template decides what of it the
+model reads again, and thinking.py what the user sees of it.
 
 Beside it: saving.py (the session it is saved into), chat_settings.py (the settings it runs with),
 report.py (the footer, /stats, what frees context).
@@ -22,7 +27,7 @@ from .chat_settings import ChatSettings
 from .engine import Model, ModelError
 from .engine.generate import Generation
 from .engine.speculative import PromptLookup
-from .engine.template import chat_template_for
+from .engine.template import TemplateError, chat_template_for
 from .errors import ChatError
 from .persist import CacheLayout, Store, Turn, model_identity
 from .persist.session import REOPEN_ROOM
@@ -31,6 +36,7 @@ from .saving import Saving
 from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
 from .system_prompt import problem_for_set, refusal
+from .thinking import Splitter, opens_thinking
 from .units import count
 from .wrap import displayable
 
@@ -65,6 +71,7 @@ class Conversation:
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
         self.prefs = ChatSettings(settings, pinned)
+        self.prefs.opens_thinking = self._opens_thinking()
         self.turns: list[Turn] = []
         self.stop_requested = False
         self.unsaved_cut: int | None = None  # /regen: the saved session keeps this many turns from the next save on
@@ -82,6 +89,13 @@ class Conversation:
                              n_ctx=model.n_ctx)
 
     # --- state ------------------------------------------------------------------------------------
+
+    def _opens_thinking(self) -> bool:
+        """Whether the template's generation prompt leaves the model inside its thinking (R1, GLM-4.7/5.x)."""
+        try:
+            return opens_thinking(self.template.render([{"role": "user", "content": "?"}], True))
+        except TemplateError:  # (a template that needs more than one message to render says so when used)
+            return False
 
     @property
     def settings(self) -> Settings:
@@ -307,14 +321,16 @@ class Conversation:
         base += "".join(t.text for t in self.turns[last_user + 1 :])
         if full.startswith(base):
             return self.tok.encode(full[len(base) :], special=True), self.n_tokens
-        # Not prefix-stable (e.g. a template that rewrites past answers): keep the cache up to the
-        # last turn boundary inside the longest common token prefix, and re-run the rest.
+        # Not prefix-stable (a template that rewrites past answers, as R1's drops their thinking):
+        # the cache keeps the rows of the longest common token prefix (a row depends only on the
+        # tokens up to it) and the rest is read again, from the first token that differs; at least
+        # one token is read, for the logits of the answer.
         ids = self.tok.encode_prompt(full)
         cached = self.model.cache.token_ids()
         lcp = 0
         while lcp < min(len(ids), len(cached)) and ids[lcp] == cached[lcp]:
             lcp += 1
-        keep = max([0] + [t.last for t in self.turns if t.last <= lcp])
+        keep = min(lcp, len(ids) - 1)
         return ids[keep:], keep
 
     def fits(self, user_text: str) -> bool:
@@ -325,8 +341,11 @@ class Conversation:
 
     # --- one exchange -----------------------------------------------------------------------------
 
-    def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None) -> tuple[str, TurnStats]:
+    def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None,
+            on_think=None) -> tuple[str, TurnStats]:
         """Append the user's message, generate the answer (streamed through on_text), save both turns.
+        With `on_think`, a thinking model's thinking goes there instead, `on_think(text, tokens so
+        far)` for each of its tokens (thinking.Splitter sorts it out), and on_text gets the answer.
 
         `stop_requested` (set from a signal handler) ends the answer: what was shown stays in the
         transcript and the cache; a token that was being computed when the stop came is dropped (a
@@ -357,7 +376,7 @@ class Conversation:
             logits = self._prefill(ids, on_progress)
             stats.prompt_tokens, stats.prefill_s = len(ids), self.clock.elapsed()
             user = Turn("user", user_text, first, self.n_tokens)
-            answer, stats = self._generate(logits, stats, on_text)
+            answer, stats = self._generate(logits, stats, self._sorted(on_text, on_think, stats))
         except BaseException:
             # an exchange that failed midway leaves no rows without turns, and draws nothing
             self.model.cache.truncate(first)
@@ -389,6 +408,29 @@ class Conversation:
         at a time."""
         return self.settings.draft if self.model.exact_passes else 0
 
+    def _sorted(self, on_text, on_think, stats: TurnStats):
+        """The callback _generate gives each token's text to (and, `end`, the text left at the end of
+        the answer): as it is without `on_think`, else thinking to on_think (its tokens counted in
+        stats.thinking) and the answer to on_text."""
+        if on_think is None:
+            return on_text and (lambda piece, end=False: piece and on_text(piece))
+        split = Splitter(self.prefs.opens_thinking)
+
+        def sort(piece: str, end: bool = False) -> None:
+            was = split.thinking
+            parts = split.feed(piece) + (split.end() if end else [])
+            if not end and (was or split.thinking):
+                stats.thinking += 1
+                parts = parts if any(thinking for thinking, _ in parts) else [(True, "")] + parts
+            stats.still_thinking = split.thinking  # (an answer that ends so was cut short)
+            for thinking, text in parts:
+                if thinking:
+                    on_think(text, stats.thinking)
+                elif text and on_text:
+                    on_text(text)
+
+        return sort
+
     def _generate(self, logits, stats: TurnStats, on_text) -> tuple[str, TurnStats]:
         stream = self.tok.stream()
         pieces: list[str] = []
@@ -408,24 +450,23 @@ class Conversation:
                     break
                 stats.generated += 1
                 piece = stream.push(tok.id)
-                if piece:
-                    pieces.append(piece)
-                    if on_text:
-                        on_text(piece)
+                pieces.append(piece)
+                if on_text:
+                    on_text(piece)
                 self.clock.tick()
         finally:
             tokens.close()  # a stop inside a batched pass drops the tokens not shown
             cut = stream.pending_tokens if stats.stopped == "interrupt" else 0  # nor those of a part of a character
             stats.generated -= cut
+            stats.thinking = min(stats.thinking, stats.generated)
             if self.model.cache.length > first + stats.generated:  # and the one computed after a stop
                 self.model.cache.truncate(first + stats.generated)
         if stats.stopped == "interrupt" and not stats.generated:  # nothing shown: as if it was never sent
             raise ChatError("interrupted before the answer began; the message was not sent")
         tail = stream.flush() if not cut else ""
-        if tail:
-            pieces.append(tail)
-            if on_text:
-                on_text(tail)
+        pieces.append(tail)
+        if on_text:
+            on_text(tail, end=True)
         stats.decode_s = self.clock.elapsed()
         stats.drafted, stats.accepted = gen.n_drafted, gen.n_accepted
         if len(drafts) > 1:  # which source the drafts came from
@@ -547,7 +588,7 @@ class Conversation:
 
     # --- history edits ----------------------------------------------------------------------------
 
-    def regen(self, on_text=None, on_progress=None, on_note=None) -> tuple[str, TurnStats]:
+    def regen(self, on_text=None, on_progress=None, on_note=None, on_think=None) -> tuple[str, TurnStats]:
         """Answer the last message again. The answer it replaces stays, in memory and on disk, until
         the new one exists: a regeneration stopped before its first token, or failing, leaves the
         conversation as it was."""
@@ -562,7 +603,7 @@ class Conversation:
         cut = self.unsaved_cut
         self.unsaved_cut = starts[-1] if cut is None else min(cut, starts[-1])
         try:
-            return self.ask(user.text, on_text, on_progress, on_note)
+            return self.ask(user.text, on_text, on_progress, on_note, on_think)
         except BaseException:
             cache.records[user.first:end] = old_rows
             cache.set_length(end)
@@ -591,12 +632,13 @@ class Conversation:
         return dropped
 
     def _rebase(self, n: int, defer_cut: bool = False) -> None:
-        """The template renders the history differently now: keep the cache up to row n (a turn
-        boundary). Later turns keep their text (the template still renders them) but lose their
-        records, which the new user turn's records re-create. `defer_cut`: the saved session is cut
-        at the next save (unsaved_cut), not now."""
+        """The template renders the history differently now: keep the cache up to row n (the first
+        token that differs). Later turns keep their text (the template still renders them) but lose
+        their records (the turn n falls in keeps those before n), which the new user turn's records
+        re-create. The saved session keeps the turns that end by n; `defer_cut`: it is cut at the
+        next save (unsaved_cut), not now."""
         kept = sum(1 for t in self.turns if t.last <= n)
-        self.turns = self.turns[:kept] + [Turn(t.role, t.text, n, n) for t in self.turns[kept:]]
+        self.turns = [t if t.last <= n else Turn(t.role, t.text, min(t.first, n), n) for t in self.turns]
         if defer_cut:
             self.model.cache.truncate(n)
             self.unsaved_cut = kept if self.unsaved_cut is None else min(self.unsaved_cut, kept)

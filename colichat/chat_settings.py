@@ -16,6 +16,7 @@ class ChatSettings:
         self.pinned = frozenset(pinned)  # settings given on the command line: a resumed session keeps them
         self.sampler = Sampler(settings.sampler())
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
+        self.opens_thinking = False  # the chat template opens <think> before each answer (thinking.opens_thinking)
 
     def options(self) -> dict:
         """Every setting's value (and the system prompt waiting for the next conversation)."""
@@ -40,10 +41,12 @@ class ChatSettings:
         return f"{key} = {row.show(value)}", True
 
     def saved(self) -> dict:
-        """What a session keeps: the settings, and with a seed where its random numbers stand (so a
-        resumed conversation draws what it would have drawn had it never stopped)."""
+        """What a session keeps: the settings, with a seed where its random numbers stand (so a
+        resumed conversation draws what it would have drawn had it never stopped), and whether its
+        answers begin inside the thinking (`colichat --export`, which reads no model, marks it so)."""
         random = {"random": self.sampler.state} if self.settings.seed is not None else {}
-        return {**self.settings.to_dict(), **random}
+        opens = {"opens_thinking": True} if self.opens_thinking else {}
+        return {**self.settings.to_dict(), **random, **opens}
 
     def apply_saved(self, d, started: bool) -> None:
         """Take a resumed session's saved settings, except those given on the command line, and its

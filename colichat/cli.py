@@ -55,6 +55,7 @@ try:
         saving_mode,
         unreadable_sessions,
     )
+    from .thinking import LiveThinking
     from .wrap import Screen, wrap_line
 except BaseException:
     if not _interrupt_at_start.seen:
@@ -315,10 +316,11 @@ class App:
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
         self.writing = False  # a piece of the answer is being written (out)
         self.cut_waits = False  # a Ctrl-C came meanwhile: its ^C goes after the piece
-        # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
-        self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty()) if interactive else None
         # the footer is dim, apart from the answer; not for a terminal without styles, nor with NO_COLOR
         self.dim = sys.stderr.isatty() and not dumb_terminal() and not os.environ.get("NO_COLOR")
+        # the REPL wraps answers at word boundaries and redraws what it showed when the width changes
+        self.screen = Screen(_size, banner, lines_on_screen=sys.stderr.isatty(), dim=self.dim) if interactive else None
+        self.thinking = LiveThinking(self)  # a thinking model's thinking while it streams
         self.keep = "/save NAME"  # what keeps an unsaved conversation (-p: an option, there is no next line)
         self.auto_forget = False  # --auto-forget: a message that does not fit is sent after a /forget
 
@@ -334,13 +336,16 @@ class App:
         file, or to a dumb terminal (an editor's buffer, which scrolls freely: nothing is cut to a window)."""
         return _size(sys.stderr) if sys.stderr.isatty() and not dumb_terminal() else None
 
-    def out(self, text: str) -> None:
+    def out(self, text: str, thinking: bool = False) -> None:
+        """A piece of the answer (or of its thinking, shown: thinking.LiveThinking) for stdout."""
+        if not thinking and not self.hushed:
+            self.thinking.end()  # the answer begins: what stays of the thinking goes above it
         self.writing = True  # a Ctrl-C from now on shows its ^C after this piece, which the answer keeps
         try:
             if self.output_closed or self.hushed:
                 return
             self.status.clear()
-            self.write(self.screen.answer(text) if self.screen else text)
+            self.write(self.screen.answer(text, thinking) if self.screen else text)
         finally:
             self.writing = False
             if self.cut_waits:
@@ -411,7 +416,7 @@ class App:
     def resume(self, name: str | None) -> None:
         """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
         self.say(self.conv.resume(name, on_progress=self.prefill_progress("the damaged exchanges' saved text")))
-        for line in report.recap(self.conv.turns) if self.interactive else ():
+        for line in report.recap(self.conv.turns, self.conv, self.dim) if self.interactive else ():
             self.say(line)
 
     def quit(self) -> None:
@@ -441,10 +446,12 @@ class App:
         if text is not None and self.auto_forget and self.conv.turns and not self.conv.fits(text):
             self.say(self.conv.forget(on_progress=self.prefill_progress("the exchanges kept")))
         self.status.show("reading your message ...")
-        shown = {"on_text": self.out, "on_progress": self.prefill_progress(), "on_note": self.say}
+        shown = {"on_text": self.out, "on_progress": self.prefill_progress(), "on_note": self.say,
+                 "on_think": self.thinking.piece}
         try:
             _, stats = self.conv.ask(text, **shown) if text is not None else self.conv.regen(**shown)
         finally:
+            self.thinking.end()  # (an answer that ended inside it)
             self.hushed = False
             if self.screen:
                 self.write(self.screen.end_answer())
@@ -452,6 +459,11 @@ class App:
             self.out("\n")
         footer = report.footer(self.conv, stats, self.keep)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
+        if stats.still_thinking and stats.stopped == "length":
+            most = self.conv.settings.max_tokens
+            self.say(f"note: the answer reached max_tokens ({most}) while the model was still thinking: "
+                     f"/set max_tokens {max(4096, 4 * most)} (or --max-tokens) leaves it room to answer; /regen "
+                     "asks again")
         if stats.stopped == "context":  # cut, not ended: say what lets it go on
             self.say("note: the answer was cut: the context is full. /forget goes on in a new conversation without "
                      "the oldest exchanges (--auto-forget does so by itself before a message that does not fit)")

@@ -220,7 +220,8 @@ def cmd_export(app, arg: str) -> None:
     title = conv.saving.name or "conversation"
     path, chosen = export_path(arg, title)
     model = model_title(conv.model.cfg.name, conv.model.cfg.path)  # as the banner names it
-    text = markdown(title, model, [(t.role, t.text) for t in conv.turns], conv.settings.system)
+    text = markdown(title, model, [(t.role, t.text) for t in conv.turns], conv.settings.system,
+                    conv.prefs.opens_thinking)
     path = write_export(path, text, chosen)
     app.say(f"exported {count(len(conv.turns), 'turn')} to {printable(path, 200)}")
 
@@ -275,7 +276,7 @@ def cmd_history(app, arg: str) -> None:
     if not app.conv.turns:
         app.say("the conversation is empty")
     for t in app.conv.turns:
-        app.say(report.turn_line(t))
+        app.say(report.turn_line(t, app.conv, app.dim))
 
 
 def cmd_set(app, arg: str) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .thinking import CLOSE, OPEN, head, split
 from .units import count, format_size
-from .wrap import displayable
+from .wrap import dimmed, displayable
 
 
 @dataclass
@@ -23,6 +24,8 @@ class TurnStats:
     accepted: int = 0
     by_source: dict = field(default_factory=dict)  # with several sources: name -> (checked, kept) of those used
     reused: int = 0  # prompt tokens whose records were read from a saved conversation, not prefilled
+    thinking: int = 0  # of the tokens generated, those of a thinking model's thinking (<think>...</think>)
+    still_thinking: bool = False  # the answer ended inside the thinking (cut short)
 
     @property
     def prefill_tps(self) -> float:
@@ -51,7 +54,9 @@ def footer(conv, stats: TurnStats, keep: str = "/save NAME") -> str:
     note = f"\nnote: {stats.save_note}" if stats.save_note else ""
     n_ctx = conv.model.n_ctx
     reused = f" (+{stats.reused} reused)" if stats.reused else ""
-    return (f"[{count(stats.generated, 'token')}, {stats.decode_tps:.1f} tok/s, prefill {stats.prompt_tokens}{reused} "
+    thought = f", {stats.thinking} thinking" if stats.thinking else ""  # (of those tokens)
+    return (f"[{count(stats.generated, 'token')}{thought}, {stats.decode_tps:.1f} tok/s, prefill "
+            f"{stats.prompt_tokens}{reused} "
             f"at {stats.prefill_tps:.0f} tok/s, context {conv.n_tokens}/{n_ctx}, "
             f"{n_ctx - conv.n_tokens} left{drafts}{stop}; {saved}]{note}")
 
@@ -109,7 +114,7 @@ def system_tokens(conv) -> int:
 RECAP_LINES = 8  # a turn of the recap longer than this many lines (a long paste) shows its first ones
 
 
-def recap(turns) -> list[str]:
+def recap(turns, conv=None, dim: bool = False) -> list[str]:
     """Where a resumed conversation stands, on the terminal: its last exchange as /history shows it,
     after a line counting the exchanges before it; a turn of more than RECAP_LINES lines is folded to its
     first ones and a line counting the rest (a long paste would fill the window)."""
@@ -120,7 +125,7 @@ def recap(turns) -> list[str]:
     head = [f"({count(earlier, 'earlier exchange')}; /history shows the whole conversation)"] if earlier else []
     shown = []
     for t in turns[users[-1]:]:
-        lines = turn_line(t).split("\n")
+        lines = turn_line(t, conv, dim).split("\n")
         if len(lines) > RECAP_LINES:
             lines = lines[:RECAP_LINES - 1] + [f"(... {count(len(lines) - RECAP_LINES + 1, 'more line')}; "
                                                "/history shows them)"]
@@ -133,6 +138,16 @@ def forked_line(parent: str, branch: int) -> str:
     return f"forked from {displayable(parent)} after exchange {branch}"
 
 
-def turn_line(turn) -> str:
-    """A turn as /history shows it: 'user> TEXT', its control characters shown (wrap.displayable)."""
-    return f"{turn.role}> {displayable(turn.text)}"
+def turn_line(turn, conv=None, dim: bool = False) -> str:
+    """A turn as /history shows it: 'user> TEXT', its control characters shown (wrap.displayable).
+    With `conv`, an answer's thinking shows as its `think` setting says: one line counting its
+    tokens (fold), its text between <think> and </think> lines (show), or not at all (hide); `dim`
+    on a terminal with styles."""
+    if conv is None or turn.role != "assistant":
+        return f"{turn.role}> {displayable(turn.text)}"
+    thought, answer = split(turn.text, conv.prefs.opens_thinking)
+    mode = conv.settings.think
+    if thought is None or mode == "hide":
+        return f"assistant> {displayable(answer)}"
+    shown = head(len(conv.tok.encode(thought))) if mode == "fold" else f"{OPEN}\n{displayable(thought)}\n{CLOSE}"
+    return f"assistant> {dimmed(shown) if dim else shown}" + (f"\n{displayable(answer)}" if answer else "")

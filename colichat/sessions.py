@@ -11,7 +11,7 @@
     listing(store) -> [line]          # every saved conversation, by model
     reopen_note(store, model_path, name) -> str | None  # --session NAME: other models' NAME, how to open one
     export_saved(store, model_path, name) -> (str, [warning], note)  # a saved conversation as Markdown
-    markdown(title, model, turns, system) -> str      # (role, text) turns as Markdown
+    markdown(title, model, turns, system, opens_thinking) -> str  # (role, text) turns as Markdown
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .persist.locks import lock_holder
 from .persist.session import SIDECAR_EXT, holds_conversation, more_context
 from .persist.sidecar import doc_check, document, span
 from .persist.store import damaged_text, model_file_now, total_line, under_parents
+from .thinking import split
 from .wrap import displayable
 
 
@@ -275,7 +276,7 @@ def export_saved(store: Store, model_path: str | None, name: str, given: bool = 
     system = res.sampler.get("system")
     turns = res.turns + res.unread  # the text of exchanges whose records were dropped, as reopening reads it
     text = markdown(name, model_title(info.model, info.model_file), [(t.role, t.text) for t in turns],
-                    system if isinstance(system, str) else None)
+                    system if isinstance(system, str) else None, res.sampler.get("opens_thinking") is True)
     kept = ([f"{span(turns, len(res.turns))} printed all the same: their saved text is intact (reopening "
              "reads it again)"] if res.unread else [])
     return text, res.warnings + kept, note
@@ -306,12 +307,18 @@ def namesakes_note(store: Store, name: str, model_dir: str, command: str) -> str
             f"({store.whose(others)}): {how}")
 
 
-def markdown(title: str, model: str, turns, system: str | None = None) -> str:
-    """A conversation as Markdown: a heading per turn, the text as it was written."""
+def markdown(title: str, model: str, turns, system: str | None = None, opens_thinking: bool = False) -> str:
+    """A conversation as Markdown: a heading per turn, the text as it was written; a thinking model's
+    thinking (thinking.split; `opens_thinking`: the answers begin inside it) whole, folded in a
+    <details> block before the answer, whatever /set think says (an export keeps everything)."""
     out = [f"# {title}", "", f"Model: {model}. Exported {datetime.now().strftime('%Y-%m-%d %H:%M')}.", ""]
     if system:
         out += ["## System", "", system.strip(), ""]
     names = {"user": "User", "assistant": "Assistant"}
     for role, text in turns:
-        out += [f"## {names.get(role, role.capitalize())}", "", text.strip(), ""]
+        out += [f"## {names.get(role, role.capitalize())}", ""]
+        thought, answer = split(text, opens_thinking) if role == "assistant" else (None, text)
+        if thought is not None:
+            out += ["<details><summary>Thinking</summary>", "", thought, "", "</details>", ""]
+        out += [answer.strip(), ""] if answer.strip() or thought is None else []
     return "\n".join(out)

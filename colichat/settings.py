@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .engine import SamplerSettings
+from .thinking import MODES
 
 
 class SettingError(Exception):
@@ -44,6 +45,7 @@ class Setting:
     rule: str = ""  # what check requires, said when it fails ("must be >= 0")
     optional: bool = False  # `none` unsets it (the value None)
     metavar: str = "N"
+    choices: tuple[str, ...] = ()  # a word setting's values (typed in any case)
 
     @property
     def option(self) -> str:
@@ -55,6 +57,10 @@ class Setting:
         setting, text as is (one pair of enclosing quotes removed). `label` names it in errors."""
         label = label or self.name
         t = text.strip()
+        if self.kind is str and self.choices:
+            t = unquoted(t).strip().lower()
+            self.validate(t, label)
+            return t
         if self.kind is str:
             t = unquoted(t)
             return None if self.optional and (not t or t.lower() == "none") else t
@@ -109,6 +115,10 @@ TABLE: tuple[Setting, ...] = (
             lambda v: 0 <= v <= 15, "must be between 0 (off) and 15"),
     Setting("system", str, None, "the system prompt (none = no system prompt); a new one applies from "
             "the next conversation when this one has started", optional=True, metavar="TEXT"),
+    Setting("think", str, "fold", "a thinking model's reasoning (<think>...</think>): fold = one dim line "
+            "counting its tokens, show = its text, dim, hide = nothing; answers and /history show it so, "
+            "/export always keeps it", lambda v: v in MODES, "must be show, fold or hide", metavar="MODE",
+            choices=MODES),
 )
 BY_NAME = {row.name: row for row in TABLE}
 SAMPLER_KEYS = tuple(SamplerSettings.__dataclass_fields__)

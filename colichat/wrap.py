@@ -17,9 +17,10 @@ displayable: what a model (or a person) wrote, with its control characters shown
 on by the terminal (an answer on screen, /history).
 
 Screen: the status lines, the prompt's echo (as prompt_toolkit drew it) and the answers as the
-model wrote them. Before anything more is shown, if the width changed since the screen was laid
-out, the window is drawn again from its top: the last rows of everything shown, laid out at the
-window's width (answers re-wrapped at word boundaries), ending where the cursor was. The scrollback
+model wrote them (a thinking model's thinking, when shown, as an answer of its own, dim). Before
+anything more is shown, if the width changed since the screen was laid out, the window is drawn
+again from its top: the last rows of everything shown, laid out at the window's width (answers
+re-wrapped at word boundaries), ending where the cursor was. The scrollback
 above the window stays as the terminal made it. Ctrl-L (clear the window) forgets what was shown: a
 redraw starts from the cleared window. After a stop (Ctrl-Z, then `fg`) nothing is drawn again: the
 shell wrote its lines below what colichat showed (`Stopped`, `fg`, the job's line), pushing rows of
@@ -41,6 +42,7 @@ TAB = 8
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 HANG_ROOM = 24  # a hanging indent only where it leaves a row at least this many columns
 SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # a colour or style code: no room on screen
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
 
 class WordWrap:
@@ -144,6 +146,11 @@ def displayable(text: str) -> str:
                        text.replace("\r\n", "\n"))
 
 
+def dimmed(text: str) -> str:
+    """`text` dim on a terminal, line by line (a redraw lays each line out on its own: layout())."""
+    return "\n".join(f"{DIM}{line}{PLAIN}" if line else line for line in text.split("\n"))
+
+
 def wrap_line(text: str, width: int, hang: int = 0) -> str:
     """A status line (or lines) as a terminal `width` columns wide shows it: word-wrapped like an
     answer, its style codes taking no room (a style goes on in the next row, as terminals keep it);
@@ -195,15 +202,18 @@ class Shown:
     hang: int = 0       # a status line's hanging indent
     open: bool = False  # an answer still arriving: the cursor is at its end
     cut: bool = False   # ^C shown after it
+    thinking: bool = False  # an answer's thinking (dim where the screen has styles)
 
 
 class Screen:
     """What the REPL has shown, to be drawn again at another width. Each method returns what to
     write to the terminal (stdout) now: a redraw first when the width changed, then its own text."""
 
-    def __init__(self, size: Callable[[], tuple[int, int]], banner=(), lines_on_screen: bool = True):
+    def __init__(self, size: Callable[[], tuple[int, int]], banner=(), lines_on_screen: bool = True,
+                 dim: bool = False):
         self.size = size  # the terminal's (columns, rows) now
         self.lines_on_screen = lines_on_screen  # the printed lines reach the screen (stderr is the terminal)
+        self.dim = dim  # thinking is shown dim (a terminal with styles, no NO_COLOR)
         self.shown = [Shown(line) for line in banner] if lines_on_screen else []
         self.width = self.columns()  # the width the screen is laid out for
         self.stopped = False  # colichat was stopped and continued since (see continued())
@@ -250,30 +260,36 @@ class Screen:
         self._close()
         self.shown.append(Shown(text, echo=True))
 
-    def answer(self, text: str) -> str:
-        """A piece of the answer arriving: it is wrapped at word boundaries, its control characters
-        shown (displayable)."""
+    def answer(self, text: str, thinking: bool = False) -> str:
+        """A piece of the answer (or of its `thinking`, shown) arriving: it is wrapped at word
+        boundaries, its control characters shown (displayable). The answer after the thinking starts
+        on a row of its own."""
         before = self.follow()
-        shown = self._open()
+        if self.shown and self.shown[-1].open and self.shown[-1].thinking != thinking:
+            before += self.end_answer()
+        shown = self._open(thinking)
         text = displayable(text)
         shown.text += text
-        return before + self.wrap.feed(text)
+        return before + self._styled(self.wrap.feed(text), thinking)
+
+    def _styled(self, text: str, thinking: bool) -> str:
+        return f"{DIM}{text}{PLAIN}" if thinking and self.dim and text else text
 
     def interrupt(self, on_status: bool) -> str:
         """Ctrl-C during an answer: the word held, and `^C` (unless it goes with the status line shown)."""
         shown = self._open()
-        out = self.wrap.flush() + "^C"
+        out = self._styled(self.wrap.flush(), shown.thinking) + "^C"
         if not on_status:
             shown.cut = True
             self.wrap.col += 2
         return out
 
     def end_answer(self) -> str:
-        """The answer is complete: the word held, and the end of its line."""
+        """The answer (or the thinking shown before it) is complete: the word held, and the end of its line."""
         if not (self.shown and self.shown[-1].open):
             return ""
         self.shown[-1].open = False
-        out = self.wrap.flush() + ("\n" if self.wrap.col else "")
+        out = self._styled(self.wrap.flush(), self.shown[-1].thinking) + ("\n" if self.wrap.col else "")
         self.wrap.reset()
         return out
 
@@ -283,9 +299,9 @@ class Screen:
             self.shown[-1].open = False
             self.wrap.reset()
 
-    def _open(self) -> Shown:
+    def _open(self, thinking: bool = False) -> Shown:
         if not (self.shown and self.shown[-1].open):
-            self.shown.append(Shown("", answer=True, open=True))
+            self.shown.append(Shown("", answer=True, open=True, thinking=thinking))
             self.wrap.reset()
         return self.shown[-1]
 
@@ -337,4 +353,6 @@ class Screen:
             wrap.col += 2
         if not shown.open and wrap.col:
             out += "\n"
+        if shown.thinking and self.dim:
+            out = dimmed(out)
         return out, wrap

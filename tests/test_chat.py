@@ -226,7 +226,7 @@ REWRITING_TEMPLATE = (
 
 def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt(model):
     """Past answers rendered differently (as templates that strip reasoning do): the cache is cut at
-    the last turn boundary it shares with the new prompt, and the model reads exactly the new prompt."""
+    the first token that differs from the new prompt, and the model reads exactly the new prompt."""
     from colichat.engine.template import ChatTemplate
 
     model.reset()

@@ -56,6 +56,13 @@ FAMILIES = {
                                                "<|start_header_id|>assistant<|end_header_id|>\n\n"),
     "GigaChat3-10B-A1.8B.jinja": (["<BOS>", "user<|role_sep|>\n", "<|message_sep|>"],
                                   "assistant<|role_sep|>\n"),
+    # thinking models (tests/test_thinking.py): the prompt opens the thinking, or the model writes <think>
+    "deepseek-ai-DeepSeek-R1.jinja": (["<BOS>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
+                                      "<｜Assistant｜><think>\n"),
+    "GLM-4.7-Flash.jinja": (["[gMASK]<sop>", "<|system|>", "<|user|>", "<|assistant|></think>"],
+                            "<|assistant|><think>"),
+    "GLM-4.6.jinja": (["[gMASK]<sop>", "<|system|>\n", "<|user|>\n", "<|assistant|>\n<think></think>"],
+                      "<|assistant|>"),
 }
 
 
