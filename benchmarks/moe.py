@@ -187,17 +187,18 @@ class RouteCounter:
         self.layer = None
         fwd_ffn, select = deepseek2.Forward.ffn, ffn.select_experts
 
-        def layer_ffn(fwd, l, u):
+        def layer_ffn(fwd, l, u, *rest):
             self.layer = l
             try:
-                return fwd_ffn(fwd, l, u)
+                return fwd_ffn(fwd, l, u, *rest)
             finally:
                 self.layer = None
 
         def counted(probs, bias, r):
             ids, w = select(probs, bias, r)  # (T, U) x2
-            if self.layer is not None:
+            if self.layer is not None:  # the layer's own routing (not the next layer's prediction after it)
                 np.add.at(self.counts[self.layer], ids.reshape(-1), 1)
+                self.layer = None
             return ids, w
 
         deepseek2.Forward.ffn, ffn.select_experts = layer_ffn, counted
@@ -220,7 +221,10 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
     from colichat.engine import Model, load
 
     m = load(path, n_ctx=N_CTX, expert_cache=expert_cache)
-    cfg, state = m.cfg, {"m": m, "seen": (0, 0)}
+    prefetch = not os.environ.get("COLICHAT_BENCH_NO_PREFETCH")
+    if not prefetch:
+        m.experts.prefetcher = None
+    cfg, state = m.cfg, {"m": m, "seen": (0, 0, 0, 0, 0)}
     routes = RouteCounter(cfg.n_layer, cfg.n_expert)
     bias = [m.w.get(f"blk.{l}.exp_probs_b", np.zeros(cfg.n_expert)) for l in range(cfg.n_layer)]
     hot = np.stack(bias) > 0 if any("exp_probs_b" in k for k in m.w) else None  # (L, X)
@@ -230,12 +234,17 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
         w, tok, tensors, mib = old.w, old.tokenizer, old.tensors, old.experts.capacity / (1 << 20)
         del old
         gc.collect()
-        state.update(m=Model(cfg, w, tok, N_CTX, tensors, expert_cache=mib), seen=(0, 0))
+        state.update(m=Model(cfg, w, tok, N_CTX, tensors, expert_cache=mib), seen=(0, 0, 0, 0, 0))
+        if not prefetch:
+            state["m"].experts.prefetcher = None
 
     def note() -> dict:
-        e, (h, x) = state["m"].experts, state["seen"]
-        state["seen"] = (e.hits, e.misses)
-        return {"hits": e.hits - h, "misses": e.misses - x, **routes.take(hot)}
+        e, was = state["m"].experts, state["seen"]
+        now = (e.hits, e.misses, e.prefetched, e.predictions, e.predicted_right)
+        state["seen"] = now
+        d = dict(zip(("hits", "misses", "prefetched", "predictions", "predicted_right"),
+                     (a - b for a, b in zip(now, was, strict=True)), strict=True))
+        return {**d, **routes.take(hot)}
 
     return SimpleNamespace(prefill=lambda ids: state["m"].prefill(ids, all_logits=False), fresh=fresh, note=note,
                            decode=lambda i: state["m"].decode(i), model=lambda: state["m"])
@@ -456,11 +465,14 @@ def report_file(title: str, col: dict, ref: dict | None, b: dict, logits_dir: Pa
         return
     biased = "biased_share" in col["prefill512"]
     print(f"\ncolichat: {col['memory']}; expert cache {col['expert_cache_mib']:,} MiB\n")
-    print("| colichat phase | expert hits | misses | hit rate | routes to each layer's top 20% of experts |"
-          + (" to the 13 biased |" if biased else "") + "\n|---|---|---|---|---|" + ("---|" if biased else ""))
+    print("| colichat phase | expert hits | misses | hit rate | prefetched | next-layer prediction right "
+          "| routes to each layer's top 20% of experts |" + (" to the 13 biased |" if biased else "")
+          + "\n|---|---|---|---|---|---|---|" + ("---|" if biased else ""))
     for p in PHASES:
         q = col[p]
+        right = f"{q['predicted_right'] / q['predictions']:.0%}" if q.get("predictions") else "-"
         print(f"| {p} | {q['hits']} | {q['misses']} | {q['hits'] / max(1, q['hits'] + q['misses']):.0%} | "
+              f"{q.get('prefetched', 0)} | {right} | "
               f"{cell(q.get('top20_share'))} |" + (f" {q['biased_share']:.2f} |" if biased else ""))
     steady = col["decode_steady"]
     h = steady["hits"] / max(1, steady["hits"] + steady["misses"])
@@ -490,6 +502,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "colichat-bench", help="where the files go")
     p.add_argument("--skew-bias", type=float, default=SKEW_BIAS, help=f"the hot experts' bias ({SKEW_BIAS})")
     p.add_argument("--expert-cache", type=float, help="colichat's expert cache in MiB (default: the engine's)")
+    p.add_argument("--no-prefetch", action="store_true", help="colichat without its next-layer expert prefetch")
     p.add_argument("--moe", action="store_true", help=argparse.SUPPRESS)  # make bench ARGS=--moe passes it on
     p.add_argument("--child", nargs=3, metavar=("ENGINE", "GGUF", "TOKENS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -497,6 +510,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.no_prefetch:  # (the children inherit it)
+        os.environ["COLICHAT_BENCH_NO_PREFETCH"] = "1"
     if args.child:  # one engine on one file: its figures as JSON on the last line
         print(json.dumps(child(*args.child, args.expert_cache)))
         return 0

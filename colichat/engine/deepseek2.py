@@ -16,7 +16,7 @@ import numpy as np
 
 from .attention import mla_absorbed, mla_naive, prefer_naive
 from .cache import KVCache
-from .ffn import ExpertCache, Routing, moe, route, swiglu
+from .ffn import PREFETCH_TOKENS, ExpertCache, Routing, moe, route, swiglu
 from .gguf import ModelConfig, ModelError, Tensors
 from .mtp import prepare_block
 from .ops import linear, rms_norm
@@ -247,7 +247,18 @@ class Forward:
         layer to use when it is not l (an MTP block's own cache, mtp.py)."""
         x = x + self.attention(l, x, pos0, cache, slot)  # (T, D)
         u = rms_norm(x, self.w[f"blk.{l}.ffn_norm"], self.cfg.rms_eps)  # (T, D)
-        return x + self.ffn(l, u)
+        return x + self.ffn(l, u, x)
+
+    def ahead(self, n: int, x: np.ndarray | None) -> tuple[int, list[int]] | None:
+        """(n, the experts layer n's router picks for residual x), to prefetch while layer n-1 computes: the
+        residual changes little from one layer to the next. None where nothing is prefetched."""
+        e = self.experts
+        if x is None or e is None or e.prefetcher is None or x.shape[0] > PREFETCH_TOKENS or n not in e.layers:
+            return None
+        w, b = self.w, f"blk.{n}."
+        u = rms_norm(x, w[b + "ffn_norm"], self.cfg.rms_eps)  # (T, D) as layer n will norm its input
+        ids, _ = route(u, w[b + "ffn_gate_inp"], w.get(b + "exp_probs_b"), self.routing)  # (T, U)
+        return n, np.unique(ids).tolist()
 
     def attention(self, l: int, x: np.ndarray, pos0: int, cache: KVCache, slot: int | None = None) -> np.ndarray:
         """MLA (absorbed form, or the decompressed one for long prefill chunks) over the keys
@@ -306,13 +317,14 @@ class Forward:
         overrides this. u: (T, D) attn_norm output; qr: (T, Q) normed q latent (None without q_lora)."""
         return kv, pos0, None
 
-    def ffn(self, l: int, u: np.ndarray) -> np.ndarray:
-        """A dense SwiGLU (leading layers) or routed + shared experts. u: (T, D) normed -> (T, D)."""
+    def ffn(self, l: int, u: np.ndarray, x: np.ndarray | None = None) -> np.ndarray:
+        """A dense SwiGLU (leading layers) or routed + shared experts. u: (T, D) normed -> (T, D). x: the
+        residual u was normed from, from which short passes predict the next layer's experts."""
         w, b = self.w, f"blk.{l}."
         if l < self.cfg.n_dense:
             return swiglu(u, w[b + "ffn_gate_up"], w[b + "ffn_down"])
         ids, wts = route(u, w[b + "ffn_gate_inp"], w.get(b + "exp_probs_b"), self.routing)  # (T, U) x2
-        out = moe(u, ids, wts, l, self.experts)  # (T, D)
+        out = moe(u, ids, wts, l, self.experts, self.ahead(l + 1, x))  # (T, D)
         if b + "ffn_gate_up_shexp" in w:
             out += swiglu(u, w[b + "ffn_gate_up_shexp"], w[b + "ffn_down_shexp"])
         return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,6 +21,7 @@ from .ops import linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
 FILL_THREADS = 2  # threads dequantizing an expert cache's misses at once (at most the cores there are)
+PREFETCH_TOKENS = 4  # passes of at most this many tokens (decode, a verify pass) prefetch the next layer's experts
 
 
 def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
@@ -118,6 +119,12 @@ class ExpertCache:
     there are), and dequantizes its misses on `fill_threads` threads (the calling one and a helper on
     the second core: numpy releases the GIL in its kernels). A fill writes the same bits on any thread.
     Called from one thread at a time.
+
+    Prefetch: `prefetch(layer, es)`, the experts a router predicts for the next layer, takes their slots
+    now (as misses would) and fills them on a worker thread while this layer computes; a fetch that
+    finds one waits for its fill (a wrong prediction only costs its slot and the worker's time: no
+    fetch waits on a fill it does not use). Which experts are resident never changes what a pass
+    computes, so output is the same with prefetch on or off (`prefetcher` None).
     """
 
     def __init__(self, tensors, layers: list[int], capacity_bytes: int):
@@ -153,8 +160,15 @@ class ExpertCache:
         self.read_bytes = max(p.n_bytes for ps in self.parts.values() for p in ps)
         self.bufs = threading.local()  # .buf: each filling thread's read buffer
         self.pool = ThreadPoolExecutor(self.fill_threads - 1, "colichat-experts") if self.fill_threads > 1 else None
+        # prefetch (with a cache, and a second core): a worker filling predicted experts' slots
+        self.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch") if self.caching and _cores() > 1 else None
+        self.pending: dict[int, Future] = {}  # slot -> its prefetch fill, until a fetch or a sweep settles it
+        self.held: set[int] = set()  # the slots the last fetch returned (in use until the next)
+        self.predicted: dict[int, set[int]] = {}  # layer -> the experts prefetched for its next fetch
+        # experts fetched after a prediction, those of them predicted, and experts filled ahead
+        self.predictions = self.predicted_right = self.prefetched = 0
         self.fds: dict[str, int] = {}
-        weakref.finalize(self, _close_all, self.fds, self.pool)
+        weakref.finalize(self, _close_all, self.fds, self.pool, self.prefetcher)
 
     def _parts(self, l: int) -> list[Part]:
         t, b, x = self.tensors, f"blk.{l}.", self.n_expert
@@ -194,6 +208,13 @@ class ExpertCache:
         if len(es) > self.batch:
             raise ValueError(f"{len(es)} experts at once, more than the {self.batch} slots")
         ks = [self.order[layer] * self.n_expert + e for e in es]
+        guess = self.predicted.pop(layer, None)
+        if guess is not None:
+            self.predictions += len(es)
+            self.predicted_right += len(guess.intersection(es))
+        for k in ks:  # a prefetched expert's fill ends first (one that failed is a miss)
+            if self.slot_of.get(k) in self.pending:
+                self._settle(self.slot_of[k])
         slots = [self.slot_of.get(k) for k in ks]
         held = {s for s in slots if s is not None}  # (this group's: never a victim of its own misses)
         jobs = []
@@ -217,11 +238,39 @@ class ExpertCache:
         if self.caching:
             for k, s in zip(ks, slots, strict=True):
                 self.keys[s], self.slot_of[k] = k, s
+        self.held = set(slots)
         return [self.views[s] for s in slots]
+
+    def prefetch(self, layer: int, es: list[int]) -> None:
+        """Experts `es` of `layer` are likely its next fetch's: the ones not resident take a slot (not one
+        the last fetch returned, nor one being filled) and are filled on the worker thread."""
+        if self.prefetcher is None:
+            return
+        for s in [s for s, f in self.pending.items() if f.done()]:
+            self._settle(s)
+        self.predicted[layer] = set(es)
+        for e in es:
+            k = self.order[layer] * self.n_expert + e
+            if k in self.slot_of or len(self.held) + len(self.pending) >= len(self.keys):
+                continue
+            s = self.victim(self.held)
+            self.slot_of.pop(int(self.keys[s]), None)
+            self.keys[s], self.slot_of[k], self.last[s] = k, s, self.tick
+            self.pending[s] = self.prefetcher.submit(self._fill, self.flat[s], layer, e)
+            self.prefetched += 1
+
+    def _settle(self, s: int) -> None:
+        """Wait for slot s's prefetch fill; if it failed, the slot is free again (its expert a miss)."""
+        future = self.pending.pop(s)
+        wait([future])
+        if future.exception() is not None:
+            self.slot_of.pop(int(self.keys[s]), None)
+            self.keys[s] = -1
 
     def victim(self, held=frozenset()) -> int:
         """The slot a miss fills, not one of `held`: a free one, else the lowest count's (least recently
         used of equals); without caching, a scratch slot."""
+        held = set(held) | set(self.pending)  # (a slot being filled is taken)
         free = [s for s in np.flatnonzero(self.keys < 0).tolist() if s not in held]
         if free or not self.caching:
             return free[0]
@@ -300,12 +349,13 @@ def _aligned_empty(rows: int, cols: int) -> np.ndarray:
     return base[skip : skip + rows * cols].reshape(rows, cols)
 
 
-def _close_all(fds: dict, pool) -> None:
+def _close_all(fds: dict, *pools) -> None:
+    for pool in pools:  # (a prefetch fill under way ends before its file is closed)
+        if pool is not None:
+            pool.shutdown(wait=True)
     for fd in fds.values():
         os.close(fd)
     fds.clear()
-    if pool is not None:
-        pool.shutdown(wait=False)
 
 
 def _cores() -> int:
@@ -315,8 +365,10 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: ExpertCache) -> np.ndarray:
+def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: ExpertCache,
+        ahead: tuple[int, list[int]] | None = None) -> np.ndarray:
     """sum_u w[t, u] * expert_{ids[t, u]}(x[t]); tokens grouped by expert (a loop over experts hit only).
+    `ahead`: (next layer, its predicted experts), prefetched once this layer's first group is resident.
 
     x: (T, D); ids, w: (T, U). Returns (T, D).
     """
@@ -330,7 +382,10 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: Expe
     spans = list(zip(hit.tolist(), starts.tolist(), ends.tolist(), strict=True))
     for g in range(0, len(spans), experts.batch):  # a group of experts resident at once (ExpertCache.fetch)
         group = spans[g : g + experts.batch]
-        for (_, a, b), (gate_up, down) in zip(group, experts.fetch(layer, [e for e, _, _ in group]), strict=True):
+        resident = experts.fetch(layer, [e for e, _, _ in group])
+        if ahead is not None and g == 0:
+            experts.prefetch(*ahead)
+        for (_, a, b), (gate_up, down) in zip(group, resident, strict=True):
             sel = order[a:b]  # (M,) assignment indices of expert e
             rows = sel // k  # (M,) token of each assignment; each token picks an expert at most once
             y = swiglu(x[rows], gate_up, down)  # (M, D)

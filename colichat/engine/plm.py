@@ -74,6 +74,6 @@ class Forward(deepseek2.Forward):
         self.rot = rope_rotations(rope_params(cfg), n_ctx)  # (P, I) complex64
         self.kq_scale = 1.0 / math.sqrt(cfg.qk_head)
 
-    def ffn(self, l: int, u: np.ndarray) -> np.ndarray:
+    def ffn(self, l: int, u: np.ndarray, x: np.ndarray | None = None) -> np.ndarray:
         b = f"blk.{l}."
         return relu2_ffn(u, self.w[b + "ffn_up"], self.w[b + "ffn_down"])
