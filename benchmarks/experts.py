@@ -44,7 +44,7 @@ def decode_ms(path: Path, cache_mib: float) -> tuple[float, int]:
 def main() -> None:
     from gguf_factory import DS2Spec, write_deepseek2
 
-    from colichat.engine import dequant
+    from colichat.engine.gguf import dequant
 
     path = HERE / "out" / "experts-q4_k_m.gguf"
     if not path.exists():

@@ -111,7 +111,7 @@ def say(msg: str) -> None:
 
 
 def prompt_ids(tok, text: str) -> list[int]:
-    from colichat.engine.template import chat_template_for
+    from colichat.engine.text.template import chat_template_for
 
     return tok.encode_prompt(chat_template_for(tok).render([{"role": "user", "content": text}], True))
 

@@ -22,7 +22,7 @@ from .chat_settings import ChatSettings
 from .engine import Model, ModelError
 from .engine.generate import Generation
 from .engine.speculative import PromptLookup
-from .engine.template import chat_template_for
+from .engine.text.template import chat_template_for
 from .errors import ChatError
 from .persist import CacheLayout, Store, Turn, model_identity
 from .persist.session import REOPEN_ROOM

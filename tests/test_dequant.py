@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from colichat.engine import dequant
+from colichat.engine.gguf import dequant
 
 
 def _random_blocks(name: str, shape: tuple, seed: int = 1) -> np.ndarray:

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from colichat.engine.gguf import ModelError, open_gguf
-from colichat.engine.gguf_file import GGUFFile
-from colichat.engine.gguf_header import HeaderError, read_header
+from colichat.engine.gguf.file import GGUFFile
+from colichat.engine.gguf.header import HeaderError, read_header
+from colichat.engine.gguf.tensors import ModelError, open_gguf
 
 
 @pytest.mark.parametrize("path", sorted(TINY.glob("*.gguf")), ids=lambda p: p.name)

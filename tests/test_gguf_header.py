@@ -8,7 +8,7 @@ import gguf
 import pytest
 from conftest import TINY, VOCAB
 
-from colichat.engine.gguf_header import HeaderError, read_header
+from colichat.engine.gguf.header import HeaderError, read_header
 
 
 @pytest.mark.parametrize("path", [TINY / "ds-v3.q8_0.gguf", TINY / "minicpm3.gguf", VOCAB / "ggml-vocab-phi-3.gguf"],

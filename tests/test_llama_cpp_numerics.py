@@ -12,8 +12,8 @@ from conftest import REF, TINY
 from gguf_factory import write_deepseek2
 
 from colichat.engine import load
-from colichat.engine.gguf import ModelError
-from colichat.engine.reference import ggml_ops as G
+from colichat.engine.architectures.reference import ggml_ops as G
+from colichat.engine.gguf.tensors import ModelError
 
 Q8 = str(TINY / "ds-v3.q8_0.gguf")
 TINY_MODELS = ["ds-v3.q8_0", "ds-v3", "ds-v2-lite", "ds-dense", "llama"]

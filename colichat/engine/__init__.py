@@ -21,7 +21,16 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from .cache import record_bytes
-from .gguf import MIN_CTX, ContextError, ModelConfig, ModelError, Tensors, load_config, open_gguf, trained_context
+from .gguf.tensors import (
+    MIN_CTX,
+    ContextError,
+    ModelConfig,
+    ModelError,
+    Tensors,
+    load_config,
+    open_gguf,
+    trained_context,
+)
 from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
@@ -33,7 +42,7 @@ __all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "Sam
 
 
 def load_tokenizer(path_or_reader):
-    from .tokenizer import load_tokenizer as _load
+    from .text.tokenizer import load_tokenizer as _load
 
     return _load(path_or_reader)
 
@@ -52,10 +61,10 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     check: optional callback(cfg, tokenizer, n_ctx) run before the weights are prepared (which can take
     minutes): what the caller will ask of them (its system prompt), refused now (ModelError).
     """
-    from .prepared import load_prepared, save_prepared
-    from .template import check_chat_template
-    from .tokenizer import load_tokenizer as _load_tokenizer
-    from .tokenizer import tokenizer_from_metadata
+    from .gguf.prepared import load_prepared, save_prepared
+    from .text.template import check_chat_template
+    from .text.tokenizer import load_tokenizer as _load_tokenizer
+    from .text.tokenizer import tokenizer_from_metadata
 
     path = str(path)
     prepared = load_prepared(path, cache_dir, on_note) if cache_dir is not None else None

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..units import format_size
-from . import deepseek2, dsa, llama, minicpm3, plm
+from .architectures import deepseek2, dsa, llama, minicpm3, plm
 from .cache import KVCache
-from .gguf import ModelConfig, ModelError, Tensors
+from .gguf.tensors import ModelConfig, ModelError, Tensors
 from .mtp import MTPDrafts
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .ops import rms_norm
@@ -92,7 +92,7 @@ def forward_class(mod, numerics: str):
         return mod.Forward
     if numerics != "llama.cpp":
         raise ValueError(f"numerics must be 'fast' or 'llama.cpp', not {numerics!r}")
-    name = f"{__package__}.reference.{mod.__name__.rsplit('.', 1)[-1]}"
+    name = f"{__package__}.architectures.reference.{mod.__name__.rsplit('.', 1)[-1]}"
     try:
         return importlib.import_module(name).Forward
     except ModuleNotFoundError as e:

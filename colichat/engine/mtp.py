@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache import KVCache, record_bytes
-from .gguf import ModelError
+from .gguf.tensors import ModelError
 from .ops import rms_norm
 from .speculative import DraftSource
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .gguf import ModelError
+from .gguf.tensors import ModelError
 
 
 @dataclass(frozen=True)

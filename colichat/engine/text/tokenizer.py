@@ -31,8 +31,8 @@ import mmap
 import os
 import struct
 
-from .gguf import ModelError, field, open_gguf
-from .gguf_header import HeaderError, read_header
+from ..gguf.header import HeaderError, read_header
+from ..gguf.tensors import ModelError, field, open_gguf
 from .pretokenizer import PRE_TYPES, SURROGATE, PreTokenizer
 
 # tokenizer.ggml.token_type values

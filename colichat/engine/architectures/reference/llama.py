@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache
-from ..gguf import ModelConfig, ModelError, Tensors
+from ...cache import KVCache
+from ...gguf.tensors import ModelConfig, ModelError, Tensors
+from ...ops import causal_mask
 from ..llama import llama_rope
-from ..ops import causal_mask
 from . import ggml_ops as G
 
 F32 = np.float32

@@ -36,14 +36,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..paths import private_dir, private_file
+from ...paths import private_dir, private_file
 
 try:  # the same CRC-32 as zlib.crc32, several times faster
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
     from zlib import crc32
 
-from .gguf import ModelConfig, TensorRecord, Tensors
+from .tensors import ModelConfig, TensorRecord, Tensors
 
 PREPARED_FORMAT = 3  # 3: the config has the model's sampling defaults
 ALIGN = 64

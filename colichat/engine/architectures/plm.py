@@ -15,10 +15,10 @@ import math
 
 import numpy as np
 
+from ..gguf.tensors import ModelConfig, Tensors
+from ..ops import linear
+from ..rope import RopeParams, rope_rotations
 from . import deepseek2
-from .gguf import ModelConfig, Tensors
-from .ops import linear
-from .rope import RopeParams, rope_rotations
 
 CACHE_KIND = deepseek2.CACHE_KIND
 cache_widths = deepseek2.cache_widths

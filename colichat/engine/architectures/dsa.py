@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import indexer as I
+from ..gguf.tensors import ModelConfig, ModelError, Tensors
+from ..ops import SMALL_BATCH
 from . import deepseek2
-from . import indexer as I
-from .gguf import ModelConfig, ModelError, Tensors
-from .ops import SMALL_BATCH
 
 CACHE_KIND = deepseek2.CACHE_KIND
 cache_widths = deepseek2.cache_widths

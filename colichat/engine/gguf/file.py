@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .gguf_header import DEFAULT_ALIGNMENT, HeaderError, read_header
+from .header import DEFAULT_ALIGNMENT, HeaderError, read_header
 
 
 class Truncated(Exception):

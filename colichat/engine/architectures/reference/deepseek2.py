@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache
+from ...cache import KVCache
+from ...ffn import select_experts
+from ...gguf.tensors import ModelConfig, ModelError, Tensors
+from ...ops import causal_mask
 from ..deepseek2 import mla_rope, routing
-from ..ffn import select_experts
-from ..gguf import ModelConfig, ModelError, Tensors
-from ..ops import causal_mask
 from . import ggml_ops as G
 
 F32 = np.float32

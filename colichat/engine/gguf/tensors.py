@@ -16,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import dequant
-from .gguf_file import GGUFFile, Truncated
-from .gguf_header import HeaderError, read_header
+from .file import GGUFFile, Truncated
+from .header import HeaderError, read_header
 
 # Architectures that exist in GGUF files but that colichat does not run (yet); named in the refusal.
 KNOWN_UNSUPPORTED = {
@@ -329,7 +329,7 @@ def load_config(reader, path: str, tensors: Tensors) -> ModelConfig:
     """The one place metadata becomes a config: the keys every architecture has, read here, then
     the architecture module's config() (model.ARCHITECTURES). Defaults are llama.cpp's (docs:
     mla-spec section 1)."""
-    from .model import ARCHITECTURES
+    from ..model import ARCHITECTURES
 
     arch = field(reader, "general.architecture", required=True)
     if arch in KNOWN_UNSUPPORTED:

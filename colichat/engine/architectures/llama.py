@@ -7,12 +7,12 @@ import math
 
 import numpy as np
 
-from .attention import gqa_attention
-from .cache import KVCache
-from .ffn import swiglu
-from .gguf import ModelConfig, ModelError, Tensors
-from .ops import linear, rms_norm
-from .rope import RopeParams, rope_norm, rope_rotations
+from ..attention import gqa_attention
+from ..cache import KVCache
+from ..ffn import swiglu
+from ..gguf.tensors import ModelConfig, ModelError, Tensors
+from ..ops import linear, rms_norm
+from ..rope import RopeParams, rope_norm, rope_rotations
 
 CACHE_KIND = "gqa"
 

@@ -1,0 +1,1 @@
+"""Text <-> token ids."""
