@@ -283,7 +283,7 @@ def run_child(cmd: list[str]) -> dict:
 
 
 def dequantizer(name: str):
-    """(fn(blocks, out), label): what colichat dequantizes a quant type with (engine/dequant.FAST, writing into
+    """(fn(blocks, out), label): what colichat dequantizes a quant type with (engine/gguf/dequant.FAST, writing into
     `out` where it can, as into an expert-cache slot), or gguf-py's gguf.quants.dequantize."""
     import gguf
 

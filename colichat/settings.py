@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .engine import SamplerSettings
-
-
-class SettingError(Exception):
-    """A value a setting cannot take; the message is one line naming the setting."""
+from .errors import SettingError
 
 
 def unquoted(text: str) -> str:

@@ -1,4 +1,4 @@
-"""engine/dequant.py: the fast dequantizers give gguf-py's values exactly, on every bit pattern."""
+"""engine/gguf/dequant.py: the fast dequantizers give gguf-py's values exactly, on every bit pattern."""
 
 from __future__ import annotations
 

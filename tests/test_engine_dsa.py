@@ -19,8 +19,9 @@ from colichat.engine import load
 from colichat.engine.architectures import dsa
 from colichat.engine.architectures.dsa import glm_5_2_types, index_slots
 from colichat.engine.cache import record_bytes
-from colichat.engine.gguf.tensors import ModelError, Tensors, open_gguf
+from colichat.engine.gguf.tensors import Tensors, open_gguf
 from colichat.engine.mtp import MTPBlock
+from colichat.errors import ModelError
 
 DSA_MODELS = ["ds-v32", "glm-dsa"]
 

@@ -1,4 +1,4 @@
-"""gguf_header reads the same metadata and tensor infos as gguf-py, and says when a buffer is short."""
+"""gguf/header.py reads the same metadata and tensor infos as gguf-py, and says when a buffer is short."""
 
 from __future__ import annotations
 

@@ -309,7 +309,7 @@ def test_a_model_too_big_for_memory_is_refused_before_dequantizing(tmp_path, mon
     import pytest
 
     from colichat import engine
-    from colichat.engine.gguf.tensors import ModelError
+    from colichat.errors import ModelError
 
     monkeypatch.setattr(engine, "available_memory", lambda: 1 << 20)  # 1 MiB free
     with pytest.raises(ModelError, match="GiB as f32"):

@@ -6,7 +6,8 @@
     trained_context("model.gguf")       # before loading: the most context load() gives (None: not said)
     default_context(n_ctx_train)        # the context load() gives without n_ctx
 
-The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
+The layout: docs/design.md lists every module (gguf/ files in and out, text/ tokens and templates,
+architectures/ one module per architecture, the shared Model in model.py).
 
 Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
   T new tokens of a forward   N cache rows (tokens 0..N-1, new ones included)   P RoPE positions
@@ -20,18 +21,12 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 
 from __future__ import annotations
 
+from ..errors import ContextError, ModelError
+from .architectures import architecture, forward_class, load_config
 from .cache import record_bytes
-from .gguf.tensors import (
-    MIN_CTX,
-    ContextError,
-    ModelConfig,
-    ModelError,
-    Tensors,
-    load_config,
-    open_gguf,
-    trained_context,
-)
-from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
+from .config import MIN_CTX, ModelConfig
+from .gguf.tensors import Tensors, open_gguf, trained_context
+from .model import Model, available_memory, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
@@ -42,7 +37,7 @@ __all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "Sam
 
 
 def load_tokenizer(path_or_reader):
-    from .text.tokenizer import load_tokenizer as _load
+    from .text.load import load_tokenizer as _load
 
     return _load(path_or_reader)
 
@@ -62,9 +57,9 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     minutes): what the caller will ask of them (its system prompt), refused now (ModelError).
     """
     from .gguf.prepared import load_prepared, save_prepared
+    from .text.load import load_tokenizer as _load_tokenizer
+    from .text.load import tokenizer_from_metadata
     from .text.template import check_chat_template
-    from .text.tokenizer import load_tokenizer as _load_tokenizer
-    from .text.tokenizer import tokenizer_from_metadata
 
     path = str(path)
     prepared = load_prepared(path, cache_dir, on_note) if cache_dir is not None else None

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import ModelError
 from .gguf import dequant
-from .gguf.tensors import ModelError
 from .ops import linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing

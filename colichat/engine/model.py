@@ -1,73 +1,33 @@
-"""The model: token ids in, logits out, the cache grows. What every architecture shares lives here;
-what differs lives in one module per architecture, found through ARCHITECTURES.
-
-An architecture module (llama.py, deepseek2.py; dsa.py, plm.py and minicpm3.py derive from deepseek2) holds:
-
-    CACHE_KIND = "mla" | "gqa"              # the KVCache kind (and session file format) of its rows
-    config(key, common, tensors) -> ModelConfig
-        # key(name, default=None, required=False) reads "{arch}.{name}" metadata; common holds the
-        # fields every architecture has (gguf.load_config); arch-specific fields are optional
-        # fields of the one frozen ModelConfig
-    cache_widths(cfg) -> (A, B)             # floats per token per layer in the cache
-    prepare(cfg, tensors, progress=None) -> dict[str, np.ndarray]
-        # dense f32 weights by GGUF-derived names (routed experts stay lazy)
-    class Forward:                          # built once per Model: rope tables, kq_scale, routing, experts
-        __init__(cfg, weights, tensors, n_ctx, expert_cache_mib)
-        experts                             # its ExpertCache, or None
-        layer(l, x, pos0, cache) -> x       # (T, D) -> (T, D); writes cache rows pos0..pos0+T-1
-        logits(x) -> (T, V)
-        # optional, where the rope depends on the context size (minicpm3's LongRoPE):
-        rope_factors, default_rope_factors  # the factor set in use, and the one n_ctx picks
-        use_rope_factors(name)              # rotate with another set (a resumed conversation's)
-    rope_factors_problem(cfg, n_ctx, name) -> str | None   # why that set cannot serve n_ctx
-
-and reference/<same name>.py holds a Forward with the same interface in llama.cpp's arithmetic
-(numerics="llama.cpp"; see forward_class). Adding an architecture is one module plus one line in
-ARCHITECTURES; one derived from deepseek2 imports its pieces (config_fields, prepare_layer,
-mla_rope, routing, or subclasses Forward) instead of copying them.
+"""The model: token ids in, logits out, the cache grows. What every architecture shares lives here
+(the cache, chunked prefill, decode, the memory checks, the MTP block's draft state); what differs
+lives in one module per architecture, found through architectures.ARCHITECTURES (whose docstring
+says what such a module holds).
 
 Axis letters: engine/__init__.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ModelError
 from ..units import format_size
-from .architectures import deepseek2, dsa, llama, minicpm3, plm
+from .architectures import architecture, forward_class
 from .cache import KVCache
-from .gguf.tensors import ModelConfig, ModelError, Tensors
+from .config import ModelConfig
+from .gguf.tensors import Tensors
 from .mtp import MTPDrafts
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .ops import rms_norm
 from .threads import ThreadPolicy
 
-# GGUF general.architecture -> the module that runs it.
-ARCHITECTURES = {
-    "llama": llama,
-    "deepseek2": deepseek2,
-    "plm": plm,
-    "minicpm3": minicpm3,
-    "deepseek32": dsa,
-    "glm-dsa": dsa,
-}
-
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
 DEFAULT_EXPERT_CACHE_MIB = 4096  # routed-expert cache bound where the available memory is unknown
 EXPERT_CACHE_SHARE = 0.5  # of the memory left after the dense weights and the KV cache
 EXPERT_CACHE_MIN_MIB = 512
-
-
-def architecture(cfg: ModelConfig):
-    """The module that runs cfg's architecture."""
-    mod = ARCHITECTURES.get(cfg.arch)
-    if mod is None:
-        raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
-    return mod
 
 
 def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name: str | None) -> str | None:
@@ -82,24 +42,6 @@ def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name: str | None) -> str 
         return None
     return (f"its cache rows were rotated with rope factors {str(name)[:40]!r}, but {cfg.arch} uses the "
             "same rope at every context size: start a new conversation")
-
-
-def forward_class(mod, numerics: str):
-    """The one place numerics are chosen: "fast" (float32 math, BLAS) is the module's Forward;
-    "llama.cpp" (llama.cpp's CPU arithmetic reproduced op by op; slow, for checking against
-    llama.cpp) is the Forward of reference/<module name>.py, imported on demand."""
-    if numerics == "fast":
-        return mod.Forward
-    if numerics != "llama.cpp":
-        raise ValueError(f"numerics must be 'fast' or 'llama.cpp', not {numerics!r}")
-    name = f"{__package__}.architectures.reference.{mod.__name__.rsplit('.', 1)[-1]}"
-    try:
-        return importlib.import_module(name).Forward
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        raise ModelError(f"llama.cpp numerics do not cover {mod.__name__.rsplit('.', 1)[-1]} models; "
-                         "use the default numerics") from None
 
 
 def prepare_weights(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .gguf.tensors import ModelError
+from ..errors import ModelError
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from ..engine.cache import record_bytes
+from ..errors import SessionError
 
 MAGIC = {"mla": b"COLIKV1\0", "gqa": b"COLIGQA\0"}
 KIND_OF_MAGIC = {m: k for k, m in MAGIC.items()}
@@ -30,10 +31,6 @@ NREC_OFFSET = 8 + 6 * 4  # byte offset of the nrec field
 INT32_MAX = 2**31 - 1
 PARALLEL_READ = 8 << 20  # bytes past which a load reads with two threads
 CHUNK = 1 << 28  # largest single read/write (Linux caps one call near 2 GiB)
-
-
-class SessionError(Exception):
-    """A session colichat cannot open, load or save. The message is one line meant for the user."""
 
 
 class SessionBusy(SessionError):

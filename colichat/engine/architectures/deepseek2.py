@@ -14,10 +14,12 @@ import math
 
 import numpy as np
 
+from ...errors import ModelError
 from ..attention import mla_absorbed, mla_naive, prefer_naive
 from ..cache import KVCache
+from ..config import ModelConfig
 from ..ffn import ExpertCache, Routing, moe, route, swiglu
-from ..gguf.tensors import ModelConfig, ModelError, Tensors
+from ..gguf.tensors import Tensors
 from ..mtp import prepare_block
 from ..ops import linear, rms_norm
 from ..rope import RopeParams, rope_norm, rope_rotations

@@ -7,10 +7,12 @@ import math
 
 import numpy as np
 
+from ...errors import ModelError
 from ..attention import gqa_attention
 from ..cache import KVCache
+from ..config import ModelConfig
 from ..ffn import swiglu
-from ..gguf.tensors import ModelConfig, ModelError, Tensors
+from ..gguf.tensors import Tensors
 from ..ops import linear, rms_norm
 from ..rope import RopeParams, rope_norm, rope_rotations
 

@@ -23,8 +23,10 @@ import math
 
 import numpy as np
 
+from ...errors import ModelError
 from ..cache import KVCache
-from ..gguf.tensors import ModelConfig, ModelError, Tensors
+from ..config import ModelConfig
+from ..gguf.tensors import Tensors
 from ..ops import linear, rms_norm
 from ..rope import rope_neox, rope_rotations
 from . import deepseek2, plm

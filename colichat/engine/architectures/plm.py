@@ -15,7 +15,8 @@ import math
 
 import numpy as np
 
-from ..gguf.tensors import ModelConfig, Tensors
+from ..config import ModelConfig
+from ..gguf.tensors import Tensors
 from ..ops import linear
 from ..rope import RopeParams, rope_rotations
 from . import deepseek2

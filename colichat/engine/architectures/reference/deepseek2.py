@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ....errors import ModelError
 from ...cache import KVCache
+from ...config import ModelConfig
 from ...ffn import select_experts
-from ...gguf.tensors import ModelConfig, ModelError, Tensors
+from ...gguf.tensors import Tensors
 from ...ops import causal_mask
 from ..deepseek2 import mla_rope, routing
 from . import ggml_ops as G

@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from ...gguf.tensors import ModelError
+from ....errors import ModelError
 from ...rope import RopeParams, yarn_corr_dims
 
 F32, F64 = np.float32, np.float64

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ....errors import ModelError
 from ...cache import KVCache
-from ...gguf.tensors import ModelConfig, ModelError, Tensors
+from ...config import ModelConfig
+from ...gguf.tensors import Tensors
 from ...ops import causal_mask
 from ..llama import llama_rope
 from . import ggml_ops as G
