@@ -22,11 +22,11 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 from __future__ import annotations
 
 from ..errors import ContextError, ModelError
-from .architectures import architecture, forward_class, load_config
+from .architectures import architecture, load_config
 from .cache import record_bytes
 from .config import MIN_CTX, ModelConfig
 from .gguf.tensors import Tensors, open_gguf, trained_context
-from .model import Model, available_memory, prepare_weights, rope_factors_problem
+from .model import Model, available_memory, has_mtp, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
@@ -48,11 +48,12 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
 
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
     progress: optional callback(done, total) while weights are prepared.
-    cache_dir: where dequantized weights are kept between runs (prepared.py); None: not kept.
+    cache_dir: where dequantized weights are kept between runs (gguf/prepared.py); None: not kept.
     expert_cache: MiB of dequantized routed experts kept (MoE models; default: model.auto_expert_cache_mib).
     on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
     numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic bit for bit (slow).
-    mtp: draft with the file's MTP block, if it has one (its rows count in the context's memory).
+    mtp: keep the draft state of the file's MTP block, if it has one (its rows count in the context's
+    memory); False leaves it out. Decided at load, for the model's life (Model.mtp, Model.mtp_left_out).
     check: optional callback(cfg, tokenizer, n_ctx) run before the weights are prepared (which can take
     minutes): what the caller will ask of them (its system prompt), refused now (ModelError).
     """
@@ -80,7 +81,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     check_memory(path, dense)
     a, b = architecture(cfg).cache_widths(cfg)
     record = record_bytes(cfg.n_layer, a, b, cfg.index_head_dim, cfg.n_index_layers)  # Model's KVCache record
-    if mtp and mtp_drafting(cfg, numerics):
+    if mtp and has_mtp(cfg, numerics):
         record += mtp_bytes_per_token(cfg)  # what Model.mtp keeps per token
     check_context(n_ctx, cfg.n_ctx_train, record, dense)
     if check is not None:
@@ -94,14 +95,6 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
     return Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp)
-
-
-def mtp_drafting(cfg: ModelConfig, numerics: str) -> bool:
-    """Whether a Model of cfg drafts with an MTP block (Model.mtp): the file has one and the numerics'
-    passes give decode's rows (Model.exact_passes)."""
-    if not cfg.n_nextn or numerics != "fast":
-        return False
-    return bool(getattr(forward_class(architecture(cfg), numerics), "exact_passes", False))
 
 
 def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:

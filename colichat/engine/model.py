@@ -44,6 +44,18 @@ def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name: str | None) -> str 
             "same rope at every context size: start a new conversation")
 
 
+def exact_passes(cfg: ModelConfig, numerics: str) -> bool:
+    """Whether a Model of cfg computes a pass of 2..ops.SMALL_BATCH tokens as decoding them one by one
+    would, bit for bit (its Forward's exact_passes; llama.cpp's numerics are not batched): then drafts
+    can be checked in one pass (speculative decoding)."""
+    return numerics == "fast" and bool(getattr(forward_class(architecture(cfg), numerics), "exact_passes", False))
+
+
+def has_mtp(cfg: ModelConfig, numerics: str) -> bool:
+    """Whether a Model of cfg can draft with an MTP block: the file has one and passes are exact."""
+    return bool(cfg.n_nextn) and exact_passes(cfg, numerics)
+
+
 def prepare_weights(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
     """The dense weights of an architecture, dequantized (routed experts of MoE models stay lazy)."""
     return architecture(cfg).prepare(cfg, t, progress)
@@ -132,8 +144,10 @@ class Model:
     ):
         """expert_cache: MiB of dequantized routed experts to keep (MoE models; default:
         auto_expert_cache_mib of what the weights and the cache leave). Routed experts are read
-        from `tensors` (the GGUF memory map). numerics: see forward_class. mtp: draft with the
-        file's MTP block (`self.mtp`, fed by every forward) where it has one and passes are exact."""
+        from `tensors` (the GGUF memory map). numerics: see forward_class. mtp: keep the file's MTP
+        block's draft state (`self.mtp`, fed by every forward; its rows cost memory) where it has one
+        and passes are exact (has_mtp). Decided here, once: a draft setting only chooses whether
+        Generation asks self.mtp for drafts."""
         self.cfg = cfg
         self.w = weights
         self.tokenizer = tokenizer
@@ -154,9 +168,10 @@ class Model:
         self.experts = self.fwd.experts
         self.numerics = numerics
         # speculative decoding needs a pass of a few tokens to give decode's exact rows
-        self.exact_passes = numerics == "fast" and getattr(self.fwd, "exact_passes", False)
+        self.exact_passes = exact_passes(cfg, numerics)
         self.threads = ThreadPolicy()
-        self.mtp = MTPDrafts(self) if mtp and cfg.n_nextn and self.exact_passes else None
+        self.mtp = MTPDrafts(self) if mtp and has_mtp(cfg, numerics) else None
+        self.mtp_left_out = not mtp and has_mtp(cfg, numerics)  # the file's block, not loaded (mtp=False)
 
     # --- public API -------------------------------------------------------------------------------
 
