@@ -144,10 +144,10 @@ class Model:
     ):
         """expert_cache: MiB of dequantized routed experts to keep (MoE models; default:
         auto_expert_cache_mib of what the weights and the cache leave). Routed experts are read
-        from `tensors` (the GGUF memory map). numerics: see forward_class. mtp: keep the file's MTP
-        block's draft state (`self.mtp`, fed by every forward; its rows cost memory) where it has one
-        and passes are exact (has_mtp). Decided here, once: a draft setting only chooses whether
-        Generation asks self.mtp for drafts."""
+        from `tensors` (the GGUF memory map). numerics: see architectures.forward_class. mtp: keep
+        the file's MTP block's draft state (`self.mtp`, fed by every forward; its rows cost memory)
+        where it has one and passes are exact (has_mtp). Decided here, once: a draft setting only
+        chooses whether Generation asks self.mtp for drafts."""
         self.cfg = cfg
         self.w = weights
         self.tokenizer = tokenizer
