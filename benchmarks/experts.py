@@ -6,7 +6,7 @@ A random deepseek2 GGUF with DeepSeek-V2-Lite's MoE layer shape (64 experts of F
 2048, 6 routed + 2 shared, V2-Lite attention) in 3 layers, experts stored as a "Q4_K_M" file stores
 them (gate/up Q4_K, down Q6_K), the rest Q8_0. Decode speed with a 4 GiB expert cache and with a
 256 MiB one (almost every routed expert a miss), each with colichat's dequantizers
-(engine/dequant.py) and with gguf-py's, in one run. Nothing is asserted.
+(engine/gguf/dequant.py) and with gguf-py's, in one run. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def decode_ms(path: Path, cache_mib: float) -> tuple[float, int]:
 def main() -> None:
     from gguf_factory import DS2Spec, write_deepseek2
 
-    from colichat.engine import dequant
+    from colichat.engine.gguf import dequant
 
     path = HERE / "out" / "experts-q4_k_m.gguf"
     if not path.exists():

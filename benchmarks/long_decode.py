@@ -39,7 +39,8 @@ class OpProfile:
     """Wraps the engine functions a decode step calls in timers (exclusive time per label) while active."""
 
     def __init__(self, extra_attention=()):
-        from colichat.engine import attention, deepseek2, ffn, llama
+        from colichat.engine import attention, ffn
+        from colichat.engine.architectures import deepseek2, llama
 
         self.acc: dict[str, float] = collections.defaultdict(float)
         self._stack: list[float] = []
@@ -110,7 +111,7 @@ def attention_of(rev: str):
 
 def use_attention(mod) -> None:
     """Make the llama and deepseek2 forward passes call mod's attention functions."""
-    from colichat.engine import deepseek2, llama
+    from colichat.engine.architectures import deepseek2, llama
 
     llama.gqa_attention = mod.gqa_attention
     deepseek2.mla_absorbed, deepseek2.mla_naive = mod.mla_absorbed, mod.mla_naive

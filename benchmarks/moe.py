@@ -181,7 +181,8 @@ class RouteCounter:
     ffn.select_experts to see the picks)."""
 
     def __init__(self, n_layer: int, n_expert: int):
-        from colichat.engine import deepseek2, ffn
+        from colichat.engine import ffn
+        from colichat.engine.architectures import deepseek2
 
         self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)  # (L, X)
         self.layer = None
@@ -291,11 +292,11 @@ def run_child(cmd: list[str]) -> dict:
 
 
 def dequantizer(name: str):
-    """(fn(blocks, out), label): what colichat dequantizes a quant type with (engine/dequant.FAST, writing into
+    """(fn(blocks, out), label): what colichat dequantizes a quant type with (engine/gguf/dequant.FAST, writing into
     `out` where it can, as into an expert-cache slot), or gguf-py's gguf.quants.dequantize."""
     import gguf
 
-    from colichat.engine import dequant
+    from colichat.engine.gguf import dequant
 
     fast = dequant.FAST.get(name)
     if fast is not None and "out" in inspect.signature(fast).parameters:

@@ -111,7 +111,7 @@ def say(msg: str) -> None:
 
 
 def prompt_ids(tok, text: str) -> list[int]:
-    from colichat.engine.template import chat_template_for
+    from colichat.engine.text.template import chat_template_for
 
     return tok.encode_prompt(chat_template_for(tok).render([{"role": "user", "content": text}], True))
 
@@ -125,7 +125,8 @@ def answer(model, ids: list[int], draft: int, max_tokens: int, mtp: bool = False
 
     model.reset()
     logits = model.prefill(ids, all_logits=False)[-1]
-    gen = Generation(model, logits, Sampler(SamplerSettings(temperature=0)), model.tokenizer.eog_ids, max_tokens,
+    greedy = SamplerSettings(temperature=0, repeat_penalty=1.0)  # no penalty, as BENCHMARKS.md measured it
+    gen = Generation(model, logits, Sampler(greedy), model.tokenizer.eog_ids, max_tokens,
                      drafts=[PromptLookup()] + [model.mtp] * mtp, draft=draft)
     t0 = time.perf_counter()
     out = list(gen)

@@ -27,7 +27,7 @@ from .chat_settings import ChatSettings
 from .engine import Model, ModelError
 from .engine.generate import Generation
 from .engine.speculative import PromptLookup
-from .engine.template import TemplateError, chat_template_for
+from .engine.text.template import TemplateError, chat_template_for
 from .errors import ChatError
 from .persist import CacheLayout, Store, Turn, model_identity
 from .persist.session import REOPEN_ROOM
@@ -124,7 +124,7 @@ class Conversation:
         said, changed = self.prefs.set(key, value, started=bool(self.turns))
         if changed:
             self._save_settings()
-        if key == "draft" and value and self.model.cfg.n_nextn and self.model.mtp is None:
+        if key == "draft" and value and self.model.mtp_left_out:
             said += (" (prompt lookup only: the model's MTP block was not loaded, as with --draft 0 at start; "
                      "start colichat with --draft N to draft with it too)")
         return said
@@ -437,7 +437,7 @@ class Conversation:
         self.clock.start()
         drafts = [PromptLookup()] + ([self.model.mtp] if self.model.mtp is not None else [])
         gen = Generation(self.model, logits, self.prefs.sampler, self.tok.eog_ids, self.settings.max_tokens,
-                         drafts=drafts, draft=self._draft(), recent=self.settings.repeat_last_n)
+                         drafts=drafts, draft=self._draft())  # (the penalty's window: the sampler's)
         stats.stopped = "interrupt"
         tokens, first = iter(gen), self.model.cache.length
         try:

@@ -719,8 +719,8 @@ def main(argv=None) -> int:
 
             waiting = keys_wait()
         with waiting:
-            model = load_model(args, say, status, mtp=settings.draft > 0,  # --draft 0: no MTP rows either
-                               system=settings.system)
+            # --draft 0 at start: no MTP rows either (the model's, for its life; /set draft picks what it uses)
+            model = load_model(args, say, status, mtp=settings.draft > 0, system=settings.system)
         settings, note = model_sampling(settings, given, model.cfg)
         if note:
             say(note)

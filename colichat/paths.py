@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import SessionError
+
 
 @dataclass(frozen=True)
 class Paths:
@@ -61,8 +63,6 @@ def expand_home(path: str, error: type[Exception], given: str = "") -> str:
 def paths() -> Paths:
     home = os.environ.get("COLICHAT_HOME")
     if home:
-        from .persist.kvfile import SessionError
-
         h = Path(os.path.abspath(expand_home(home, SessionError, "COLICHAT_HOME=")))  # (colichat never chdirs)
         return Paths(h / "data", h / "state", h / "cache")
     import platformdirs
@@ -71,8 +71,6 @@ def paths() -> Paths:
         return Paths(Path(platformdirs.user_data_dir("colichat")), Path(platformdirs.user_state_dir("colichat")),
                      Path(platformdirs.user_cache_dir("colichat")))
     except RuntimeError:  # platformdirs: no absolute HOME, and the user has no home directory in passwd
-        from .persist.kvfile import SessionError
-
         raise SessionError(f"cannot tell where to keep conversations: {NO_HOME}; set HOME, or COLICHAT_HOME "
                            "to a directory for colichat's files") from None
 

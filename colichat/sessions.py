@@ -21,7 +21,7 @@ import shlex
 from collections import defaultdict
 from datetime import datetime
 
-from .engine.gguf import MIN_CTX
+from .engine.config import MIN_CTX
 from .models import model_title
 from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
 from .persist.locks import lock_holder

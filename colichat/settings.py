@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .engine import SamplerSettings
+from .engine.speculative import MAX_DRAFT
+from .errors import SettingError
 from .thinking import MODES
-
-
-class SettingError(Exception):
-    """A value a setting cannot take; the message is one line naming the setting."""
 
 
 def unquoted(text: str) -> str:
@@ -90,29 +88,33 @@ class Setting:
         return "none" if value is None else str(value) if self.kind is str else repr(value)
 
 
+SAMPLING = SamplerSettings()  # the sampling settings' defaults are the sampler's (one source: engine/sampler.py)
+
 TABLE: tuple[Setting, ...] = (
-    Setting("temperature", float, 0.7, "0 = greedy; higher = more random",
+    Setting("temperature", float, SAMPLING.temperature, "0 = greedy; higher = more random",
             lambda v: v >= 0, "must be >= 0 (0 means greedy)", metavar="T"),
-    Setting("top_k", int, 40, "keep the K most likely tokens (0 = off)",
+    Setting("top_k", int, SAMPLING.top_k, "keep the K most likely tokens (0 = off)",
             lambda v: v >= 0, "must be >= 0 (0 means off)", metavar="K"),
-    Setting("top_p", float, 0.95, "keep the smallest set of tokens with this total probability (1 = off)",
+    Setting("top_p", float, SAMPLING.top_p,
+            "keep the smallest set of tokens with this total probability (1 = off)",
             lambda v: 0 < v <= 1, "must be in (0, 1]", metavar="P"),
-    Setting("min_p", float, 0.05, "drop tokens below this fraction of the best one's probability (0 = off)",
+    Setting("min_p", float, SAMPLING.min_p,
+            "drop tokens below this fraction of the best one's probability (0 = off)",
             lambda v: 0 <= v < 1, "must be in [0, 1)", metavar="P"),
-    # 1.1 over 256 tokens: the default model stops looping on everyday prompts (models.md, benchmarks/loops.py)
-    Setting("repeat_penalty", float, 1.1, "penalize the tokens of the repeat window (1 = off)",
+    Setting("repeat_penalty", float, SAMPLING.repeat_penalty, "penalize the tokens of the repeat window (1 = off)",
             lambda v: v > 0, "must be > 0 (1 means off)", metavar="R"),
-    Setting("repeat_last_n", int, 256, "the repeat window: how many recent tokens repeat_penalty looks at",
+    Setting("repeat_last_n", int, SAMPLING.repeat_last_n,
+            "the repeat window: how many recent tokens repeat_penalty looks at",
             lambda v: v >= 0, "must be >= 0"),
-    Setting("seed", int, None, "random seed: the same seed gives the same answers (none = a fresh one)",
+    Setting("seed", int, SAMPLING.seed, "random seed: the same seed gives the same answers (none = a fresh one)",
             lambda v: v >= 0, "must be >= 0", optional=True),
     Setting("max_tokens", int, 512, "the longest answer, in tokens",
             lambda v: v >= 1, "must be at least 1"),
-    # speculative decoding: the largest number of drafts per pass (BENCHMARKS.md: 15 did best on the echo
-    # tasks, none slowed chat beyond the noise); 15 is the most a pass checks exactly (ops.SMALL_BATCH - 1)
-    Setting("draft", int, 15, "speculative decoding: at most this many tokens guessed from the conversation "
+    # speculative decoding: the largest number of drafts per pass, by default the most a pass checks exactly
+    # (speculative.MAX_DRAFT, 15; BENCHMARKS.md: 15 did best on the echo tasks, none slowed chat beyond the noise)
+    Setting("draft", int, MAX_DRAFT, "speculative decoding: at most this many tokens guessed from the conversation "
             "(or by the model's MTP block) are checked per step (0 = off; the same answer, greedy or with a seed)",
-            lambda v: 0 <= v <= 15, "must be between 0 (off) and 15"),
+            lambda v: 0 <= v <= MAX_DRAFT, f"must be between 0 (off) and {MAX_DRAFT}"),
     Setting("system", str, None, "the system prompt (none = no system prompt); a new one applies from "
             "the next conversation when this one has started", optional=True, metavar="TEXT"),
     Setting("think", str, "fold", "a thinking model's reasoning (<think>...</think>): fold = one dim line "

@@ -12,7 +12,8 @@ import math
 import gguf
 import numpy as np
 
-from colichat.engine.gguf import Tensors, load_config, open_gguf
+from colichat.engine.architectures import load_config
+from colichat.engine.gguf.tensors import Tensors, open_gguf
 from colichat.engine.model import Model, prepare_weights
 
 

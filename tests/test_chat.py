@@ -227,7 +227,7 @@ REWRITING_TEMPLATE = (
 def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt(model):
     """Past answers rendered differently (as templates that strip reasoning do): the cache is cut at
     the first token that differs from the new prompt, and the model reads exactly the new prompt."""
-    from colichat.engine.template import ChatTemplate
+    from colichat.engine.text.template import ChatTemplate
 
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=6), save=False)
@@ -263,7 +263,7 @@ def test_system_prompt_change_waits_for_the_next_conversation(model):
 
 
 def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
-    from colichat.engine.template import ChatTemplate
+    from colichat.engine.text.template import ChatTemplate
 
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=6), session_name="rw")

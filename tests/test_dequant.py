@@ -1,4 +1,4 @@
-"""engine/dequant.py: the fast dequantizers give gguf-py's values exactly, on every bit pattern."""
+"""engine/gguf/dequant.py: the fast dequantizers give gguf-py's values exactly, on every bit pattern."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from colichat.engine import dequant
+from colichat.engine.gguf import dequant
 
 
 def _random_blocks(name: str, shape: tuple, seed: int = 1) -> np.ndarray:

@@ -11,15 +11,17 @@ from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
 
 import colichat.engine as engine
+import colichat.engine.architectures.deepseek2 as deepseek2
 import colichat.engine.attention as attention
-import colichat.engine.deepseek2 as deepseek2
 import colichat.engine.model as model_mod
-from colichat.engine import dsa, load
 from colichat.engine import indexer as I
+from colichat.engine import load
+from colichat.engine.architectures import dsa
+from colichat.engine.architectures.dsa import glm_5_2_types, index_slots
 from colichat.engine.cache import record_bytes
-from colichat.engine.dsa import glm_5_2_types, index_slots
-from colichat.engine.gguf import ModelError, Tensors, open_gguf
+from colichat.engine.gguf.tensors import Tensors, open_gguf
 from colichat.engine.mtp import MTPBlock
+from colichat.errors import ModelError
 
 DSA_MODELS = ["ds-v32", "glm-dsa"]
 

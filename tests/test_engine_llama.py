@@ -7,7 +7,7 @@ import pytest
 from conftest import SMOLLM2_REF, TINY
 
 from colichat.engine import load
-from colichat.engine.gguf import ModelError
+from colichat.errors import ModelError
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,15 @@ from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
 from mla_naive import engine, naive_logits
 
+import colichat.engine.architectures.deepseek2 as deepseek2_mod
 import colichat.engine.attention as attention
-import colichat.engine.deepseek2 as deepseek2_mod
 import colichat.engine.model as model_mod
 from colichat.engine import load
-from colichat.engine.deepseek2 import mla_rope
+from colichat.engine.architectures import load_config
+from colichat.engine.architectures.deepseek2 import mla_rope
 from colichat.engine.ffn import Routing, route
-from colichat.engine.gguf import ModelError, Tensors, load_config, open_gguf
+from colichat.engine.gguf.tensors import Tensors, open_gguf
+from colichat.errors import ModelError
 
 F32_MODELS = ["ds-v3", "ds-v2-lite", "ds-dense", "plm", "minicpm3"]
 # The context size llama.cpp made a reference with, where it matters: minicpm3's LongRoPE factors

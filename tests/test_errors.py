@@ -38,9 +38,9 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("persist/sidecar.py", "document"): "json.loads of a file's bytes: an integer of over 4,300 digits is a plain "
                                         "ValueError, not a JSONDecodeError; the sidecar is damaged",
     ("engine/model.py", "available_memory"): "int() of the kernel's /proc/meminfo text: no number, no limit",
-    ("engine/gguf.py", "_open_one"): "gguf-py (a library) raises any type on a damaged file; that becomes "
+    ("engine/gguf/tensors.py", "_open_one"): "gguf-py (a library) raises any type on a damaged file; that becomes "
                                      "a ModelError",
-    ("engine/template.py", "ChatTemplate.render"): "expressions of the model's own chat template raise any "
+    ("engine/text/template.py", "ChatTemplate.render"): "expressions of the model's own chat template raise any "
                                                    "type; that becomes a TemplateError (a ModelError)",
     ("persist/kvfile.py", "read_records.second_half"): "the reading thread's exception, raised again in the "
                                                        "caller's thread",
@@ -99,7 +99,7 @@ def _typed_names() -> set[str]:
 
 def test_a_user_error_raised_in_an_except_block_is_raised_from_none():
     """`raise SessionError(...) from None` inside a handler: the user sees one line, not the chain."""
-    import colichat.engine.template  # noqa: F401  (TemplateError, a ModelError, is defined there)
+    import colichat.engine.text.template  # noqa: F401  (TemplateError, a ModelError, is defined there)
 
     typed, chained = _typed_names(), []
     for path in sorted(ROOT.rglob("*.py")):
@@ -186,7 +186,7 @@ def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
 
 def test_the_user_errors_are_the_projects_types():
     from colichat.engine import ModelError
-    from colichat.engine.template import TemplateError
+    from colichat.engine.text.template import TemplateError
     from colichat.models import DefaultModelMissing
     from colichat.persist import SessionBusy, SessionError, SessionExists
     from colichat.settings import SettingError

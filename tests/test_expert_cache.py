@@ -14,7 +14,7 @@ from gguf_factory import DS2Spec, write_deepseek2
 import colichat.engine.model as model_mod
 from colichat.engine import load
 from colichat.engine.ffn import ExpertCache
-from colichat.engine.gguf import Tensors, open_gguf
+from colichat.engine.gguf.tensors import Tensors, open_gguf
 
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 200, 33, 150, 11, 80]
 STEPS = 24

@@ -1,4 +1,4 @@
-"""The one-pass GGUF reader (engine/gguf_file.py) gives what gguf-py's GGUFReader gives."""
+"""The one-pass GGUF reader (engine/gguf/file.py) gives what gguf-py's GGUFReader gives."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from colichat.engine.gguf import ModelError, open_gguf
-from colichat.engine.gguf_file import GGUFFile
-from colichat.engine.gguf_header import HeaderError, read_header
+from colichat.engine.gguf.file import GGUFFile
+from colichat.engine.gguf.header import HeaderError, read_header
+from colichat.engine.gguf.tensors import open_gguf
+from colichat.errors import ModelError
 
 
 @pytest.mark.parametrize("path", sorted(TINY.glob("*.gguf")), ids=lambda p: p.name)

@@ -1,4 +1,4 @@
-"""gguf_header reads the same metadata and tensor infos as gguf-py, and says when a buffer is short."""
+"""gguf/header.py reads the same metadata and tensor infos as gguf-py, and says when a buffer is short."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gguf
 import pytest
 from conftest import TINY, VOCAB
 
-from colichat.engine.gguf_header import HeaderError, read_header
+from colichat.engine.gguf.header import HeaderError, read_header
 
 
 @pytest.mark.parametrize("path", [TINY / "ds-v3.q8_0.gguf", TINY / "minicpm3.gguf", VOCAB / "ggml-vocab-phi-3.gguf"],

@@ -1,4 +1,4 @@
-"""llama.cpp numerics (engine/reference/: ggml_ops.py, deepseek2.py, llama.py): the forward pass
+"""llama.cpp numerics (engine/architectures/reference/: ggml_ops.py, deepseek2.py, llama.py): the forward pass
 computed with llama.cpp's CPU arithmetic gives llama.cpp's logits bit for bit on every reference
 file, the Q8_0 one included (where the fast float32 engine cannot meet the bar: test_engine_mla.py),
 and the default model's greedy answers token for token."""
@@ -12,8 +12,8 @@ from conftest import REF, TINY
 from gguf_factory import write_deepseek2
 
 from colichat.engine import load
-from colichat.engine.gguf import ModelError
-from colichat.engine.reference import ggml_ops as G
+from colichat.engine.architectures.reference import ggml_ops as G
+from colichat.errors import ModelError
 
 Q8 = str(TINY / "ds-v3.q8_0.gguf")
 TINY_MODELS = ["ds-v3.q8_0", "ds-v3", "ds-v2-lite", "ds-dense", "llama"]

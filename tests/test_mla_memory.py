@@ -24,7 +24,8 @@ EXPERT_CACHE_MIB = 256
 CHILD = """
 import json, resource, sys
 import numpy as np
-from colichat.engine.gguf import Tensors, load_config, open_gguf
+from colichat.engine.architectures import load_config
+from colichat.engine.gguf.tensors import Tensors, open_gguf
 from colichat.engine.model import Model, prepare_weights
 path, mib = sys.argv[1], float(sys.argv[2])
 reader = open_gguf(path)

@@ -302,3 +302,27 @@ def test_set_draft_says_when_the_mtp_block_was_not_loaded():
                          "start colichat with --draft N to draft with it too)")
     on = Conversation(load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=64), Settings(draft=0), save=False)
     assert "MTP" not in on.set_option("draft", 5) and "MTP" not in off.set_option("draft", 0)
+
+
+def test_the_model_decides_at_load_whether_it_drafts_with_its_mtp_block(copying_path):
+    """Whether a model keeps an MTP block's draft state is decided once, when it loads (the memory check
+    counted its rows then): a file with a block has it unless loaded with mtp=False (--draft 0 at start),
+    a file without one never, nor llama.cpp's numerics (no exact passes). The draft setting then only
+    chooses whether answers ask that same block for drafts."""
+    plain = load(str(TINY / "llama.gguf"), n_ctx=64)
+    left_out = load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=64, mtp=False)
+    reference = load(str(TINY / "ds-v3-mtp.gguf"), n_ctx=64, numerics="llama.cpp")
+    assert (plain.mtp, plain.mtp_left_out) == (None, False)
+    assert (left_out.mtp, left_out.mtp_left_out) == (None, True)
+    assert (reference.mtp, reference.mtp_left_out) == (None, False)
+
+    m = copying_model(copying_path)
+    block = m.mtp
+    conv = Conversation(m, Settings(temperature=0, max_tokens=30, draft=0), save=False)
+    asked = []
+    for draft in (0, 4, 0):
+        conv.set_option("draft", draft)
+        _, stats = conv.ask("copy this: one two three four five six seven eight nine ten")
+        asked.append(stats.by_source.get("MTP", (0, 0))[0])
+        assert m.mtp is block and not m.mtp_left_out
+    assert asked[0] == asked[2] == 0 < asked[1]

@@ -13,7 +13,7 @@ from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
 
 from colichat.engine import load
-from colichat.engine.prepared import load_prepared
+from colichat.engine.gguf.prepared import load_prepared
 
 IDS = [5, 17, 200, 33, 91, 64, 7, 250]
 
@@ -152,7 +152,7 @@ def test_damaged_entry_is_rebuilt_with_a_note(kind, tmp_path):
 def test_large_entries_are_checked_by_samples_of_every_array(tmp_path, monkeypatch):
     """Past FULL_CHECK_BYTES a start checks three pieces of each array: a flip inside one is caught,
     and the check reads a small part of the file."""
-    from colichat.engine import prepared
+    from colichat.engine.gguf import prepared
 
     gguf = tmp_path / "llama.gguf"
     shutil.copy(TINY / "llama.gguf", gguf)
@@ -168,7 +168,7 @@ def test_large_entries_are_checked_by_samples_of_every_array(tmp_path, monkeypat
 
 
 def test_entry_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
-    from colichat.engine import prepared
+    from colichat.engine.gguf import prepared
 
     gguf = tmp_path / "llama.gguf"
     shutil.copy(TINY / "llama.gguf", gguf)
@@ -197,7 +197,7 @@ def test_entry_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch)
 def test_an_entry_another_start_put_in_place_first_is_used_not_a_failure(tmp_path, monkeypatch):
     """Starts of one model at once: the entry another start renamed into place while this one was
     dequantizing is as good as this one's: no 'cannot write' note, one entry, no temporary left."""
-    from colichat.engine import prepared
+    from colichat.engine.gguf import prepared
 
     gguf = tmp_path / "llama.gguf"
     shutil.copy(TINY / "llama.gguf", gguf)
@@ -236,7 +236,8 @@ def test_an_entry_in_the_way_that_a_start_cannot_use_is_replaced(tmp_path):
 KILLED_WRITER = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
-from colichat.engine import load, prepared
+from colichat.engine import load
+from colichat.engine.gguf import prepared
 real = os.fsync
 def stall(fd):  # the entry is half written in its temporary directory: say so, wait for the kill
     print("writing", flush=True)
@@ -292,7 +293,7 @@ def test_unwritable_cache_dir_is_only_a_note(tmp_path):
 def test_no_cache_written_when_the_disk_is_nearly_full(tmp_path, monkeypatch):
     import collections
 
-    from colichat.engine import prepared
+    from colichat.engine.gguf import prepared
 
     gguf = tmp_path / "llama.gguf"
     shutil.copy(TINY / "llama.gguf", gguf)
@@ -308,7 +309,7 @@ def test_a_model_too_big_for_memory_is_refused_before_dequantizing(tmp_path, mon
     import pytest
 
     from colichat import engine
-    from colichat.engine.gguf import ModelError
+    from colichat.errors import ModelError
 
     monkeypatch.setattr(engine, "available_memory", lambda: 1 << 20)  # 1 MiB free
     with pytest.raises(ModelError, match="GiB as f32"):

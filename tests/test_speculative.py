@@ -13,10 +13,11 @@ from drafting_helpers import assert_drawn_from, load, pinned, three_token_distri
 from colichat.chat import Conversation
 from colichat.engine import Sampler, SamplerSettings
 from colichat.engine.generate import Generation
-from colichat.engine.speculative import EXPLORE_EVERY, DraftSource, PromptLookup, accept, draft_size
+from colichat.engine.ops import SMALL_BATCH
+from colichat.engine.speculative import EXPLORE_EVERY, MAX_DRAFT, DraftSource, PromptLookup, accept, draft_size
 from colichat.engine.threads import ROW_COST, ROW_COST_MAX, RowCost, ThreadPolicy, pass_units
 from colichat.persist import Store
-from colichat.settings import SettingError, Settings
+from colichat.settings import BY_NAME, SettingError, Settings
 
 TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3", "plm", "minicpm3", "glm-dsa"]
 
@@ -205,6 +206,36 @@ def test_draft_setting_is_checked():
     assert conv.prefs.options()["draft"] == 3
     with pytest.raises(SettingError, match="draft must be between 0"):
         conv.set_option("draft", 99)
+
+
+def test_the_longest_pass_the_draft_limit_allows_writes_the_rows_decoding_would(any_tiny):
+    """The draft limit comes from the batch limit: the chosen token and MAX_DRAFT drafts, one pass of
+    ops.SMALL_BATCH tokens, give the cache rows and logits of decoding them one by one."""
+    tiny, n = any_tiny, MAX_DRAFT + 1
+    assert n == SMALL_BATCH
+    rng = np.random.default_rng(2)
+    prompt, toks = rng.integers(0, tiny.cfg.n_vocab, 30).tolist(), rng.integers(0, tiny.cfg.n_vocab, n).tolist()
+    tiny.reset()
+    tiny.prefill(prompt, all_logits=False)
+    ref = np.stack([tiny.decode(t) for t in toks])
+    ref_rows = bytes(tiny.cache.raw(0, tiny.cache.length))
+    tiny.reset()
+    tiny.prefill(prompt, all_logits=False)
+    assert np.array_equal(tiny.prefill(toks), ref)
+    assert bytes(tiny.cache.raw(0, tiny.cache.length)) == ref_rows
+
+
+def test_the_draft_setting_and_generation_refuse_more_drafts_than_a_pass_checks():
+    """The setting's default and its limit are MAX_DRAFT (15); one more is refused in one line, and a
+    Generation asked for it (a caller's bug: the answer would change) raises."""
+    row = BY_NAME["draft"]
+    assert row.default == MAX_DRAFT == 15 and row.parse(str(MAX_DRAFT)) == MAX_DRAFT
+    with pytest.raises(SettingError, match=r"^draft must be between 0 \(off\) and 15$"):
+        row.parse(str(MAX_DRAFT + 1))
+    model = load(str(TINY / "llama.gguf"), n_ctx=64)
+    first = model.prefill([1, 5, 9], all_logits=False)[-1]
+    with pytest.raises(ValueError, match="draft must be 0..15, not 16"):
+        Generation(model, first, Sampler(SamplerSettings(temperature=0)), (), 4, draft=MAX_DRAFT + 1)
 
 
 def test_drafts_that_keep_failing_are_paused():

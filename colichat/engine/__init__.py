@@ -7,7 +7,8 @@
     default_context(n_ctx_train)        # the context load() gives without n_ctx
     check_headers(path, file_headers("model.gguf"))  # from headers alone (a download's too): runs and fits?
 
-The layout (one module per architecture, the shared Model, reference/ numerics): model.py.
+The layout: docs/design.md lists every module (gguf/ files in and out, text/ tokens and templates,
+architectures/ one module per architecture, the shared Model in model.py).
 
 Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
   T new tokens of a forward   N cache rows (tokens 0..N-1, new ones included)   P RoPE positions
@@ -21,32 +22,24 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 
 from __future__ import annotations
 
+from ..errors import ContextError, ModelError
+from .architectures import architecture, check_architecture, load_config
 from .cache import record_bytes
-from .gguf import (
-    MIN_CTX,
-    ContextError,
-    ModelConfig,
-    ModelError,
-    Tensors,
-    check_architecture,
-    file_headers,
-    load_config,
-    open_gguf,
-    trained_context,
-)
-from .model import Model, architecture, available_memory, forward_class, prepare_weights, rope_factors_problem
+from .config import MIN_CTX, ModelConfig
+from .gguf.tensors import Tensors, file_headers, open_gguf, trained_context
+from .model import Model, available_memory, has_mtp, prepare_weights, rope_factors_problem
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
 
 __all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "check_headers",
-           "f32_bytes_but_experts",
-           "default_context", "file_headers", "load", "load_tokenizer", "resume_problem", "trained_context"]
+           "default_context", "f32_bytes_but_experts", "file_headers", "load", "load_tokenizer", "resume_problem",
+           "trained_context"]
 
 
 def load_tokenizer(path_or_reader):
-    from .tokenizer import load_tokenizer as _load
+    from .text.load import load_tokenizer as _load
 
     return _load(path_or_reader)
 
@@ -57,18 +50,19 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
 
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
     progress: optional callback(done, total) while weights are prepared.
-    cache_dir: where dequantized weights are kept between runs (prepared.py); None: not kept.
+    cache_dir: where dequantized weights are kept between runs (gguf/prepared.py); None: not kept.
     expert_cache: MiB of dequantized routed experts kept (MoE models; default: model.auto_expert_cache_mib).
     on_note: optional callback(line) for things worth telling the user (e.g. a cache not written).
     numerics: "fast", or "llama.cpp" to reproduce llama.cpp's CPU arithmetic bit for bit (slow).
-    mtp: draft with the file's MTP block, if it has one (its rows count in the context's memory).
+    mtp: keep the draft state of the file's MTP block, if it has one (its rows count in the context's
+    memory); False leaves it out. Decided at load, for the model's life (Model.mtp, Model.mtp_left_out).
     check: optional callback(cfg, tokenizer, n_ctx) run before the weights are prepared (which can take
     minutes): what the caller will ask of them (its system prompt), refused now (ModelError).
     """
-    from .prepared import load_prepared, save_prepared
-    from .template import check_chat_template
-    from .tokenizer import load_tokenizer as _load_tokenizer
-    from .tokenizer import tokenizer_from_metadata
+    from .gguf.prepared import load_prepared, save_prepared
+    from .text.load import load_tokenizer as _load_tokenizer
+    from .text.load import tokenizer_from_metadata
+    from .text.template import check_chat_template
 
     path = str(path)
     prepared = load_prepared(path, cache_dir, on_note) if cache_dir is not None else None
@@ -89,7 +83,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     check_memory(path, dense)
     a, b = architecture(cfg).cache_widths(cfg)
     record = record_bytes(cfg.n_layer, a, b, cfg.index_head_dim, cfg.n_index_layers)  # Model's KVCache record
-    if mtp and mtp_drafting(cfg, numerics):
+    if mtp and has_mtp(cfg, numerics):
         record += mtp_bytes_per_token(cfg)  # what Model.mtp keeps per token
     check_context(n_ctx, cfg.n_ctx_train, record, dense)
     if check is not None:
@@ -103,14 +97,6 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
     return Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp)
-
-
-def mtp_drafting(cfg: ModelConfig, numerics: str) -> bool:
-    """Whether a Model of cfg drafts with an MTP block (Model.mtp): the file has one and the numerics'
-    passes give decode's rows (Model.exact_passes)."""
-    if not cfg.n_nextn or numerics != "fast":
-        return False
-    return bool(getattr(forward_class(architecture(cfg), numerics), "exact_passes", False))
 
 
 def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:
@@ -152,7 +138,7 @@ def f32_bytes_but_experts(shapes) -> int:
 
 
 def check_headers(path: str, headers: list) -> None:
-    """Refuse from a GGUF's headers alone (gguf_header.Header of every part of a split model, the first
+    """Refuse from a GGUF's headers alone (gguf.header.Header of every part of a split model, the first
     holding the metadata), before anything is downloaded or loaded, what load() refuses before any work:
     an architecture colichat does not run, dense weights that would not fit in memory as f32."""
     check_architecture(path, headers[0].kv.get("general.architecture"))

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import dequant
-from .gguf import ModelError
+from ..errors import ModelError
+from .gguf import dequant
 from .ops import linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing

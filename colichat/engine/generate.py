@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .speculative import EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_SIZE, AcceptanceRate, accept, draft_size, gain
+from .speculative import EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_SIZE, MAX_DRAFT, AcceptanceRate, accept, draft_size, gain
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,18 @@ class Generation:
     """Iterating runs the model; the counters and `stopped` are read after (or during) the loop."""
 
     def __init__(self, model, logits: np.ndarray, sampler, stop_ids, max_tokens: int,
-                 drafts=None, draft: int = 0, recent: int = 64):
+                 drafts=None, draft: int = 0, recent: int | None = None):
         """logits: (V,) after the last cached token; stop_ids: tokens that end the answer (never fed);
         drafts: a speculative.DraftSource, a list of them (asked in order: free ones first), or None;
-        draft: at most this many drafts per pass (fewer while drafts are being rejected:
-        speculative.draft_size); recent: how many cached tokens the sampler's repeat penalty sees."""
+        draft: at most this many drafts per pass, up to speculative.MAX_DRAFT (fewer while drafts are
+        being rejected: speculative.draft_size); recent: how many cached tokens the sampler's repeat
+        penalty sees (default: the sampler's repeat_last_n)."""
+        if not 0 <= draft <= MAX_DRAFT:  # a longer pass would not give decode's rows: the answer would change
+            raise ValueError(f"draft must be 0..{MAX_DRAFT}, not {draft}")
         self.model, self.logits, self.sampler = model, logits, sampler
         self.stop_ids = frozenset(int(i) for i in stop_ids)
-        self.max_tokens, self.draft, self.recent = max_tokens, draft, recent
+        self.max_tokens, self.draft = max_tokens, draft
+        self.recent = sampler.settings.repeat_last_n if recent is None else recent
         self.sources = [] if drafts is None else list(drafts) if isinstance(drafts, (list, tuple)) else [drafts]
         self.stopped: str | None = None
         self.generated = 0

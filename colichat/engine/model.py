@@ -1,73 +1,33 @@
-"""The model: token ids in, logits out, the cache grows. What every architecture shares lives here;
-what differs lives in one module per architecture, found through ARCHITECTURES.
-
-An architecture module (llama.py, deepseek2.py; dsa.py, plm.py and minicpm3.py derive from deepseek2) holds:
-
-    CACHE_KIND = "mla" | "gqa"              # the KVCache kind (and session file format) of its rows
-    config(key, common, tensors) -> ModelConfig
-        # key(name, default=None, required=False) reads "{arch}.{name}" metadata; common holds the
-        # fields every architecture has (gguf.load_config); arch-specific fields are optional
-        # fields of the one frozen ModelConfig
-    cache_widths(cfg) -> (A, B)             # floats per token per layer in the cache
-    prepare(cfg, tensors, progress=None) -> dict[str, np.ndarray]
-        # dense f32 weights by GGUF-derived names (routed experts stay lazy)
-    class Forward:                          # built once per Model: rope tables, kq_scale, routing, experts
-        __init__(cfg, weights, tensors, n_ctx, expert_cache_mib)
-        experts                             # its ExpertCache, or None
-        layer(l, x, pos0, cache) -> x       # (T, D) -> (T, D); writes cache rows pos0..pos0+T-1
-        logits(x) -> (T, V)
-        # optional, where the rope depends on the context size (minicpm3's LongRoPE):
-        rope_factors, default_rope_factors  # the factor set in use, and the one n_ctx picks
-        use_rope_factors(name)              # rotate with another set (a resumed conversation's)
-    rope_factors_problem(cfg, n_ctx, name) -> str | None   # why that set cannot serve n_ctx
-
-and reference/<same name>.py holds a Forward with the same interface in llama.cpp's arithmetic
-(numerics="llama.cpp"; see forward_class). Adding an architecture is one module plus one line in
-ARCHITECTURES; one derived from deepseek2 imports its pieces (config_fields, prepare_layer,
-mla_rope, routing, or subclasses Forward) instead of copying them.
+"""The model: token ids in, logits out, the cache grows. What every architecture shares lives here
+(the cache, chunked prefill, decode, the memory checks, the MTP block's draft state); what differs
+lives in one module per architecture, found through architectures.ARCHITECTURES (whose docstring
+says what such a module holds).
 
 Axis letters: engine/__init__.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ModelError
 from ..units import format_size
-from . import deepseek2, dsa, llama, minicpm3, plm
+from .architectures import architecture, forward_class
 from .cache import KVCache
-from .gguf import ModelConfig, ModelError, Tensors
+from .config import ModelConfig
+from .gguf.tensors import Tensors
 from .mtp import MTPDrafts
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .ops import rms_norm
 from .threads import ThreadPolicy
 
-# GGUF general.architecture -> the module that runs it.
-ARCHITECTURES = {
-    "llama": llama,
-    "deepseek2": deepseek2,
-    "plm": plm,
-    "minicpm3": minicpm3,
-    "deepseek32": dsa,
-    "glm-dsa": dsa,
-}
-
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
 DEFAULT_EXPERT_CACHE_MIB = 4096  # routed-expert cache bound where the available memory is unknown
 EXPERT_CACHE_SHARE = 0.5  # of the memory left after the dense weights and the KV cache
 EXPERT_CACHE_MIN_MIB = 512
-
-
-def architecture(cfg: ModelConfig):
-    """The module that runs cfg's architecture."""
-    mod = ARCHITECTURES.get(cfg.arch)
-    if mod is None:
-        raise ModelError(f"{cfg.path}: architecture '{cfg.arch}' has no forward pass yet")
-    return mod
 
 
 def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name: str | None) -> str | None:
@@ -84,22 +44,16 @@ def rope_factors_problem(cfg: ModelConfig, n_ctx: int, name: str | None) -> str 
             "same rope at every context size: start a new conversation")
 
 
-def forward_class(mod, numerics: str):
-    """The one place numerics are chosen: "fast" (float32 math, BLAS) is the module's Forward;
-    "llama.cpp" (llama.cpp's CPU arithmetic reproduced op by op; slow, for checking against
-    llama.cpp) is the Forward of reference/<module name>.py, imported on demand."""
-    if numerics == "fast":
-        return mod.Forward
-    if numerics != "llama.cpp":
-        raise ValueError(f"numerics must be 'fast' or 'llama.cpp', not {numerics!r}")
-    name = f"{__package__}.reference.{mod.__name__.rsplit('.', 1)[-1]}"
-    try:
-        return importlib.import_module(name).Forward
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        raise ModelError(f"llama.cpp numerics do not cover {mod.__name__.rsplit('.', 1)[-1]} models; "
-                         "use the default numerics") from None
+def exact_passes(cfg: ModelConfig, numerics: str) -> bool:
+    """Whether a Model of cfg computes a pass of 2..ops.SMALL_BATCH tokens as decoding them one by one
+    would, bit for bit (its Forward's exact_passes; llama.cpp's numerics are not batched): then drafts
+    can be checked in one pass (speculative decoding)."""
+    return numerics == "fast" and bool(getattr(forward_class(architecture(cfg), numerics), "exact_passes", False))
+
+
+def has_mtp(cfg: ModelConfig, numerics: str) -> bool:
+    """Whether a Model of cfg can draft with an MTP block: the file has one and passes are exact."""
+    return bool(cfg.n_nextn) and exact_passes(cfg, numerics)
 
 
 def prepare_weights(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
@@ -190,8 +144,10 @@ class Model:
     ):
         """expert_cache: MiB of dequantized routed experts to keep (MoE models; default:
         auto_expert_cache_mib of what the weights and the cache leave). Routed experts are read
-        from `tensors` (the GGUF memory map). numerics: see forward_class. mtp: draft with the
-        file's MTP block (`self.mtp`, fed by every forward) where it has one and passes are exact."""
+        from `tensors` (the GGUF memory map). numerics: see architectures.forward_class. mtp: keep
+        the file's MTP block's draft state (`self.mtp`, fed by every forward; its rows cost memory)
+        where it has one and passes are exact (has_mtp). Decided here, once: a draft setting only
+        chooses whether Generation asks self.mtp for drafts."""
         self.cfg = cfg
         self.w = weights
         self.tokenizer = tokenizer
@@ -213,9 +169,10 @@ class Model:
         self.experts = self.fwd.experts
         self.numerics = numerics
         # speculative decoding needs a pass of a few tokens to give decode's exact rows
-        self.exact_passes = numerics == "fast" and getattr(self.fwd, "exact_passes", False)
+        self.exact_passes = exact_passes(cfg, numerics)
         self.threads = ThreadPolicy()
-        self.mtp = MTPDrafts(self) if mtp and cfg.n_nextn and self.exact_passes else None
+        self.mtp = MTPDrafts(self) if mtp and has_mtp(cfg, numerics) else None
+        self.mtp_left_out = not mtp and has_mtp(cfg, numerics)  # the file's block, not loaded (mtp=False)
 
     # --- public API -------------------------------------------------------------------------------
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ModelError
 from .cache import KVCache, record_bytes
-from .gguf import ModelError
 from .ops import rms_norm
 from .speculative import DraftSource
 

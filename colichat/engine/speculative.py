@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ops import SMALL_BATCH
 from .threads import ROW_COST, pass_units
 
+MAX_DRAFT = SMALL_BATCH - 1  # the most drafts one pass checks: the chosen token and its drafts give decode's rows
 NGRAM_MAX = 4  # prompt lookup: the longest suffix looked for in the history
 NGRAM_MIN = 2  # and the shortest (single tokens match too often to be worth a check)
 RATE_PRIOR = 0.6  # the acceptance rate assumed at the start of an answer

@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from ..engine.cache import stored_record_bytes
+from ..errors import SessionError
 
 MAGIC = {("mla", "f32"): b"COLIKV1\0", ("mla", "fp8"): b"COLIKV2\0", ("mla", "int4"): b"COLIKV3\0",
          ("gqa", "f32"): b"COLIGQA\0", ("gqa", "fp8"): b"COLIGQ2\0", ("gqa", "int4"): b"COLIGQ3\0"}
@@ -39,10 +40,6 @@ NREC_OFFSET = 8 + 6 * 4  # byte offset of the nrec field
 INT32_MAX = 2**31 - 1
 PARALLEL_READ = 8 << 20  # bytes past which a load reads with two threads
 CHUNK = 1 << 28  # largest single read/write (Linux caps one call near 2 GiB)
-
-
-class SessionError(Exception):
-    """A session colichat cannot open, load or save. The message is one line meant for the user."""
 
 
 class SessionBusy(SessionError):

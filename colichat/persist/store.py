@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ..engine.gguf_header import HeaderError, read_header
+from ..engine.gguf.header import HeaderError, read_header
 from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
 from ..units import count, format_size
 from . import renaming

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 
-from .gguf import ModelError
+from ...errors import ModelError
 from .pretokenizer import SURROGATE
 from .tokenizer import Tokenizer
 

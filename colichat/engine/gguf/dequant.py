@@ -2,7 +2,7 @@
 K-quants of the common "Q4_K_M"-style mixes): the same float32 values as gguf-py's gguf.quants.dequantize,
 bit for bit (the same float operations in the same order), about 10x faster than gguf-py's K-quants and
 15-40x its Q8_0, Q4_0 and IQ4_XS. Routed experts of MoE models are dequantized on every expert-cache miss,
-so this speed is decode and prefill speed there. Other types go to gguf.quants.dequantize (gguf.py, ffn.py).
+so this speed is decode and prefill speed there. Other types go to gguf.quants.dequantize (tensors.py, ffn.py).
 
 Each function takes the raw bytes of whole blocks (any shape whose size is a multiple of the block size)
 and returns a flat float32 array; QK_K = 256 values per K-quant block. Given `out` (a C-contiguous float32

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import regex
 
-from .gguf import ModelError
+from ...errors import ModelError
 
 # ---------------------------------------------------------------------------------------------
 # pre-tokenizer regexes (llama.cpp src/llama-vocab.cpp, llm_tokenizer_bpe)

@@ -15,10 +15,11 @@ import math
 
 import numpy as np
 
+from ..config import ModelConfig
+from ..gguf.tensors import Tensors
+from ..ops import linear
+from ..rope import RopeParams, rope_rotations
 from . import deepseek2
-from .gguf import ModelConfig, Tensors
-from .ops import linear
-from .rope import RopeParams, rope_rotations
 
 CACHE_KIND = deepseek2.CACHE_KIND
 cache_widths = deepseek2.cache_widths

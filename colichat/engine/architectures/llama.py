@@ -7,12 +7,14 @@ import math
 
 import numpy as np
 
-from .attention import gqa_attention
-from .cache import KVCache
-from .ffn import swiglu
-from .gguf import ModelConfig, ModelError, Tensors
-from .ops import linear, rms_norm
-from .rope import RopeParams, rope_norm, rope_rotations
+from ...errors import ModelError
+from ..attention import gqa_attention
+from ..cache import KVCache
+from ..config import ModelConfig
+from ..ffn import swiglu
+from ..gguf.tensors import Tensors
+from ..ops import linear, rms_norm
+from ..rope import RopeParams, rope_norm, rope_rotations
 
 CACHE_KIND = "gqa"
 

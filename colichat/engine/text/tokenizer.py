@@ -1,6 +1,6 @@
 """Byte-level BPE tokenizer read from GGUF metadata, token-for-token compatible with llama.cpp.
 
-`load_tokenizer` picks the tokenizer by `tokenizer.ggml.model`: "gpt2" is this module's BPE,
+load.py's `load_tokenizer` picks the tokenizer by `tokenizer.ggml.model`: "gpt2" is this module's BPE,
 "llama" is SentencePiece (spm.py, which shares the vocabulary, special-token and decoding parts).
 
 Encoding (docs: mla-spec section 10.2) runs in four stages, each mirroring llama.cpp:
@@ -27,12 +27,8 @@ from __future__ import annotations
 
 import codecs
 import heapq
-import mmap
-import os
-import struct
 
-from .gguf import ModelError, field, open_gguf
-from .gguf_header import HeaderError, read_header
+from ...errors import ModelError
 from .pretokenizer import PRE_TYPES, SURROGATE, PreTokenizer
 
 # tokenizer.ggml.token_type values
@@ -66,39 +62,11 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: bytes([b]) for b, c in enumerate(_BYTE_TO_CHAR)}
 
 # ---------------------------------------------------------------------------------------------
-# GGUF metadata
-
-
-def _read_metadata(path: str) -> dict:
-    """The `tokenizer.*` and `general.*` keys of a GGUF file, read by gguf_header (~25 ms for
-    SmolLM2, where gguf-py takes seconds). Anything unexpected raises, and the caller falls back
-    to gguf-py."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
-            raise HeaderError("an empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return read_header(buf, lambda key: key.startswith(("tokenizer.", "general.")), tensors=False).kv
-
-
-def _metadata(path_or_reader) -> tuple[dict, str]:
-    if hasattr(path_or_reader, "fields"):
-        reader = path_or_reader
-        keys = [k for k in reader.fields if k.startswith(("tokenizer.", "general."))]
-        return {k: field(reader, k) for k in keys}, str(getattr(reader, "path", "model"))
-    path = os.fspath(path_or_reader)
-    try:
-        return _read_metadata(path), path
-    except (OSError, HeaderError, struct.error):  # missing, cut short, not a GGUF the walker reads
-        reader = open_gguf(path)  # raises a one-line ModelError for missing/damaged files
-        return _metadata(reader)[0], path
-
-
-# ---------------------------------------------------------------------------------------------
 # tokenizer
 
 
 class Tokenizer:
-    """A GGUF byte-level BPE vocabulary. Build with `load_tokenizer` (or `tokenizer_from_metadata`).
+    """A GGUF byte-level BPE vocabulary. Build with load.py's `load_tokenizer` (or `tokenizer_from_metadata`).
 
     The vocabulary, special-token and decoding parts are shared with the SentencePiece tokenizer
     (spm.py), which subclasses this one and replaces the merging and the text form of tokens.
@@ -375,25 +343,3 @@ class TokenStream:
         self._dec.reset()
         self.pending_tokens = 0
         return out
-
-
-def tokenizer_from_metadata(meta: dict, where: str = "model") -> Tokenizer:
-    """The tokenizer the GGUF keys `meta` describe, by `tokenizer.ggml.model`: byte-level BPE
-    ("gpt2") or SentencePiece ("llama")."""
-    model = meta.get("tokenizer.ggml.model")
-    if model is None:
-        raise ModelError(f"{where}: no tokenizer in this GGUF (missing 'tokenizer.ggml.model')")
-    if model == "gpt2":
-        return Tokenizer(meta, where)
-    if model == "llama":
-        from .spm import SentencePieceTokenizer
-
-        return SentencePieceTokenizer(meta, where)
-    raise ModelError(f"{where}: tokenizer model '{model}' is not supported; colichat reads byte-level "
-                     "BPE ('gpt2') and SentencePiece ('llama') vocabularies")
-
-
-def load_tokenizer(path_or_reader) -> Tokenizer:
-    """The tokenizer of a GGUF file: a path (metadata read directly, fast) or an open GGUFReader."""
-    meta, where = _metadata(path_or_reader)
-    return tokenizer_from_metadata(meta, where)

@@ -28,7 +28,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from .gguf import ModelError
+from ...errors import ModelError
 
 # Used when a GGUF carries no chat template: plain ChatML, the format of the SmolLM2, Qwen and
 # MiniCPM families. It adds no default system prompt.

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache
+from ....errors import ModelError
+from ...cache import KVCache
+from ...config import ModelConfig
+from ...ffn import select_experts
+from ...gguf.tensors import Tensors
+from ...ops import causal_mask
 from ..deepseek2 import mla_rope, routing
-from ..ffn import select_experts
-from ..gguf import ModelConfig, ModelError, Tensors
-from ..ops import causal_mask
 from . import ggml_ops as G
 
 F32 = np.float32

@@ -1,6 +1,6 @@
 """Prepared models: the dequantized weights of a GGUF cached on disk and memory-mapped on later starts.
 
-The first start of a model parses its metadata (gguf_file.py) and dequantizes its dense weights
+The first start of a model parses its metadata (file.py) and dequantizes its dense weights
 (seconds). Both results are kept in the cache directory:
 
     <cache_dir>/<key>/meta.json     a SHA-256 line of the JSON below it, then the JSON: config,
@@ -36,14 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..paths import private_dir, private_file
+from ...paths import private_dir, private_file
 
 try:  # the same CRC-32 as zlib.crc32, several times faster
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
     from zlib import crc32
 
-from .gguf import ModelConfig, TensorRecord, Tensors
+from ..config import ModelConfig
+from .tensors import TensorRecord, Tensors
 
 PREPARED_FORMAT = 3  # 3: the config has the model's sampling defaults
 ALIGN = 64

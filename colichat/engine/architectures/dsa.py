@@ -6,7 +6,7 @@ full indexer (NEOX rope in the indexer); glm-dsa: the `indexer.types` layers do 
 each other ("shared") layer reuses the selection of the nearest earlier full layer (NORM rope).
 The cache record gains Ic, one indexer key per token for each full layer (cache.py).
 
-The architecture module (model.ARCHITECTURES) for both: config, cache_widths, prepare and
+The architecture module (ARCHITECTURES) for both: config, cache_widths, prepare and
 Forward, built from deepseek2's pieces; Forward overrides deepseek2.Forward.select_keys, and
 attend for passes of a few tokens.
 
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...errors import ModelError
+from .. import indexer as I
+from ..config import ModelConfig
+from ..gguf.tensors import Tensors
+from ..ops import SMALL_BATCH
 from . import deepseek2
-from . import indexer as I
-from .gguf import ModelConfig, ModelError, Tensors
-from .ops import SMALL_BATCH
 
 CACHE_KIND = deepseek2.CACHE_KIND
 cache_widths = deepseek2.cache_widths

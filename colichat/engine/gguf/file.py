@@ -2,7 +2,7 @@
 
 gguf-py's reader makes numpy views for every string of the vocabulary and merge arrays: on a
 first start that is seconds of blank screen for a 49k-token vocabulary (3-8 s for SmolLM2 on a
-busy 2-core machine). The header is walked once by gguf_header.read_header (tens of ms); this maps
+busy 2-core machine). The header is walked once by header.read_header (tens of ms); this maps
 each tensor's data the way gguf-py does (F16/F32/F64/I8-I64 as their numpy type, quantized types
 as bytes of shape `quant_shape_to_byte_shape`). It only accepts what it fully understands: a
 little-endian v2/v3 file, strict UTF-8, no duplicate keys or tensors, no arrays of arrays, a u32
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .gguf_header import DEFAULT_ALIGNMENT, HeaderError, read_header
+from .header import DEFAULT_ALIGNMENT, HeaderError, read_header
 
 
 class Truncated(Exception):

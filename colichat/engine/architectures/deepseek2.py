@@ -14,13 +14,15 @@ import math
 
 import numpy as np
 
-from .attention import mla_absorbed, mla_naive, prefer_naive
-from .cache import KVCache
-from .ffn import PREFETCH_TOKENS, ExpertCache, Routing, moe, route, swiglu
-from .gguf import ModelConfig, ModelError, Tensors
-from .mtp import prepare_block
-from .ops import linear, rms_norm
-from .rope import RopeParams, rope_norm, rope_rotations
+from ...errors import ModelError
+from ..attention import mla_absorbed, mla_naive, prefer_naive
+from ..cache import KVCache
+from ..config import ModelConfig
+from ..ffn import PREFETCH_TOKENS, ExpertCache, Routing, moe, route, swiglu
+from ..gguf.tensors import Tensors
+from ..mtp import prepare_block
+from ..ops import linear, rms_norm
+from ..rope import RopeParams, rope_norm, rope_rotations
 
 CACHE_KIND = "mla"
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache
-from ..gguf import ModelConfig, ModelError, Tensors
+from ....errors import ModelError
+from ...cache import KVCache
+from ...config import ModelConfig
+from ...gguf.tensors import Tensors
+from ...ops import causal_mask
 from ..llama import llama_rope
-from ..ops import causal_mask
 from . import ggml_ops as G
 
 F32 = np.float32

@@ -8,7 +8,7 @@
 gguf-py's reader builds numpy views for every string of the token and merge arrays and for every
 tensor, which takes seconds for large vocabularies. This is the one walker of the project's GGUF
 headers: the tokenizer reads a few keys of a path, the session store the tensor offsets of a
-model's weights fingerprint, and gguf_file.py a whole model's keys and tensors (strict=True). Layout
+model's weights fingerprint, and file.py a whole model's keys and tensors (strict=True). Layout
 (little-endian GGUF v2/v3): magic "GGUF", u32 version, u64 n_tensors, u64 n_kv; n_kv times
 (string key, u32 value type, value); n_tensors times (string name, u32 n_dims, u64 dims[n_dims],
 u32 type, u64 offset); padding to the alignment; the data. A string is a u64 length and UTF-8

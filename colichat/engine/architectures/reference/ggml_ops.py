@@ -33,8 +33,8 @@ import math
 
 import numpy as np
 
-from ..gguf import ModelError
-from ..rope import RopeParams, yarn_corr_dims
+from ....errors import ModelError
+from ...rope import RopeParams, yarn_corr_dims
 
 F32, F64 = np.float32, np.float64
 LANES = 16  # AVX-512 float lanes (tinyBLAS KN, ggml_vec_dot_f32 EPR)

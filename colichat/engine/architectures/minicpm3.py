@@ -23,11 +23,13 @@ import math
 
 import numpy as np
 
+from ...errors import ModelError
+from ..cache import KVCache
+from ..config import ModelConfig
+from ..gguf.tensors import Tensors
+from ..ops import linear, rms_norm
+from ..rope import rope_neox, rope_rotations
 from . import deepseek2, plm
-from .cache import KVCache
-from .gguf import ModelConfig, ModelError, Tensors
-from .ops import linear, rms_norm
-from .rope import rope_neox, rope_rotations
 
 CACHE_KIND = deepseek2.CACHE_KIND
 cache_widths = deepseek2.cache_widths

@@ -1,0 +1,92 @@
+"""The layers import one way: no module of colichat imports itself back through others (imports inside
+functions count too: they run as soon as the function does), errors.py and paths.py sit at the
+bottom, and the engine reaches outside itself only for those leaves (its own errors, where its files
+go, the size format).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import colichat
+
+ROOT = Path(colichat.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """colichat module -> the colichat modules it imports: each module named, and the packages above
+    it (their __init__ runs first), but not the importer's own packages (already imported)."""
+    paths = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names}
+        found |= {m.rsplit(".", k)[0] for m in found for k in range(1, m.count("."))}  # importing a.b.c runs a.b
+        graph[name] = {m for m in found if m in paths and m != name and not name.startswith(m + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_errors_and_paths_are_at_the_bottom():
+    graph = import_graph()
+    assert graph["colichat.errors"] == set()
+    assert graph["colichat.paths"] == {"colichat.errors"}
+
+
+def test_the_engine_imports_only_the_leaves_of_the_app():
+    graph = import_graph()
+    outside = {m for name, found in graph.items() if name.startswith("colichat.engine")
+               for m in found if not m.startswith("colichat.engine")}
+    assert outside <= {"colichat.errors", "colichat.paths", "colichat.units"}
