@@ -3,8 +3,10 @@ multi-line input (Esc-Enter, or a \"\"\" block), streaming answers, Ctrl-C to st
 
 Multi-line input is one prompt_toolkit buffer: Enter inside an open \"\"\" block inserts a newline,
 so a block is one entry in the history (Up recalls it whole) and its lines show a `... ` prompt.
-While an answer streams the terminal does not echo: keys typed then wait in the terminal's input
-queue and become the start of the next prompt (type-ahead, as in a shell).
+While colichat is busy (an answer streams, a command runs, the model loads) the terminal does not
+echo: keys typed then wait in the terminal's input queue and become the next prompt's text, which
+only an Enter at that prompt sends (typed_ahead): a paste of many lines is never many messages, and
+nothing typed unseen is sent unseen. Bracketed paste stays on meanwhile, so a paste is text, not keys.
 
 When the terminal's width changes, what was shown is drawn again for the new width (wrap.Screen):
 while an answer streams, before its next piece; at a prompt (the quit question's too), just before
@@ -18,9 +20,11 @@ the key after Esc, as readline does: no timeout turns the Esc into a key of its 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import io
 import os
+import select
 import signal
 import sys
 
@@ -29,7 +33,10 @@ from prompt_toolkit.application.current import get_app
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.filters import Condition
 from prompt_toolkit.history import FileHistory, InMemoryHistory
-from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+from prompt_toolkit.input.vt100 import Vt100Input
+from prompt_toolkit.input.vt100_parser import Vt100Parser
+from prompt_toolkit.key_binding import KeyBindings, KeyPress
 from prompt_toolkit.keys import Keys
 
 from . import inputs
@@ -40,6 +47,8 @@ from .wrap import Screen, rows
 PROMPT = "> "
 CONTINUATION = "... "
 FENCE = inputs.FENCE
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # what a terminal sends around a paste (bracketed paste)
+ENTERS = (Keys.ControlM, Keys.ControlJ)  # Enter: \r, or \n where the terminal turned it into one (ICRNL)
 
 
 class SlashCompleter(Completer):
@@ -187,9 +196,42 @@ def _redraw_on_resize(screen: Screen, prompt):
     return before_render
 
 
+def typed_ahead(pt_input: Vt100Input, paste_wait: float = 1.0) -> None:
+    """The keys typed while colichat was busy, waiting in the terminal's input queue (and any the last
+    prompt read after its Enter), handed to the next prompt with each Enter among them made a line
+    break and the last ones dropped: what was typed, or pasted without bracketed paste, shows at the
+    prompt as one text that an Enter there sends (a 20-line paste is one message, not 20). A paste
+    still arriving is waited for up to `paste_wait` seconds, so that it is not cut in two."""
+    found: list[KeyPress] = get_typeahead(pt_input)
+    parser = Vt100Parser(found.append)
+    decoder = codecs.getincrementaldecoder(pt_input.stdin.encoding or "utf-8")("surrogateescape")  # as prompt_toolkit's
+    fd, tail, in_paste = pt_input.fileno(), "", False
+    while True:
+        try:
+            ready = select.select([fd], [], [], paste_wait if in_paste else 0)[0]
+            data = os.read(fd, 4096) if ready else b""
+        except OSError:  # the terminal is gone: the prompt says so (EOFError)
+            data = b""
+        if not data:
+            break
+        piece = decoder.decode(data)
+        seen = tail + piece  # (a mark may be cut between two reads)
+        start, end = seen.rfind(PASTE_START), seen.rfind(PASTE_END)
+        in_paste = start > end if start >= 0 or end >= 0 else in_paste
+        tail = seen[-len(PASTE_END) + 1:]
+        parser.feed(piece)
+    parser.feed(decoder.decode(b"", final=True) + (PASTE_END if in_paste else ""))  # a paste never ended: kept
+    parser.flush()
+    while found and found[-1].key in ENTERS:
+        found.pop()
+    store_typeahead(pt_input, [KeyPress(Keys.BracketedPaste, "\n") if k.key in ENTERS else k for k in found])
+
+
 def read_input(session: PromptSession, screen: Screen | None = None) -> str:
     """One input: a line, an Esc-Enter multi-line text, or a \"\"\" block (as a Message, even if
-    it starts with "/"; an empty block is the empty input). The prompt's echo goes to `screen`."""
+    it starts with "/"; an empty block is the empty input). The prompt's echo goes to `screen`.
+    What was typed before it shows waits at the prompt (typed_ahead)."""
+    typed_ahead(session.input)
     try:
         text = session.prompt(PROMPT)
     except KeyboardInterrupt:
@@ -204,19 +246,28 @@ def read_input(session: PromptSession, screen: Screen | None = None) -> str:
     return found[0] if found else ""
 
 
+def _marked_pastes(on: bool) -> None:
+    """Bracketed paste on or off: while it is on, the terminal sends a paste between PASTE_START and
+    PASTE_END, so that a paste typed ahead reaches the next prompt as text (not as keys: no Enter, no Tab)."""
+    with contextlib.suppress(OSError):  # (a terminal gone; no flush: also called from a signal handler)
+        if os.isatty(sys.stdout.fileno()):
+            os.write(sys.stdout.fileno(), b"\x1b[?2004h" if on else b"\x1b[?2004l")
+
+
 @contextlib.contextmanager
 def keys_wait(on_continue=lambda: None):
     """No echo and no line editing on the terminal outside prompt_toolkit's prompts (while an answer
     streams): typed keys wait in the input queue for the next prompt, a Ctrl-C too. Ctrl-C still raises SIGINT.
-    Ctrl-Z stops colichat as usual (the shell sets the terminal its own way meanwhile); `fg` (SIGCONT)
-    sets this mode again, and calls `on_continue`."""
+    Bracketed paste is on, so a paste waits marked as one (typed_ahead). Ctrl-Z stops colichat as usual
+    (the shell sets the terminal its own way meanwhile); `fg` (SIGCONT) sets this mode again, and calls
+    `on_continue`. Yields what sets this mode again after a prompt (which leaves bracketed paste off)."""
     try:
         import termios
 
         fd = sys.stdin.fileno()
         old = termios.tcgetattr(fd)
     except (ImportError, OSError, ValueError):
-        yield
+        yield lambda: None
         return
     new = list(old)
     new[3] &= ~(termios.ECHO | termios.ICANON)
@@ -227,6 +278,7 @@ def keys_wait(on_continue=lambda: None):
     def mode(attrs) -> None:
         with contextlib.suppress(OSError, termios.error):  # a terminal gone (SIGHUP) cannot be set
             termios.tcsetattr(fd, termios.TCSANOW, attrs)  # TCSANOW: the typed-ahead keys stay queued
+        _marked_pastes(attrs is new)
 
     def continued(signum, frame) -> None:  # `fg` after Ctrl-Z
         mode(new)
@@ -235,7 +287,7 @@ def keys_wait(on_continue=lambda: None):
     handler = signal.signal(signal.SIGCONT, continued)
     try:
         mode(new)
-        yield
+        yield lambda: mode(new)
     finally:
         signal.signal(signal.SIGCONT, handler)
         mode(old)
@@ -250,7 +302,7 @@ def run(app) -> int:
         app.interrupted()  # ^C shown; the answer ends after the current token and shows nothing more
 
     told = False  # that Ctrl-D quits, after a Ctrl-C at an empty prompt (once: Ctrl-C does not quit)
-    with keys_wait(app.continued):  # also between prompts: a key typed as a prompt ends is never echoed out of place
+    with keys_wait(app.continued) as busy:  # also between prompts: a key typed as a prompt ends is not echoed astray
         while not app.quitting:
             try:
                 text = read_input(session, app.screen)  # prompt_toolkit's own terminal mode while it reads
@@ -261,6 +313,7 @@ def run(app) -> int:
                 continue
             except (EOFError, OSError):  # Ctrl-D, or the terminal is gone (its window closed, SIGHUP ignored)
                 break
+            busy()  # (the prompt turned bracketed paste off)
             old = signal.signal(signal.SIGINT, on_sigint)
             try:
                 with app.ending_signals():

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import TINY_ARGS, chat, lines, saved_answers, saved_turns
+from cli_helpers import TINY_ARGS, chat, lines, saved_answers, saved_turns, saved_users
 from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 
 from colichat.wrap import displayable
@@ -338,6 +338,54 @@ def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(wrappe
     screen = t.wait_for(lambda s: "saved to hello]" in s and s.rstrip().endswith("> qqqzzz"), WAIT,
                         "the answer's end, and the keys typed at the next prompt")
     assert screen.count("qqqzzz") == 1  # not echoed into the answer
+
+
+def test_a_paste_while_it_answers_waits_at_the_prompt_as_one_message(terminal, colichat_home, tmp_path):
+    """Two lines pasted while an answer streams are not two messages: when the answer ends they wait at the
+    prompt as one, sent by Enter there (one answer). A line typed ahead with its Enter waits too (it was typed
+    unseen); Ctrl-C still stops the answer. A paste at the idle prompt waits there, as it always did."""
+    log = tmp_path / "raw.log"
+    t = terminal("--ctx", "2048", "--max-tokens", "800", "--session", "p")  # (room for two long answers)
+    t.run("pipe-pane", "-o", f"cat >> {log}")
+    t.type("hello")
+    t.keys("Enter")
+    t.wait_for(streaming("hello"), WAIT, "the answer to stream")
+    t.paste("first pasted line\nsecond pasted line")
+    assert "saved to p]" not in t.screen()  # (pasted while it answered)
+    waiting = "> first pasted line\n... second pasted line"
+    screen = t.wait_for(lambda s: "saved to p]" in s and s.rstrip().endswith(waiting), WAIT,
+                        "the answer's end, and the paste waiting at the prompt")
+    assert screen.count("pasted line") == 2 and saved_users(colichat_home, "p") == ["hello"]  # not sent
+    raw = log.read_bytes()
+    assert raw[:raw.index(b"saved to p]")].rsplit(b"\x1b[?2004", 1)[1].startswith(b"h")  # bracketed while it answered
+
+    t.keys("Enter")
+
+    def answering(s: str) -> bool:
+        return len(s.split("... second pasted line\n", 1)[-1].split()) > 8 and s.count("saved to p]") == 1
+
+    t.wait_for(answering, WAIT, "the answer to the paste to stream")
+    t.type("next question")
+    t.keys("Enter")
+    t.keys("C-c")
+    screen = t.wait_for(lambda s: s.count("saved to p]") == 2 and s.rstrip().endswith("> next question"), WAIT,
+                        "the answer stopped, and the line typed ahead waiting at the prompt")
+    assert ", interrupted;" in screen.split("second pasted line")[-1]
+    assert saved_users(colichat_home, "p") == ["hello", "first pasted line\nsecond pasted line"]  # one message
+
+    t.keys("C-u")
+    t.type("/set max_tokens 8")
+    t.keys("Enter")
+    t.wait_for(lambda s: "max_tokens = 8" in s and s.rstrip().endswith(">"), WAIT, "/set max_tokens")
+    t.paste("Name a fruit.\nName a vegetable.")
+    t.wait_for(lambda s: s.rstrip().endswith("> Name a fruit.\n... Name a vegetable."), WAIT, "the paste at the prompt")
+    assert len(saved_users(colichat_home, "p")) == 2
+    t.keys("Enter")
+    t.wait_for(lambda s: s.count("saved to p]") == 3 and s.rstrip().endswith(">"), WAIT, "the answer to the paste")
+    assert saved_users(colichat_home, "p")[2:] == ["Name a fruit.\nName a vegetable."]
+    t.keys("C-d")
+    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    assert log.read_bytes().rsplit(b"\x1b[?2004", 1)[1].startswith(b"l")  # the terminal left as it was
 
 
 def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_home):

@@ -52,6 +52,12 @@ class Tmux:
     def type(self, text: str) -> None:
         self.run("send-keys", "-l", text)
 
+    def paste(self, text: str) -> None:
+        """`text` pasted as a terminal pastes: its lines ended by \\r, and between ESC[200~ and ESC[201~
+        (bracketed paste) when the program has asked for that."""
+        _tmux("set-buffer", "-b", self.name, "--", text)
+        self.run("paste-buffer", "-p", "-d", "-b", self.name)
+
     def screen(self) -> str:
         """The pane with all its history (a footer scrolled away still counts)."""
         return self.run("capture-pane", "-p", "-J", "-S", "-")
