@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from ..engine.cache import stored_record_bytes
+from ..engine.kvcodec import width_problem
 from ..errors import SessionError
 
 MAGIC = {("mla", "f32"): b"COLIKV1\0", ("mla", "fp8"): b"COLIKV2\0", ("mla", "int4"): b"COLIKV3\0",
@@ -96,6 +97,11 @@ class CacheLayout:
         head = (head_dim or self.head_dim) if self.kind == "gqa" and codec != "f32" else 0
         return CacheLayout(self.kind, self.n_layer, self.a_width, self.b_width, self.vocab, self.index_hd,
                            self.n_index_layers, codec, head)
+
+    def codec_problem(self) -> str | None:
+        """Why rows of these widths cannot be in this codec (a file's int4 rows not a power of two wide), or None."""
+        widths = (self.head_dim,) if self.head_dim else (self.a_width, self.b_width)
+        return next(filter(None, (width_problem(w, self.codec) for w in widths)), None)
 
     @property
     def magic(self) -> bytes:

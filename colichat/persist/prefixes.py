@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .kvfile import CODEC_OF_MAGIC, HEADER, HEADER_SIZE, KIND_OF_MAGIC, CacheLayout, Header
+from .kvfile import CODEC_OF_MAGIC, HEADER, HEADER_SIZE, CacheLayout, Header, header_damage, mode_damage
 from .session import KV_EXT, MAX_SIDECAR_BYTES, SIDECAR_EXT
 from .sidecar import document, parse_turns
 
@@ -54,7 +54,7 @@ class PrefixIndex:
             doc = json.loads(self.path.read_bytes())
             if isinstance(doc, dict) and doc.get("format") == FORMAT and isinstance(doc.get("sessions"), dict):
                 return doc["sessions"]
-        except (OSError, ValueError):
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             pass
         return self.rebuild()
 
@@ -121,16 +121,19 @@ def _entry_of(kv: Path, side: Path) -> dict | None:
         turns = parse_turns(doc)[0] if isinstance(doc, dict) else []
         with open(kv, "rb") as f:
             raw, size = f.read(HEADER_SIZE), os.fstat(f.fileno()).st_size
-        if not turns or len(raw) < HEADER_SIZE or raw[:8] not in KIND_OF_MAGIC:
+        if not turns or header_damage(size, raw):
             return None
         header = Header(*HEADER.unpack(raw))
-        rb = CacheLayout.from_header(header).record_bytes
+        layout = CacheLayout.from_header(header)
+        if mode_damage(header.magic, header.mode) or layout.codec_problem():
+            return None
+        rb = layout.record_bytes
         n = min(header.nrec, turns[-1].last, (size - HEADER_SIZE) // rb)
         if n <= 0:
             return None
         records = np.memmap(kv, dtype=np.uint8, mode="r", offset=HEADER_SIZE, shape=(n, rb))  # (N, record)
         tokens = np.array(records[:, :4]).view("<i4")[:, 0]  # (reads one page a record)
         del records
-    except (OSError, ValueError):
+    except OSError:
         return None
     return {"codec": CODEC_OF_MAGIC[header.magic], "points": points(tokens, [t.last for t in turns if t.last <= n])}
