@@ -66,6 +66,7 @@ class Conversation:
                  no_save: bool = False, kv: str = "f32", reuse: bool = True):
         self.model = model
         self.reuse = reuse  # a new conversation starts from a saved one's records where its prompt begins alike
+        self.reused_from: str | None = None  # what the last /forget's reading again took from a saved conversation
         self.kv = kv  # how a new conversation's rows are stored (--kv); a saved one keeps its own
         model.cache.set_codec(kv)  # (ValueError: a codec this model's rows cannot take)
         self.tok = model.tokenizer
@@ -494,7 +495,7 @@ class Conversation:
         kept = self.turns[starts[n]:] if n < len(starts) else []
         self._keep_saved("/forget")
         old = self.saving.session.name if self.saving.session and self.saving.session.on_disk else None
-        self.stop_requested, stopped = False, False
+        self.stop_requested, stopped, self.reused_from = False, False, None
         self.new()
         self.saving.stem = f"{old[:54]}-cont" if old and kept else None  # named after where it came from
         try:
@@ -521,9 +522,11 @@ class Conversation:
                     + (f" ({old} is still saved as it was)" if old else ""))
         where = {None: "not saved", True: f"saved as {self.saving.name}",
                  False: f"NOT saved: {stats.save_error}"}[stats.saved]
+        reused = f" ({self.reused_from})" if self.reused_from else ""
         return (f"new conversation without the {'oldest exchange' if n == 1 else f'{n} oldest exchanges'}"
                 + (f" of {old} (still saved as it was)" if old else "")
-                + f": {count(self.exchanges(), 'exchange')}, {count(self.n_tokens, 'token')} read again; {where}")
+                + f": {count(self.exchanges(), 'exchange')}, {count(self.n_tokens, 'token')} read again{reused}; "
+                + where)
 
     def _read_turn(self, t: Turn, on_progress, too_long: str, defer_cut: bool = False) -> None:
         """Append turn t with records made again from its text (a prefill of it as the template renders
@@ -539,8 +542,12 @@ class Conversation:
         first = self.n_tokens
         if first + len(ids) + 1 >= self.model.n_ctx:
             raise ChatError(too_long)
-        if ids:
-            self._prefill(ids, on_progress)
+        reused = 0
+        if self.reuse and t.role == "user" and first == 0 and len(ids) > 1:  # a new conversation's first turn
+            reused, source = self.saving.reuse(self.model.cache, ids)
+            self.reused_from = f"reused {reused:,} tokens from {source}" if reused else None
+        if ids[reused:]:
+            self._prefill(ids[reused:], on_progress)
         self.turns.append(Turn(t.role, t.text, first, self.n_tokens))
 
     def _read_again(self, unread: list[Turn], on_progress=None) -> str:

@@ -121,3 +121,22 @@ def test_a_p_run_reuses_a_saved_conversation_and_says_so(colichat_home):
     assert f" (+{n} reused) at " in r.footers()[0]
     r = chat(colichat_home, [*args, "--no-reuse", "-p", Q2]).ok()
     assert "reused" not in r.err
+
+
+def test_forget_reads_its_first_kept_exchange_from_a_saved_conversation_that_began_with_it(model, tmp_path):
+    """/forget twice from the same conversation: the second reading again starts from the first one's
+    records (the kept exchange's message), and is the conversation the first one made."""
+    store = Store(tmp_path / "sessions")
+    conv = conversation(model, store, "long")
+    for q in ("A short first question?", Q1, "And then?"):
+        conv.ask(q)
+    said = conv.forget(1)
+    assert "reused" not in said and conv.saving.name == "long-cont"
+    first = kv_bytes(store, "long-cont")
+    conv.resume("long")
+    said = conv.forget(1)
+    n = int(said.split("(reused ")[1].split()[0].replace(",", ""))
+    assert n > 250 and said.endswith(f"read again (reused {n:,} tokens from long-cont); saved as long-cont-2")
+    conv.close()
+    assert kv_bytes(store, "long-cont-2")[:HEADER_SIZE + n * model.cache.record_bytes] == \
+        first[:HEADER_SIZE + n * model.cache.record_bytes]
