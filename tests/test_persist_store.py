@@ -172,10 +172,11 @@ READER = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from persist_helpers import IDENT, layout_of, make_cache
-from colichat.persist import Session, Store
+from colichat.persist import Store
+from colichat.persist.loading import read_saved
 store = Store()
 if {export!r}:
-    res = Session.read_saved(store.model_dir(IDENT), "busy")
+    res = read_saved(store.model_dir(IDENT), "busy")
 else:
     with store.open(IDENT, "busy", layout_of(make_cache()), read_only=True) as sess:
         res = sess.load(make_cache())

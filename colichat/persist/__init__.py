@@ -15,7 +15,8 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
 """
 
 from .kvfile import CacheLayout, SaveFailed, SessionBusy, SessionError, SessionExists
-from .session import LoadResult, Session
+from .loading import LoadResult
+from .session import Session
 from .sidecar import Turn
 from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, slug, weights_fingerprint
 

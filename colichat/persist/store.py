@@ -55,18 +55,10 @@ from .kvfile import (
     oserror_text,
 )
 from .locks import flock_for_save, release_lock, take_lock
+from .names import KV_EXT, SIDECAR_EXT, holds_conversation, interrupted_create, remove_leftovers
 from .prefixes import PrefixIndex
-from .session import (
-    KV_EXT,
-    MAX_SIDECAR_BYTES,
-    SIDECAR_EXT,
-    Session,
-    holds_conversation,
-    interrupted_create,
-    lineage,
-    remove_leftovers,
-)
-from .sidecar import doc_check, document, parse_turns
+from .session import Session
+from .sidecar import MAX_SIDECAR_BYTES, doc_check, document, lineage, parse_turns
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 PREFIXES = "prefixes"  # beside the sessions directory: per model, the prefix index (prefixes.py)
@@ -432,7 +424,7 @@ def _dir_layout(directory: Path) -> CacheLayout | None:
 
 def _sidecar_summary(doc: dict, tokens: int | None, model: str, last_used: float) -> dict:
     """SessionInfo's turns, tokens, model (name, file name, path), first (line of the first message),
-    last_used and a fork's parent and branch (session.lineage) from a sidecar whose turns are a list
+    last_used and a fork's parent and branch (sidecar.lineage) from a sidecar whose turns are a list
     of objects; a damaged value gives way to the header's (model, last_used), a missing or damaged
     file name or path to "". The token count is the end of the turns whose checks hold, at most the
     records the KV file has (`tokens`; None: no KV file); with no such turn, the KV file's."""
@@ -468,7 +460,7 @@ def _timestamp(text, default: float) -> float:
 
 def _open_to_remove(path: str) -> int | None:
     """A regular KV file opened and flocked exclusively before its removal (a reader without the
-    session's lock holds it shared while it reads: Session._reading); None if there is none."""
+    session's lock holds it shared while it reads: locks.reading); None if there is none."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
