@@ -24,11 +24,11 @@ from datetime import datetime
 from .engine.gguf import MIN_CTX
 from .models import model_title
 from .persist import SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
+from .persist.listing import damaged_text, model_file_now, total_line, under_parents
 from .persist.loading import more_context, read_saved, tokens_to_load
 from .persist.locks import lock_holder
 from .persist.names import SIDECAR_EXT, holds_conversation
 from .persist.sidecar import doc_check, document, span
-from .persist.store import damaged_text, model_file_now, total_line, under_parents
 from .thinking import split
 from .wrap import displayable
 

@@ -27,9 +27,8 @@ from cli_helpers import (
 )
 from persist_helpers import snapshot
 
-from colichat.persist import SessionError, Store
+from colichat.persist import SessionError, Store, slug
 from colichat.persist.sidecar import doc_check
-from colichat.persist.store import slug
 from colichat.sessions import model_to_reopen
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]

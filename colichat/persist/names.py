@@ -1,5 +1,7 @@
-"""What a session's files are called, and what a name holds on disk.
+"""What a session and its files are called, and what a name holds on disk.
 
+    check_name(name) -> name                  # or SessionError: the names a session may have
+    slug(first message), auto_name(taken, stem)   # a new conversation's name
     holds_conversation(base)                  # whether NAME (base = directory/NAME) is a conversation
     interrupted_create(base), remove_leftovers(base)   # what an interrupted create or an emptied
                                               # session leaves: no conversation, replaced by the next claim
@@ -12,12 +14,47 @@ NAME.lock (locks.py) and NAME.renaming (renaming.py) sit beside them.
 from __future__ import annotations
 
 import os
+import re
+import time
+import unicodedata
 
 from ..paths import private_dir
 from .kvfile import SessionError, fsync_dir, lstat_regular, oserror_text, read_nrec_if_empty
 from .sidecar import MAX_SIDECAR_BYTES, document
 
 KV_EXT, SIDECAR_EXT = ".coli_kv", ".json"  # NAME.coli_kv holds the records, NAME.json the turns
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+
+
+def check_name(name) -> str:
+    """A session name, or SessionError: up to 64 of A-Z a-z 0-9 - _ . (not first), no '..'."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
+        raise SessionError(f"invalid session name {name!r}: use 1 to 64 ASCII letters, digits, "
+                           "'-', '_' or '.' (not first, no '..')")
+    return name
+
+
+def slug(text: str, limit: int = 32) -> str:
+    """A readable name from a message: its first words as lowercase ASCII joined by '-', at most
+    `limit` characters ("What is the capital of France?" -> what-is-the-capital-of-france); "" for
+    a message without letters or digits."""
+    words = re.findall(r"[a-z0-9]+", unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower())
+    name = words[0][:limit] if words else ""
+    for w in words[1:]:
+        if len(name) + 1 + len(w) > limit:
+            break
+        name += "-" + w
+    return name
+
+
+def auto_name(taken, stem: str | None = None) -> str:
+    """A fresh name: `stem` (else the local time, e.g. 20250301-142233), then -2, -3, ... if taken."""
+    base = stem or time.strftime("%Y%m%d-%H%M%S")
+    name, k = base, 1
+    while name in taken:
+        k += 1
+        name = f"{base}-{k}"
+    return name
 
 
 def interrupted_create(base: str) -> bool:
