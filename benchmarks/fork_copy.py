@@ -4,7 +4,7 @@
 
 In each DIR (a directory on the file system to measure: ext4, tmpfs, an XFS or btrfs mount, whose
 copy_file_range shares blocks), a file of --mib MiB of random bytes is copied as Session.fork copies
-a parent's records (persist.session.copy_bytes), five times each way, then fsynced as a save is; the
+a parent's records (persist.kvfile.copy_bytes), five times each way, then fsynced as a save is; the
 best time is reported, per 100 MiB, with the space the file system gives the copy (statvfs before and
 after one more copy: a shared copy takes next to none; `du` counts shared blocks once per file).
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from colichat.persist.session import copy_bytes  # noqa: E402
+from colichat.persist.kvfile import copy_bytes  # noqa: E402
 
 
 def fs_type(directory: str) -> str:

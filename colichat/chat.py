@@ -30,7 +30,7 @@ from .engine.speculative import PromptLookup
 from .engine.text.template import TemplateError, chat_template_for
 from .errors import ChatError
 from .persist import CacheLayout, Store, Turn, model_identity
-from .persist.session import REOPEN_ROOM
+from .persist.loading import REOPEN_ROOM
 from .report import TurnStats, no_room, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings

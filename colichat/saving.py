@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import ChatError
 from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
-from .persist.store import total_line, under_parents
+from .persist.listing import total_line, under_parents
 from .units import count, format_size
 from .wrap import displayable
 

@@ -23,11 +23,12 @@ from datetime import datetime
 
 from .engine.config import MIN_CTX
 from .models import model_title
-from .persist import Session, SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
+from .persist import SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
+from .persist.listing import damaged_text, model_file_now, total_line, under_parents
+from .persist.loading import more_context, read_saved, tokens_to_load
 from .persist.locks import lock_holder
-from .persist.session import SIDECAR_EXT, holds_conversation, more_context
+from .persist.names import SIDECAR_EXT, holds_conversation
 from .persist.sidecar import doc_check, document, span
-from .persist.store import damaged_text, model_file_now, total_line, under_parents
 from .thinking import split
 from .wrap import displayable
 
@@ -232,7 +233,7 @@ def context_problem(store: Store, model_path: str, session: str | None, n_ctx: i
     a context of `n_ctx` tokens, from its files alone (the refusal opening it after the load would
     give: what reopens it, within the model's largest context `most` when known), or None."""
     info = _reopened(store, model_path, session)
-    n = Session.tokens_to_load(info.path.parent, info.name) if info else None
+    n = tokens_to_load(info.path.parent, info.name) if info else None
     return more_context(info.name, n, n_ctx, most) if n is not None and n > n_ctx else None
 
 
@@ -272,7 +273,7 @@ def export_saved(store: Store, model_path: str | None, name: str, given: bool = 
     note = namesakes_note(store, name, info.model_dir, f"colichat --export {name} --model {{path}} prints it")
     if info.damage:
         raise SessionError(f"session {damaged_text(name, info.damage)}")
-    res = Session.read_saved(info.path.parent, name)
+    res = read_saved(info.path.parent, name)
     system = res.sampler.get("system")
     turns = res.turns + res.unread  # the text of exchanges whose records were dropped, as reopening reads it
     text = markdown(name, model_title(info.model, info.model_file), [(t.role, t.text) for t in turns],

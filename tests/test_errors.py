@@ -44,7 +44,7 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
                                                    "type; that becomes a TemplateError (a ModelError)",
     ("persist/kvfile.py", "read_records.second_half"): "the reading thread's exception, raised again in the "
                                                        "caller's thread",
-    ("persist/store.py", "_timestamp"): "datetime.fromisoformat() of a sidecar's text: not a time, the "
+    ("persist/listing.py", "_timestamp"): "datetime.fromisoformat() of a sidecar's text: not a time, the "
                                         "file's own",
 }
 

@@ -16,8 +16,9 @@ import pytest
 from conftest import TINY
 from persist_helpers import IDENT, OTHER_IDENT, TESTS, build, layout_of, make_cache
 
-import colichat.persist.store as store_mod
+import colichat.persist.identity as identity_mod
 from colichat.persist import SessionError, Store, model_identity, weights_fingerprint
+from colichat.persist.names import NAME_RE
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "", "x" * 65, ".hidden", "a..b", "a b", "caf\u00e9", "..",
@@ -112,7 +113,7 @@ def test_auto_names_are_unique(colichat_home):
     for _ in range(4):
         with Store().create(IDENT, layout_of(cache)) as sess:
             names.add(sess.name)
-    assert len(names) == 4 and all(store_mod.NAME_RE.fullmatch(n) for n in names)
+    assert len(names) == 4 and all(NAME_RE.fullmatch(n) for n in names)
 
 
 def test_listing_newest_first_per_model(colichat_home):
@@ -172,10 +173,11 @@ READER = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from persist_helpers import IDENT, layout_of, make_cache
-from colichat.persist import Session, Store
+from colichat.persist import Store
+from colichat.persist.loading import read_saved
 store = Store()
 if {export!r}:
-    res = Session.read_saved(store.model_dir(IDENT), "busy")
+    res = read_saved(store.model_dir(IDENT), "busy")
 else:
     with store.open(IDENT, "busy", layout_of(make_cache()), read_only=True) as sess:
         res = sess.load(make_cache())
@@ -312,8 +314,8 @@ def test_fingerprint_reads_little_of_a_big_file(tmp_path, monkeypatch):
     with open(path, "r+b") as f:
         f.truncate(8 << 30)  # sparse: 8 GiB on paper
     read = []
-    real = store_mod._read_at
-    monkeypatch.setattr(store_mod, "_read_at", lambda f, off, n: read.append(n) or real(f, off, n))
+    real = identity_mod._read_at
+    monkeypatch.setattr(identity_mod, "_read_at", lambda f, off, n: read.append(n) or real(f, off, n))
     weights_fingerprint(path)
     assert sum(read) < 4 << 20
 
@@ -324,11 +326,11 @@ def test_header_walk_agrees_with_gguf_py(tmp_path):
     path = tmp_path / "vocab.gguf"
     write_gguf(path, seed=4, n_tensors=5, vocab=5000)
     reader = gguf.GGUFReader(str(path))
-    data_start, offsets = store_mod._gguf_layout(path.read_bytes())
+    data_start, offsets = identity_mod._gguf_layout(path.read_bytes())
     assert data_start == reader.data_offset
     assert offsets == sorted(int(t.data_offset) - reader.data_offset for t in reader.tensors)
     with pytest.raises(struct.error):  # a header cut short asks for more bytes
-        store_mod._gguf_layout(path.read_bytes()[: data_start // 2])
+        identity_mod._gguf_layout(path.read_bytes()[: data_start // 2])
 
 
 def test_fingerprint_of_the_tiny_models():

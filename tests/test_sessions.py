@@ -27,9 +27,8 @@ from cli_helpers import (
 )
 from persist_helpers import snapshot
 
-from colichat.persist import SessionError, Store
+from colichat.persist import SessionError, Store, slug
 from colichat.persist.sidecar import doc_check
-from colichat.persist.store import slug
 from colichat.sessions import model_to_reopen
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
@@ -591,7 +590,7 @@ def test_the_context_a_refusal_suggests_is_one_the_model_takes(colichat_home, tm
 
 
 def test_a_conversation_longer_than_the_model_can_hold_is_refused_with_what_reads_it():
-    from colichat.persist.session import more_context
+    from colichat.persist.loading import more_context
 
     assert more_context("c", 120, 64, 100) == (
         "session c holds 120 tokens, more than this model's maximum context of 100: it cannot be reopened with "

@@ -14,10 +14,15 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
     sess.close()
 """
 
+from ..paths import Paths, paths
+from .identity import model_identity, weights_fingerprint
 from .kvfile import CacheLayout, SaveFailed, SessionBusy, SessionError, SessionExists
-from .session import LoadResult, Session
+from .listing import SessionInfo
+from .loading import LoadResult
+from .names import check_name, slug
+from .session import Session
 from .sidecar import Turn
-from .store import Paths, SessionInfo, Store, check_name, model_identity, paths, slug, weights_fingerprint
+from .store import Store
 
 __all__ = [
     "CacheLayout", "LoadResult", "Paths", "SaveFailed", "Session", "SessionBusy", "SessionError", "SessionExists",

@@ -14,7 +14,7 @@ A record is byte-for-byte what `colichat.engine.cache.KVCache.raw` holds (the f3
 stored codes of a compact cache), so records move between the file and the cache with one write
 (`cache.raw(first, last)`) or a few large reads straight into the cache buffer. Everything here
 works on raw file descriptors with positioned I/O; no function modifies a file unless its name says
-it writes.
+so (write, create, cut, copy).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ NREC_OFFSET = 8 + 6 * 4  # byte offset of the nrec field
 INT32_MAX = 2**31 - 1
 PARALLEL_READ = 8 << 20  # bytes past which a load reads with two threads
 CHUNK = 1 << 28  # largest single read/write (Linux caps one call near 2 GiB)
+COPY_CHUNK = 8 << 20  # a fork's records copied by reads and writes: this many bytes at a time
+# copy_file_range errors that mean "not here" (an old kernel, another file system, a special file): copy by hand
+NO_COPY_RANGE = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
 class SessionBusy(SessionError):
@@ -346,6 +349,39 @@ def write_nrec(fd: int, nrec: int) -> None:
     os.fsync(fd)
 
 
+def cut_to(fd: int, n: int, record_bytes: int) -> None:
+    """Once nrec n is durable: the KV file holds its header and n records, no dead space after them."""
+    size = HEADER_SIZE + n * record_bytes
+    if os.fstat(fd).st_size > size:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+
+
+def copy_bytes(src: int, dst: int, size: int) -> None:
+    """Bytes [0, size) of file `src` into `dst` at the same offsets: with copy_file_range where there
+    is one (in the kernel; blocks shared where the file system can, as btrfs and XFS do), else, or for
+    what it leaves, by reads and writes. OSError as any write's; EIO if `src` ends early."""
+    done, copy_range = 0, getattr(os, "copy_file_range", None)
+    while copy_range is not None and done < size:
+        try:
+            n = copy_range(src, dst, min(size - done, 1 << 30), done, done)
+        except OSError as e:
+            if e.errno not in NO_COPY_RANGE:
+                raise
+            n = 0
+        if not n:
+            break
+        done += n
+    while done < size:
+        data = os.pread(src, min(size - done, COPY_CHUNK), done)
+        if not data:
+            raise OSError(errno.EIO, "the KV file it is copied from ended early")
+        view = memoryview(data)
+        while view:
+            wrote = os.pwrite(dst, view, done)
+            view, done = view[wrote:], done + wrote
+
+
 def create_kv(path: str, layout: CacheLayout) -> int:
     """Create a new KV file (mode 0600, never over an existing one) holding just the header.
     On failure the descriptor is closed; the file (if it was made) is the caller's to remove."""
@@ -356,6 +392,46 @@ def create_kv(path: str, layout: CacheLayout) -> int:
         os.fsync(fd)
     except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def changed_since_open(fd: int, path: str, records_bytes: int) -> str | None:
+    """How another program changed the KV file open as `fd` since then ("removed", "given another name
+    (a hard link)", "cut short" below its header and `records_bytes` (truncate -s, in place), or
+    "replaced" at `path`), or None: the writer's next save is not to go through such a file."""
+    st = os.fstat(fd)
+    try:
+        cur = os.lstat(path)
+    except FileNotFoundError:
+        return "removed"
+    same = (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)
+    if same and st.st_nlink == 1 and st.st_size >= HEADER_SIZE + records_bytes:
+        return None
+    return "given another name (a hard link)" if same and st.st_nlink != 1 else "cut short" if same else "replaced"
+
+
+def create_kv_in_place(directory: str, path: str, layout: CacheLayout) -> int:
+    """An empty KV file at `path` in `directory`, made whole under PATH.tmp, then renamed over whatever
+    is there (a session opened from its sidecar alone: its broken file, or none); its descriptor.
+    OSError with no PATH.tmp left (an error after the rename leaves the new file)."""
+    tmp, fd = path + ".tmp", None
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        fd = create_kv(tmp, layout)
+        os.rename(tmp, path)
+        fsync_dir(directory)
+    except OSError:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         raise
     return fd
 

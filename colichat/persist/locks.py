@@ -4,11 +4,12 @@ NAME.lock is the writer's lock: one colichat has a session open for writing (`ta
 LOCK_EX on the file, which holds its pid for the refusal another colichat prints; `release_lock`),
 and `lock_holder` looks, before a long start, whether another has it. The KV file's own flock
 orders a save (LOCK_EX, `flock_for_save`) and a read without the session's lock (LOCK_SH,
-`flock_quietly`): such a read sees the session whole.
+`reading`): such a read sees the session whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -45,6 +46,21 @@ def take_lock(path: str, name: str) -> int:
     except OSError:
         pass
     return fd
+
+
+def relock(fd: int, path: str, name: str) -> int:
+    """The writer's lock to hold from now on: `fd` while NAME.lock (`path`) is still its file; if that
+    was removed or replaced, our flock guards nothing: the new file's, taken, and `fd` released."""
+    st = os.fstat(fd)
+    try:
+        cur = os.lstat(path)
+        if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+    except FileNotFoundError:
+        pass
+    new = take_lock(path, name)
+    release_lock(fd)
+    return new
 
 
 def lock_holder(path: str) -> str | None:
@@ -97,7 +113,7 @@ SAVE_WAITS_FOR_A_READ = 10.0  # seconds; then the save goes on (a reader stopped
 
 
 def flock_for_save(fd: int) -> None:
-    """flock(LOCK_EX) on the KV file for a save, waiting for a read under way (Session._reading)
+    """flock(LOCK_EX) on the KV file for a save, waiting for a read under way (`reading`)
     at most SAVE_WAITS_FOR_A_READ seconds: a save never hangs on a stopped reader, whose own checks
     then drop what it read halfway (the state before this lock existed)."""
     deadline = time.monotonic() + SAVE_WAITS_FOR_A_READ
@@ -109,3 +125,30 @@ def flock_for_save(fd: int) -> None:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
                 return  # no locks on this file system, or a reader that does not finish: go on
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def reading(fd: int, path: str, name: str):
+    """A read of session NAME's KV file (open as `fd`, named `path`) without the session's lock
+    (--no-save, --export, a read-only file system): the file's flock held shared while reading, so
+    that a save under way in a colichat that has the session open (`flock_for_save`) ends first, and
+    saves wait for the read. A file replaced meanwhile (written again by its colichat) is opened again
+    by its name under the same descriptor `fd`; one removed or renamed meanwhile is refused."""
+    for _ in range(8):
+        flock_quietly(fd, fcntl.LOCK_SH)
+        st = os.fstat(fd)
+        try:
+            cur = os.lstat(path)
+        except FileNotFoundError:
+            raise SessionError(f"session {name} was removed or renamed while it was read") from None
+        if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+            break
+        new = open_file(path, "session file", os.O_RDONLY)  # written again by its colichat
+        os.dup2(new, fd, inheritable=False)  # (the old file closed, and its flock with it)
+        os.close(new)
+    else:
+        raise SessionError(f"session {name} was replaced again and again while it was read")
+    try:
+        yield
+    finally:
+        flock_quietly(fd, fcntl.LOCK_UN)

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .kvfile import CODEC_OF_MAGIC, HEADER, HEADER_SIZE, CacheLayout, Header, header_damage, mode_damage
-from .session import KV_EXT, MAX_SIDECAR_BYTES, SIDECAR_EXT
-from .sidecar import document, parse_turns
+from .names import KV_EXT, SIDECAR_EXT
+from .sidecar import MAX_SIDECAR_BYTES, document, parse_turns
 
 STEP = 64  # tokens between two points inside a turn
 FORMAT = 1

@@ -1,20 +1,26 @@
 """The sidecar NAME.json's turns and checks: a Turn (role, text, its span of records), the CRC-32 of
-a turn's records, the "check" CRCs that cover each turn's fields and the document's settings, what
-a load keeps of a sidecar's turn list (its longest sound prefix, exchanges whole), and which turns it
-drops can be read again from their text (`readable_again`). FORMAT.md describes the document.
+a turn's records, the "check" CRCs that cover each turn's fields and the document's settings (a
+fork's parent and branch among them: `lineage`), what a load keeps of a sidecar's turn list (its
+longest sound prefix, exchanges whole), and which turns it drops can be read again from their text
+(`readable_again`), and the document written whole (`write_document`). FORMAT.md describes it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 try:  # the same CRC-32 as zlib.crc32, several times faster (resume checks every saved byte)
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
     from zlib import crc32
 
-from .kvfile import INT32_MAX
+from .kvfile import INT32_MAX, fsync_dir, open_file
+
+FORMAT_VERSION = 2  # 2: a "check" CRC over the sidecar's settings, and one over each turn's fields
+MAX_SIDECAR_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,41 @@ def document(data: bytes):
         return None
 
 
+def now_iso() -> str:
+    """The sidecar's times ("created", "updated"): UTC, to the millisecond."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def write_document(path: str, doc: dict) -> None:
+    """Atomically replace the sidecar at `path` by `doc`: write PATH.tmp, fsync, rename over, fsync the
+    directory. On an error no PATH.tmp is left and the sidecar is as before."""
+    try:
+        data = json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates in a text: escape them instead
+        data = json.dumps(doc, indent=1).encode("ascii")
+    tmp = path + ".tmp"
+    if os.path.lexists(tmp):  # a crash's leftover, or a file planted there: never written through
+        os.unlink(tmp)
+    fd = open_file(tmp, "sidecar", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        try:
+            os.fchmod(fd, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
 def _canonical_crc(value) -> int:
     """CRC-32 of the value as compact, key-sorted, ASCII JSON: the same whatever the file's layout."""
     return crc32(json.dumps(value, ensure_ascii=True, sort_keys=True, separators=(",", ":")).encode("ascii"))
@@ -53,6 +94,17 @@ def turn_check(role: str, text: str, first: int, last: int, crc: int) -> int:
 def doc_check(doc: dict) -> int:
     """The sidecar's top-level "check": covers everything but the turns (which carry their own)."""
     return _canonical_crc({k: v for k, v in doc.items() if k not in ("turns", "check")})
+
+
+def lineage(doc: dict) -> tuple[str | None, int | None]:
+    """(parent, branch) of a fork, as its sidecar records them: the conversation it was forked from and
+    the exchanges of it that it began with; (None, None) for one that is no fork, or whose document
+    check fails (its settings, these with them, are not believed)."""
+    parent, branch = doc.get("parent"), doc.get("branch")
+    if not isinstance(parent, str) or not 0 < len(parent) <= 64 or type(branch) is not int or branch < 1 \
+            or doc.get("check") != doc_check(doc):
+        return None, None
+    return parent, branch
 
 
 def parse_turns(doc: dict) -> tuple[list[Turn], list[int], str | None]:

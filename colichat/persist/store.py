@@ -1,474 +1,47 @@
-"""Where sessions live, what they are called, which model they belong to.
+"""Where sessions live, and what is done to them as a whole: create, claim, open, delete, rename.
 
-    paths() -> Paths(data, state, cache)       # COLICHAT_HOME/{data,state,cache}, else the XDG dirs
-    ident = model_identity(gguf_path, arch, name, rope_factors=None)   # reads ~2 MB: {"arch", "name",
-                                               # "fingerprint", "file", "path"} (+ "rope_factors")
     store = Store()                            # sessions under paths().data / "sessions"
     sess = store.create(ident, layout, name=None, sampler=None)   # new empty session, locked
     sess = store.claim(ident, name, layout, sampler=None)   # the same, its files made by the first save
     sess = store.open(ident, name, layout)     # existing session, locked (then sess.load(...))
-    store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None
-    under_parents(infos) -> [(SessionInfo, depth)]   # the same, each fork after its parent
+    store.list(ident=None) -> [SessionInfo]    # newest first; all models when ident is None (listing.py)
     store.latest(ident) -> SessionInfo | None
     store.is_empty(ident, name)                # an empty session left on disk: no conversation
     store.rename(sess, new)                    # an open session under another name
+    store.delete(ident, name) -> bytes freed
     store.dirs_for(fingerprint) -> [Path]      # a model's session directories, before it loads
     store.refuse_elsewhere(name, hint=...)     # SessionError if another model has session NAME
-    model_file_now(info) -> str | None         # where the model that saved a session is now (path, real path)
 
 Layout on disk: <data>/sessions/<model dir>/NAME.{coli_kv,json,lock}, where the model dir is the
-sanitized model name plus 12 hex digits of the weights fingerprint, so two fine-tunes of one base
-model never share sessions. Directories are created 0700, session files 0600.
+sanitized model name plus 12 hex digits of the weights fingerprint (identity.py), so two fine-tunes
+of one base model never share sessions. Directories are created 0700, session files 0600.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import re
 import shlex
 import stat
-import struct
-import time
-import unicodedata
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
-from ..engine.gguf.header import HeaderError, read_header
-from ..paths import Paths, paths, private_dir  # noqa: F401  (re-exported)
-from ..units import count, format_size
+from ..paths import paths, private_dir
 from . import renaming
-from .kvfile import (
-    HEADER,
-    HEADER_SIZE,
-    KIND_OF_MAGIC,
-    CacheLayout,
-    Header,
-    SessionBusy,
-    SessionError,
-    SessionExists,
-    fsync_dir,
-    header_damage,
-    mode_damage,
-    oserror_text,
-)
+from .identity import dir_suffix, model_dirname
+from .kvfile import CacheLayout, SessionBusy, SessionError, SessionExists, fsync_dir, oserror_text
+from .listing import SessionInfo, damaged_text, dir_layout, holds_or_damaged, model_file_now, session_info
 from .locks import flock_for_save, release_lock, take_lock
+from .names import KV_EXT, NAME_RE, SIDECAR_EXT, auto_name, check_name, holds_conversation, remove_leftovers
 from .prefixes import PrefixIndex
-from .session import (
-    KV_EXT,
-    MAX_SIDECAR_BYTES,
-    SIDECAR_EXT,
-    Session,
-    holds_conversation,
-    interrupted_create,
-    lineage,
-    remove_leftovers,
-)
-from .sidecar import doc_check, document, parse_turns
+from .session import Session
 
-NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 PREFIXES = "prefixes"  # beside the sessions directory: per model, the prefix index (prefixes.py)
 LAST_USED = "last-used"  # beside the sessions directory: per model, the conversation last reopened (Store.used)
 
 
-# ---- model identity ---------------------------------------------------------------------------
-
-TENSOR_SAMPLES, TENSOR_SAMPLE = 256, 4096  # a 4 KiB sample from the middle of up to 256 tensors
-SPREAD_SAMPLES, SPREAD_SAMPLE = 16, 65536  # plus 16 x 64 KiB spread evenly over the data region
-
-
-def _gguf_layout(buf: bytes) -> tuple[int, list[int]]:
-    """(data region offset, sorted tensor offsets within it) from the start of a GGUF v2/v3 file.
-
-    struct.error: `buf` is too short to hold the whole header; HeaderError: not a GGUF we can walk."""
-    head = read_header(buf)
-    if head.data_start > len(buf):
-        raise struct.error("short")
-    return head.data_start, sorted(t.offset for t in head.tensors)
-
-
-def _read_at(f, offset: int, n: int) -> bytes:
-    f.seek(offset)
-    return f.read(n)
-
-
-def weights_fingerprint(path: str) -> str:
-    """32 hex digits identifying a GGUF file's weights without reading it in full.
-
-    Hashes the file size, the whole header (metadata + tensor infos), a 4 KiB sample from the middle
-    of up to 256 tensors, and 16 x 64 KiB spread over the data region: ~2 MB read whatever the size.
-    Two files of the same shapes with other weights (fine-tunes) differ in every sampled tensor."""
-    h = hashlib.sha256(b"colichat weights fingerprint 1\0")
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        h.update(size.to_bytes(8, "little"))
-        n, layout = min(size, 1 << 20), None
-        while layout is None:
-            head = _read_at(f, 0, n)
-            try:
-                layout = _gguf_layout(head)
-            except struct.error:
-                if n >= min(size, 1 << 28):
-                    break
-                n = min(size, n * 4, 1 << 28)
-            except HeaderError:
-                break
-        if layout is None:  # not a GGUF we can walk: hash its start and the spread samples
-            data_start, starts = min(size, 1 << 20), []
-            h.update(head[:data_start])
-        else:
-            data_start = layout[0]
-            h.update(head[:data_start])
-            starts = [data_start + o for o in layout[1]]
-        ends = starts[1:] + [size] if starts else []  # no tensors (or not walkable): no tensor samples
-        step = max(1, -(-len(starts) // TENSOR_SAMPLES))
-        for s, e in list(zip(starts, ends, strict=True))[::step]:
-            e = min(e, size)
-            if e > s:
-                mid = max(s, (s + e - TENSOR_SAMPLE) // 2)
-                h.update(_read_at(f, mid, min(TENSOR_SAMPLE, e - mid)))
-        span = max(0, size - data_start - SPREAD_SAMPLE)
-        for k in range(SPREAD_SAMPLES):
-            h.update(_read_at(f, data_start + span * k // (SPREAD_SAMPLES - 1), SPREAD_SAMPLE))
-    return h.hexdigest()[:32]
-
-
-def model_identity(gguf_path: str, arch: str, name: str, rope_factors: str | None = None) -> dict:
-    """What a session records about its model: {"arch", "name", "fingerprint", "file", "path",
-    "real_path"} ("file": the GGUF's file name, for listings; "path": its absolute path as given, and
-    "real_path": the file it led to, symbolic links resolved, to find the model again when the session
-    is reopened without --model, also once a link given points to another file; these never
-    compared), and "rope_factors" (the rope frequency factors the cache rows are rotated with,
-    Model.rope_factors) where the architecture picks them by context size."""
-    try:
-        fp = weights_fingerprint(str(gguf_path))
-    except OSError as e:
-        raise SessionError(f"cannot fingerprint model {gguf_path}: {oserror_text(e)}") from None
-    path = os.path.abspath(str(gguf_path))
-    ident = {"arch": str(arch), "name": str(name), "fingerprint": fp, "file": os.path.basename(path), "path": path,
-             "real_path": os.path.realpath(path)}
-    return ident if rope_factors is None else {**ident, "rope_factors": str(rope_factors)}
-
-
-def _dir_suffix(fingerprint: str) -> str:
-    return "-" + fingerprint[:12]
-
-
-def model_dirname(ident: dict) -> str:
-    base = re.sub(r"[^A-Za-z0-9._-]+", "-", str(ident.get("name") or "")).strip("-.")[:40]
-    return f"{base or ident.get('arch') or 'model'}{_dir_suffix(ident['fingerprint'])}"
-
-
-# ---- names ------------------------------------------------------------------------------------
-
-
-def check_name(name) -> str:
-    """A session name, or SessionError: up to 64 of A-Z a-z 0-9 - _ . (not first), no '..'."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
-        raise SessionError(f"invalid session name {name!r}: use 1 to 64 ASCII letters, digits, "
-                           "'-', '_' or '.' (not first, no '..')")
-    return name
-
-
-def slug(text: str, limit: int = 32) -> str:
-    """A readable name from a message: its first words as lowercase ASCII joined by '-', at most
-    `limit` characters ("What is the capital of France?" -> what-is-the-capital-of-france); "" for
-    a message without letters or digits."""
-    words = re.findall(r"[a-z0-9]+", unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower())
-    name = words[0][:limit] if words else ""
-    for w in words[1:]:
-        if len(name) + 1 + len(w) > limit:
-            break
-        name += "-" + w
-    return name
-
-
-def auto_name(taken, stem: str | None = None) -> str:
-    """A fresh name: `stem` (else the local time, e.g. 20250301-142233), then -2, -3, ... if taken."""
-    base = stem or time.strftime("%Y%m%d-%H%M%S")
-    name, k = base, 1
-    while name in taken:
-        k += 1
-        name = f"{base}-{k}"
-    return name
-
-
-# ---- the store --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    name: str
-    model: str  # the model's name as saved in the sidecar (else its directory name)
-    model_dir: str
-    turns: int
-    tokens: int
-    size: int  # bytes on disk (KV file + sidecar)
-    last_used: float  # epoch seconds (sidecar "updated", else the KV file's mtime)
-    path: Path  # the .coli_kv file
-    first: str = ""  # the first user message's first line
-    damage: str | None = None  # why this is not a loadable session (then /delete NAME clears it)
-    model_file: str = ""  # the GGUF's file name as saved in the sidecar (sessions of older versions: "")
-    model_path: str = ""  # the GGUF's absolute path as saved in the sidecar (sessions of older versions: "")
-    model_real_path: str = ""  # the file that path led to, links resolved (sessions of older versions: "")
-    parent: str | None = None  # a fork's: the conversation it was forked from
-    branch: int | None = None  # and the exchanges of it it began with
-
-    def model_paths(self) -> list[str]:
-        """Where the model that saved it was: the path it was given by, then the file that led to."""
-        return list(dict.fromkeys(p for p in (self.model_path, self.model_real_path) if p))
-
-    def made_by(self, fingerprint: str | None) -> bool:
-        """Whether the model with this weights fingerprint saved it (its directory says so)."""
-        return fingerprint is not None and self.model_dir.endswith(_dir_suffix(fingerprint))
-
-
-    def describe(self, now: float | None = None) -> str:
-        """'NAME: 4 turns, 812 tokens, 1.2 MiB, 3 h ago' for listings and the start-up notice."""
-        if self.damage:
-            return damaged_text(self.name, self.damage)
-        age = max(0.0, (time.time() if now is None else now) - self.last_used)
-        for unit, secs in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
-            if age >= secs or unit == "s":
-                break
-        first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
-        fork = f" (fork of {self.parent} at exchange {self.branch})" if self.parent else ""
-        return (f"{self.name}: {count(self.turns, 'turn')}, {count(self.tokens, 'token')}, {format_size(self.size)}, "
-                f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else "") + fork)
-
-
-def under_parents(infos: list[SessionInfo]) -> list[tuple[SessionInfo, int]]:
-    """A listing's rows in order, with their depth: each conversation (in the order given, newest first)
-    followed by its forks (theirs after each), one level deeper. A fork whose parent is not listed
-    (deleted, renamed) is a row of its own; so are forks that name each other (renames)."""
-    listed = {(i.model_dir, i.name) for i in infos}
-    forks: dict[tuple[str, str], list[SessionInfo]] = {}
-    for i in infos:
-        if i.parent and (i.model_dir, i.parent) in listed:
-            forks.setdefault((i.model_dir, i.parent), []).append(i)
-    rows: list[tuple[SessionInfo, int]] = []
-    seen: set[tuple[str, str]] = set()
-    tops = [i for i in infos if not (i.parent and (i.model_dir, i.parent) in listed)]
-    for top in tops + infos:  # (then what a loop of forks left out)
-        stack = [(top, 0)]
-        while stack:
-            info, depth = stack.pop()
-            if (info.model_dir, info.name) in seen:
-                continue
-            seen.add((info.model_dir, info.name))
-            rows.append((info, depth))
-            stack += [(f, depth + 1) for f in reversed(forks.get((info.model_dir, info.name), []))]
-    return rows
-
-
-def model_file_now(info: SessionInfo, fingerprints: dict | None = None) -> str | None:
-    """Where the model that saved `info` is now: the first of its recorded paths (the one it was given
-    by, then the file that led to) that is a regular file with its weights; None if neither.
-    `fingerprints`: {path: fingerprint or None} already read (filled in)."""
-    seen = {} if fingerprints is None else fingerprints
-    for path in info.model_paths():
-        if path not in seen:  # a regular file only (a FIFO named by a damaged sidecar would hang)
-            try:
-                seen[path] = weights_fingerprint(path) if os.path.isfile(path) else None
-            except OSError:
-                seen[path] = None
-        if info.made_by(seen[path]):
-            return path
-    return None
-
-
-def total_line(infos: list[SessionInfo]) -> str:
-    """'5 conversations, 12.3 MiB on disk': the foot of /sessions and --sessions."""
-    return f"{count(len(infos), 'conversation')}, {format_size(sum(i.size for i in infos))} on disk"
-
-
-def damaged_text(name: str, damage: str) -> str:
-    """The one line for a damaged session, the same in /sessions, --session and --resume."""
-    return f"{name}: damaged ({damage}); /delete {name} removes it"
-
-
-def _session_info(directory: Path, name: str, layout: CacheLayout | None = None) -> SessionInfo | None:
-    """Read-only summary of one session (with `damage` set if opening would refuse it); None if
-    nothing is there under that name. `layout`: the model's, where it is known (see `_dir_layout`)."""
-    kv, side = directory / (name + KV_EXT), directory / (name + SIDECAR_EXT)
-    tokens, model = 0, directory.name
-    try:
-        st = kv.lstat()
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        return SessionInfo(name, model, directory.name, 0, 0, 0, 0.0, kv, damage=f"cannot read: {oserror_text(e)}")
-    damage = None
-    if st is None:  # a sidecar alone (its KV file deleted, to free its space say): opening reads its text again
-        if interrupted_create(str(directory / name)):
-            return None
-        try:
-            sst = side.lstat()
-        except OSError:
-            return None
-        doc, _, damage = _listed_sidecar(side, directory)
-        if damage is None and _lists_turns(doc):
-            return SessionInfo(name, model_dir=directory.name, size=sst.st_size, path=kv,
-                               **_sidecar_summary(doc, None, model, sst.st_mtime))
-        return SessionInfo(name, model, directory.name, 0, 0, sst.st_size, sst.st_mtime, kv,
-                           damage=damage or f"the sidecar {name}.json lists no turns and has no KV file {name}{KV_EXT}")
-    last_used, size = st.st_mtime, st.st_size
-    if stat.S_ISLNK(st.st_mode):
-        damage = "the KV file is a symbolic link"
-    elif not stat.S_ISREG(st.st_mode):
-        damage = "the KV file is not a regular file"
-    else:
-        try:
-            fd = os.open(kv, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                raw = os.pread(fd, HEADER_SIZE, 0)
-            finally:
-                os.close(fd)
-            damage = header_damage(st.st_size, raw)
-            foreign = None if damage else mode_damage(raw[:8], HEADER.unpack(raw)[8])
-            damage = damage or _layout_damage(raw, layout)
-            if foreign:  # a codec colichat does not read: opening refuses it (its text is not read again)
-                damage = foreign
-            elif damage is None:
-                tokens = HEADER.unpack(raw)[7]
-                if tokens == 0 and not _holds(directory / name):  # emptied (every exchange rewound)
-                    return None
-            else:  # no records to read: a sidecar that lists the text makes it a conversation read again
-                doc, side_size, side_damage = _listed_sidecar(side, directory)
-                if side_damage is None and _lists_turns(doc):
-                    return SessionInfo(name, model_dir=directory.name, size=size + side_size, path=kv,
-                                       **_sidecar_summary(doc, None, model, last_used))
-        except OSError as e:
-            damage = f"cannot read: {oserror_text(e)}"
-    if damage:
-        return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage=damage)
-    doc, side_size, damage = _listed_sidecar(side, directory)
-    size += side_size
-    if damage:
-        return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage=damage)
-    if isinstance(doc, dict) and isinstance(doc.get("turns"), list) and all(isinstance(t, dict) for t in doc["turns"]):
-        return SessionInfo(name, model_dir=directory.name, size=size, path=kv,
-                           **_sidecar_summary(doc, tokens, model, last_used))
-    return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
-
-
-def _lists_turns(doc: dict | None) -> bool:
-    """Whether a sidecar document lists turns (the text a session without usable records is read from)."""
-    return isinstance(doc, dict) and isinstance(doc.get("turns"), list) and bool(doc["turns"]) \
-        and all(isinstance(t, dict) for t in doc["turns"])
-
-
-def _holds(base: Path) -> bool:
-    """holds_conversation, where a file it cannot judge counts as something (the listing says why)."""
-    try:
-        return holds_conversation(str(base))
-    except SessionError:
-        return True
-
-
-def _layout_damage(raw: bytes, layout: CacheLayout | None) -> str | None:
-    """Why a KV header is not one this model can load (another model's cache), or None."""
-    if layout is None:
-        return None
-    header = Header(*HEADER.unpack(raw))
-    if KIND_OF_MAGIC[header.magic] != layout.kind:
-        return f"a cache of another kind of model: magic {header.magic!r}"
-    bad = header.mismatches(layout)
-    return f"a cache of another model: {', '.join(bad)}" if bad else None
-
-
-def _listed_sidecar(side: Path, directory: Path) -> tuple[dict | None, int, str | None]:
-    """(document, size, damage) of a sidecar as a listing sees it: the damage is what opening refuses
-    before reading any record (a link, a special file, not colichat's, another model's weights);
-    no sidecar is (None, 0, None). The opening refusal names the cause and what to do."""
-    try:
-        st = side.lstat()
-    except FileNotFoundError:
-        return None, 0, None
-    except OSError as e:
-        return None, 0, f"cannot read the sidecar: {oserror_text(e)}"
-    if stat.S_ISLNK(st.st_mode):
-        return None, st.st_size, "the sidecar is a symbolic link"
-    if not stat.S_ISREG(st.st_mode):
-        return None, st.st_size, "the sidecar is not a regular file"
-    if st.st_size > MAX_SIDECAR_BYTES:
-        return None, st.st_size, "the sidecar is implausibly large"
-    try:
-        doc = document(side.read_bytes())
-    except OSError as e:
-        return None, st.st_size, f"cannot read the sidecar: {oserror_text(e)}"
-    if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] < 1 \
-            or not isinstance(doc.get("model"), dict):
-        return None, st.st_size, "the sidecar is not a colichat sidecar"
-    fingerprint = doc["model"].get("fingerprint")
-    if not isinstance(fingerprint, str) or not directory.name.endswith(_dir_suffix(fingerprint)):
-        return None, st.st_size, f"the sidecar is of other weights ({str(doc['model'].get('name'))[:40]})"
-    return doc, st.st_size, None
-
-
-def _dir_layout(directory: Path) -> CacheLayout | None:
-    """The cache layout of the model whose sessions `directory` holds, as an intact sidecar there
-    records it (the directory is the model's, so every session in it has that layout); None if no
-    sidecar says."""
-    try:
-        sides = sorted(p for p in directory.iterdir() if p.suffix == SIDECAR_EXT)
-    except OSError:
-        return None
-    for side in sides:
-        doc, _, damage = _listed_sidecar(side, directory)
-        if damage or doc is None or doc.get("check") != doc_check(doc) or not isinstance(doc.get("layout"), dict):
-            continue
-        try:
-            layout = CacheLayout(**doc["layout"])
-        except TypeError:
-            continue
-        if layout.kind in ("mla", "gqa") and all(type(v) is int for k, v in doc["layout"].items()
-                                                 if k not in ("kind", "codec")):
-            return layout
-    return None
-
-
-def _sidecar_summary(doc: dict, tokens: int | None, model: str, last_used: float) -> dict:
-    """SessionInfo's turns, tokens, model (name, file name, path), first (line of the first message),
-    last_used and a fork's parent and branch (session.lineage) from a sidecar whose turns are a list
-    of objects; a damaged value gives way to the header's (model, last_used), a missing or damaged
-    file name or path to "". The token count is the end of the turns whose checks hold, at most the
-    records the KV file has (`tokens`; None: no KV file); with no such turn, the KV file's."""
-    turns = doc["turns"]
-    sound = parse_turns(doc)[0]  # (a damaged count, say 10**12, is not believed)
-    checked = sound[-1].last if sound else 0
-    saved = doc["model"] if isinstance(doc.get("model"), dict) else {}
-    text = next((t.get("text") for t in turns if t.get("role") == "user"), "")
-    parent, branch = lineage(doc)
-    return {
-        "turns": len(turns),
-        "tokens": checked if tokens is None else min(checked, tokens) if sound else tokens,
-        "model": str(saved.get("name") or model),
-        "model_file": saved.get("file") if isinstance(saved.get("file"), str) else "",
-        "model_path": saved.get("path") if isinstance(saved.get("path"), str) else "",
-        "model_real_path": saved.get("real_path") if isinstance(saved.get("real_path"), str) else "",
-        "first": next((x.strip() for x in text.splitlines() if x.strip()), "") if isinstance(text, str) else "",
-        "last_used": _timestamp(doc.get("updated"), last_used),
-        "parent": parent,
-        "branch": branch,
-    }
-
-
-def _timestamp(text, default: float) -> float:
-    """The time an ISO 8601 text says, or `default` when it is not one."""
-    if not isinstance(text, str):
-        return default
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return default
-
-
 def _open_to_remove(path: str) -> int | None:
     """A regular KV file opened and flocked exclusively before its removal (a reader without the
-    session's lock holds it shared while it reads: Session._reading); None if there is none."""
+    session's lock holds it shared while it reads: locks.reading); None if there is none."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -549,7 +122,7 @@ class Store:
         """Whether NAME of this model is an empty session left on disk (no records, no turns): no
         conversation, though `open` opens it (the chat program refuses it as it lists it: not at all)."""
         base = self.model_dir(ident) / check_name(name)
-        return os.path.lexists(str(base) + KV_EXT) and not _holds(base)
+        return os.path.lexists(str(base) + KV_EXT) and not holds_or_damaged(base)
 
     def refuse_elsewhere(self, name: str, hint: str | None = None) -> None:
         """SessionError 'session NAME belongs to another model (MODEL, last run from PATH); HINT' if
@@ -581,7 +154,7 @@ class Store:
         """SessionError with the line /sessions shows, if NAME is there but cannot be a session
         (a link, a special file, a file we may not read, a sidecar or a header opening cannot use
         keep the refusals that name the cause and what to do)."""
-        info = _session_info(directory, name, layout or _dir_layout(directory))
+        info = session_info(directory, name, layout or dir_layout(directory))
         if info and info.damage and not info.damage.startswith(
                 ("cannot read", "the KV file is", "the sidecar is", "a cache of another")):
             raise SessionError(f"session {damaged_text(name, info.damage)}")
@@ -682,7 +255,7 @@ class Store:
     def dirs_for(self, fingerprint: str) -> list[Path]:
         """The session directories of the model with this weights fingerprint (found before it loads)."""
         try:
-            return [p for p in self.root.iterdir() if p.name.endswith(_dir_suffix(fingerprint)) and p.is_dir()
+            return [p for p in self.root.iterdir() if p.name.endswith(dir_suffix(fingerprint)) and p.is_dir()
                     and not p.is_symlink()]
         except OSError:
             return []
@@ -707,8 +280,8 @@ class Store:
                 continue  # (no conversation of that model yet)
             except OSError as e:  # said as what failed: not "no such session", then "already exists"
                 raise SessionError(f"cannot list the conversations in {d}: {oserror_text(e)}") from None
-            layout = _dir_layout(d)
-            infos += [i for i in (_session_info(d, n, layout) for n in sorted(set(names)) if NAME_RE.fullmatch(n))
+            layout = dir_layout(d)
+            infos += [i for i in (session_info(d, n, layout) for n in sorted(set(names)) if NAME_RE.fullmatch(n))
                       if i]
         return sorted(infos, key=lambda i: (i.last_used, i.name), reverse=True)
 
