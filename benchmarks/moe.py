@@ -222,9 +222,9 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
     from colichat.engine import Model, load
 
     m = load(path, n_ctx=N_CTX, expert_cache=expert_cache)
-    prefetch = not os.environ.get("COLICHAT_BENCH_NO_PREFETCH")
-    if not prefetch:
-        m.experts.prefetcher = None
+    prefetch = bool(os.environ.get("COLICHAT_BENCH_PREFETCH"))
+    if prefetch:
+        m.experts.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch")
     cfg, state = m.cfg, {"m": m, "seen": (0, 0, 0, 0, 0)}
     routes = RouteCounter(cfg.n_layer, cfg.n_expert)
     bias = [m.w.get(f"blk.{l}.exp_probs_b", np.zeros(cfg.n_expert)) for l in range(cfg.n_layer)]
@@ -236,8 +236,8 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
         del old
         gc.collect()
         state.update(m=Model(cfg, w, tok, N_CTX, tensors, expert_cache=mib), seen=(0, 0, 0, 0, 0))
-        if not prefetch:
-            state["m"].experts.prefetcher = None
+        if prefetch:
+            state["m"].experts.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch")
 
     def note() -> dict:
         e, was = state["m"].experts, state["seen"]
@@ -503,7 +503,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "colichat-bench", help="where the files go")
     p.add_argument("--skew-bias", type=float, default=SKEW_BIAS, help=f"the hot experts' bias ({SKEW_BIAS})")
     p.add_argument("--expert-cache", type=float, help="colichat's expert cache in MiB (default: the engine's)")
-    p.add_argument("--no-prefetch", action="store_true", help="colichat without its next-layer expert prefetch")
+    p.add_argument("--prefetch", action="store_true", help="colichat with its next-layer expert prefetch (off by "
+                   "default)")
     p.add_argument("--moe", action="store_true", help=argparse.SUPPRESS)  # make bench ARGS=--moe passes it on
     p.add_argument("--child", nargs=3, metavar=("ENGINE", "GGUF", "TOKENS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -511,8 +512,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.no_prefetch:  # (the children inherit it)
-        os.environ["COLICHAT_BENCH_NO_PREFETCH"] = "1"
+    if args.prefetch:  # (the children inherit it)
+        os.environ["COLICHAT_BENCH_PREFETCH"] = "1"
     if args.child:  # one engine on one file: its figures as JSON on the last line
         print(json.dumps(child(*args.child, args.expert_cache)))
         return 0

@@ -120,14 +120,14 @@ class ExpertCache:
     the second core: numpy releases the GIL in its kernels). A fill writes the same bits on any thread.
     Called from one thread at a time.
 
-    Prefetch: `prefetch(layer, es)`, the experts a router predicts for the next layer, takes their slots
-    now (as misses would) and fills them on a worker thread while this layer computes; a fetch that
+    Prefetch (`prefetch=True`; off by default, see __init__): `prefetch(layer, es)`, the experts a router
+    predicts for the next layer, takes their slots now (as misses would) and fills them on a worker thread while this layer computes; a fetch that
     finds one waits for its fill (a wrong prediction only costs its slot and the worker's time: no
     fetch waits on a fill it does not use). Which experts are resident never changes what a pass
     computes, so output is the same with prefetch on or off (`prefetcher` None).
     """
 
-    def __init__(self, tensors, layers: list[int], capacity_bytes: int):
+    def __init__(self, tensors, layers: list[int], capacity_bytes: int, prefetch: bool = False):
         self.tensors = tensors
         self.layers = set(layers)
         self.capacity = max(0, int(capacity_bytes))
@@ -160,8 +160,10 @@ class ExpertCache:
         self.read_bytes = max(p.n_bytes for ps in self.parts.values() for p in ps)
         self.bufs = threading.local()  # .buf: each filling thread's read buffer
         self.pool = ThreadPoolExecutor(self.fill_threads - 1, "colichat-experts") if self.fill_threads > 1 else None
-        # prefetch (with a cache, and a second core): a worker filling predicted experts' slots
-        self.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch") if self.caching and _cores() > 1 else None
+        # prefetch (asked for, with a cache and a second core): a worker filling predicted experts' slots. Off
+        # by default: on 2 cores decode has no idle core to hide it in, and it measured no faster (BENCHMARKS.md)
+        on = prefetch and self.caching and _cores() > 1
+        self.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch") if on else None
         self.pending: dict[int, Future] = {}  # slot -> its prefetch fill, until a fetch or a sweep settles it
         self.held: set[int] = set()  # the slots the last fetch returned (in use until the next)
         self.predicted: dict[int, set[int]] = {}  # layer -> the experts prefetched for its next fetch
