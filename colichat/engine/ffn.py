@@ -121,10 +121,10 @@ class ExpertCache:
     Called from one thread at a time.
 
     Prefetch (`prefetch=True`; off by default, see __init__): `prefetch(layer, es)`, the experts a router
-    predicts for the next layer, takes their slots now (as misses would) and fills them on a worker thread while this layer computes; a fetch that
-    finds one waits for its fill (a wrong prediction only costs its slot and the worker's time: no
-    fetch waits on a fill it does not use). Which experts are resident never changes what a pass
-    computes, so output is the same with prefetch on or off (`prefetcher` None).
+    predicts for the next layer, takes their slots now (as misses would) and fills them on a worker thread
+    while this layer computes; a fetch that finds one waits for its fill (a wrong prediction only costs its
+    slot and the worker's time: no fetch waits on a fill it does not use). Which experts are resident never
+    changes what a pass computes, so output is the same with prefetch on or off (`prefetcher` None).
     """
 
     def __init__(self, tensors, layers: list[int], capacity_bytes: int, prefetch: bool = False):
