@@ -245,7 +245,8 @@ def test_banner_names_the_model_in_a_few_words_and_sizes_use_one_unit_style(coli
     # binary units everywhere: the memory line, /stats, /sessions
     assert re.search(r"\d ?[kKMGT]B\b|bytes/token|\d B/token", run.err) is None, run.err
     assert re.search(r"KV [\d.]+ KiB/token x 2,048", err[1])
-    assert re.search(r"^KV cache: [\d.]+ KiB/token, [\d.]+ KiB in use$", run.err, re.M)
+    assert re.search(r"^KV cache: [\d.]+ KiB/token, [\d.]+ KiB in use; saved as f32 \(COLIGQA, [\d,]+ bytes a token\)$",
+                     run.err, re.M)
     assert re.search(r"^\* u: 2 turns, \d+ tokens, [\d.]+ (KiB|MiB), ", run.err, re.M)
 
 

@@ -313,7 +313,8 @@ def test_on_a_terminal_folded_thinking_is_one_dim_line_and_shown_thinking_dim_te
         assert "\x1b[2mthinking (30 tokens)" in styled and "thinking ..." not in t.screen()
         t.type("/set think show")
         t.keys("Enter")
-        t.type("Again")
+        t.wait_for(lambda s: "think = show" in s and s.rstrip().endswith(">"), 120, "the setting")  # (typed ahead,
+        t.type("Again")  # a line would wait at the prompt unsent)
         t.keys("Enter")
         t.wait_for(lambda s: s.count("30 thinking, ") == 2 and s.rstrip().endswith(">"), 120, "the second footer")
         rows = rows_after(visible(t, joined=True), "Again")
