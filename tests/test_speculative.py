@@ -43,18 +43,25 @@ def test_prompt_lookup_continues_the_latest_longest_match():
     assert look.propose(np.array([3, 4, 3, 4]), 5) == [3, 4]  # the continuation runs up to the end
 
 
-def test_a_verify_pass_writes_the_rows_and_logits_decoding_would(any_tiny):
-    """Tokens fed in passes of 2..9 give the bits of feeding them one at a time (cache and logits;
-    for sparse attention past its top_k, the Ic rows and each query's own selection of keys)."""
-    tiny = any_tiny
-    rng = np.random.default_rng(1)
-    prompt, toks = rng.integers(0, tiny.cfg.n_vocab, 30).tolist(), rng.integers(0, tiny.cfg.n_vocab, 40).tolist()
+def decoded_one_by_one(tiny, rng, n: int):
+    """A 30-token random prompt and n random tokens decoded one at a time after it: (prompt, tokens, their
+    logits (n, V), the cache bytes); the model is left with only the prompt prefilled again."""
+    prompt, toks = rng.integers(0, tiny.cfg.n_vocab, 30).tolist(), rng.integers(0, tiny.cfg.n_vocab, n).tolist()
     tiny.reset()
     tiny.prefill(prompt, all_logits=False)
     ref = np.stack([tiny.decode(t) for t in toks])
     ref_rows = bytes(tiny.cache.raw(0, tiny.cache.length))
     tiny.reset()
     tiny.prefill(prompt, all_logits=False)
+    return prompt, toks, ref, ref_rows
+
+
+def test_a_verify_pass_writes_the_rows_and_logits_decoding_would(any_tiny):
+    """Tokens fed in passes of 2..9 give the bits of feeding them one at a time (cache and logits;
+    for sparse attention past its top_k, the Ic rows and each query's own selection of keys)."""
+    tiny = any_tiny
+    rng = np.random.default_rng(1)
+    prompt, toks, ref, ref_rows = decoded_one_by_one(tiny, rng, 40)
     got, i = [], 0
     while i < len(toks):
         c = int(rng.integers(2, 10))
@@ -213,14 +220,7 @@ def test_the_longest_pass_the_draft_limit_allows_writes_the_rows_decoding_would(
     ops.SMALL_BATCH tokens, give the cache rows and logits of decoding them one by one."""
     tiny, n = any_tiny, MAX_DRAFT + 1
     assert n == SMALL_BATCH
-    rng = np.random.default_rng(2)
-    prompt, toks = rng.integers(0, tiny.cfg.n_vocab, 30).tolist(), rng.integers(0, tiny.cfg.n_vocab, n).tolist()
-    tiny.reset()
-    tiny.prefill(prompt, all_logits=False)
-    ref = np.stack([tiny.decode(t) for t in toks])
-    ref_rows = bytes(tiny.cache.raw(0, tiny.cache.length))
-    tiny.reset()
-    tiny.prefill(prompt, all_logits=False)
+    prompt, toks, ref, ref_rows = decoded_one_by_one(tiny, np.random.default_rng(2), n)
     assert np.array_equal(tiny.prefill(toks), ref)
     assert bytes(tiny.cache.raw(0, tiny.cache.length)) == ref_rows
 

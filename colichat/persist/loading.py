@@ -126,17 +126,24 @@ def more_context(name: str, n: int, ctx: int, most: int | None = None) -> str:
 # ---- the read-only entry points (no writer's lock: they read between two saves, locks.reading) ----
 
 
+def what_opens(base: str, missing: str) -> tuple[bool, str | None]:
+    """(text only, damage) of the session at `base`: whether it has no KV file (its text is read again),
+    and why its KV header cannot be used (read its text instead), or None. SessionError(missing) where
+    there is nothing to open (no files, or only what an interrupted create leaves)."""
+    text_only = lstat_regular(base + KV_EXT, "session file") is None
+    side = lstat_regular(base + SIDECAR_EXT, "sidecar")
+    if text_only and (side is None or interrupted_create(base)):
+        raise SessionError(missing)
+    return text_only, None if text_only or side is None else unusable_header(base + KV_EXT)
+
+
 def read_saved(directory, name: str) -> LoadResult:
     """What opening session NAME would keep, without its model (for an export): the same checks
     over its files, the same warnings, the same refusals (its model is the one its sidecar
     names; that the sidecar belongs in this directory is the caller's to check). Modifies nothing.
     A session without a sidecar has no text: refused."""
     base = os.path.join(str(directory), name)
-    text_only = lstat_regular(base + KV_EXT, "session file") is None
-    side = lstat_regular(base + SIDECAR_EXT, "sidecar")
-    if text_only and (side is None or interrupted_create(base)):
-        raise SessionError(f"no session named {name} (colichat --sessions lists them)")
-    damage = None if text_only or side is None else unusable_header(base + KV_EXT)
+    text_only, damage = what_opens(base, f"no session named {name} (colichat --sessions lists them)")
     src = Source(str(directory), name, _saved_model(base + SIDECAR_EXT), None)
     if text_only or damage:
         return load_text_only(src, damage)

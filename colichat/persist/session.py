@@ -38,20 +38,17 @@ from .kvfile import (
     create_kv_in_place,
     cut_to,
     fsync_dir,
-    lstat_regular,
     open_file,
     oserror_text,
-    unusable_header,
     write_nrec,
     write_records,
 )
-from .loading import LoadResult, Source, load, load_text_only, saved_rope_factors
+from .loading import LoadResult, Source, load, load_text_only, saved_rope_factors, what_opens
 from .locks import flock_for_save, flock_quietly, reading, release_lock, relock, take_lock
 from .names import (
     KV_EXT,
     SIDECAR_EXT,
     holds_conversation,
-    interrupted_create,
     remake_directory,
     remove_files,
     remove_leftovers,
@@ -132,11 +129,7 @@ class Session:
         file opened for reading, and `load` reads it between two saves of that colichat
         (locks.reading); saving to it fails."""
         base = os.path.join(str(directory), name)
-        text_only = lstat_regular(base + KV_EXT, "session file") is None
-        side = lstat_regular(base + SIDECAR_EXT, "sidecar")
-        if text_only and (side is None or interrupted_create(base)):
-            raise SessionError(f"no session named {name} for this model (/sessions lists them)")
-        damage = None if text_only or side is None else unusable_header(base + KV_EXT)
+        text_only, damage = what_opens(base, f"no session named {name} for this model (/sessions lists them)")
         s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name))
         try:
             if text_only or damage:  # its KV file deleted (it is the large one), or broken: the text is read again
