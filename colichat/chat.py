@@ -287,6 +287,7 @@ class Conversation:
                             "free some space and try again (/export FILE writes it elsewhere)")
 
     def _save(self, stats: TurnStats) -> None:
+        self.model.keep_expert_usage()  # (MoE: which experts this run used, for the next start's warm start)
         if self.unsaved_cut is not None:  # the answer /regen replaces goes from the disk only now
             try:
                 self.saving.truncate(self.model.cache, self.unsaved_cut, self.prefs.saved())

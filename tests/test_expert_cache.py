@@ -33,9 +33,9 @@ def _expert_bytes(name: str) -> int:
     return 3 * d * f * 4
 
 
-def _greedy(name: str, mib: float, prefetch: bool = False):
+def _greedy(name: str, mib: float, prefetch: bool = False, cache_dir=None):
     """Prefill PROMPT, then greedy-decode STEPS tokens: (model, token ids, every logit row, KV cache bytes)."""
-    m = load(str(TINY / f"{name}.gguf"), n_ctx=64, expert_cache=mib)
+    m = load(str(TINY / f"{name}.gguf"), n_ctx=64, expert_cache=mib, cache_dir=cache_dir)
     if prefetch and m.experts.caching:  # (off by default: ExpertCache.__init__)
         m.experts.prefetcher = ThreadPoolExecutor(1, "test-prefetch")
     rows = [m.prefill(PROMPT)]  # (T, V)
@@ -76,6 +76,58 @@ def test_prefetching_the_next_layers_experts_changes_no_bit(name):
         assert e.prefetched > 0 and off.experts.prefetched == 0 and not e.pending or all(
             f.done() for f in e.pending.values())
         assert 0 < e.predicted_right <= e.predictions  # (how often right: benchmarks/moe.py)
+
+
+def test_a_warm_start_fills_the_most_used_experts_of_the_last_run_and_changes_no_bit(tmp_path):
+    """A run keeps its experts' use counts beside the weights cache; the next start fills its free slots
+    with the most used in the background. Decode that starts at once (racing the warmer, which takes
+    slots the decode then finds filled or being filled) gives the bits of a cold start."""
+    name, mib = "ds-v3", 4.5 * _expert_bytes("ds-v3") / 2**20  # 4 slots for 16 experts
+    first, ids, logits, kv = _greedy(name, mib, cache_dir=tmp_path)
+    assert first.experts.warmer is None and first.usage_entry is not None
+    first.keep_expert_usage()
+    saved = np.load(first.usage_entry / "usage.npy")
+    assert saved.shape == (16,) and np.array_equal(saved, first.experts.counts.astype(np.float32))
+
+    warm = load(str(TINY / f"{name}.gguf"), n_ctx=64, expert_cache=mib, cache_dir=tmp_path)
+    warm.experts.warmer.join()
+    top = np.argsort(-saved, kind="stable")[:4]
+    x = warm.experts.n_expert
+    assert warm.experts.warmed == 4 and set(warm.experts.entries) == {(1 + k // x, k % x) for k in top.tolist()}
+    assert warm.experts.misses == 0 and np.array_equal(warm.experts.counts, saved.astype(np.float64))
+
+    again, ids1, logits1, kv1 = _greedy(name, mib, cache_dir=tmp_path)  # decoding while the warmer fills
+    assert again.experts.warmer is not None
+    assert ids1 == ids and logits1.tobytes() == logits.tobytes() and kv1 == kv
+    again.experts.warmer.join()
+    assert again.experts.misses < first.experts.misses  # (the saved counts kept the most used resident)
+
+
+def test_every_answer_keeps_the_experts_use_counts_for_the_next_start(tmp_path):
+    from colichat.chat import Conversation, Settings
+
+    m = load(str(TINY / "ds-v3.gguf"), n_ctx=128, expert_cache=1, cache_dir=tmp_path)
+    conv = Conversation(m, Settings(max_tokens=4), save=False)
+    conv.ask("hello")
+    kept = np.load(m.usage_entry / "usage.npy")
+    assert kept.any() and np.array_equal(kept, m.experts.counts.astype(np.float32))
+    conv.ask("and again")
+    assert np.load(m.usage_entry / "usage.npy").sum() > kept.sum()
+
+
+def test_a_damaged_or_foreign_usage_file_is_ignored(tmp_path):
+    path = str(TINY / "ds-v3.gguf")
+    m = load(path, n_ctx=64, expert_cache=1, cache_dir=tmp_path)
+    for bad in (b"not a numpy file", None):
+        if bad is None:  # another model's shape
+            np.save(m.usage_entry / "usage.npy", np.ones(7, dtype=np.float32))
+        else:
+            (m.usage_entry / "usage.npy").write_bytes(bad)
+        again = load(path, n_ctx=64, expert_cache=1, cache_dir=tmp_path)
+        assert again.experts.warmer is None and not again.experts.counts.any()
+    m.usage_entry = tmp_path / "gone"  # the entry removed under a running model: the hint is lost, no error
+    m.keep_expert_usage()
+    assert not m.usage_entry.exists()
 
 
 # --- the slab ------------------------------------------------------------------------------------------------

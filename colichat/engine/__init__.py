@@ -59,7 +59,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     check: optional callback(cfg, tokenizer, n_ctx) run before the weights are prepared (which can take
     minutes): what the caller will ask of them (its system prompt), refused now (ModelError).
     """
-    from .gguf.prepared import load_prepared, save_prepared
+    from .gguf.prepared import entry_of, load_prepared, read_usage, save_prepared
     from .text.load import load_tokenizer as _load_tokenizer
     from .text.load import tokenizer_from_metadata
     from .text.template import check_chat_template
@@ -96,7 +96,13 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 size = sum(a.nbytes for a in weights.values()) >> 20
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
-    return Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp)
+    model = Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp)
+    if cache_dir is not None and model.experts is not None:
+        model.usage_entry = entry_of(path, cache_dir)
+        counts = read_usage(model.usage_entry) if model.usage_entry is not None else None
+        if counts is not None:
+            model.experts.warm(counts)  # (in the background: the model is usable now)
+    return model
 
 
 def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:

@@ -125,6 +125,12 @@ class ExpertCache:
     while this layer computes; a fetch that finds one waits for its fill (a wrong prediction only costs its
     slot and the worker's time: no fetch waits on a fill it does not use). Which experts are resident never
     changes what a pass computes, so output is the same with prefetch on or off (`prefetcher` None).
+
+    Warm start: `warm(counts)` takes the use counts an earlier run kept (`usage()`, saved beside the
+    weights cache: gguf/prepared.py): the policy starts from them, and a background thread fills free slots
+    with the most used experts, one at a time, while the prompt is usable. It never evicts, and a fetch
+    that needs the expert it is filling waits for that one fill (at most a miss's time). `lock` guards the
+    slots' bookkeeping between it and fetch/prefetch (held through a fetch: the warmer pauses meanwhile).
     """
 
     def __init__(self, tensors, layers: list[int], capacity_bytes: int, prefetch: bool = False):
@@ -169,8 +175,12 @@ class ExpertCache:
         self.predicted: dict[int, set[int]] = {}  # layer -> the experts prefetched for its next fetch
         # experts fetched after a prediction, those of them predicted, and experts filled ahead
         self.predictions = self.predicted_right = self.prefetched = 0
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()  # set when the cache is dropped: the warmer stops after its fill
+        self.warmer: threading.Thread | None = None
+        self.warmed = 0  # experts the warm start filled
         self.fds: dict[str, int] = {}
-        weakref.finalize(self, _close_all, self.fds, self.pool, self.prefetcher)
+        weakref.finalize(self, _close_all, self.fds, self.pool, self.prefetcher, self.stopping)
 
     def _parts(self, l: int) -> list[Part]:
         t, b, x = self.tensors, f"blk.{l}.", self.n_expert
@@ -209,6 +219,11 @@ class ExpertCache:
         resident until the next fetch; misses are dequantized on up to fill_threads threads."""
         if len(es) > self.batch:
             raise ValueError(f"{len(es)} experts at once, more than the {self.batch} slots")
+        with self.lock:
+            return self._fetch(layer, es)
+
+    def _fetch(self, layer: int, es: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        self._sweep()
         ks = [self.order[layer] * self.n_expert + e for e in es]
         guess = self.predicted.pop(layer, None)
         if guess is not None:
@@ -248,8 +263,11 @@ class ExpertCache:
         the last fetch returned, nor one being filled) and are filled on the worker thread."""
         if self.prefetcher is None:
             return
-        for s in [s for s, f in self.pending.items() if f.done()]:
-            self._settle(s)
+        with self.lock:
+            self._prefetch(layer, es)
+
+    def _prefetch(self, layer: int, es: list[int]) -> None:
+        self._sweep()
         self.predicted[layer] = set(es)
         for e in es:
             k = self.order[layer] * self.n_expert + e
@@ -260,6 +278,53 @@ class ExpertCache:
             self.keys[s], self.slot_of[k], self.last[s] = k, s, self.tick
             self.pending[s] = self.prefetcher.submit(self._fill, self.flat[s], layer, e)
             self.prefetched += 1
+
+    def usage(self) -> np.ndarray:
+        """The aged use counts of every routed expert (L X,): what warm() takes on a later start."""
+        with self.lock:
+            return self.counts.astype(np.float32)
+
+    def warm(self, counts: np.ndarray) -> None:
+        """Start from an earlier run's usage() (ignored unless it has this model's shape): the policy
+        knows the counts, and a background thread fills the free slots with the most used experts."""
+        if not self.caching or self.warmer is not None or np.shape(counts) != self.counts.shape:
+            return
+        counts = np.nan_to_num(np.asarray(counts, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        with self.lock:
+            self.counts[:] = np.maximum(counts, 0.0)
+            top = np.argsort(-self.counts, kind="stable")[: len(self.keys)]
+            order = [int(k) for k in top if self.counts[k] > 0]
+        self.warmer = threading.Thread(target=self._warm, args=(order,), name="colichat-warm", daemon=True)
+        self.warmer.start()
+
+    def _warm(self, order: list[int]) -> None:
+        """Fill free slots with experts `order` (most used first), one at a time, until none is free."""
+        x = self.n_expert
+        for k in order:
+            with self.lock:
+                if self.stopping.is_set():
+                    return
+                if k in self.slot_of:
+                    continue
+                taken = self.held | set(self.pending)
+                free = [s for s in np.flatnonzero(self.keys < 0).tolist() if s not in taken]
+                if not free:
+                    return
+                s = free[0]
+                self.keys[s], self.slot_of[k], self.last[s] = k, s, self.tick
+                done = self.pending[s] = Future()
+            try:
+                self._fill(self.flat[s], self.by_index[k // x], k % x)
+            except BaseException as e:  # (the slot is freed when a fetch or a sweep settles it)
+                done.set_exception(e)
+                return
+            done.set_result(None)
+            self.warmed += 1
+
+    def _sweep(self) -> None:
+        """Settle the fills ahead (prefetch, warm start) that have ended: their slots can be evicted again."""
+        for s in [s for s, f in self.pending.items() if f.done()]:
+            self._settle(s)
 
     def _settle(self, s: int) -> None:
         """Wait for slot s's prefetch fill; if it failed, the slot is free again (its expert a miss)."""
@@ -319,7 +384,10 @@ class ExpertCache:
         """n bytes of `path` from `offset`, into this thread's reusable buffer (no memory map, no new array)."""
         fd = self.fds.get(path)
         if fd is None:
-            fd = self.fds.setdefault(path, os.open(path, os.O_RDONLY))
+            fd = os.open(path, os.O_RDONLY)
+            if self.fds.setdefault(path, fd) != fd:  # (another filling thread opened it first)
+                os.close(fd)
+                fd = self.fds[path]
         buf = getattr(self.bufs, "buf", None)
         if buf is None:
             buf = self.bufs.buf = np.empty(self.read_bytes, dtype=np.uint8)
@@ -351,8 +419,9 @@ def _aligned_empty(rows: int, cols: int) -> np.ndarray:
     return base[skip : skip + rows * cols].reshape(rows, cols)
 
 
-def _close_all(fds: dict, *pools) -> None:
-    for pool in pools:  # (a prefetch fill under way ends before its file is closed)
+def _close_all(fds: dict, pool, prefetcher, stopping: threading.Event) -> None:
+    stopping.set()
+    for pool in (pool, prefetcher):  # (a prefetch fill under way ends before its file is closed)
         if pool is not None:
             pool.shutdown(wait=True)
     for fd in fds.values():

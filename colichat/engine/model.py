@@ -18,6 +18,7 @@ from ..units import format_size
 from .architectures import architecture, forward_class
 from .cache import KVCache
 from .config import ModelConfig
+from .gguf.prepared import write_usage
 from .gguf.tensors import Tensors
 from .mtp import MTPDrafts
 from .mtp import bytes_per_token as mtp_bytes_per_token
@@ -173,6 +174,7 @@ class Model:
         self.threads = ThreadPolicy()
         self.mtp = MTPDrafts(self) if mtp and has_mtp(cfg, numerics) else None
         self.mtp_left_out = not mtp and has_mtp(cfg, numerics)  # the file's block, not loaded (mtp=False)
+        self.usage_entry = None  # the weights-cache entry keeping the experts' use counts (engine.load sets it)
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -212,6 +214,12 @@ class Model:
     def decode(self, token_id: int) -> np.ndarray:
         """One token after the cache: logits (V,)."""
         return self.prefill([token_id], all_logits=False)[0]
+
+    def keep_expert_usage(self) -> None:
+        """Write the routed experts' use counts beside the weights cache, for the next start's warm
+        start (MoE models loaded with a cache_dir; never raises)."""
+        if self.experts is not None and self.usage_entry is not None:
+            write_usage(self.usage_entry, self.experts.usage())
 
     def reset(self) -> None:
         """An empty cache, rotated with the factors this context size picks (a new conversation)."""

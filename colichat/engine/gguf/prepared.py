@@ -6,6 +6,9 @@ The first start of a model parses its metadata (file.py) and dequantizes its den
     <cache_dir>/<key>/meta.json     a SHA-256 line of the JSON below it, then the JSON: config,
                                     tokenizer keys, array index (offset, shape, CRC-32s), GGUF tensor locations
     <cache_dir>/<key>/weights.f32   the dense float32 arrays back to back, 64-byte aligned
+    <cache_dir>/<key>/usage.npy     MoE models: how much each routed expert was used lately (float32,
+                                    (L X,)), rewritten after every answer; a start warms the most used
+                                    (ffn.ExpertCache.warm). A hint only: one that is unreadable is ignored
 
 key = a hash of the GGUF's real path, size, mtime and inode, and PREPARED_FORMAT: a GGUF that
 changes gets a new key (and the old entries of that path are removed). A later start maps
@@ -51,6 +54,7 @@ ALIGN = 64
 FREE_MARGIN = 1 << 30  # bytes the weights cache leaves free on its disk
 FULL_CHECK_BYTES = 1 << 30  # entries up to this size are checked in full at every start (~0.3 s)
 SAMPLE = 1 << 16  # larger ones: three pieces of this size per array (start, middle, end)
+USAGE = "usage.npy"
 
 
 class DamagedEntry(Exception):
@@ -237,6 +241,39 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return _unwritable(root, e)
+
+
+def entry_of(path: str, cache_dir) -> Path | None:
+    """The cache entry directory of this GGUF as it is now, if there is one."""
+    try:
+        entry = Path(cache_dir) / _identity(path)[0]
+    except OSError:
+        return None
+    return entry if (entry / "meta.json").is_file() else None
+
+
+def read_usage(entry: Path) -> np.ndarray | None:
+    """The expert use counts kept in `entry` (write_usage), or None (none kept, or unreadable)."""
+    try:
+        counts = np.load(entry / USAGE, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return counts if counts.dtype == np.float32 and counts.ndim == 1 else None
+
+
+def write_usage(entry: Path, counts: np.ndarray) -> None:
+    """Keep expert use counts (L X,) in `entry`, replacing the last ones whole; a failure (full disk,
+    the entry removed) only loses the hint: never raises."""
+    tmp = entry / f".{USAGE}.{os.getpid()}"
+    try:
+        with open(tmp, "wb", opener=private_file) as f:
+            np.save(f, np.asarray(counts, dtype=np.float32), allow_pickle=False)
+        os.replace(tmp, entry / USAGE)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def _put_in_place(tmp: Path, entry: Path, real: str) -> None:
