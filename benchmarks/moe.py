@@ -4,6 +4,7 @@ numpy limit and, side by side, llama.cpp on the same file.
     .venv/bin/python benchmarks/moe.py [--vs-llamacpp "$(../shared/tools/llamacpp/make-venv.sh)"]
     .venv/bin/python benchmarks/moe.py --layers 3 --uniform-only     # a smoke run on a 3-layer file
     make bench ARGS="--moe --vs-llamacpp PYTHON"                     # the same through the Makefile
+    .venv/bin/python benchmarks/moe.py --shape glm47flash --uniform-only  # GLM-4.7-Flash's shape (GLM47_FLASH)
 
 Files (random blocks, written once as a stream to --dir, default ~/.cache/colichat-bench/; 11.9 GB at 27
 layers): V2-Lite's shape (hidden 2048, 16 heads, no q_lora, kv_lora 512, one dense layer of 10944, then 64
@@ -47,6 +48,17 @@ MOE = dict(  # V2-Lite's MoE part, over gguf_factory.V2_LITE_DENSE's attention, 
     n_group=0, weights_norm=False, weights_scale=1.0,
     qtypes={"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q8_0"},
 )
+# GLM-4.7-Flash's shape (zai-org/GLM-4.7-Flash config.json: deepseek2 in llama.cpp, 30B-A3B): 47 layers, hidden
+# 2048, 20 heads, q_lora 768, kv_lora 512, qk_nope 192, qk_rope 64, v_head 256, one dense layer of 10240, then
+# 64 routed experts of 1536 + 1 shared, 4 used, sigmoid gating, weights normalized and scaled 1.8, vocabulary
+# 154880, rope base 1e6 (its MTP block is left out: llama.cpp 0.3.36 does not use it)
+GLM47_FLASH = dict(
+    n_layer=47, n_embd=2048, n_head=20, q_lora_rank=768, kv_lora_rank=512, qk_nope=192, qk_rope=64, v_head=256,
+    n_ff=10240, n_dense=1, n_expert=64, n_expert_used=4, n_expert_shared=1, n_ff_exp=1536, gating=2, n_group=0,
+    weights_norm=True, weights_scale=1.8, n_vocab=154880, context_length=202752, yarn_factor=0.0, rope_base=1e6,
+    qtype="Q8_0", raw_quant=True, qtypes=MOE["qtypes"],
+)
+SHAPES = {"v2lite": 27, "glm47flash": 47}  # shape -> its layers
 HOT = 13  # experts per layer with the selection bias in the skewed file: 20% of 64
 SKEW_BIAS = 0.033  # added to their softmax probabilities (~1/64 each) before the top 6 are chosen
 PHASES = ("prefill64", "prefill512", "decode_first", "decode_steady")
@@ -94,10 +106,13 @@ def others_share(a: tuple, b: tuple) -> float:
 # --- the files ---------------------------------------------------------------------------------------
 
 
-def spec_for(layers: int, skewed: bool):
-    """The DS2Spec of the V2-Lite-shaped MoE file with `layers` layers (the skewed one has exp_probs_b)."""
-    from gguf_factory import V2_LITE_DENSE
+def spec_for(layers: int, skewed: bool, shape: str = "v2lite"):
+    """The DS2Spec of the MoE file of `shape` (V2-Lite's or GLM-4.7-Flash's) with `layers` layers (the skewed
+    one has exp_probs_b)."""
+    from gguf_factory import V2_LITE_DENSE, DS2Spec
 
+    if shape == "glm47flash":
+        return replace(DS2Spec(**GLM47_FLASH), n_layer=layers, probs_bias=skewed)
     return replace(V2_LITE_DENSE, **MOE, n_layer=layers, probs_bias=skewed)
 
 
@@ -114,12 +129,13 @@ def file_ok(path: Path, spec) -> bool:
         return False
 
 
-def model_file(folder: Path, layers: int, skewed: bool, bias: float) -> Path:
+def model_file(folder: Path, layers: int, skewed: bool, bias: float, shape: str = "v2lite") -> Path:
     """The file (written once, as a stream: memory for one expert) and, if skewed, its bias set to `bias`."""
     from gguf_factory import write_deepseek2
 
-    spec = spec_for(layers, skewed)
-    path = folder / f"v2lite-{'skewed' if skewed else 'uniform'}{'' if layers == 27 else f'-L{layers}'}.gguf"
+    spec = spec_for(layers, skewed, shape)
+    full = layers == SHAPES[shape]
+    path = folder / f"{shape}-{'skewed' if skewed else 'uniform'}{'' if full else f'-L{layers}'}.gguf"
     if not file_ok(path, spec):
         folder.mkdir(parents=True, exist_ok=True)
         say(f"writing {path} (random blocks)")
@@ -425,7 +441,8 @@ def report_limits(lim: dict, b: dict) -> None:
     rows = [
         ("dense part: attention, dense layer, shared experts, routers, norms, output head, 1 embedding row",
          f"{b['dense'] / GIB:.2f} GiB", f"{b['dense_s']:.3f} s"),
-        (f"routed experts: {b['routes']} = 6 x {b['n_moe']} layers of {b['expert_f32'] / 2**20:.0f} MiB",
+        (f"routed experts: {b['routes']} = {b['routes'] // b['n_moe']} x {b['n_moe']} layers of "
+         f"{b['expert_f32'] / 2**20:.0f} MiB",
          f"{b['routed'] / GIB:.2f} GiB", f"{b['routed_s']:.3f} s"),
         (f"one expert miss: dequantize its {b['expert_q'] / 2**20:.1f} MiB of Q4_K gate/up + Q8_0 down, "
          "1 thread / the better of 1 and 2", "", f"{b['miss_s_1thread'] * 1e3:.1f} / {b['miss_s'] * 1e3:.1f} ms"),
@@ -499,7 +516,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     only = p.add_mutually_exclusive_group()
     only.add_argument("--skewed-only", action="store_true", help="only the skewed-routing file")
     only.add_argument("--uniform-only", action="store_true", help="only the uniform-routing file")
-    p.add_argument("--layers", type=int, default=27, help="layers of the file (default 27; 3 for a smoke run)")
+    p.add_argument("--shape", choices=SHAPES, default="v2lite", help="the model shape: DeepSeek-V2-Lite's (default) "
+                   "or GLM-4.7-Flash's")
+    p.add_argument("--layers", type=int, help="layers of the file (default: the shape's, 27 or 47; 3 for a smoke run)")
     p.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "colichat-bench", help="where the files go")
     p.add_argument("--skew-bias", type=float, default=SKEW_BIAS, help=f"the hot experts' bias ({SKEW_BIAS})")
     p.add_argument("--expert-cache", type=float, help="colichat's expert cache in MiB (default: the engine's)")
@@ -512,6 +531,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.layers = args.layers or SHAPES[args.shape]
     if args.prefetch:  # (the children inherit it)
         os.environ["COLICHAT_BENCH_PREFETCH"] = "1"
     if args.child:  # one engine on one file: its figures as JSON on the last line
@@ -523,16 +543,17 @@ def main(argv=None) -> int:
     runs, tmp = {}, tempfile.TemporaryDirectory(prefix="colichat-moe-")
     logits_dir = Path(tmp.name)
     tok_file = logits_dir / "tokens.json"
-    tok_file.write_text(json.dumps(token_ids(spec_for(args.layers, False).n_vocab)))
+    tok_file.write_text(json.dumps(token_ids(spec_for(args.layers, False, args.shape).n_vocab)))
     for label in ("uniform", "skewed"):
         if args.skewed_only and label == "uniform" or args.uniform_only and label == "skewed":
             continue
-        path = model_file(args.dir, args.layers, label == "skewed", args.skew_bias)
+        path = model_file(args.dir, args.layers, label == "skewed", args.skew_bias, args.shape)
         cache = ["--expert-cache", str(args.expert_cache)] if args.expert_cache else []
         say(f"{label}: colichat")
         col = run_child([sys.executable, __file__, "--child", "colichat", str(path), str(tok_file), *cache])
         ref = None
-        if args.vs_llamacpp and args.layers not in (26, 27):  # llama.cpp's is_lite: no q_lora key needed
+        lite = args.shape == "v2lite"  # (no q_lora: llama.cpp's is_lite needs 26 or 27 layers)
+        if args.vs_llamacpp and lite and args.layers not in (26, 27):
             ref = {"error": "not run: llama.cpp 0.3.36 takes a deepseek2 file without q_lora only at 26 or 27 layers"}
         elif args.vs_llamacpp:
             say(f"{label}: llama.cpp")
@@ -540,13 +561,13 @@ def main(argv=None) -> int:
         runs[label] = (path, col, ref)
     say("measuring the machine again")
     lim = faster(lim, measure_limits())
-    b = bounds(spec_for(args.layers, False), lim)
+    b = bounds(spec_for(args.layers, False, args.shape), lim)
     load1 = os.getloadavg()
-    print(f"## MoE at the real size: DeepSeek-V2-Lite-shaped, {args.layers} layers, random blocks\n\n"
+    print(f"## MoE at the real size: {args.shape}-shaped, {args.layers} layers, random blocks\n\n"
           f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; load average (1/5/15 min) before "
           f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}\n")
     report_limits(lim, b)
-    summary = {"layers": args.layers, "limits": lim, "bounds": b, "loadavg": [load0, load1]}
+    summary = {"shape": args.shape, "layers": args.layers, "limits": lim, "bounds": b, "loadavg": [load0, load1]}
     for label, (path, col, ref) in runs.items():
         bias = f", selection bias {args.skew_bias} on {HOT} of 64 experts per layer" if label == "skewed" else ""
         title = f"{label} routing: {path.name}, {path.stat().st_size / 1e9:.1f} GB{bias}"

@@ -421,9 +421,9 @@ def _aligned_empty(rows: int, cols: int) -> np.ndarray:
 
 def _close_all(fds: dict, pool, prefetcher, stopping: threading.Event) -> None:
     stopping.set()
-    for pool in (pool, prefetcher):  # (a prefetch fill under way ends before its file is closed)
-        if pool is not None:
-            pool.shutdown(wait=True)
+    for each in (pool, prefetcher):  # (a prefetch fill under way ends before its file is closed)
+        if each is not None:
+            each.shutdown(wait=True)
     for fd in fds.values():
         os.close(fd)
     fds.clear()
