@@ -25,11 +25,12 @@ from colichat.wrap import DIM, PLAIN, Screen
 
 V31_THINKING = "{%- set thinking = true -%}"  # V3.1 thinks when its template is given `thinking`
 
-# (template file, what is put before it): the generation prompt opens <think> (R1, GLM-4.7 as GLM-5.x,
+# (template file, what is put before it): the generation prompt opens <think> (R1, GLM-4.7, GLM-5 and 5.1,
 # V3.1 asked to think), or the model writes its own (GLM-4.6)
 TEMPLATE_FILES = {"r1": ("deepseek-ai-DeepSeek-R1.jinja", ""), "glm47": ("GLM-4.7-Flash.jinja", ""),
-                  "v31": ("deepseek-ai-DeepSeek-V3.1.jinja", V31_THINKING), "glm46": ("GLM-4.6.jinja", "")}
-OPENS = {"r1": True, "glm47": True, "v31": True, "glm46": False}
+                  "v31": ("deepseek-ai-DeepSeek-V3.1.jinja", V31_THINKING), "glm46": ("GLM-4.6.jinja", ""),
+                  "glm5": ("zai-org-GLM-5.jinja", ""), "glm51": ("zai-org-GLM-5.1.jinja", "")}
+OPENS = {"r1": True, "glm47": True, "v31": True, "glm46": False, "glm5": True, "glm51": True}
 
 # what each model writes, for three messages: thinking (its opening tag where the template does not
 # open it), then the answer; the thinking words are unique, to find them in the prompt
