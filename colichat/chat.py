@@ -62,9 +62,10 @@ class Conversation:
         self.stop_requested = False
         self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (cli.App)
         cfg = model.cfg
-        saving = Saving((store or Store()) if save else None, model_identity(cfg.path, cfg.arch, cfg.name) if save
-                        else None, lambda: CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new,
-                        read_only, rope_factors=lambda: model.rope_factors, no_save=no_save, n_ctx=model.n_ctx)
+        ident = model_identity(cfg.path, cfg.arch, cfg.name) if save else None
+        saving = Saving((store or Store()) if save else None, ident,
+                        lambda: CacheLayout.from_cache(model.cache, cfg.n_vocab), session_name, save_new, read_only,
+                        rope_factors=lambda: model.rope_factors, no_save=no_save, n_ctx=model.n_ctx)
         self.history = History(model, saving, self.prefs, kv)
 
     # --- state ------------------------------------------------------------------------------------
