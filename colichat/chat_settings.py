@@ -8,6 +8,7 @@ import contextlib
 
 from .engine import Sampler
 from .settings import BY_NAME, Settings, saved_values
+from .system_prompt import refusal
 
 
 class ChatSettings:
@@ -62,9 +63,18 @@ class ChatSettings:
             with contextlib.suppress(ValueError):  # another seed's, or damaged: the seed's first numbers instead
                 self.sampler.state = random
 
-    def drop_system(self) -> None:
-        """No system prompt in this conversation (a reopened one's that the chat template refuses)."""
+    def check_saved_system(self, tokenizer) -> list[str]:
+        """A reopened conversation's system prompt that the chat template refuses cannot be what its
+        cache was read with (the template is part of the model's fingerprint): it is dropped, saying
+        so, else every message would fail. (One that leaves no room for a message cannot be reopened:
+        a saved conversation has an exchange, and its tokens must fit the context.)"""
+        system = self.settings.system
+        why = None if system is None else refusal(tokenizer, system)
+        if why is None:
+            return []
         self.settings = self.settings.with_(system=None)
+        return [f"warning: the saved system prompt is not used: this model's chat template takes no system "
+                f"prompt ({why})"]
 
     def next_conversation(self) -> bool:
         """A new conversation takes the system prompt that waited for it; True when one did."""

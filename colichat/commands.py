@@ -1,8 +1,9 @@
 """The slash commands: one table drives /help, Tab completion and dispatch.
 
-A handler gets the App (see cli.py: `.conv` the Conversation, with `.conv.saving` its session and
-`.conv.prefs` its settings; `.say(line)` status to stderr, `.out(text)` the model's text to stdout)
-and the rest of the line as one string. A bad command raises a typed error (errors.py): one line.
+A handler gets the App (see cli.py: `.conv` the Conversation, with `.conv.history` its turns against
+its session (history.History: rewind, what is saved, this model's other sessions) and `.conv.prefs`
+its settings; `.say(line)` status to stderr, `.out(text)` the model's text to stdout) and the rest
+of the line as one string. A bad command raises a typed error (errors.py): one line.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def cmd_sessions(app, arg: str) -> None:
     the command and the next prompt (the others would push the newest out of view), the current one
     (marked *) below them where it is older, then a line saying how many older ones are not shown,
     and where they all are."""
-    rows = app.conv.saving.listing()
+    rows = app.conv.history.listing()
     if not rows:
         app.say("no saved sessions for this model")
         return
@@ -99,7 +100,7 @@ def cmd_sessions(app, arg: str) -> None:
     if len(listed) < len(rows):
         app.say(older_line(len(rows) - len(listed)))
     elif not window or len(rows) + 3 <= window[1]:  # (room for it below the rows, the command's and the prompt's)
-        app.say(app.conv.saving.total())
+        app.say(app.conv.history.total())
 
 
 def older_line(hidden: int) -> str:
@@ -137,27 +138,14 @@ def cmd_delete(app, arg: str) -> None:
     name = arg.strip()
     if not name:
         raise ChatError("/delete needs the name of a session (/sessions lists them)")
-    app.say(app.conv.saving.delete(name))
+    app.say(app.conv.history.delete(name))
 
 
 def cmd_rename(app, arg: str) -> None:
     new = arg.strip()
     if not new:
         raise ChatError("/rename needs the new name of this conversation")
-    saving = app.conv.saving
-    if saving.store and not saving.read_only and saving.session is None and not app.conv.turns:
-        app.say(name_new(app, new))
-        return
-    app.say(saving.rename(new))
-
-
-def name_new(app, name: str) -> str:
-    """/rename NAME before the first answer (nothing to save yet, nor to rename): the name is taken
-    now, as --session NAME takes it, and the first answer saves the conversation under it."""
-    if name in app.conv.saving.names():
-        raise ChatError(f"session {name} already exists: choose another name")
-    app.conv.saving.claim(name, app.conv.settings.to_dict())
-    return f"this conversation is named {name}: its first answer saves it"
+    app.say(app.conv.history.rename(new))
 
 
 def cmd_save(app, arg: str) -> None:
@@ -217,7 +205,7 @@ def cmd_export(app, arg: str) -> None:
     conv = app.conv
     if not conv.turns:
         raise ChatError("nothing to export yet: the conversation is empty")
-    title = conv.saving.name or "conversation"
+    title = conv.history.name or "conversation"
     path, chosen = export_path(arg, title)
     model = model_title(conv.model.cfg.name, conv.model.cfg.path)  # as the banner names it
     text = markdown(title, model, [(t.role, t.text) for t in conv.turns], conv.settings.system,
@@ -236,19 +224,19 @@ def cmd_reset(app, arg: str) -> None:
 
 def cmd_rewind(app, arg: str) -> None:
     n = _int_arg(arg, 1, "/rewind")
-    session = app.conv.saving.session
-    saved = session is not None and session.on_disk
+    history = app.conv.history
+    saved = history.saved_name
     waiting = app.conv.prefs.pending_system is not False
     dropped = app.conv.rewind(n)
     for t in dropped:
         preview = displayable(t.text.strip().replace("\n", " "))
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
-    emptied = saved and not session.on_disk  # no exchange left: no saved conversation until the next answer
-    unread = app.conv.unread_left  # a stopped read left these on disk: the saved conversation waits for an answer
-    if app.conv.cut_failed:
-        app.say(f"warning: {app.conv.cut_failed}")
+    emptied = saved and not history.saved_name  # no exchange left: no saved conversation until the next answer
+    unread = history.unread_left  # a stopped read left these on disk: the saved conversation waits for an answer
+    if history.cut_failed:
+        app.say(f"warning: {history.cut_failed}")
     app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context"
-            + (f"; session {session.name} is empty, off the disk until its next answer" if emptied else "")
+            + (f"; session {saved} is empty, off the disk until its next answer" if emptied else "")
             + (f"; saved as it was (with the {count(unread, 'exchange')} not read) until the next answer"
                if unread else ""))
     if waiting and app.conv.prefs.pending_system is False:  # rewound to no exchange: a new start
@@ -270,7 +258,7 @@ def cmd_regen(app, arg: str) -> None:
 
 
 def cmd_history(app, arg: str) -> None:
-    forked = app.conv.saving.lineage()
+    forked = app.conv.history.lineage()
     if forked:
         app.say(report.forked_line(*forked))
     if not app.conv.turns:
@@ -289,7 +277,7 @@ def cmd_set(app, arg: str) -> None:
         raise ChatError(f"did you mean /set {printable(parts[1])}? (colichat's /set takes the key first; "
                         "/help set lists them)")
     if parts[0].lower() == "kv":  # --kv: not a sampler setting, the format of new conversations' caches
-        app.say(app.conv.set_kv(parts[1].strip().lower()) if len(parts) == 2 else f"kv = {app.conv.kv}")
+        app.say(app.conv.set_kv(parts[1].strip().lower()) if len(parts) == 2 else f"kv = {app.conv.history.kv}")
         return
     key = key_of(parts[0])
     row = SETTINGS[key]
@@ -312,7 +300,7 @@ def cmd_show(app, arg: str) -> None:
     """The settings as /set takes them (`/show info` and the like, ollama's, are pointed here)."""
     for key, value in app.conv.prefs.options().items():
         app.say(f"{key:<15}{SETTINGS[key.split()[0]].show(value)}")
-    app.say(f"{'kv':<15}{app.conv.kv}")  # (new conversations'; /stats says how this one is kept)
+    app.say(f"{'kv':<15}{app.conv.history.kv}")  # (new conversations'; /stats says how this one is kept)
 
 
 def cmd_stats(app, arg: str) -> None:
@@ -428,7 +416,7 @@ def completions(text: str, app=None) -> list[str]:
             return [head + slash + c.name[1:] for c in COMMANDS if c.name[1:].startswith(word.lstrip("/").lower())]
         if name.lower() in NAME_ARGS and app is not None:
             try:
-                names = app.conv.saving.names()
+                names = app.conv.history.names()
             except OSError:
                 names = []
             return [head + n for n in names if n.startswith(word)]

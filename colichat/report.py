@@ -71,7 +71,7 @@ def stats_lines(conv) -> list[str]:
         lines.append(f"session {saving.session.name}: {format_size(saving.disk_bytes())} on disk")
     else:
         lines.append("session: saving is off (--no-save)" if saving.no_save else "session: not saved yet")
-    s = conv.last_stats
+    s = conv.history.last_stats
     if s:
         lines.append(f"last answer: {count(s.generated, 'token')} at {s.decode_tps:.1f} tok/s; "
                      f"prefill {count(s.prompt_tokens, 'token')} at {s.prefill_tps:.0f} tok/s")

@@ -20,7 +20,7 @@ from colichat.persist.kvfile import HEADER_SIZE
 QUESTIONS = ["Hello there", "And again", "Once more"]
 
 # ChatML, with every answer but the last shortened to two characters: the history renders otherwise
-# than it was cached, so each message re-creates the answer before it (chat.Conversation._rebase)
+# than it was cached, so each message re-creates the answer before it (history.History.rebase)
 REWRITING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'][:2] "
              "if m['role'] == 'assistant' and not loop.last else m['content']) + '<|im_end|>\\n' }}{% endfor %}"
              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
