@@ -58,7 +58,7 @@ class Conversation:
         self.tok = model.tokenizer
         self.template = chat_template_for(self.tok)
         self.prefs = ChatSettings(settings, pinned)
-        self.prefs.opens_thinking = self._opens_thinking()
+        self.prefs.opens = {on: self._opens_thinking(on) for on in (True, False)}
         self.stop_requested = False
         self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (cli.App)
         cfg = model.cfg
@@ -70,10 +70,11 @@ class Conversation:
 
     # --- state ------------------------------------------------------------------------------------
 
-    def _opens_thinking(self) -> bool:
-        """Whether the template's generation prompt leaves the model inside its thinking (R1, GLM-4.7/5.x)."""
+    def _opens_thinking(self, on: bool) -> bool:
+        """Whether the template's generation prompt leaves the model inside its thinking (R1, GLM-4.7/5.x;
+        V3.1 asked to think), asked to think (`on`) or not."""
         try:
-            return opens_thinking(self.template.render([{"role": "user", "content": "?"}], True))
+            return opens_thinking(self.template.render([{"role": "user", "content": "?"}], True, enable_thinking=on))
         except TemplateError:  # (a template that needs more than one message to render says so when used)
             return False
 
@@ -178,7 +179,9 @@ class Conversation:
     def _prompt_ids(self, user_text: str) -> tuple[list[int], int]:
         """Token ids to append for a new user message, and the cache row they start at
         (below the cache length only when the template re-renders history differently)."""
-        full = self.template.render(self.messages() + [{"role": "user", "content": user_text}], True)
+        on = self.prefs.thinks  # (asked of templates with the switch: V3.1, GLM, Qwen3)
+        full = self.template.render(self.messages() + [{"role": "user", "content": user_text}], True,
+                                    enable_thinking=on)
         users = [i for i, t in enumerate(self.turns) if t.role == "user"]
         if not self.turns:
             return self.tok.encode_prompt(full), 0
@@ -187,7 +190,7 @@ class Conversation:
             return self.tok.encode(full[len(bos):] if bos and full.startswith(bos) else full,
                                    special=True), self.n_tokens
         last_user = users[-1]
-        base = self.template.render(self.messages(self.turns[: last_user + 1]), True)
+        base = self.template.render(self.messages(self.turns[: last_user + 1]), True, enable_thinking=on)
         base += "".join(t.text for t in self.turns[last_user + 1 :])
         if full.startswith(base):
             return self.tok.encode(full[len(base) :], special=True), self.n_tokens

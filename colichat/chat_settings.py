@@ -1,6 +1,6 @@
 """The settings a conversation runs with: the values (settings.Settings), the ones given on the
-command line (a resumed session keeps those), a system prompt waiting for the next conversation,
-and the sampler built from them. Writing them into the session is the conversation's call."""
+command line (a resumed session keeps those), a system prompt or a thinking switch waiting for the
+next conversation, and the sampler built from them. Writing them into the session is the conversation's call."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import contextlib
 from .engine import Sampler
 from .settings import BY_NAME, Settings, saved_values
 from .system_prompt import refusal
+from .thinking import thinks
 
 
 class ChatSettings:
@@ -17,12 +18,25 @@ class ChatSettings:
         self.pinned = frozenset(pinned)  # settings given on the command line: a resumed session keeps them
         self.sampler = Sampler(settings.sampler())
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
-        self.opens_thinking = False  # the chat template opens <think> before each answer (thinking.opens_thinking)
+        self.pending_think: str | None = None  # a /set think across on and off, waiting for the next conversation
+        self.opens = {True: False, False: False}  # whether the template opens <think> before each answer, by
+        # thinks(think) (thinking.opens_thinking; Conversation renders it)
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the chat template is asked to let the model think (its `enable_thinking`)."""
+        return thinks(self.settings.think)
+
+    @property
+    def opens_thinking(self) -> bool:
+        """Whether this conversation's answers begin inside the thinking (the template opened it)."""
+        return self.opens[self.thinks]
 
     def options(self) -> dict:
         """Every setting's value (and the system prompt waiting for the next conversation)."""
         return {**self.settings.to_dict(),
-                **({"system (next)": self.pending_system} if self.pending_system is not False else {})}
+                **({"system (next)": self.pending_system} if self.pending_system is not False else {}),
+                **({"think (next)": self.pending_think} if self.pending_think is not None else {})}
 
     def set(self, key: str, value, started: bool) -> tuple[str, bool]:
         """Change one setting (a name of settings.TABLE; SettingError for a value it cannot take).
@@ -38,6 +52,12 @@ class ChatSettings:
         if key == "system" and started:  # the conversation so far was read with the old one
             self.pending_system = value
             return "system prompt set for the next conversation (/new starts one)", False
+        if key == "think":
+            self.pending_think = None
+            if started and thinks(value) != self.thinks:  # its prompts were made with the other switch
+                self.pending_think = value
+                return (f"think = {value} from the next conversation (/new starts one): this one was "
+                        f"{'made without' if value != 'off' else 'made with'} thinking"), False
         self._use(self.settings.with_(**{key: value}))
         return f"{key} = {row.show(value)}", True
 
@@ -53,6 +73,10 @@ class ChatSettings:
         """Take a resumed session's saved settings, except those given on the command line, and its
         random numbers where the seed is the one they were drawn with."""
         saved = saved_values(d)
+        given = self.settings.think
+        if "think" in self.pinned and started and thinks(saved.get("think", given)) != thinks(given):
+            # --think across on and off on a resumed conversation: it was made with the saved one's switch
+            self.pending_think, self.settings = given, self.settings.with_(think=saved["think"])
         if "system" in self.pinned and started and saved.get("system") != self.settings.system:
             # --system on a resumed conversation: it was read with the saved one; the new one waits
             self.pending_system = self.settings.system
@@ -77,11 +101,13 @@ class ChatSettings:
                 f"prompt ({why})"]
 
     def next_conversation(self) -> bool:
-        """A new conversation takes the system prompt that waited for it; True when one did."""
-        if self.pending_system is False:
-            return False
-        self.settings, self.pending_system = self.settings.with_(system=self.pending_system), False
-        return True
+        """A new conversation takes the system prompt and thinking switch that waited for it; True when one did."""
+        waited = self.pending_system is not False or self.pending_think is not None
+        if self.pending_system is not False:
+            self.settings, self.pending_system = self.settings.with_(system=self.pending_system), False
+        if self.pending_think is not None:
+            self.settings, self.pending_think = self.settings.with_(think=self.pending_think), None
+        return waited
 
     def _use(self, settings: Settings) -> None:
         """Sample with `settings`; the random numbers go on where they were unless the seed changed."""

@@ -276,6 +276,8 @@ def cmd_set(app, arg: str) -> None:
     if parts[0].lower() == "parameter" and len(parts) == 2:  # ollama's /set parameter KEY VALUE
         raise ChatError(f"did you mean /set {printable(parts[1])}? (colichat's /set takes the key first; "
                         "/help set lists them)")
+    if parts[0].lower() == "nothink" and len(parts) == 1:  # ollama's
+        raise ChatError("did you mean /set think off? (it asks a model with the switch not to think)")
     if parts[0].lower() == "kv":  # --kv: not a sampler setting, the format of new conversations' caches
         app.say(app.conv.set_kv(parts[1].strip().lower()) if len(parts) == 2 else f"kv = {app.conv.history.kv}")
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .thinking import CLOSE, OPEN, head, split
+from .thinking import CLOSE, OPEN, head, shown_as, split
 from .units import count, format_size
 from .wrap import dimmed, displayable
 
@@ -146,7 +146,7 @@ def turn_line(turn, conv=None, dim: bool = False) -> str:
     if conv is None or turn.role != "assistant":
         return f"{turn.role}> {displayable(turn.text)}"
     thought, answer = split(turn.text, conv.prefs.opens_thinking)
-    mode = conv.settings.think
+    mode = shown_as(conv.settings.think)
     if thought is None or mode == "hide":
         return f"assistant> {displayable(answer)}"
     shown = head(len(conv.tok.encode(thought))) if mode == "fold" else f"{OPEN}\n{displayable(thought)}\n{CLOSE}"

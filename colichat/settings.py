@@ -119,8 +119,9 @@ TABLE: tuple[Setting, ...] = (
             "the next conversation when this one has started", optional=True, metavar="TEXT"),
     Setting("think", str, "fold", "a thinking model's reasoning (<think>...</think>): fold = one dim line "
             "counting its tokens, show = its text, dim, hide = nothing; answers and /history show it so, "
-            "/export always keeps it", lambda v: v in MODES, "must be show, fold or hide", metavar="MODE",
-            choices=MODES),
+            "/export always keeps it; off = ask the model not to think (models with the switch: V3.1, GLM, "
+            "Qwen3), from the next conversation when this one has started", lambda v: v in MODES,
+            "must be show, fold, hide or off", metavar="MODE", choices=MODES),
 )
 BY_NAME = {row.name: row for row in TABLE}
 SAMPLER_KEYS = tuple(SamplerSettings.__dataclass_fields__)

@@ -8,11 +8,15 @@ thinking). This module only sorts that text into thinking and answer, for what t
     opens_thinking(prompt)           # the template's generation prompt ends with <think> (R1, GLM-4.7/5.x)
     split(text, opened)              # (thinking or None, answer) of a saved answer
     s = Splitter(opened); s.feed(piece) -> [(thinking?, text), ...]; s.end()   # an answer as it streams
-    LiveThinking(app)                # how the thinking shows while it streams: /set think show|fold|hide
+    LiveThinking(app)                # how the thinking shows while it streams: /set think show|fold|hide|off
 
 `opened`: the answer starts inside the thinking, with no opening tag (R1, V3.1 asked to think,
 GLM-4.7/5.x); otherwise an answer thinks first when it starts with <think> (GLM-4.5 and 4.6 write the
 tag themselves). Thinking without a </think> was cut short (Ctrl-C, max_tokens): all of it is thinking.
+
+`think off` asks the model not to think where its chat template has the switch (V3.1, GLM-4.5 to 5.x,
+Qwen3: `enable_thinking` false, as llama.cpp's `--reasoning-budget 0`); the other modes ask it to think
+(the templates' own default, but V3.1's). A model that thinks whatever it is asked (R1) shows as fold.
 """
 
 from __future__ import annotations
@@ -21,7 +25,17 @@ from .units import count
 from .wrap import dimmed
 
 OPEN, CLOSE = "<think>", "</think>"
-MODES = ("show", "fold", "hide")  # the values of the `think` setting
+MODES = ("show", "fold", "hide", "off")  # the values of the `think` setting
+
+
+def thinks(mode: str) -> bool:
+    """Whether a chat template is asked to let the model think (its `enable_thinking`) in this mode."""
+    return mode != "off"
+
+
+def shown_as(mode: str) -> str:
+    """How thinking shows in this mode: show, fold or hide (off: fold, for a model that thinks anyway)."""
+    return "fold" if mode == "off" else mode
 START, THINKING, AFTER, ANSWER = range(4)  # Splitter states: AFTER skips the blank lines after </think>
 
 
@@ -137,7 +151,7 @@ class LiveThinking:
 
     def piece(self, text: str, tokens: int) -> None:
         """A piece of the thinking (perhaps "": the count goes on), after `tokens` thinking tokens."""
-        app, mode = self.app, self.app.conv.settings.think
+        app, mode = self.app, shown_as(self.app.conv.settings.think)
         self.tokens, first = tokens, not self.shown
         self.shown = True
         if app.hushed or app.output_closed:
@@ -156,7 +170,7 @@ class LiveThinking:
         """The thinking is over (the answer begins, or ends inside it): what stays of it is shown."""
         if not self.shown:
             return
-        app, mode = self.app, self.app.conv.settings.think
+        app, mode = self.app, shown_as(self.app.conv.settings.think)
         self.shown = False
         app.status.clear()
         if mode == "hide":

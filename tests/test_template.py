@@ -63,6 +63,10 @@ FAMILIES = {
                             "<|assistant|><think>"),
     "GLM-4.6.jinja": (["[gMASK]<sop>", "<|system|>\n", "<|user|>\n", "<|assistant|>\n<think></think>"],
                       "<|assistant|>"),
+    "zai-org-GLM-5.jinja": (["[gMASK]<sop>", "<|system|>", "<|user|>", "<|assistant|></think>"],
+                            "<|assistant|><think>"),
+    "zai-org-GLM-5.1.jinja": (["[gMASK]<sop>", "<|system|>", "<|user|>", "<|assistant|></think>"],
+                              "<|assistant|><think>"),
 }
 
 

@@ -251,12 +251,69 @@ def test_think_is_a_setting_shown_and_saved_with_the_conversation(r1, tmp_path):
     app = thinking_app(r1, tmp_path, "fold", ANSWERS[0])
     assert run(app, "/set think") == ["think = fold"] and "think          fold" in run(app, "/show")
     assert run(app, "/set think SHOW") == ["think = show"]
-    assert run(app, "/set think loud") == ["colichat: think must be show, fold or hide"]
+    assert run(app, "/set think loud") == ["colichat: think must be show, fold, hide or off"]
     run(app, "How many?")
     app.conv.close()
     again = conversation(r1, Store(tmp_path / "s"))
     again.resume("t")
     assert again.settings.think == "show"
+    again.close()
+
+
+@pytest.fixture(scope="module")
+def switchable(tmp_path_factory):
+    """Tiny models carrying V3.1's and GLM-5's real templates (as is: no thinking forced), by name."""
+    out = {}
+    for name, file in (("v31", "deepseek-ai-DeepSeek-V3.1.jinja"), ("glm5", "zai-org-GLM-5.jinja")):
+        source = (TEMPLATES / file).read_text("utf-8")
+        out[name] = load(copy_gguf(TINY_LLAMA, tmp_path_factory.mktemp(name) / "m.gguf",
+                                   set_keys={"tokenizer.chat_template": source}), n_ctx=1024)
+    return out
+
+
+@pytest.mark.parametrize("name", ["v31", "glm5"])
+def test_think_off_asks_a_template_with_the_switch_not_to_think(switchable, name):
+    """V3.1 and GLM-5 think by default (`enable_thinking` true, as llama.cpp asks: V3.1's own default is
+    not to); with think off the prompt closes the thinking before the answer, and an answer is all answer."""
+    model = switchable[name]
+    on = conversation(model)
+    assert on.prefs.opens_thinking
+    script(on, ANSWERS[0])
+    on.ask("How many?")
+    assert model.cache.token_ids()[on.turns[-1].first - 1] == on.tok.encode("<think>", special=True)[-1]
+    assert split(on.turns[-1].text, on.prefs.opens_thinking) == ("First thought: twelve.", "It is 12.")
+    off = conversation(model, think="off")
+    assert not off.prefs.opens_thinking
+    script(off, "Twelve.")
+    off.ask("How many?")
+    prompt = off.tok.decode(model.cache.token_ids()[: off.turns[-1].first], special=True)
+    assert prompt.endswith("</think>") and split(off.turns[-1].text, off.prefs.opens_thinking) == (None, "Twelve.")
+
+
+def test_think_across_on_and_off_waits_for_the_next_conversation_and_a_resume_keeps_the_saved_switch(
+        switchable, tmp_path):
+    """A conversation's prompts were made with one switch: /set think off after its first answer waits for
+    /new (the display modes change at once); reopened with --think off, it goes on as it was saved."""
+    model, store = switchable["v31"], Store(tmp_path / "s")
+    app = Recorder(conversation(model, store, "t"))
+    script(app.conv, ANSWERS[0], ANSWERS[1])
+    run(app, "How many?")
+    said = run(app, "/set think off")
+    assert said == ["think = off from the next conversation (/new starts one): this one was made with thinking"]
+    assert app.conv.settings.think == "fold" and "think (next)   off" in run(app, "/show")
+    assert run(app, "/set nothink") == ["colichat: did you mean /set think off? (it asks a model with the switch "
+                                        "not to think)"]
+    assert run(app, "/set think show") == ["think = show"] and "think (next)" not in "".join(run(app, "/show"))
+    run(app, "/set think off")
+    app.conv.close()
+    again = Conversation(model, Settings(temperature=0, draft=0, think="off"), store=store, pinned={"think"})
+    again.resume("t")
+    assert again.settings.think == "show" and again.prefs.opens_thinking and again.prefs.pending_think == "off"
+    script(again, ANSWERS[1])
+    again.ask("Which fruit?")  # read with the switch it was made with: the prompt opens the thinking
+    assert split(again.turns[-1].text, True)[0] == "Second thought: apples."
+    again.new()
+    assert again.settings.think == "off" and not again.prefs.opens_thinking
     again.close()
 
 
