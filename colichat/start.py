@@ -202,7 +202,7 @@ def model_sampling(settings, given: frozenset, cfg) -> tuple:
 
 
 def load_model(args, say, status, mtp: bool = True, system: str | None = None):
-    """The model of args.model, with the progress shown on `status` (cli.StatusLine); a --system
+    """The model of args.model, with the progress shown on `status` (terminal.StatusLine); a --system
     `system` its chat template refuses, or that leaves no room for a message, is refused before the
     weights are prepared."""
     path = args.model  # chosen by choose_model
