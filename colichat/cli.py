@@ -36,22 +36,11 @@ try:
     from .paths import expand_home
     from .persist import SessionError, Store, check_name
     from .pipe import pipe_mode
-    from .sessions import refuse_if_open
     from .settings import TABLE, SettingError, Settings
     from .shell import from_the_shell
-    from .start import (
-        check_context_fits,
-        check_model_file,
-        check_rope_factors,
-        check_saving,
-        choose_model,
-        load_model,
-        model_sampling,
-        reopen_at_start,
-        saved_context,
-        saving_mode,
-    )
-    from .terminal import StatusLine, dumb_terminal, open_standard_streams, set_encodings, to_stderr
+    from .start import Plan, given_model, load_model, model_sampling
+    from .start import plan as start_plan
+    from .terminal import StatusLine, open_standard_streams, set_encodings, to_stderr
 except BaseException:
     if not _interrupt_at_start.seen:
         raise
@@ -248,45 +237,32 @@ def main(argv=None) -> int:
     except UsageError as e:
         say(f"colichat: {e}")
         return 2
-    args.numerics = args.numerics or "fast"
     try:
-        if args.sessions or args.export is not None or args.prune_kv is not None or args.models:
-            return from_the_shell(args)
-        args.model = choose_model(args, say)
-        check_model_file(args.model)
-        # A dumb terminal (an editor's shell buffer) edits the line itself and takes no cursor moves: line mode.
-        args.interactive = (sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
-                            and not dumb_terminal())
-        problem = check_saving(args)
-        # what --session and --resume mean, known before the model loads (--no-save too: it reads them)
-        args.resume, note = reopen_at_start(args, say)
-        if note:
-            say(note)
-        saved_context(args)
-        check_context_fits(args)
-        check_rope_factors(args)
-        read_only = saving_mode(args, problem, say)
-        if not (args.no_save or read_only):  # (those read it without its lock: another colichat may have it)
-            refuse_if_open(Store(), args.model, args.session, args.resume)
-        interactive = args.interactive
-        person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
+        shell = args.sessions or args.export is not None or args.prune_kv is not None or args.models
+        # --model's file first (found, downloaded, checked: its errors come before the sessions directory's)
+        path = given_model(args.model, say) if args.model is not None and not shell else None
+        store = Store()  # the saved conversations, for the whole run
+        if shell:
+            return from_the_shell(args, store)
+        plan = start_plan(args, store, path, say)
         waiting = contextlib.nullcontext()
-        if interactive:  # keys typed while it loads wait for the prompt, not echoed into the progress line
+        if plan.interactive:  # keys typed while it loads wait for the prompt, not echoed into the progress line
             from .repl import keys_wait
 
             waiting = keys_wait()
         with waiting:
             # --draft 0 at start: no MTP rows either (the model's, for its life; /set draft picks what it uses)
-            model = load_model(args, say, status, mtp=settings.draft > 0, system=settings.system)
+            model = load_model(plan, say, status, mtp=settings.draft > 0, system=settings.system,
+                               expert_cache=args.expert_cache, verbose=args.verbose)
         settings, note = model_sampling(settings, given, model.cfg)
         if note:
             say(note)
         problem = model.cache.codec_problem(args.kv)
         if problem:
             raise SettingError(f"--kv {args.kv}: {problem}")
-        conv = Conversation(model, settings, session_name=args.session, pinned=given, no_save=args.no_save,
-                            save_new=person_types or args.session is not None or args.resume, read_only=read_only,
-                            kv=args.kv, reuse=not args.no_reuse)
+        conv = Conversation(model, settings, session_name=plan.session, store=store, pinned=given,
+                            no_save=args.no_save, save_new=plan.save_new, read_only=plan.read_only, kv=args.kv,
+                            reuse=not args.no_reuse)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1
@@ -294,19 +270,24 @@ def main(argv=None) -> int:
         status.clear()
         to_stderr("colichat: interrupted while starting")
         return interrupted()
-    app = App(conv, interactive, status, banner)
+    return chat(App(conv, plan.interactive, status, banner), plan, args)
+
+
+def chat(app: App, plan: Plan, args) -> int:
+    """The chat, once the model is loaded: the conversation reopened or begun, then the REPL, or pipe
+    mode (-p's message, or stdin's); the exit status."""
+    conv, say, interactive = app.conv, app.say, plan.interactive
     app.auto_forget = args.auto_forget
-    say = app.say
     try:
-        if args.resume:
-            status.show(BUSY["/resume"])
+        if plan.resume:
+            app.status.show(BUSY["/resume"])
             with stopped_by_ctrl_c(conv) as stopped:  # damaged exchanges read again: keep those read
-                app.resume(args.session)
+                app.resume(plan.session)
             if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
                 return interrupted()
         else:
-            if args.session is not None and not args.no_save:
-                conv.saving.claim(args.session, conv.settings.to_dict())
+            if plan.session is not None and not args.no_save:
+                conv.saving.claim(plan.session, conv.settings.to_dict())
             hint = conv.saving.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
