@@ -220,3 +220,20 @@ class App:
         finally:
             self.status.clear()
 
+
+@contextlib.contextmanager
+def stopped_by_ctrl_c(conv):
+    """While opening a conversation at start: Ctrl-C stops reading its damaged exchanges again (the
+    ones read are kept, as /resume does) instead of ending colichat. Yields a list, non-empty once
+    Ctrl-C came."""
+    came: list[bool] = []
+
+    def on_sigint(signum, frame):
+        came.append(True)
+        conv.stop_requested = True
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, old)

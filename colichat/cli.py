@@ -26,7 +26,7 @@ try:
     import warnings
 
     from . import __version__
-    from .app import BUSY, App
+    from .app import BUSY, App, stopped_by_ctrl_c
     from .chat import Conversation
     from .engine import MIN_CTX
     from .errors import USER_ERRORS, UsageError
@@ -189,24 +189,6 @@ def settings_from(args) -> tuple[Settings, frozenset]:
     if args.expert_cache is not None and not 0 <= args.expert_cache < float("inf"):
         raise SettingError("--expert-cache must be a number of MiB, 0 or more")
     return Settings(**given), frozenset(given)
-
-
-@contextlib.contextmanager
-def stopped_by_ctrl_c(conv):
-    """While opening a conversation at start: Ctrl-C stops reading its damaged exchanges again (the
-    ones read are kept, as /resume does) instead of ending colichat. Yields a list, non-empty once
-    Ctrl-C came."""
-    came: list[bool] = []
-
-    def on_sigint(signum, frame):
-        came.append(True)
-        conv.stop_requested = True
-
-    old = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield came
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def interrupted() -> int:
