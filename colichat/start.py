@@ -1,15 +1,18 @@
 """What is checked and loaded before a chat begins, in the order cli.main runs it: the model file
 (--model, else the one a conversation to reopen was saved with, else the default), whether the
 sessions directory can be written, what --session and --resume reopen and with which context size
-(refused before the model loads when it cannot be), then the model itself, with its progress shown.
+(refused before the model loads when it cannot be): `plan` decides all that once, as a Plan; then
+the model itself loads, with its progress shown.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from . import hub, system_prompt
 from .engine import ContextError, ModelError, default_context, load, resume_problem, trained_context
@@ -22,55 +25,103 @@ from .sessions import (
     model_fingerprint,
     model_to_reopen,
     moved_link_note,
+    refuse_if_open,
     reopen_note,
     resume_context,
     resume_rope_factors,
 )
 from .settings import SettingError
+from .terminal import dumb_terminal
 
 
-def choose_model(args, say) -> str:
-    """--model (a file, or a model of the Hugging Face Hub), else the model that saved the conversation
-    --session NAME or --resume reopens (where its file still is), else the default model."""
-    if args.model is not None:  # (hf:OWNER/REPO...: from the hub's cache, else downloaded)
-        return hub.model_file(args.model, say) if hub.is_hub_model(args.model) else args.model
+@dataclass(frozen=True)
+class Plan:
+    """What the start decided before the model loads (`plan`), read from then on; the command line
+    (args) stays as it was typed."""
+
+    model: str  # the GGUF file: --model's, else the one that saved the conversation reopened, else the default
+    session: str | None  # --session NAME
+    resume: bool  # a saved conversation reopens (--resume, or --session NAME of a saved one)
+    ctx: int | None  # --ctx, else the context size the reopened conversation was saved with; None: the model's
+    ctx_of: str | None  # the session whose saved context size `ctx` is (load_model's errors name it), else None
+    read_only: bool  # the reopened conversation's directory cannot be written: nothing is saved
+    save_new: bool  # a new conversation is saved (a person types its messages, or --session, --resume)
+    interactive: bool  # the terminal REPL; else pipe mode (line mode, a pipe, -p)
+    numerics: str  # "fast" or "llama.cpp"
+
+
+def plan(args, store: Store, model: str | None, say) -> Plan:
+    """The start's decisions for the command line `args`, in order, each refused (a user error) before
+    the model loads where it cannot be carried out. `model`: --model's file (given_model), or None."""
+    if model is None:
+        model = choose_model(store, args.session, args.resume, say)
+        check_model_file(model)
+    # A dumb terminal (an editor's shell buffer) edits the line itself and takes no cursor moves: line mode.
+    interactive = (sys.stdin.isatty() and sys.stdout.isatty() and not args.plain and not args.prompt
+                   and not dumb_terminal())
+    problem = check_saving(store, model, args.session, args.resume, args.no_save, interactive)
+    # what --session and --resume mean, known before the model loads (--no-save too: it reads them)
+    resume, note = reopen_at_start(store, model, args.session, args.resume, say)
+    if note:
+        say(note)
+    ctx, ctx_of = saved_context(store, model, args.session, resume, args.ctx)
+    check_context_fits(store, model, args.session, resume, ctx)
+    check_rope_factors(store, model, args.session, resume, ctx)
+    read_only = saving_mode(store, resume, problem, say)
+    if not (args.no_save or read_only):  # (those read it without its lock: another colichat may have it)
+        refuse_if_open(store, model, args.session, resume)
+    person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
+    return Plan(model=model, session=args.session, resume=resume, ctx=ctx, ctx_of=ctx_of, read_only=read_only,
+                save_new=person_types or args.session is not None or resume, interactive=interactive,
+                numerics=args.numerics or "fast")
+
+
+def given_model(name: str, say) -> str:
+    """--model's file: the path given, or a model of the Hugging Face Hub (from the hub's cache, else
+    downloaded), checked to be a regular file."""
+    path = hub.model_file(name, say) if hub.is_hub_model(name) else name
+    check_model_file(path)
+    return path
+
+
+def choose_model(store: Store, session: str | None, resume: bool, say) -> str:
+    """Without --model: the model that saved the conversation --session NAME or --resume reopens
+    (where its file still is), else the default model."""
     try:
         default, missing = default_model_path(), None
     except DefaultModelMissing as e:
         default, missing = None, e
-    store = Store()
-    found = model_to_reopen(store, default, args.session, args.resume)
+    found = model_to_reopen(store, default, session, resume)
     if found:
         name, path, title = found
         say(f"session {name} was saved with {title}: loading {path}")
-    elif args.resume and args.session is None and nothing_saved():  # no model named: not "for this model"
+    elif resume and session is None and nothing_saved(store):  # no model named: not "for this model"
         raise SessionError("no saved conversation yet")
     elif missing:
         raise missing
     path = found[1] if found else default
-    note = reopen_note(store, path, args.session) if args.session is not None else None
+    note = reopen_note(store, path, session) if session is not None else None
     if note:  # the other models' conversations of that name, and how to open one
         say(note)
     return path
 
 
-def reopen_at_start(args, say) -> tuple[bool, str | None]:
+def reopen_at_start(store: Store, model: str, session: str | None, resume: bool, say) -> tuple[bool, str | None]:
     """before_load's answer: whether a saved conversation reopens, and a note. Where --model PATH
     --resume finds none of this model, the refusal comes after a note on the conversations saved
     with PATH while it led to another file (a link since pointed elsewhere), if there are any."""
     try:
-        return before_load(Store(), args.model, args.session, args.resume)
+        return before_load(store, model, session, resume)
     except SessionError:
-        note = moved_link_note(Store(), args.model) if args.resume and args.session is None else None
+        note = moved_link_note(store, model) if resume and session is None else None
         if note:
             say(note)
         raise
 
 
-def nothing_saved() -> bool:
+def nothing_saved(store: Store) -> bool:
     """No conversation of any model is saved (a sessions directory that cannot be read is check_saving's)."""
-    root = paths().data / "sessions"
-    return unreadable_sessions(root) is None and not Store().list()
+    return unreadable_sessions(store.root) is None and not store.list()
 
 
 def check_model_file(path: str) -> None:
@@ -115,21 +166,22 @@ def _cannot_save(root, problem: str) -> SessionError:
                         f"to a writable directory, or use --no-save{hint}")
 
 
-def check_saving(args) -> str | None:
+def check_saving(store: Store, model: str, session: str | None, resume: bool, no_save: bool,
+                 interactive: bool) -> str | None:
     """Refuse at start what would make every save fail (a bad --session name is before_load's): a
     sessions directory (under COLICHAT_HOME) that is a file or unreadable. Returns why it cannot be
     written, or None: `saving_mode` decides once it is known whether a saved conversation reopens."""
-    if args.session is not None:
-        check_name(args.session)
-    if args.no_save or not (args.interactive or args.session is not None or args.resume):
+    if session is not None:
+        check_name(session)
+    if no_save or not (interactive or session is not None or resume):
         return None  # nothing will be saved (a piped run saves with --session or --resume only)
-    root = paths().data / "sessions"
+    root = store.root
     problem = sessions_dir_problem(root)
     if problem and not (os.path.isdir(root) and os.access(root, os.R_OK | os.X_OK)):
         raise _cannot_save(root, problem)
     if problem is None:  # the model's own directory in it (found by its weights' fingerprint), if it has one
-        fp = model_fingerprint(args.model)
-        for d in Store(root).dirs_for(fp) if fp else []:
+        fp = model_fingerprint(model)
+        for d in store.dirs_for(fp) if fp else []:
             problem = sessions_dir_problem(d)
             if problem and not os.access(d, os.R_OK | os.X_OK):
                 raise _cannot_save(d, problem)
@@ -138,45 +190,48 @@ def check_saving(args) -> str | None:
     return problem
 
 
-def saving_mode(args, problem: str | None, say) -> bool:
+def saving_mode(store: Store, resume: bool, problem: str | None, say) -> bool:
     """True (read-only) when a saved conversation reopens from a sessions directory that can be read
     but not written (a read-only file system), saying so; a new conversation there is refused."""
     if not problem:
         return False
-    if not args.resume:
-        raise _cannot_save(paths().data / "sessions", problem)
+    if not resume:
+        raise _cannot_save(store.root, problem)
     say(f"note: {problem}: the conversation opens read-only (you can read and continue it; nothing is saved)")
     return True
 
 
-def saved_context(args) -> None:
-    """Without --ctx, a conversation reopens (--resume, --session NAME of a saved one) with the
-    context size it was saved with (`args.ctx_of`: the session it came from, for load_model's errors)."""
-    args.ctx_of = None
-    saved = resume_context(Store(), args.model, args.session) if args.resume and args.ctx is None else None
+def saved_context(store: Store, model: str, session: str | None, resume: bool,
+                  ctx: int | None) -> tuple[int | None, str | None]:
+    """The context size and where it came from: without --ctx (`ctx` None), a conversation reopens
+    (--resume, --session NAME of a saved one) with the one it was saved with, and the session it came
+    from is named (for load_model's errors); else (--ctx, or None: the model's default) from nowhere."""
+    saved = resume_context(store, model, session) if resume and ctx is None else None
     if saved:
-        args.ctx_of, args.ctx = saved
+        ctx_of, ctx = saved
+        return ctx, ctx_of
+    return ctx, None
 
 
-def check_context_fits(args) -> None:
+def check_context_fits(store: Store, model: str, session: str | None, resume: bool, ctx: int | None) -> None:
     """Refuse before the model loads a --resume whose saved tokens do not fit its context (Session.load
     says the same after loading, for /resume): --ctx, else the one it was saved with, else (a
     conversation of an older colichat) the model's default. The model's trained context, read from
     its metadata, is the most the refusal suggests."""
-    if not args.resume:
+    if not resume:
         return
-    most = trained_context(args.model)  # None: the file does not say (the load says why)
-    n_ctx = args.ctx or (default_context(most) if most else None)
-    problem = context_problem(Store(), args.model, args.session, n_ctx, most) if n_ctx else None
+    most = trained_context(model)  # None: the file does not say (the load says why)
+    n_ctx = ctx or (default_context(most) if most else None)
+    problem = context_problem(store, model, session, n_ctx, most) if n_ctx else None
     if problem:
         raise SessionError(problem)
 
 
-def check_rope_factors(args) -> None:
+def check_rope_factors(store: Store, model: str, session: str | None, resume: bool, ctx: int | None) -> None:
     """Refuse before the model loads a --resume whose cache rows were rotated with rope factors
     that cannot serve this --ctx (Conversation.resume says the same after loading, for /resume)."""
-    saved = resume_rope_factors(Store(), args.model, args.session) if args.resume else None
-    problem = saved and resume_problem(args.model, args.ctx, saved[1])
+    saved = resume_rope_factors(store, model, session) if resume else None
+    problem = saved and resume_problem(model, ctx, saved[1])
     if problem:
         raise SessionError(f"session {saved[0]} cannot be resumed: {problem}")
 
@@ -201,11 +256,12 @@ def model_sampling(settings, given: frozenset, cfg) -> tuple:
     return settings, f"note: the model's own sampling defaults: {said} (/set or an option changes them)"
 
 
-def load_model(args, say, status, mtp: bool = True, system: str | None = None):
-    """The model of args.model, with the progress shown on `status` (cli.StatusLine); a --system
+def load_model(plan: Plan, say, status, mtp: bool = True, system: str | None = None,
+               expert_cache: float | None = None, verbose: bool = False):
+    """The model of plan.model, with the progress shown on `status` (terminal.StatusLine); a --system
     `system` its chat template refuses, or that leaves no room for a message, is refused before the
-    weights are prepared."""
-    path = args.model  # chosen by choose_model
+    weights are prepared. `expert_cache`, `verbose`: --expert-cache, --verbose."""
+    path = plan.model
     t0 = time.perf_counter()
     name = os.path.basename(path)
     status.show(f"loading {name} ...")  # the first start of a model reads its metadata for seconds
@@ -216,24 +272,24 @@ def load_model(args, say, status, mtp: bool = True, system: str | None = None):
 
     notes: list[str] = []
     try:
-        model = load(path, n_ctx=args.ctx, progress=progress, cache_dir=paths().cache / "weights",
-                     expert_cache=args.expert_cache, on_note=notes.append, numerics=args.numerics, mtp=mtp,
+        model = load(path, n_ctx=plan.ctx, progress=progress, cache_dir=paths().cache / "weights",
+                     expert_cache=expert_cache, on_note=notes.append, numerics=plan.numerics, mtp=mtp,
                      check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
     except ContextError as e:  # (a --system's too)
-        if getattr(args, "ctx_of", None):  # not a --ctx given: say where it came from
-            raise ContextError(f"{e} (the context size session {args.ctx_of} was saved with: "
+        if plan.ctx_of:  # not a --ctx given: say where it came from
+            raise ContextError(f"{e} (the context size session {plan.ctx_of} was saved with: "
                                "--ctx N reopens it with another)") from None
         raise
     status.clear()
     cfg = model.cfg
-    where = f" from {path}" if args.verbose else ""
+    where = f" from {path}" if verbose else ""
     say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
         f"loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
     if model.numerics != "fast":
         say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp; "
             "one token at a time, so no speculative decoding whatever --draft says)")
-    if args.expert_cache is not None and not cfg.n_expert:
+    if expert_cache is not None and not cfg.n_expert:
         say("note: --expert-cache has no effect: this model has no routed experts")
     for line in notes:
         say(f"note: {line}")

@@ -135,7 +135,7 @@ def head(tokens: int) -> str:
 
 
 class LiveThinking:
-    """How an answer's thinking shows while it streams, as the `think` setting says (app: cli.App).
+    """How an answer's thinking shows while it streams, as the `think` setting says (app: app.App).
 
     fold: on a terminal, a status line counting its tokens as they come (`thinking ... 312 tokens`),
           then `thinking (312 tokens)` stays, dim, above the answer;

@@ -4,7 +4,7 @@ which hands it one typed line and returns what it said; `script`, a model's next
 
 from __future__ import annotations
 
-from colichat.cli import App
+from colichat.app import App
 from colichat.engine import Sampler, SamplerSettings
 
 

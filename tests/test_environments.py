@@ -241,7 +241,7 @@ def test_model_with_a_tilde_and_no_home_directory_is_one_line(tmp_path):
 def test_on_a_dumb_terminal_sessions_are_not_cut_to_the_window(monkeypatch):
     """/sessions on a terminal shows the newest that fit in its window (App.window); an editor's shell
     buffer (TERM=dumb) scrolls freely, so there it lists them all, as through a pipe."""
-    from colichat.cli import App
+    from colichat.app import App
 
     main, side = pty.openpty()
     try:

@@ -486,11 +486,11 @@ def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkey
     error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
     import argparse
 
-    from colichat import cli, start
+    from colichat import start, terminal
     from colichat.engine import ContextError, ModelError
 
     args = argparse.Namespace(model="m.gguf", ctx=160, ctx_of="c", expert_cache=None, numerics="fast", verbose=False)
-    status = cli.StatusLine()
+    status = terminal.StatusLine()
     for error, suffixed in ((ContextError("context size 160 is too small"), True),
                             (ModelError("m.gguf: chat template: 'context size' is undefined"), False)):
         def failing_load(*a, error=error, **k):

@@ -346,7 +346,8 @@ def test_a_ctrl_c_while_a_piece_of_the_answer_is_written_shows_its_mark_after_th
     import signal
     import sys
 
-    from colichat.cli import App, StatusLine
+    from colichat.app import App
+    from colichat.terminal import StatusLine
 
     class Conv:
         stop_requested = False

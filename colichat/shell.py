@@ -1,0 +1,53 @@
+"""What colichat does from the shell without a chat, then exits: --sessions and --export NAME
+(the saved conversations, printed), --models (the models known), --prune-kv DAYS (old
+conversations' KV files freed). No model is loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .hub import is_hub_model, model_file
+from .model_list import NO_MODELS, model_rows
+from .models import DefaultModelMissing, default_model_path
+from .persist import SessionError, Store
+from .prune import prune_kv
+from .sessions import export_saved, listing
+from .start import unreadable_sessions
+from .terminal import print_out, terminal_columns, to_stderr
+from .wrap import wrap_line
+
+
+def from_the_shell(args, store: Store) -> int:
+    """--sessions and --export NAME: read the saved conversations, print to stdout; --prune-kv DAYS: free
+    their KV files' space; --models: the models known, on stdout. No model is loaded."""
+    root = store.root
+    problem = unreadable_sessions(root)
+    if problem:  # else the listing would say "no saved conversations" of conversations it cannot see
+        raise SessionError(f"cannot read the saved conversations in {root} ({problem}); fix that, or set "
+                           "COLICHAT_HOME to the directory that holds them")
+    if args.models:
+        return print_out("".join(f"{row}\n" for row in model_rows(store)) or NO_MODELS)
+    if args.prune_kv is not None:
+        for line in prune_kv(store, args.prune_kv):
+            to_stderr(line)
+        return 0
+    if args.sessions:
+        rows = listing(store)
+        if sys.stdout.isatty():  # as /sessions shows them
+            rows = [wrap_line(row, terminal_columns(), hang=4) for row in rows]
+        return print_out("\n".join(rows) + "\n" if rows else "no saved conversations\n")
+    model = args.model
+    if is_hub_model(model):  # --export NAME --model hf:...: the one downloaded (nothing is downloaded)
+        model = model_file(model, to_stderr, offline=True)
+    try:
+        model = model or default_model_path()
+    except DefaultModelMissing:
+        model = None
+    text, warnings, note = export_saved(store, model, args.export, given=args.model is not None)
+    if note:  # the other models' conversations of that name, and how to print one
+        to_stderr(note)
+    for line in warnings:  # as opening says what it drops
+        to_stderr(f"warning: {line}")
+    return print_out(text)
+
