@@ -60,7 +60,7 @@ class Conversation:
         self.prefs = ChatSettings(settings, pinned)
         self.prefs.opens = {on: self._opens_thinking(on) for on in (True, False)}
         self.stop_requested = False
-        self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (cli.App)
+        self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (app.App)
         cfg = model.cfg
         ident = model_identity(cfg.path, cfg.arch, cfg.name) if save else None
         saving = Saving((store or Store()) if save else None, ident,

@@ -1,6 +1,6 @@
 """The slash commands: one table drives /help, Tab completion and dispatch.
 
-A handler gets the App (see cli.py: `.conv` the Conversation, with `.conv.history` its turns against
+A handler gets the App (see app.py: `.conv` the Conversation, with `.conv.history` its turns against
 its session (history.History: rewind, what is saved, this model's other sessions) and `.conv.prefs`
 its settings; `.say(line)` status to stderr, `.out(text)` the model's text to stdout) and the rest
 of the line as one string. A bad command raises a typed error (errors.py): one line.

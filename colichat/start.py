@@ -286,6 +286,9 @@ def load_model(plan: Plan, say, status, mtp: bool = True, system: str | None = N
     say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
         f"loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")
+    if model.experts is not None and model.experts.warming:
+        say(f"experts: reading the {model.experts.warming:,} used most in earlier runs into the cache, in the "
+            "background")
     if model.numerics != "fast":
         say("numerics: llama.cpp's CPU arithmetic, op by op (many times slower; for checking against llama.cpp; "
             "one token at a time, so no speculative decoding whatever --draft says)")

@@ -509,3 +509,14 @@ def test_expert_cache_on_a_model_without_experts_says_it_has_no_effect(colichat_
     moe = chat(colichat_home, ["--model", str(TINY / "ds-v3.gguf"), *GREEDY, "--max-tokens", "4", "--no-save",
                                "--expert-cache", "64"], lines("hello")).ok()
     assert "--expert-cache has no effect" not in moe.err
+
+
+def test_a_moe_models_next_start_warms_the_experts_its_last_run_used_and_answers_the_same(colichat_home):
+    """Each answer keeps the routed experts' use counts beside the weights cache; the next start says it
+    reads the most used into the expert cache in the background, and the answer is the same."""
+    args = ["--model", str(TINY / "ds-v3.gguf"), *GREEDY, "--max-tokens", "6", "--no-save", "--expert-cache", "0.2"]
+    first = chat(colichat_home, args, lines("hello")).ok()
+    assert "experts: reading" not in first.err
+    again = chat(colichat_home, args, lines("hello")).ok()
+    assert re.search(r"^experts: reading the \d+ used most in earlier runs into the cache", again.err, re.M)
+    assert again.out == first.out

@@ -93,7 +93,8 @@ def test_a_warm_start_fills_the_most_used_experts_of_the_last_run_and_changes_no
     warm.experts.warmer.join()
     top = np.argsort(-saved, kind="stable")[:4]
     x = warm.experts.n_expert
-    assert warm.experts.warmed == 4 and set(warm.experts.entries) == {(1 + k // x, k % x) for k in top.tolist()}
+    assert warm.experts.warming == warm.experts.warmed == 4
+    assert set(warm.experts.entries) == {(1 + k // x, k % x) for k in top.tolist()}
     assert warm.experts.misses == 0 and np.array_equal(warm.experts.counts, saved.astype(np.float64))
 
     again, ids1, logits1, kv1 = _greedy(name, mib, cache_dir=tmp_path)  # decoding while the warmer fills

@@ -178,7 +178,7 @@ class ExpertCache:
         self.lock = threading.Lock()
         self.stopping = threading.Event()  # set when the cache is dropped: the warmer stops after its fill
         self.warmer: threading.Thread | None = None
-        self.warmed = 0  # experts the warm start filled
+        self.warming = self.warmed = 0  # experts the warm start takes on, and has filled
         self.fds: dict[str, int] = {}
         weakref.finalize(self, _close_all, self.fds, self.pool, self.prefetcher, self.stopping)
 
@@ -294,6 +294,7 @@ class ExpertCache:
             self.counts[:] = np.maximum(counts, 0.0)
             top = np.argsort(-self.counts, kind="stable")[: len(self.keys)]
             order = [int(k) for k in top if self.counts[k] > 0]
+            self.warming = len(order)
         self.warmer = threading.Thread(target=self._warm, args=(order,), name="colichat-warm", daemon=True)
         self.warmer.start()
 
