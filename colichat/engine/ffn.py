@@ -316,9 +316,12 @@ class ExpertCache:
                 done = self.pending[s] = Future()
             try:
                 self._fill(self.flat[s], self.by_index[k // x], k % x)
-            except BaseException as e:  # (the slot is freed when a fetch or a sweep settles it)
+            except OSError as e:  # (a read error: the slot is freed when a fetch or a sweep settles it)
                 done.set_exception(e)
                 return
+            except BaseException as e:  # a bug: a fetch waiting for this fill must not wait forever
+                done.set_exception(e)
+                raise
             done.set_result(None)
             self.warmed += 1
 
