@@ -1,7 +1,7 @@
 """The layers import one way: no module of colichat imports itself back through others (imports inside
 functions count too: they run as soon as the function does), errors.py and paths.py sit at the
 bottom, and the engine reaches outside itself only for those leaves (its own errors, where its files
-go, the size format).
+go, the size format). Every module stays under 500 lines and is named in docs/design.md.
 """
 
 from __future__ import annotations
@@ -90,3 +90,16 @@ def test_the_engine_imports_only_the_leaves_of_the_app():
     outside = {m for name, found in graph.items() if name.startswith("colichat.engine")
                for m in found if not m.startswith("colichat.engine")}
     assert outside <= {"colichat.errors", "colichat.paths", "colichat.units"}
+
+
+def test_no_module_is_over_500_lines():
+    long = {module_name(p): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
+    assert long == {}
+
+
+def test_the_design_lists_every_module():
+    design = (ROOT.parent / "docs" / "design.md").read_text(encoding="utf-8")
+    unlisted = [module_name(p) for p in ROOT.rglob("*.py")
+                if p.name != "__init__.py" and p.name not in design]
+    assert unlisted == []

@@ -280,10 +280,9 @@ def load(src: Source, fd: int, cache, ctx_limit: int | None = None, detokenize=N
     if doc is None:
         return LoadResult(src.name, n, list(turns), ms, warnings, crcs=crcs, layout=layout)
     unread = readable_again(doc, turns)
-    parent, branch = lineage(doc)
-    return LoadResult(src.name, n, list(turns), ms, warnings, _sampler(doc), unread, crcs=crcs, layout=layout,
-                      sidecar=True, created=_created(doc), parent=parent, branch=branch,
-                      unread_entries=doc["turns"][len(turns): len(turns) + len(unread)] if unread else [])
+    return LoadResult(src.name, n, list(turns), ms, warnings, unread=unread, crcs=crcs, layout=layout,
+                      unread_entries=doc["turns"][len(turns): len(turns) + len(unread)] if unread else [],
+                      **_kept(doc))
 
 
 def load_text_only(src: Source, damage: str | None, cache=None, ctx_limit: int | None = None,
@@ -311,10 +310,9 @@ def load_text_only(src: Source, damage: str | None, cache=None, ctx_limit: int |
         raise SessionError(more_context(src.name, n, ctx, ctx_most))
     if cache is not None:
         cache.set_length(0)
-    parent, branch = lineage(doc)
-    return LoadResult(src.name, 0, [], (time.perf_counter() - t0) * 1000, warnings, _sampler(doc), unread,
-                      layout=src.layout, sidecar=True, created=_created(doc), parent=parent, branch=branch,
-                      unread_entries=doc["turns"][: len(unread)], text_only=True, kv_damage=damage)
+    return LoadResult(src.name, 0, [], (time.perf_counter() - t0) * 1000, warnings, unread=unread,
+                      layout=src.layout, unread_entries=doc["turns"][: len(unread)], text_only=True,
+                      kv_damage=damage, **_kept(doc))
 
 
 # ---- the rules ---------------------------------------------------------------------------------
@@ -347,8 +345,7 @@ def read_sidecar(src: Source) -> dict | None:
     saved, me = doc["model"], src.ident
     other = saved.get("arch") != me.get("arch") or saved.get("fingerprint") != me.get("fingerprint")
     if not intact and other:
-        raise SessionError(f"sidecar {path} is damaged (its model does not match its "
-                           f"checksum); {aside}")
+        raise SessionError(f"sidecar {path} is damaged (its model does not match its checksum); {aside}")
     if not intact:  # the turns carry their own checks; only the settings are in doubt
         doc = {**doc, "sampler": {}, "created": None, "settings damaged": True}
     if other:
@@ -375,8 +372,7 @@ def listed_prefix(doc, nrec: int, size: int, warnings: list[str], record_bytes: 
     whole = (size - HEADER_SIZE) // record_bytes
     avail = min(nrec, whole)
     if whole < nrec:
-        warnings.append(f"the KV file is cut short: its header lists {nrec} records, "
-                        f"it holds {whole} whole ones")
+        warnings.append(f"the KV file is cut short: its header lists {nrec} records, it holds {whole} whole ones")
     if doc is None:
         return [], [], avail
     turns, crcs, warn = parse_turns(doc)
@@ -444,12 +440,12 @@ def _check_rope_factors(src: Source, doc: dict) -> None:
                        "or start a new session with /reset")
 
 
-def _sampler(doc: dict) -> dict:
-    return dict(doc["sampler"]) if isinstance(doc.get("sampler"), dict) else {}
-
-
-def _created(doc: dict) -> str | None:
-    return doc["created"] if isinstance(doc.get("created"), str) else None
+def _kept(doc: dict) -> dict:
+    """What a LoadResult takes from a sidecar besides the turns: settings, creation time, lineage."""
+    parent, branch = lineage(doc)
+    return dict(sampler=dict(doc["sampler"]) if isinstance(doc.get("sampler"), dict) else {}, sidecar=True,
+                created=doc["created"] if isinstance(doc.get("created"), str) else None, parent=parent,
+                branch=branch)
 
 
 def _sidecar_as_it_is(path: str) -> dict | None:
