@@ -2,6 +2,9 @@
 
     r = chat(home, ["--model", TINY_LLAMA, *GREEDY], "hello\\n/history\\n")
     r.rc, r.out (bytes: only the answers), r.err (str: everything else)
+    chat_here(home, args, stdin)   the same run in this process (the fast tier: no process start, the
+                                   imports shared); for what a process changes (signals, locks between two
+                                   colichats, closed descriptors, permissions), `chat`
     r.ok() / r.failed()            assert the exit code, no traceback; return r
     saved_turns(home, name)        [(role, text), ...] from the session's sidecar
     answers_bytes(texts)           what stdout must hold for these answers
@@ -11,12 +14,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import re
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +81,52 @@ def chat(home, args, stdin: str | bytes = "", timeout: float = 300, env_extra=No
     p = subprocess.run([*prefix, *CHAT, *map(str, args)], input=data, capture_output=True, timeout=timeout,
                        env=env_for(home, **(env_extra or {})), cwd=str(home), **popen)
     return Run(p.returncode, p.stdout, p.stderr.decode("utf-8", "replace"))
+
+
+def chat_here(home, args, stdin: str | bytes = "", env_extra=None) -> Run:
+    """`chat`'s run without a process: colichat.cli.main(args) with the standard streams on temporary
+    files (real descriptors, made as CPython makes them for a pipe: UTF-8 after set_encodings, no newline
+    translation), COLICHAT_HOME `home` and the working directory `home`; all three are put back after.
+    Exit codes as the process's: main's status, or SystemExit's (argparse: 2, --help and --version: 0).
+    What a process would hide is checked: the run leaves no file descriptor open."""
+    from colichat.cli import main
+
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_streams = sys.stdin, sys.stdout, sys.stderr
+    descriptors = sorted(os.listdir("/proc/self/fd"))
+    with contextlib.ExitStack() as stack:
+        i, o, e = (stack.enter_context(tempfile.TemporaryFile()) for _ in range(3))
+        i.write(data)
+        i.seek(0)
+        try:
+            sys.stdin = open(i.fileno(), "r", encoding="utf-8", newline="\n", closefd=False)
+            sys.stdout = open(o.fileno(), "w", encoding="utf-8", newline="\n", closefd=False)
+            sys.stderr = open(e.fileno(), "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                              newline="\n", closefd=False)
+            os.environ.clear()
+            os.environ.update(env_for(home, **(env_extra or {})))
+            os.chdir(home)
+            rc = main([str(a) for a in args])
+        except SystemExit as stop:
+            rc = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        finally:
+            for stream in (sys.stdin, sys.stdout, sys.stderr):
+                if stream not in saved_streams:
+                    with contextlib.suppress(OSError, ValueError):
+                        stream.close()  # flushes what is left
+            sys.stdin, sys.stdout, sys.stderr = saved_streams
+            os.environ.clear()
+            os.environ.update(saved_env)
+            os.chdir(saved_cwd)
+        o.seek(0)
+        e.seek(0)
+        run = Run(rc, o.read(), e.read().decode("utf-8", "replace"))
+    gc.collect()  # the model's maps of its file, in reference cycles, go with the cycles
+    left = [f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}" for fd in sorted(os.listdir("/proc/self/fd"))
+            if fd not in descriptors and os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not left, f"colichat left descriptors open: {left}"
+    return run
 
 
 NAMESPACES = ("needs user namespaces (util-linux `unshare`; allowed by the kernel, e.g. "

@@ -27,6 +27,7 @@ from cli_helpers import (
     Run,
     answers_bytes,
     chat,
+    chat_here,
     copy_gguf,
     env_for,
     finish,
@@ -130,7 +131,7 @@ BAD_MODELS = {
 @pytest.mark.parametrize("kind", BAD_MODELS)
 def test_bad_model_file(kind, tmp_path, colichat_home):
     path, problem = BAD_MODELS[kind](tmp_path)
-    run = chat(colichat_home, ["--model", path, *GREEDY], lines("hello")).failed()
+    run = chat_here(colichat_home, ["--model", path, *GREEDY], lines("hello")).failed()
     assert run.out == b""
     [line] = run.err.splitlines()  # one line, nothing else
     assert line.startswith(f"colichat: {path}: ") and problem in line, line
@@ -140,8 +141,8 @@ def test_bad_model_file(kind, tmp_path, colichat_home):
 def test_rewritten_model_loads_when_nothing_is_missing(tmp_path, colichat_home):
     """The control for the rewritten files above: an unchanged copy answers like the original."""
     copy = copy_gguf(TINY_LLAMA, tmp_path / "copy.gguf")
-    mine = chat(colichat_home, ["--model", copy, *TINY_ARGS[2:], "--no-save"], lines(Q[0])).ok()
-    orig = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()
+    mine = chat_here(colichat_home, ["--model", copy, *TINY_ARGS[2:], "--no-save"], lines(Q[0])).ok()
+    orig = chat_here(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()
     assert mine.out == orig.out != b""
 
 
@@ -150,7 +151,7 @@ def test_a_model_that_computes_nan_is_one_line_and_nothing_is_saved(tmp_path, co
     greedy (where NaN would be taken as token 0) and sampled (where the draw would fail) alike."""
     nan = copy_gguf(TINY_LLAMA, tmp_path / "nan.gguf", scale={"output_norm.weight": float("nan")})
     for temperature in ("0", "0.7"):
-        run = chat(colichat_home, ["--model", nan, "--temperature", temperature, "--session", "n"],
+        run = chat_here(colichat_home, ["--model", nan, "--temperature", temperature, "--session", "n"],
                    lines(Q[0])).failed()
         assert run.out == b"" and run.errors() == [
             "colichat: the model computed NaN for the next token's scores (its weights are damaged or overflow "
@@ -190,16 +191,30 @@ REFUSED_WHEN_RUN = {  # options that only the model or the saved conversations m
 @pytest.mark.parametrize("kind", BAD_OPTIONS)
 def test_a_bad_command_line_is_one_line_and_exits_2(kind, colichat_home):
     args, problem = BAD_OPTIONS[kind]
-    run = chat(colichat_home, [*TINY_ARGS, *args], lines("hello")).exits(2)
+    run = chat_here(colichat_home, [*TINY_ARGS, *args], lines("hello")).exits(2)
     [line] = run.err.splitlines()  # nothing before it: no model read
     assert run.out == b"" and line.startswith("colichat: ") and problem in line, line
+    assert session_files(colichat_home) == []
+
+
+def test_refusals_end_the_command_with_their_exit_status(tmp_path, colichat_home):
+    """The tables above run colichat's main() in this process; the command itself, once per kind of
+    refusal: argparse's (exit 2 through SystemExit), a bad value (2), a bad model file (1), a saved
+    conversation that is not there (1), each one line and no traceback."""
+    for args, rc, problem in ((["--bogus"], 2, "unrecognized arguments: --bogus"),
+                              (["--temperature", "-1"], 2, "temperature must be >= 0"),
+                              (["--model", tmp_path / "nowhere.gguf"], 1, "no such file"),
+                              (["--resume"], 1, "no saved conversation for this model yet")):
+        run = chat(colichat_home, [*TINY_ARGS, *args], lines("hello")).exits(rc)
+        assert run.out == b"" and problem in run.errors()[-1], run.err
+        assert len(run.errors()) == 1
     assert session_files(colichat_home) == []
 
 
 @pytest.mark.parametrize("kind", REFUSED_WHEN_RUN)
 def test_an_option_the_model_or_the_sessions_refuse_exits_1(kind, colichat_home):
     args, problem = REFUSED_WHEN_RUN[kind]
-    run = chat(colichat_home, [*TINY_ARGS, *args], lines("hello")).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, *args], lines("hello")).failed()
     assert run.out == b""
     [line] = run.errors()
     assert problem in line, line
@@ -228,29 +243,29 @@ CONTRADICTIONS = {
 
 @pytest.mark.parametrize("kind", CONTRADICTIONS)
 def test_options_that_contradict_each_other_are_refused_not_ignored(kind, colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     args, problem = CONTRADICTIONS[kind]
-    run = chat(colichat_home, args).exits(2)
+    run = chat_here(colichat_home, args).exits(2)
     assert run.out == b"" and run.err.splitlines() == [f"colichat: {problem}"]
 
 
 def test_settings_that_only_shape_a_chat_are_no_contradiction(colichat_home):
     """An alias such as `colichat --temperature 0.3 --plain` still lists and exports."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     shaping = ["--temperature", "0.3", "--ctx", "64", "--plain", "--verbose", "--no-save"]
-    assert "  s: 2 turns" in chat(colichat_home, ["--sessions", *shaping]).ok().out.decode()
-    assert Q[0] in chat(colichat_home, ["--export", "s", *shaping]).ok().out.decode()
+    assert "  s: 2 turns" in chat_here(colichat_home, ["--sessions", *shaping]).ok().out.decode()
+    assert Q[0] in chat_here(colichat_home, ["--export", "s", *shaping]).ok().out.decode()
 
 
 def test_export_takes_model_to_choose_whose_conversation(tmp_path, colichat_home):
     """--model with --export is not a contradiction: it says whose NAME when two models have one."""
     other = copy_gguf(TINY_LLAMA, tmp_path / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
-    chat(colichat_home, ["--model", other, *TINY_ARGS[2:], "--session", "s"], lines(Q[1])).ok()
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
-    mine = chat(colichat_home, ["--export", "s", "--model", other]).ok().out.decode()
+    chat_here(colichat_home, ["--model", other, *TINY_ARGS[2:], "--session", "s"], lines(Q[1])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    mine = chat_here(colichat_home, ["--export", "s", "--model", other]).ok().out.decode()
     assert Q[1] in mine and Q[0] not in mine
     third = copy_gguf(TINY_LLAMA, tmp_path / "third.gguf", scale={"blk.0.ffn_up.weight": 0.5})
-    none = chat(colichat_home, ["--export", "s", "--model", third])  # none of its own: not another's
+    none = chat_here(colichat_home, ["--export", "s", "--model", third])  # none of its own: not another's
     assert none.rc == 1 and none.out == b"" and f"no session named s for {third}" in none.err
 
 
@@ -273,13 +288,13 @@ def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeyp
 def test_resume_without_a_model_and_nothing_saved_does_not_speak_of_this_model(tmp_path, colichat_home):
     """--resume alone takes the newest conversation of any model: with none, there is no "this model";
     with --model there is, and with another model's conversation saved, "for this model" is the point."""
-    run = chat(colichat_home, ["--resume", *GREEDY], lines(Q[0])).failed()
+    run = chat_here(colichat_home, ["--resume", *GREEDY], lines(Q[0])).failed()
     assert run.err.splitlines() == ["colichat: no saved conversation yet"]
-    run = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[0])).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[0])).failed()
     assert run.err.splitlines() == ["colichat: no saved conversation for this model yet"]
     other = copy_gguf(TINY_LLAMA, tmp_path / "other.gguf", scale={"blk.0.ffn_up.weight": 1.5})
-    chat(colichat_home, ["--model", other, *TINY_ARGS[2:], "--session", "theirs"], lines(Q[0])).ok()
-    run = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[0])).failed()
+    chat_here(colichat_home, ["--model", other, *TINY_ARGS[2:], "--session", "theirs"], lines(Q[0])).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[0])).failed()
     assert run.err.splitlines() == ["colichat: no saved conversation for this model yet"]
 
 
@@ -288,7 +303,7 @@ def test_a_session_name_that_cannot_exist_is_refused_before_the_model_loads(coli
                               (["--resume", "--session", "nosuch"],
                                "no session named nosuch for this model (colichat --sessions lists them)", 1),
                               (["--resume"], "no saved conversation for this model yet", 1)):
-        run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[0])).exits(rc)
+        run = chat_here(colichat_home, [*TINY_ARGS, *args], lines(Q[0])).exits(rc)
         [line] = run.err.splitlines()  # no model load line before it
         assert line.startswith("colichat: ") and problem in line, line
 
@@ -299,7 +314,7 @@ def test_a_session_name_that_cannot_exist_is_refused_before_the_model_loads(coli
 def test_bad_commands_are_named_back_and_the_input_goes_on(colichat_home):
     stdin = lines("/frobnicate now", "/rewind", Q[0], "/rewind 2", "/rewind two", "/resume nosuch",
                   "/resume ../etc", "/set colour blue", "/set temperature hot", "/help frob", Q[1], "/history")
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], stdin).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], stdin).failed()
     expected = [
         "colichat: unknown command '/frobnicate': /help lists the commands",
         "colichat: nothing to rewind: the conversation is empty",
@@ -323,12 +338,12 @@ def test_bad_commands_are_named_back_and_the_input_goes_on(colichat_home):
 
 @pytest.mark.parametrize("text", ["/frobnicate", "/rewind"])
 def test_one_shot_text_that_looks_like_a_command_is_a_message(text, colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "-p", text]).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "-p", text]).ok()
     assert run.out != b"" and run.errors() == [] and len(run.footers()) == 1
 
 
 def test_message_too_long_for_the_context(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--ctx", "16", "--no-save"],
+    run = chat_here(colichat_home, [*TINY_ARGS, "--ctx", "16", "--no-save"],
                lines("a message far too long for a context of sixteen tokens", "hi")).failed()
     [line] = run.errors()
     assert line.startswith("colichat: the message needs ") and line.endswith(
@@ -341,15 +356,16 @@ def test_a_system_prompt_too_long_for_the_context_is_named_as_the_cause(colichat
     """The system prompt, not the message, is what does not fit: the line says so and how to shorten it;
     a message that takes most of the context beside a short system prompt is still the message's fault."""
     short = [*TINY_ARGS, "--ctx", "64", "--no-save"]
-    run = chat(colichat_home, [*short, "--system", "You are helpful. " * 30, "-p", "Hi"]).failed()
+    run = chat_here(colichat_home, [*short, "--system", "You are helpful. " * 30, "-p", "Hi"]).failed()
     assert run.errors() == [  # refused at start (tests/test_system_prompt.py)
         "colichat: the system prompt needs 449 tokens, more than the whole context of 64: give a shorter --system "
         "or a larger --ctx (this model takes up to 2048)"]
-    run = chat(colichat_home, [*short, "--system", "You are helpful. " * 3, "-p", "Hi there, how are you?"]).failed()
+    run = chat_here(colichat_home, [*short, "--system", "You are helpful. " * 3, "-p", "Hi there, how are you?"])
+    run.failed()
     [line] = run.errors()
     assert line.startswith("colichat: the message needs ") and ", 44 of them the system prompt's, more than the " \
         "whole context of 64: shorten it or the system prompt (--system, /set system TEXT)" in line, line
-    run = chat(colichat_home, [*short, "--system", "Be brief.", "-p", "Hi there, how are you? " * 3]).failed()
+    run = chat_here(colichat_home, [*short, "--system", "Be brief.", "-p", "Hi there, how are you? " * 3]).failed()
     [line] = run.errors()
     assert "system" not in line and "more than the whole context of 64: shorten it or" in line, line
 
@@ -359,29 +375,29 @@ def test_session_of_another_model_is_refused(tmp_path, colichat_home):
     (tmp_path / "ft").mkdir()
     finetune = copy_gguf(TINY_LLAMA, tmp_path / "ft" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
     ft_args = ["--model", finetune, *TINY_ARGS[2:]]
-    chat(colichat_home, [*TINY_ARGS, "--session", "mine"], lines(Q[0])).ok()
-    run = chat(colichat_home, [*ft_args, "--resume", "--session", "mine"], lines(Q[1])).failed()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "mine"], lines(Q[0])).ok()
+    run = chat_here(colichat_home, [*ft_args, "--resume", "--session", "mine"], lines(Q[1])).failed()
     assert run.out == b""
     [line] = run.errors()
     tiny = os.path.abspath(TINY_LLAMA)  # the command that reopens it
     assert line == (f"colichat: session mine belongs to another model (llama.gguf, last run from {tiny}); "
                     f"colichat --model {tiny} --session mine reopens it"), line
-    run = chat(colichat_home, ft_args, lines("/resume mine", Q[1], "/sessions")).failed()
+    run = chat_here(colichat_home, ft_args, lines("/resume mine", Q[1], "/sessions")).failed()
     assert run.errors() == [line] and len(run.footers()) == 1
     assert not any(row.strip().startswith("mine:") for row in run.err.splitlines())
     # The session is intact for its own model.
-    mine = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "mine"]).ok()
+    mine = chat_here(colichat_home, [*TINY_ARGS, "--resume", "--session", "mine"]).ok()
     assert mine.resumed()[1:] == (2, "mine")
 
 
 def test_deeply_nested_sidecar_is_reported_as_damage(colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
     side.write_text("[" * 100_000 + "]" * 100_000)  # valid JSON, nested past Python's recursion limit
-    start = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()  # listed as damaged, never the latest
+    start = chat_here(colichat_home, TINY_ARGS, lines("/sessions")).ok()  # listed as damaged, never the latest
     assert "  s: damaged (the sidecar is not a colichat sidecar); /delete s removes it" in start.err.splitlines()
     assert "latest saved conversation" not in start.err
-    run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1])).failed()
     assert run.errors() == [f"colichat: sidecar {side} is damaged (not a colichat sidecar); move {side} aside "
                             "to load the cache as one imported turn"]
 
@@ -405,14 +421,14 @@ def test_bad_saved_setting_is_reported_as_damage_and_not_used(key, colichat_home
     from colichat.persist.sidecar import doc_check
 
     value, problem = BAD_SETTINGS[key]
-    first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
+    first = chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
     [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
     doc = json.loads(side.read_text())
     doc["sampler"][key] = value
     doc["turns"] = doc["turns"][:2]  # the second exchange again, with the settings now in force
     doc["check"] = doc_check(doc)  # a bad value under a valid checksum (as a buggy writer would leave)
     side.write_text(json.dumps(doc))
-    run = chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/show")).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"], lines(Q[1], "/show")).ok()
     assert f"warning: the session's saved settings are damaged ({key} {value!r}); kept the current values " \
         "of those" in run.err.splitlines(), problem
     assert run.out == first.out.split(b"\n", 1)[1]  # greedy (from the command line): the same answer
@@ -497,13 +513,13 @@ def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
 def test_session_directory_blocked_by_a_file_is_refused_at_start(colichat_home):
     (colichat_home / "data").mkdir()
     (colichat_home / "data" / "sessions").write_text("in the way\n")
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1], "/sessions")).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1], "/sessions")).failed()
     assert run.out == b"" and run.footers() == []  # nothing answered: said before the first question
     sessions = colichat_home / "data" / "sessions"
     assert run.errors() == [f"colichat: cannot save conversations in {sessions} ({sessions} is not a directory); "
                             "fix that, set COLICHAT_HOME to a writable directory, or use --no-save"]
     assert sessions.read_text() == "in the way\n"
-    chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()  # the way out it names
+    chat_here(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0])).ok()  # the way out it names
 
 
 @pytest.mark.parametrize("args", [["--sessions"], ["--export", "s"]])
@@ -512,7 +528,7 @@ def test_listing_a_sessions_directory_blocked_by_a_file_says_so(args, colichat_h
     (colichat_home / "data").mkdir()
     sessions = colichat_home / "data" / "sessions"
     sessions.write_text("in the way\n")
-    run = chat(colichat_home, args).failed()
+    run = chat_here(colichat_home, args).failed()
     assert run.out == b"" and run.err.splitlines() == [
         f"colichat: cannot read the saved conversations in {sessions} ({sessions} is not a directory); fix that, "
         "or set COLICHAT_HOME to the directory that holds them"]
@@ -689,7 +705,7 @@ def test_an_answer_that_cannot_be_written_stops_in_one_line_and_is_kept(colichat
 
 
 def test_listing_and_export_that_cannot_be_written_say_so_in_one_line(colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     for args in (["--sessions"], ["--export", "s"]):
         with open("/dev/full", "wb") as full:
             run = _run(colichat_home, args, stdout=full)
@@ -709,7 +725,7 @@ def test_closed_or_full_standard_streams_lose_only_what_went_to_them(colichat_ho
     """A closed stream is as if it were /dev/null, never a file colichat opens: the answers and the
     saved session are those of an ordinary run. A full stderr loses the status lines, not the answer."""
     args = [*TINY_ARGS, "-p", Q[0]]
-    plain = chat(colichat_home, [*args, "--session", "plain"]).ok()
+    plain = chat_here(colichat_home, [*args, "--session", "plain"]).ok()
     no_out = _run(colichat_home, [*args, "--session", "no-out"], ">&-").ok()
     assert no_out.out == b"" and "saved to no-out]" in no_out.err
     no_err = _run(colichat_home, [*args, "--session", "no-err"], "2>&-").ok()
@@ -717,7 +733,7 @@ def test_closed_or_full_standard_streams_lose_only_what_went_to_them(colichat_ho
     assert no_err.out == full_err.out == plain.out and no_err.err == full_err.err == ""
     names = ("no-out", "no-err", "full-err")
     assert all(saved_turns(colichat_home, name) == saved_turns(colichat_home, "plain") for name in names)
-    go_on = [chat(colichat_home, [*TINY_ARGS, "--resume", "--session", name], lines(Q[1])).ok()
+    go_on = [chat_here(colichat_home, [*TINY_ARGS, "--resume", "--session", name], lines(Q[1])).ok()
              for name in ("plain", *names)]  # the caches on disk: the next answer is the same from each
     assert [r.resumed()[2] for r in go_on] == ["plain", *names] and len({r.out for r in go_on}) == 1
     no_in = _run(colichat_home, TINY_ARGS, "<&-").ok()
@@ -735,13 +751,13 @@ def test_unencodable_answer_text_is_replaced_not_fatal(colichat_home):
 
 
 def test_bad_model_does_not_touch_sessions(tmp_path, colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     before = {p: p.read_bytes() for p in session_files(colichat_home)}
     cut = tmp_path / "llama.gguf"
     shutil.copyfile(TINY_LLAMA, cut)
     with open(cut, "r+b") as f:
         f.truncate(1_000_000)
-    chat(colichat_home, ["--model", cut, "--resume", "--session", "s"]).failed()
+    chat_here(colichat_home, ["--model", cut, "--resume", "--session", "s"]).failed()
     assert {p: p.read_bytes() for p in session_files(colichat_home)} == before
 
 
@@ -767,7 +783,7 @@ def test_failure_inside_an_answer_leaves_cache_and_turns_consistent(colichat_hom
         assert stats.saved and conv.n_tokens == conv.turns[-1].last
     finally:
         conv.close()
-    ref = chat(colichat_home, [*TINY_ARGS, "--session", "r"], lines(*Q[:2])).ok()
+    ref = chat_here(colichat_home, [*TINY_ARGS, "--session", "r"], lines(*Q[:2])).ok()
     assert saved_answers(colichat_home, "s") == saved_answers(colichat_home, "r")
     assert ref.out.endswith(answers_bytes([answer]))
 
@@ -779,10 +795,10 @@ def test_control_characters_from_files_are_shown_not_sent_to_the_terminal(colich
     from cli_helpers import copy_gguf
 
     path = copy_gguf(TINY_LLAMA, tmp_path / "odd.gguf", set_keys={"general.name": "evil\x1b[31mred\x07"})
-    chat(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "4", "--session", "e"],
+    chat_here(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "4", "--session", "e"],
          lines("\x1b[31mRED\x1b]0;TITLE\x07 msg")).ok()
-    run = chat(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "4"], lines("/sessions")).ok()
-    shown = run.err + chat(colichat_home, ["--sessions"]).ok().out.decode()
+    run = chat_here(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "4"], lines("/sessions")).ok()
+    shown = run.err + chat_here(colichat_home, ["--sessions"]).ok().out.decode()
     assert "\x1b" not in shown and "\x07" not in shown, shown
     assert run.err.startswith("evil^[[31mred^G (llama, ")
     assert 'latest saved conversation: e: 2 turns, ' in run.err and '"^[[31mRED^[]0;TITLE^G msg"' in run.err
@@ -796,5 +812,5 @@ def test_weights_that_overflow_show_no_numpy_warnings(colichat_home, tmp_path):
 
     with np.errstate(over="ignore"):  # (weights beyond float32: inf)
         path = copy_gguf(TINY_LLAMA, tmp_path / "huge.gguf", scale={"output.weight": 1e39})
-    run = chat(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "2", "-p", "hi"])
+    run = chat_here(colichat_home, ["--model", path, *GREEDY, "--max-tokens", "2", "-p", "hi"])
     assert "RuntimeWarning" not in run.err and "computed NaN" in run.err, run.err

@@ -1,4 +1,6 @@
-"""The chat program in pipe mode, end to end: colichat runs as a subprocess with stdin piped.
+"""The chat program in pipe mode: colichat's main() with its standard streams on files (chat_here, in
+this process), and as the command with stdin piped (chat) where the process is the point: one-shot,
+resuming in a new process, CPython's own reading of stdin, the default model.
 
 Contract: each input line is a user turn (a \"\"\" block spans lines), a line starting with `/` is a
 command; stdout holds only the model's answers (each ends with a newline), stderr everything else;
@@ -6,7 +8,7 @@ exit 0 at the end of input, 1 after an error, 130 on interrupt.
 
 The tiny random-weight llama answers gibberish (newlines and U+FFFD included), so what stdout must hold
 is computed from the answers the session's sidecar recorded, and compared byte for byte.
-Tests marked default_model run the real SmolLM2-135M-Instruct (a few seconds per process).
+Tests marked default_model run the real SmolLM2-135M-Instruct (a few seconds a run).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from cli_helpers import (
     TINY_LLAMA,
     answers_bytes,
     chat,
+    chat_here,
     env_for,
     finish,
     lines,
@@ -48,7 +51,7 @@ Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 def tiny_ref(tmp_path_factory):
     """The reference: one uninterrupted greedy conversation of the three questions (session `a`)."""
     home = tmp_path_factory.mktemp("ref")
-    run = chat(home, [*TINY_ARGS, "--session", "a"], lines(*Q, "/history", "/stats")).ok()
+    run = chat_here(home, [*TINY_ARGS, "--session", "a"], lines(*Q, "/history", "/stats")).ok()
     return home, run, saved_answers(home, "a")
 
 
@@ -78,7 +81,7 @@ def test_conversation_stdout_holds_only_the_answers(tiny_ref):
 
 def test_rewind_then_same_question_gives_the_same_answer(tiny_ref, colichat_home):
     ref = tiny_ref[2]
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "rw"], lines(Q[0], Q[1], "/rewind 1", Q[1])).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "rw"], lines(Q[0], Q[1], "/rewind 1", Q[1])).ok()
     assert saved_answers(colichat_home, "rw") == ref[:2]
     assert run.out == answers_bytes([ref[0], ref[1], ref[1]])
     assert f"removed user: {Q[1]}" in run.err.splitlines()
@@ -88,7 +91,7 @@ def test_rewind_then_same_question_gives_the_same_answer(tiny_ref, colichat_home
 def test_set_show_regen_stats(tiny_ref, colichat_home):
     ref = tiny_ref[2]
     args = ["--model", TINY_LLAMA, "--max-tokens", "8", "--session", "rg"]  # default temperature 0.7
-    run = chat(colichat_home, args, lines("/set temperature 0", "/show", Q[0], "/regen", "/stats")).ok()
+    run = chat_here(colichat_home, args, lines("/set temperature 0", "/show", Q[0], "/regen", "/stats")).ok()
     err = run.err.splitlines()
     assert "temperature = 0.0" in err and "temperature    0.0" in err and "max_tokens     8" in err
     assert run.out == answers_bytes([ref[0], ref[0]])  # greedy: /regen answers the same again
@@ -98,7 +101,7 @@ def test_set_show_regen_stats(tiny_ref, colichat_home):
     assert any(line.startswith("session rg: ") for line in err)
     assert any(line.startswith("last answer: ") for line in err)
     # The settings travel with the session.
-    again = chat(colichat_home, [*args, "--resume"], lines("/show")).ok()
+    again = chat_here(colichat_home, [*args, "--resume"], lines("/show")).ok()
     assert "temperature    0.0" in again.err.splitlines()
 
 
@@ -137,25 +140,25 @@ def test_a_seeded_sampled_conversation_resumed_goes_on_as_if_it_never_stopped(co
 
 def test_resume_without_a_name_takes_the_latest(tiny_ref, colichat_home):
     ref = tiny_ref[2]
-    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines("Something else entirely.")).ok()
-    b = chat(colichat_home, [*TINY_ARGS, "--session", "b"], lines(Q[0], Q[1])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "old"], lines("Something else entirely.")).ok()
+    b = chat_here(colichat_home, [*TINY_ARGS, "--session", "b"], lines(Q[0], Q[1])).ok()
     # On start it says there is a saved conversation, and does not load it.
     assert 'latest saved conversation: old: 2 turns, ' in b.err
     assert b.out == answers_bytes(ref[:2])
     # Piped and one-shot runs without --session are not saved, so they never become the latest.
-    unsaved = chat(colichat_home, TINY_ARGS, lines("Not kept.")).ok()
+    unsaved = chat_here(colichat_home, TINY_ARGS, lines("Not kept.")).ok()
     assert unsaved.footers()[0].endswith("; not saved (/save NAME keeps it)]")
-    one_shot = chat(colichat_home, [*TINY_ARGS, "-p", "Not kept either."]).ok()
+    one_shot = chat_here(colichat_home, [*TINY_ARGS, "-p", "Not kept either."]).ok()
     assert one_shot.footers()[0].endswith("; not saved (--session NAME keeps it)]")  # no next line for /save
     assert sorted(p.stem for p in session_files(colichat_home) if p.suffix == ".json") == ["b", "old"]
-    c = chat(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[2])).ok()
+    c = chat_here(colichat_home, [*TINY_ARGS, "--resume"], lines(Q[2])).ok()
     assert c.resumed() == (last_context(b), 4, "b")
     assert c.out == answers_bytes(ref[2:])
 
 
 def test_new_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
     ref = tiny_ref[2]
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "first"],
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "first"],
                lines(Q[0], "/new", Q[0], "/sessions", "/resume first", "/history", Q[1])).ok()
     err = run.err.splitlines()
     assert "new conversation (session first is saved; /resume first reopens it)" in err
@@ -178,7 +181,8 @@ def test_new_keeps_the_old_session_for_resume(tiny_ref, colichat_home):
 
 
 def test_help_and_quit(colichat_home):
-    run = chat(colichat_home, TINY_ARGS, lines("/help", "/help rewind", "/help /set", "/quit", "not answered")).ok()
+    stdin = lines("/help", "/help rewind", "/help /set", "/quit", "not answered")
+    run = chat_here(colichat_home, TINY_ARGS, stdin).ok()
     err = run.err.splitlines()
     for cmd in COMMANDS:
         assert any(line.startswith(cmd.name + " ") and listed(cmd) in line for line in err), cmd.name
@@ -191,7 +195,7 @@ def test_multiline_blocks(colichat_home):
     stdin = lines('"""', "first line", "", "  third line", '"""',
                   '"""', "/not a command", "still the message", '"""',
                   '"""inline block"""')
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "ml"], stdin).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "ml"], stdin).ok()
     assert saved_users(colichat_home, "ml") == ["first line\n\n  third line", "/not a command\nstill the message",
                                                 "inline block"]
     assert run.out == answers_bytes(saved_answers(colichat_home, "ml"))
@@ -225,7 +229,7 @@ def test_one_shot(tiny_ref, colichat_home):
 
 def test_no_save_writes_nothing(tiny_ref, colichat_home):
     ref = tiny_ref[2]
-    run = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0], Q[1], "/stats")).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--no-save"], lines(Q[0], Q[1], "/stats")).ok()
     assert run.out == answers_bytes(ref[:2])
     footers = run.footers()
     assert len(footers) == 2 and all(f.endswith("; not saved (--no-save)]") for f in footers)
@@ -235,11 +239,11 @@ def test_no_save_writes_nothing(tiny_ref, colichat_home):
 
 
 def test_banner_names_the_model_in_a_few_words_and_sizes_use_one_unit_style(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "u"], lines(Q[0], "/stats", "/sessions")).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "u"], lines(Q[0], "/stats", "/sessions")).ok()
     err = run.err.splitlines()
     assert re.fullmatch(r"llama \(llama, 4 layers\), loaded in [\d.]+ s", err[0])
     assert TINY_LLAMA not in run.err
-    verbose = chat(colichat_home, [*TINY_ARGS, "--no-save", "--verbose"], "").ok()
+    verbose = chat_here(colichat_home, [*TINY_ARGS, "--no-save", "--verbose"], "").ok()
     assert re.fullmatch(rf"llama \(llama, 4 layers\) from {re.escape(TINY_LLAMA)}, loaded in [\d.]+ s",
                         verbose.err.splitlines()[0])
     # binary units everywhere: the memory line, /stats, /sessions
@@ -267,14 +271,14 @@ def test_counts_say_one_thing_or_several():
 
 
 def test_a_one_token_answer_says_1_token(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--no-save", "--max-tokens", "1"], lines("hello", "/stats")).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--no-save", "--max-tokens", "1"], lines("hello", "/stats")).ok()
     [footer] = run.footers()
     assert footer.startswith("[1 token, "), footer
     assert re.search(r"^last answer: 1 token at [\d.]+ tok/s; prefill \d+ tokens at", run.err, re.M), run.err
 
 
 def test_forget_out_of_range_says_how_many_there_are(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines("hello", "/forget 2", "/forget 0")).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--no-save"], lines("hello", "/forget 2", "/forget 0")).failed()
     assert run.errors() == ["colichat: /forget takes 1: the conversation has 1 exchange"] * 2
 
 
@@ -414,8 +418,8 @@ def test_draft_option_and_set_draft_change_the_speed_not_the_answer(default_home
     text = ("Repeat exactly: the cat sat on the mat, the dog sat on the log, "
             "the cat sat on the mat, the dog sat on the log.")
     args = [*GREEDY, "--ctx", "1024", "--max-tokens", "40", "--draft", "0"]
-    off = chat(default_home, args, lines("/show", text)).ok()
-    on = chat(default_home, args, lines("/set draft 6", "/show", text)).ok()
+    off = chat_here(default_home, args, lines("/show", text)).ok()
+    on = chat_here(default_home, args, lines("/set draft 6", "/show", text)).ok()
     assert re.search(r"^draft +0$", off.err, re.M) and re.search(r"^draft +6$", on.err, re.M)
     assert on.out == off.out and b"the dog sat on the log" in on.out
     assert "drafts" not in off.footers()[0]
@@ -434,8 +438,8 @@ def test_default_model_interrupt(default_home):
 
 
 def test_delete_removes_another_session_but_not_the_current_one(colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "new"],
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "new"],
                lines(Q[0], "/delete new", "/delete old", "/sessions", "/resume old"))
     assert run.rc == 1  # the refused /delete and the failed /resume count as errors
     err = run.err.splitlines()
@@ -451,27 +455,27 @@ def test_delete_removes_another_session_but_not_the_current_one(colichat_home):
 
 def test_options_on_the_command_line_win_over_the_saved_settings(colichat_home):
     args = ["--model", TINY_LLAMA, "--session", "opt"]
-    chat(colichat_home, [*args, "--temperature", "0", "--max-tokens", "8", "--top-k", "5"],
+    chat_here(colichat_home, [*args, "--temperature", "0", "--max-tokens", "8", "--top-k", "5"],
          lines("/set seed 7", Q[0])).ok()
-    run = chat(colichat_home, [*args, "--resume", "--temperature", "0.9"], lines("/show", Q[1])).ok()
+    run = chat_here(colichat_home, [*args, "--resume", "--temperature", "0.9"], lines("/show", Q[1])).ok()
     shown = dict(line.split(None, 1) for line in run.err.splitlines() if line.split(None, 1)[0] in
                  ("temperature", "max_tokens", "top_k", "seed"))
     assert shown == {"temperature": "0.9", "max_tokens": "8", "top_k": "5", "seed": "7"}, shown
     # The option given now is the session's setting from now on (saved with the answer); the others
     # stay as saved.
-    again = chat(colichat_home, [*args, "--resume"], lines("/show")).ok()
+    again = chat_here(colichat_home, [*args, "--resume"], lines("/show")).ok()
     assert "temperature    0.9" in again.err.splitlines() and "top_k          5" in again.err.splitlines()
 
 
 @pytest.mark.parametrize("word", ["/bye", "/exit", "/q", "/QUIT"])
 def test_quit_aliases(word, colichat_home):
-    run = chat(colichat_home, TINY_ARGS, lines(word, "not answered")).ok()
+    run = chat_here(colichat_home, TINY_ARGS, lines(word, "not answered")).ok()
     assert run.out == b"" and run.footers() == []
 
 
 def test_new_and_clear_start_a_new_conversation(tiny_ref, colichat_home):
     ref = tiny_ref[2]
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "n"], lines(Q[0], "/new", Q[0], "/clear", Q[0])).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "n"], lines(Q[0], "/new", Q[0], "/clear", Q[0])).ok()
     assert run.out == answers_bytes([ref[0]] * 3)  # each time the answer of a fresh conversation
     names = session_names(run)
     assert len(set(names)) == 3 and names[0] == "n"
@@ -479,7 +483,8 @@ def test_new_and_clear_start_a_new_conversation(tiny_ref, colichat_home):
 
 
 def test_exit_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "x"], lines("exit", "quit", "/hlep", "/sesions", Q[0])).failed()
+    stdin = lines("exit", "quit", "/hlep", "/sesions", Q[0])
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "x"], stdin).failed()
     assert run.errors() == [
         "colichat: 'exit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
         "colichat: 'quit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
@@ -492,7 +497,7 @@ def test_exit_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colicha
 def test_two_slashes_send_a_message_that_starts_with_one(colichat_home):
     """`//text` sends `/text` (the REPL reads its lines through the same App.handle); a block is sent as it is."""
     stdin = lines("/etc/passwd is what file?", "//etc/passwd is what file?", '"""', "//as typed", '"""')
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "sl"], stdin).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "sl"], stdin).failed()
     assert run.errors() == ["colichat: unknown command '/etc/passwd': /help lists the commands "
                             "(a message that starts with / is typed with //)"]
     assert saved_users(colichat_home, "sl") == ["/etc/passwd is what file?", "//as typed"]
@@ -502,11 +507,11 @@ def test_two_slashes_send_a_message_that_starts_with_one(colichat_home):
 def test_expert_cache_on_a_model_without_experts_says_it_has_no_effect(colichat_home):
     """--expert-cache bounds a MoE model's dequantized experts; given for a dense model it is said to do
     nothing (it was taken in silence), and the model answers as without it."""
-    plain = chat(colichat_home, [*TINY_ARGS, "--no-save"], lines("hello")).ok()
-    r = chat(colichat_home, [*TINY_ARGS, "--no-save", "--expert-cache", "64"], lines("hello")).ok()
+    plain = chat_here(colichat_home, [*TINY_ARGS, "--no-save"], lines("hello")).ok()
+    r = chat_here(colichat_home, [*TINY_ARGS, "--no-save", "--expert-cache", "64"], lines("hello")).ok()
     assert "note: --expert-cache has no effect: this model has no routed experts" in r.err.splitlines()
     assert r.out == plain.out
-    moe = chat(colichat_home, ["--model", str(TINY / "ds-v3.gguf"), *GREEDY, "--max-tokens", "4", "--no-save",
+    moe = chat_here(colichat_home, ["--model", str(TINY / "ds-v3.gguf"), *GREEDY, "--max-tokens", "4", "--no-save",
                                "--expert-cache", "64"], lines("hello")).ok()
     assert "--expert-cache has no effect" not in moe.err
 

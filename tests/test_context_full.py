@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import re
 
-from cli_helpers import TINY_LLAMA, chat, lines, saved_turns, saved_users, session_names
+from cli_helpers import TINY_LLAMA, chat_here, lines, saved_turns, saved_users, session_names
 
 FULL = ["--model", TINY_LLAMA, "--temperature", "0", "--max-tokens", "8"]  # the model's whole context (2048)
 LONG = [" ".join(f"topic{k}-word{i}" for i in range(45)) for k in range(4)]  # ~590 tokens each
 
 
 def test_a_message_that_does_not_fit_is_refused_with_what_helps(colichat_home):
-    run = chat(colichat_home, [*FULL, "--session", "full"], lines(*LONG, "/forget", LONG[3], "/sessions")).failed()
+    run = chat_here(colichat_home, [*FULL, "--session", "full"], lines(*LONG, "/forget", LONG[3], "/sessions")).failed()
     contexts = [tuple(map(int, m)) for m in re.findall(r"context (\d+)/2048, (\d+) left", run.err)]
     assert all(used + left == 2048 for used, left in contexts) and len(contexts) == 4
     [refusal] = run.errors()
@@ -33,7 +33,7 @@ def test_a_message_that_does_not_fit_is_refused_with_what_helps(colichat_home):
 
 
 def test_a_note_before_an_answer_that_may_be_cut(colichat_home):
-    run = chat(colichat_home, ["--model", TINY_LLAMA, "--temperature", "0", "--ctx", "300", "--max-tokens", "250",
+    run = chat_here(colichat_home, ["--model", TINY_LLAMA, "--temperature", "0", "--ctx", "300", "--max-tokens", "250",
                                "--no-save"], lines(LONG[0][:120])).ok()
     err = run.err.splitlines()
     [note] = [i for i, line in enumerate(err) if line.startswith("note: ") and "left for the answer" in line]
@@ -43,7 +43,7 @@ def test_a_note_before_an_answer_that_may_be_cut(colichat_home):
 
 
 def test_forgetting_every_exchange_is_a_new_empty_conversation(colichat_home):
-    run = chat(colichat_home, [*FULL, "--session", "one"], lines("hello", "/forget", "/history", "again")).ok()
+    run = chat_here(colichat_home, [*FULL, "--session", "one"], lines("hello", "/forget", "/history", "again")).ok()
     assert "new empty conversation: its one exchange forgotten (one is still saved as it was)" in run.err.splitlines()
     assert "the conversation is empty" in run.err.splitlines()
     assert saved_users(colichat_home, "one") == ["hello"]
@@ -54,10 +54,10 @@ def test_a_conversation_that_filled_its_context_reopens_full_and_goes_on_after_a
     was refused, a dead end at the model's largest context, where no --ctx makes room), the resume says
     the context is full and what helps, and after /rewind it goes on."""
     args = ["--model", TINY_LLAMA, "--temperature", "0", "--ctx", "64", "--max-tokens", "100"]
-    first = chat(colichat_home, [*args, "--session", "f"], lines("hello")).ok()
+    first = chat_here(colichat_home, [*args, "--session", "f"], lines("hello")).ok()
     [footer] = first.footers()
     assert "context full; saved to f]" in footer, footer
-    run = chat(colichat_home, [*args, "--session", "f"], lines("/history", "/rewind", "hi")).ok()
+    run = chat_here(colichat_home, [*args, "--session", "f"], lines("/history", "/rewind", "hi")).ok()
     used = int(re.search(r"^resumed (\d+) tokens, 2 turns from f in", run.err, re.M).group(1))
     assert used >= 63
     assert (f"note: the context is full ({used} of 64 tokens): /rewind N drops the last exchanges; /new starts a "

@@ -9,7 +9,18 @@ import resource
 import struct
 import time
 
-from cli_helpers import TINY_ARGS, chat, finish, lines, read_until, saved_turns, saved_users, session_files, start
+from cli_helpers import (
+    TINY_ARGS,
+    chat,
+    chat_here,
+    finish,
+    lines,
+    read_until,
+    saved_turns,
+    saved_users,
+    session_files,
+    start,
+)
 from persist_helpers import snapshot
 
 
@@ -63,18 +74,18 @@ def test_concurrent_starts_on_one_new_name(colichat_home):
 
 
 def test_a_damaged_session_gets_the_same_advice_everywhere(colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
     [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
     kv.write_bytes(b"")
     kv.with_suffix(".json").unlink()  # (with its sidecar, its text is read again: test_read_again.py)
     line = "s: damaged (empty KV file); /delete s removes it"
-    listing = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()
+    listing = chat_here(colichat_home, TINY_ARGS, lines("/sessions")).ok()
     assert f"  {line}" in listing.err.splitlines()
     for args in (["--session", "s"], ["--resume", "--session", "s"]):
-        run = chat(colichat_home, [*TINY_ARGS, *args], lines("Hi")).failed()
+        run = chat_here(colichat_home, [*TINY_ARGS, *args], lines("Hi")).failed()
         assert run.errors() == [f"colichat: session {line}"] and run.out == b""
-    chat(colichat_home, TINY_ARGS, lines("/delete s")).ok()
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    chat_here(colichat_home, TINY_ARGS, lines("/delete s")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
     assert saved_users(colichat_home, "s") == ["Hello there"]
 
 
@@ -82,7 +93,7 @@ def test_opening_a_damaged_conversation_with_options_writes_nothing(colichat_hom
     """Loading reads only, whatever options are given, also when it reads a damaged exchange again from
     its text: the damaged last answer stays on disk (for the user to inspect or restore) until the
     conversation goes on, at start or by /resume NAME; the next answer saves it whole."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Hello there", "Thanks a lot")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Hello there", "Thanks a lot")).ok()
     directory = session_dir(colichat_home)
     kv = directory / "e.coli_kv"
     kv.write_bytes(kv.read_bytes()[:-100])  # the last answer's records cut short
@@ -90,36 +101,36 @@ def test_opening_a_damaged_conversation_with_options_writes_nothing(colichat_hom
     for args, inputs in (([*TINY_ARGS, "--session", "e"], ["/quit"]),
                          ([*TINY_ARGS, "--resume", "--max-tokens", "5"], ["/history"]),
                          ([*TINY_ARGS, "--seed", "3"], ["/resume e", "/history"])):
-        run = chat(colichat_home, args, lines(*inputs)).ok()
+        run = chat_here(colichat_home, args, lines(*inputs)).ok()
         assert run.resumed()[1:] == (2, "e") and "warning: " in run.err  # the cut answer's exchange dropped
         assert "note: read 1 exchange again from its saved text" in run.err  # ... and read again
         assert snapshot(directory) == before, args
     # the next answer repairs it
-    chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Go on")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "e"], lines("Go on")).ok()
     assert saved_users(colichat_home, "e") == ["Hello there", "Thanks a lot", "Go on"]
 
 
 def test_options_given_when_reopening_are_saved_with_the_next_answer_only(colichat_home):
     """--temperature 1.5 on a saved conversation applies at once but changes nothing of it on disk until
     an answer or a /set saves it (reopened, it is the latest used: the start-up line names it)."""
-    chat(colichat_home, [*TINY_ARGS, "--temperature", "0.5", "--session", "st"], lines("Hello there")).ok()
-    chat(colichat_home, [*TINY_ARGS, "--session", "other"], lines("Thanks a lot")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--temperature", "0.5", "--session", "st"], lines("Hello there")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "other"], lines("Thanks a lot")).ok()
     directory = session_dir(colichat_home)
     before = snapshot(directory)
     for args, inputs in ((["--session", "st"], ["/show"]), ([], ["/resume st", "/show"])):
-        run = chat(colichat_home, [*TINY_ARGS, "--temperature", "1.5", *args], lines(*inputs)).ok()
+        run = chat_here(colichat_home, [*TINY_ARGS, "--temperature", "1.5", *args], lines(*inputs)).ok()
         assert "temperature    1.5" in run.err.splitlines()
         assert snapshot(directory) == before, args
-    latest = chat(colichat_home, TINY_ARGS, lines("/quit")).ok()
+    latest = chat_here(colichat_home, TINY_ARGS, lines("/quit")).ok()
     assert "latest saved conversation: st: " in latest.err
 
     def saved_temperature():
         return json.loads((directory / "st.json").read_text("utf-8"))["sampler"]["temperature"]
 
     assert saved_temperature() == 0.5
-    chat(colichat_home, [*TINY_ARGS, "--temperature", "1.5", "--session", "st"], lines("Go on")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--temperature", "1.5", "--session", "st"], lines("Go on")).ok()
     assert saved_temperature() == 1.5
-    chat(colichat_home, [*TINY_ARGS, "--session", "st"], lines("/set temperature 0.25")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "st"], lines("/set temperature 0.25")).ok()
     assert saved_temperature() == 0.25
 
 
@@ -181,7 +192,7 @@ def test_an_answer_cut_from_the_kv_file_is_read_again_or_takes_its_message_with_
     conversation ends with the exchange before: the next message follows an answer (never two
     messages in a row), and the warning says why."""
     for name, forged in (("s", False), ("t", True)):
-        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Hello there", "And again")).ok()
+        chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines("Hello there", "And again")).ok()
         directory = session_dir(colichat_home)
         kv, sidecar = directory / f"{name}.coli_kv", directory / f"{name}.json"
         os.truncate(kv, kv.stat().st_size - 100)
@@ -189,7 +200,7 @@ def test_an_answer_cut_from_the_kv_file_is_read_again_or_takes_its_message_with_
             doc = json.loads(sidecar.read_text("utf-8"))
             doc["turns"][3]["text"] = "FORGED"
             sidecar.write_text(json.dumps(doc), "utf-8")
-        run = chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Once more")).ok()
+        run = chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines("Once more")).ok()
         assert run.resumed()[1:] == (2, name)
         assert "warning: dropped turn 3 (records " in run.err and "a message whose answer is not there" in run.err
         assert ("note: read 1 exchange again from its saved text" in run.err) is not forged
@@ -199,25 +210,25 @@ def test_an_answer_cut_from_the_kv_file_is_read_again_or_takes_its_message_with_
 
 
 def test_a_negative_header_field_gets_the_delete_advice(colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
     [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
     with open(kv, "r+b") as f:
         f.seek(32)
         f.write(struct.pack("<i", -5))
     kv.with_suffix(".json").unlink()
     line = "s: damaged (a negative field in its header: nrec -5); /delete s removes it"
-    assert f"  {line}" in chat(colichat_home, TINY_ARGS, lines("/sessions")).ok().err.splitlines()
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hi")).failed()
+    assert f"  {line}" in chat_here(colichat_home, TINY_ARGS, lines("/sessions")).ok().err.splitlines()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hi")).failed()
     assert run.errors() == [f"colichat: session {line}"]
 
 
 def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_latest(colichat_home, tmp_path):
     """A sidecar that is not colichat's, a symlinked sidecar, a bare KV file of another model: listed
     as damaged by /sessions and --sessions, never offered at start as the conversation to resume."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "good"], lines("Hello there")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "good"], lines("Hello there")).ok()
     time.sleep(0.05)
     for name in ("foreign", "linked", "bare"):
-        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).ok()
+        chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).ok()
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "good.coli_kv")
     (directory / "foreign.json").write_text('{"foo": 1}')
     real = tmp_path / "linked.json"
@@ -231,24 +242,24 @@ def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_lates
     damaged = ["foreign: damaged (the sidecar is not a colichat sidecar); /delete foreign removes it",
                "linked: damaged (the sidecar is a symbolic link); /delete linked removes it",
                "bare: damaged (a cache of another model: n_layers 3 (model: 4)); /delete bare removes it"]
-    start = chat(colichat_home, TINY_ARGS, lines("/sessions")).ok()
+    start = chat_here(colichat_home, TINY_ARGS, lines("/sessions")).ok()
     assert "latest saved conversation: good: 2 turns" in start.err
     rows = [row.strip() for row in start.err.splitlines()]
     assert all(line in rows for line in damaged)
-    rows = [row.strip() for row in chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()]
+    rows = [row.strip() for row in chat_here(colichat_home, ["--sessions"]).ok().out.decode().splitlines()]
     assert all(line in rows for line in damaged)
     for name in ("foreign", "linked", "bare"):
-        chat(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).failed()
+        chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).failed()
 
 
 def test_a_damaged_conversation_of_another_model_is_named_not_passed_over(colichat_home):
     """--session NAME where only another model has NAME, damaged beyond reading (no sidecar, an empty KV
     file): one line naming it, not a new conversation of the default model under the same name."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines("Hello there")).ok()
     [kv] = [p for p in session_files(colichat_home) if p.suffix == ".coli_kv"]
     kv.write_bytes(b"")
     kv.with_suffix(".json").unlink()
-    run = chat(colichat_home, ["--session", "s"], lines("Hi")).failed()
+    run = chat_here(colichat_home, ["--session", "s"], lines("Hi")).failed()
     assert run.errors() == [f"colichat: session s of another model ({kv.parent.name}) is damaged (empty KV file); "
                             "start colichat with that model's --model PATH to see it in /sessions, or choose "
                             "another name"]

@@ -276,11 +276,12 @@ def test_a_kv_file_gone_or_broken_beside_its_sidecar_costs_no_exchange(broken, c
     new KV file, and the conversation reopens whole with no warning; --export prints it meanwhile.
     And a --ctx too small for what reading again takes is refused before the model loads, as for
     any conversation (not opened with some of its exchanges left out)."""
-    from cli_helpers import chat, lines, saved_users, session_files
+    from cli_helpers import chat_here, lines, saved_users, session_files
 
-    chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(*QUESTIONS[:2])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "t"], lines(*QUESTIONS[:2])).ok()
     if broken == "another model's":
-        chat(colichat_home, [*TINY_ARGS, "--model", str(TINY / "ds-dense.gguf"), "--session", "other"], "Hi\n").ok()
+        other = ["--model", str(TINY / "ds-dense.gguf"), "--session", "other"]
+        chat_here(colichat_home, [*TINY_ARGS, *other], "Hi\n").ok()
     kv = next(p for p in session_files(colichat_home) if p.name == "t.coli_kv")
     if broken == "deleted":
         kv.unlink()
@@ -290,12 +291,12 @@ def test_a_kv_file_gone_or_broken_beside_its_sidecar_costs_no_exchange(broken, c
         kv.write_bytes(next(p for p in session_files(colichat_home) if p.name == "other.coli_kv").read_bytes())
     why = {"deleted": "is not there", "emptied": "is damaged (empty KV file)",
            "another model's": "is damaged (its header disagrees with the sidecar"}[broken]
-    assert f"warning: the KV file t.coli_kv {why}" in chat(colichat_home, ["--export", "t"]).ok().err
-    small = chat(colichat_home, [*TINY_ARGS, "--ctx", "16", "--session", "t"], lines("Hi")).failed()
+    assert f"warning: the KV file t.coli_kv {why}" in chat_here(colichat_home, ["--export", "t"]).ok().err
+    small = chat_here(colichat_home, [*TINY_ARGS, "--ctx", "16", "--session", "t"], lines("Hi")).failed()
     assert small.errors() == [small.errors()[0]] and "more than the context of 16: start colichat with --ctx" \
         in small.errors()[0] and "loaded" not in small.err
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(QUESTIONS[2])).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "t"], lines(QUESTIONS[2])).ok()
     assert f"warning: the KV file t.coli_kv {why}" in run.err and "note: read 2 exchanges again" in run.err
     assert saved_users(colichat_home, "t") == QUESTIONS
-    again = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines("/history")).ok()
+    again = chat_here(colichat_home, [*TINY_ARGS, "--session", "t"], lines("/history")).ok()
     assert "warning" not in again.err and "read" not in again.err.split("\n", 3)[-1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import GREEDY, chat, lines, session_files
+from cli_helpers import GREEDY, chat_here, lines, session_files
 from conftest import TINY
 
 from colichat.chat import ChatError, Conversation, Settings
@@ -253,25 +253,25 @@ def kv_bytes(home, name: str) -> bytes:
 
 def test_cli_resume_on_either_side(colichat_home):
     for ctx, name in ((1024, "long"), (256, "short")):
-        whole = chat(colichat_home, [*ARGS, "--ctx", ctx, "--session", f"{name}-whole"],
+        whole = chat_here(colichat_home, [*ARGS, "--ctx", ctx, "--session", f"{name}-whole"],
                      lines("hello", "and again")).ok()
-        chat(colichat_home, [*ARGS, "--ctx", ctx, "--session", name], lines("hello")).ok()
+        chat_here(colichat_home, [*ARGS, "--ctx", ctx, "--session", name], lines("hello")).ok()
         assert sidecar(colichat_home, name)[1]["model"]["rope_factors"] == name
         # the same side (another context size): bit-identical to the uninterrupted conversation
         same = 200 if name == "short" else 2048
-        again = chat(colichat_home, [*ARGS, "--ctx", same, "--resume", "--session", name], lines("and again")).ok()
+        again = chat_here(colichat_home, [*ARGS, "--ctx", same, "--resume", "--session", name], lines("and again")).ok()
         assert again.resumed()[1:] == (2, name)
         assert again.out == whole.out.split(b"\n", 1)[1]
         assert kv_bytes(colichat_home, name) == kv_bytes(colichat_home, f"{name}-whole")
-        chat(colichat_home, [*ARGS, "--ctx", ctx, "--session", f"{name}-2"], lines("hello")).ok()
+        chat_here(colichat_home, [*ARGS, "--ctx", ctx, "--session", f"{name}-2"], lines("hello")).ok()
         if name == "long":  # goes on with the long factors at a context the short ones would serve
-            again = chat(colichat_home, [*ARGS, "--ctx", 256, "--resume", "--session", "long-2"],
+            again = chat_here(colichat_home, [*ARGS, "--ctx", 256, "--resume", "--session", "long-2"],
                          lines("and again")).ok()
             assert again.out == whole.out.split(b"\n", 1)[1]
             assert kv_bytes(colichat_home, "long-2") == kv_bytes(colichat_home, "long-whole")
         else:  # refused before the model loads, the files untouched
             files = {p: p.read_bytes() for p in session_files(colichat_home) if "short-2" in p.name}
-            refused = chat(colichat_home, [*ARGS, "--ctx", 1024, "--resume", "--session", "short-2"],
+            refused = chat_here(colichat_home, [*ARGS, "--ctx", 1024, "--resume", "--session", "short-2"],
                            lines("and again")).failed()
             assert refused.errors() == [
                 "colichat: session short-2 cannot be resumed: it was made with the short rope factors, which "
@@ -286,14 +286,14 @@ def test_cli_reopens_with_the_context_it_was_saved_with(colichat_home):
     was saved with, so with the factors it was made with (the short ones at 256: the model's default
     context, 4096, would refuse them); a --ctx given wins and is saved with the next answer."""
     for ctx, name in ((256, "short"), (1024, "long")):
-        chat(colichat_home, [*ARGS, "--ctx", ctx, "--session", name], lines("hello")).ok()
+        chat_here(colichat_home, [*ARGS, "--ctx", ctx, "--session", name], lines("hello")).ok()
         assert sidecar(colichat_home, name)[1]["model"]["n_ctx"] == ctx
-        again = chat(colichat_home, [*ARGS, "--session", name], lines("and again")).ok()
+        again = chat_here(colichat_home, [*ARGS, "--session", name], lines("and again")).ok()
         assert again.resumed()[1:] == (2, name)
         assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in again.footers()] == [str(ctx)]
-    chat(colichat_home, [*ARGS, "--ctx", 200, "--resume", "--session", "short"], lines("more")).ok()
+    chat_here(colichat_home, [*ARGS, "--ctx", 200, "--resume", "--session", "short"], lines("more")).ok()
     assert sidecar(colichat_home, "short")[1]["model"]["n_ctx"] == 200
-    latest = chat(colichat_home, [*ARGS, "--resume"], lines("more")).ok()
+    latest = chat_here(colichat_home, [*ARGS, "--resume"], lines("more")).ok()
     assert latest.resumed()[1:] == (6, "short")
     assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in latest.footers()] == ["200"]
 
@@ -301,9 +301,9 @@ def test_cli_reopens_with_the_context_it_was_saved_with(colichat_home):
 def test_cli_resume_command_refused_leaves_the_conversation_going_on(colichat_home):
     """/resume of a short-factor conversation at a larger context, inside a running conversation:
     one line, then the conversation in memory goes on, with its long factors, in its own session."""
-    chat(colichat_home, [*ARGS, "--ctx", 256, "--session", "short"], lines("hello")).ok()
-    whole = chat(colichat_home, [*ARGS, "--ctx", 1024, "--session", "whole"], lines("hi", "more")).ok()
-    run = chat(colichat_home, [*ARGS, "--ctx", 1024, "--session", "cur"], lines("hi", "/resume short", "more"))
+    chat_here(colichat_home, [*ARGS, "--ctx", 256, "--session", "short"], lines("hello")).ok()
+    whole = chat_here(colichat_home, [*ARGS, "--ctx", 1024, "--session", "whole"], lines("hi", "more")).ok()
+    run = chat_here(colichat_home, [*ARGS, "--ctx", 1024, "--session", "cur"], lines("hi", "/resume short", "more"))
     assert run.failed().errors() == [  # (pipe mode exits 1 when a command failed)
         "colichat: session short cannot be resumed: it was made with the short rope factors, which serve a context "
         "size of at most 256 (this one is 1,024): resume it with a context size of at most 256, or start a "

@@ -17,6 +17,7 @@ from cli_helpers import (
     TINY_LLAMA,
     answers_bytes,
     chat,
+    chat_here,
     copy_gguf,
     lines,
     saved_answers,
@@ -38,7 +39,7 @@ Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 def ref(tmp_path_factory):
     """The answers of one uninterrupted greedy conversation of the three questions."""
     home = tmp_path_factory.mktemp("ref")
-    chat(home, [*TINY_ARGS, "--session", "a"], lines(*Q)).ok()
+    chat_here(home, [*TINY_ARGS, "--session", "a"], lines(*Q)).ok()
     return saved_answers(home, "a")
 
 
@@ -54,7 +55,7 @@ def test_slug():
 
 
 def test_a_new_conversation_is_named_from_its_first_message(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "first"],
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "first"],
                lines(Q[0], "/new", Q[1], "/new", Q[1], "/new", "???")).ok()
     names = session_names(run)
     assert names[:3] == ["first", "what-is-two-plus-two", "what-is-two-plus-two-2"]
@@ -62,7 +63,7 @@ def test_a_new_conversation_is_named_from_its_first_message(colichat_home):
 
 
 def test_rename_and_save_a_copy_without_prefill(ref, colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "a"],
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "a"],
                lines(Q[0], "/rename greetings", Q[1], "/save copy", "/rename copy", "/stats")).failed()
     err = run.err.splitlines()
     assert "renamed session a to greetings" in err
@@ -74,12 +75,12 @@ def test_rename_and_save_a_copy_without_prefill(ref, colichat_home):
     kv = {p.stem: p.read_bytes() for p in session_files(colichat_home) if p.suffix == ".coli_kv"}
     assert kv["copy"] == kv["greetings"]  # the same records: written from the cache
     # The copy goes on exactly like the uninterrupted conversation.
-    again = chat(colichat_home, [*TINY_ARGS, "--session", "copy"], lines(Q[2])).ok()
+    again = chat_here(colichat_home, [*TINY_ARGS, "--session", "copy"], lines(Q[2])).ok()
     assert again.resumed()[1:] == (4, "copy") and again.out == answers_bytes(ref[2:])
 
 
 def test_rename_or_save_to_its_own_name_says_it_is_this_conversation(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "rn"], lines(Q[0], "/rename rn", "/save rn")).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "rn"], lines(Q[0], "/rename rn", "/save rn")).failed()
     assert run.errors() == ["colichat: this conversation is already called rn",
                             "colichat: session rn is this conversation, saved after every answer (/save NAME "
                             "keeps a copy under another name)"]
@@ -105,7 +106,7 @@ def test_a_save_that_cannot_be_written_says_to_give_it_again(limit, colichat_hom
 
 
 def test_save_keeps_an_unsaved_conversation(ref, colichat_home):
-    run = chat(colichat_home, TINY_ARGS, lines(Q[0], "/rename x", "/save kept", Q[1])).failed()
+    run = chat_here(colichat_home, TINY_ARGS, lines(Q[0], "/rename x", "/save kept", Q[1])).failed()
     assert run.errors() == ["colichat: this conversation is not saved yet: /save NAME saves it under that name"]
     assert "saved to session kept; the conversation goes on in it" in run.err.splitlines()
     assert run.footers()[-1].endswith("; saved to kept]")
@@ -114,8 +115,8 @@ def test_save_keeps_an_unsaved_conversation(ref, colichat_home):
 
 def test_sessions_and_the_start_notice_show_the_first_line(colichat_home):
     story = lines('"""', "", "  Tell me a story", "about a cat", '"""')
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], story).ok()
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "t"], lines(Q[0], "/sessions")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], story).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "t"], lines(Q[0], "/sessions")).ok()
     notice = re.compile(r'latest saved conversation: s: 2 turns, \d+ tokens, \d+\.\d (KiB|MiB), \d+ s ago, '
                         r'"Tell me a story" \(/resume to continue it\)$', re.M)
     assert notice.search(run.err), run.err
@@ -126,8 +127,8 @@ def test_sessions_and_the_start_notice_show_the_first_line(colichat_home):
 
 
 def test_session_name_of_a_saved_conversation_reopens_it(ref, colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[2])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[2])).ok()
     assert run.resumed()[1:] == (4, "s") and run.out == answers_bytes(ref[2:])
     assert saved_users(colichat_home, "s") == Q
 
@@ -135,24 +136,24 @@ def test_session_name_of_a_saved_conversation_reopens_it(ref, colichat_home):
 def test_no_save_opens_a_saved_conversation_and_writes_nothing(ref, colichat_home):
     """--no-save with --session NAME of a saved conversation, --resume, or /resume: it opens and goes on
     unsaved, the footers say so; what would write is refused; a new name is a new unsaved conversation."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0], Q[1])).ok()
     [directory] = {p.parent for p in session_files(colichat_home)}
     before = snapshot(directory)
     for args, inputs in ((["--session", "s"], []), (["--resume"], []), ([], ["/resume s"])):
-        run = chat(colichat_home, [*TINY_ARGS, "--no-save", *args], lines(*inputs, Q[2], "/history")).ok()
+        run = chat_here(colichat_home, [*TINY_ARGS, "--no-save", *args], lines(*inputs, Q[2], "/history")).ok()
         assert run.resumed()[1:] == (4, "s") and run.out == answers_bytes(ref[2:])
         assert f"user> {Q[0]}" in run.err.splitlines() and f"user> {Q[2]}" in run.err.splitlines()
         assert [f.rsplit(";", 1)[1] for f in run.footers()] == [" not saved (--no-save)]"]
         assert snapshot(directory) == before, args
-    run = chat(colichat_home, [*TINY_ARGS, "--no-save", "--session", "s"],
+    run = chat_here(colichat_home, [*TINY_ARGS, "--no-save", "--session", "s"],
                lines("/rewind", "/save t", "/rename t", "/delete s")).failed()
     assert run.errors() == ["colichat: saving is off (--no-save): nothing can be saved",
                             "colichat: saving is off (--no-save): nothing is renamed",
                             "colichat: saving is off (--no-save): no session is deleted"]
-    new = chat(colichat_home, [*TINY_ARGS, "--no-save", "--session", "n"], lines(Q[0], "/history")).ok()
+    new = chat_here(colichat_home, [*TINY_ARGS, "--no-save", "--session", "n"], lines(Q[0], "/history")).ok()
     assert "resumed" not in new.err and f"user> {Q[0]}" in new.err.splitlines()
     assert snapshot(directory) == before and names_on_disk(colichat_home) == ["s"]
-    missing = chat(colichat_home, [*TINY_ARGS, "--no-save", "--resume", "--session", "n"], lines(Q[0])).failed()
+    missing = chat_here(colichat_home, [*TINY_ARGS, "--no-save", "--resume", "--session", "n"], lines(Q[0])).failed()
     assert missing.err == "colichat: no session named n for this model (colichat --sessions lists them)\n"
 
 
@@ -161,27 +162,27 @@ def test_a_conversation_reopens_with_the_model_that_saved_it(ref, colichat_home,
     (tmp_path / "models").mkdir()
     model = shutil.copy(TINY_LLAMA, tmp_path / "models" / "llama.gguf")
     settings = TINY_ARGS[2:]  # no --model
-    chat(colichat_home, ["--model", model, *settings, "--session", "trip"], lines(Q[0], Q[1])).ok()
-    run = chat(colichat_home, [*settings, "--session", "trip"], lines(Q[2])).ok()
+    chat_here(colichat_home, ["--model", model, *settings, "--session", "trip"], lines(Q[0], Q[1])).ok()
+    run = chat_here(colichat_home, [*settings, "--session", "trip"], lines(Q[2])).ok()
     assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {model}"
     assert run.resumed()[1:] == (4, "trip") and run.out == answers_bytes(ref[2:])
     # --resume alone: the newest conversation, whichever model saved it
-    run = chat(colichat_home, [*settings, "--resume"], lines("/history")).ok()
+    run = chat_here(colichat_home, [*settings, "--resume"], lines("/history")).ok()
     assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {model}"
     assert run.resumed()[1:] == (6, "trip")
     # The model's file moved: the name is refused, not taken for a new conversation of the default model.
     moved = tmp_path / "moved"
     os.rename(tmp_path / "models", moved)
     for args in (["--session", "trip"], ["--resume", "--session", "trip"]):
-        assert chat(colichat_home, [*settings, *args], lines(Q[0])).failed().errors() == [
+        assert chat_here(colichat_home, [*settings, *args], lines(Q[0])).failed().errors() == [
             f"colichat: session trip belongs to another model (llama.gguf, last run from {model}, not there "
             "now); start colichat with --model PATH of that model to reopen it, or choose another name"]
     assert names_on_disk(colichat_home) == ["trip"]
     # Continued once from its new place (the answer's save records it), the session finds it there
     # from then on.
-    chat(colichat_home, ["--model", moved / "llama.gguf", *settings, "--resume", "--session", "trip"],
+    chat_here(colichat_home, ["--model", moved / "llama.gguf", *settings, "--resume", "--session", "trip"],
          lines(Q[0])).ok()
-    run = chat(colichat_home, [*settings, "--session", "trip"], lines("/history")).ok()
+    run = chat_here(colichat_home, [*settings, "--session", "trip"], lines("/history")).ok()
     assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {moved / 'llama.gguf'}"
 
 
@@ -203,7 +204,7 @@ def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
     a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
     b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
     for model, name in ((a, "both"), (b, "both"), (b, "only-b")):
-        chat(colichat_home, ["--model", model, *TINY_ARGS[2:], "--session", name], lines(Q[0])).ok()
+        chat_here(colichat_home, ["--model", model, *TINY_ARGS[2:], "--session", name], lines(Q[0])).ok()
     store = Store(colichat_home / "data" / "sessions")
     assert model_to_reopen(store, a, "both", False) is None  # a name the default model has is its own
     assert model_to_reopen(store, a, "only-b", False) == ("only-b", b, "llama")
@@ -212,7 +213,7 @@ def test_which_model_reopens_a_conversation(colichat_home, tmp_path):
     assert model_to_reopen(store, a, None, False) is None  # a new conversation
     assert model_to_reopen(store, a, "new", False) is None
     assert model_to_reopen(store, None, "both", False) == ("both", b, "llama")  # no default model: the newest
-    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "newer"], lines(Q[1])).ok()
+    chat_here(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "newer"], lines(Q[1])).ok()
     assert model_to_reopen(store, a, None, True) is None  # the default model's is the newest now
     # b's file now holds other weights: b's conversations are not opened with it
     copy_gguf(TINY_LLAMA, b, scale={"blk.0.ffn_up.weight": 2.0})
@@ -238,10 +239,10 @@ def test_resume_alone_refuses_the_newest_conversation_when_its_model_is_gone(col
         (tmp_path / d).mkdir()
     a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
     b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
-    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "older"], lines(Q[0])).ok()
-    chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "newest"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "older"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "newest"], lines(Q[0])).ok()
     os.remove(b)
-    run = chat(colichat_home, [*TINY_ARGS[2:], "--resume"], lines(Q[1])).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS[2:], "--resume"], lines(Q[1])).failed()
     assert run.errors() == [
         f"colichat: the newest conversation, newest, belongs to llama.gguf, last run from {b}, not there now: "
         "start colichat with --model PATH of that model to reopen it, or --session NAME for another "
@@ -260,19 +261,19 @@ def test_a_name_only_another_model_has_is_a_new_conversation_with_a_note(colicha
         (tmp_path / d).mkdir()
     a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
     b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
-    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "trip"], lines(Q[0], Q[1])).ok()
-    run = chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "trip"], lines(Q[2])).ok()
+    chat_here(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "trip"], lines(Q[0], Q[1])).ok()
+    run = chat_here(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "trip"], lines(Q[2])).ok()
     assert run.err.splitlines()[0] == (f"note: session trip of another model (llama.gguf, last run from {a}) stays "
                                        "as it is; this is a new conversation trip with this model")
     assert "resumed" not in run.err and names_on_disk(colichat_home) == ["trip", "trip"]
-    run = chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "trip"], lines("/history")).ok()
+    run = chat_here(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "trip"], lines("/history")).ok()
     assert run.resumed()[1:] == (4, "trip")  # a's, as it was
-    run = chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "trip"], lines("/history")).ok()
+    run = chat_here(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "trip"], lines("/history")).ok()
     assert run.resumed()[1:] == (2, "trip") and "note:" not in run.err  # b's own now
 
 
 def test_export_from_the_chat_and_from_the_shell(colichat_home):
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "ex", "--system", "Be brief."],
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "ex", "--system", "Be brief."],
                lines(Q[0], Q[1], "/export", "/export", "/export other.md")).ok()
     assert "exported 4 turns to ex-2.md" in run.err.splitlines()  # the name it chose was taken: numbered
     answers = saved_answers(colichat_home, "ex")
@@ -284,19 +285,19 @@ def test_export_from_the_chat_and_from_the_shell(colichat_home):
         ("Assistant", answers[1])])[:-1]
     assert (colichat_home / "other.md").read_text("utf-8") == text
     assert (colichat_home / "ex-2.md").read_text("utf-8").split("\n", 4)[4] == body
-    shell = chat(colichat_home, ["--export", "ex"]).ok()
+    shell = chat_here(colichat_home, ["--export", "ex"]).ok()
     assert shell.out.decode().startswith("# ex\n\nModel: llama. Exported ")
     assert shell.out.decode().split("\n", 4)[4] == body
-    assert chat(colichat_home, ["--export", "nosuch"]).failed().errors() == [
+    assert chat_here(colichat_home, ["--export", "nosuch"]).failed().errors() == [
         "colichat: no session named nosuch (colichat --sessions lists them)"]
 
 
 @pytest.mark.parametrize("damage", [b"{not json", b'{"turns": [{"role": "user"}]}', b'["turns"]', b"\xff"])
 def test_export_of_a_damaged_sidecar_is_one_line(damage, colichat_home):
-    chat(colichat_home, [*TINY_ARGS, "--session", "dmg"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "dmg"], lines(Q[0])).ok()
     [side] = [p for p in session_files(colichat_home) if p.suffix == ".json"]
     side.write_bytes(damage)
-    [line] = chat(colichat_home, ["--export", "dmg"]).failed().errors()
+    [line] = chat_here(colichat_home, ["--export", "dmg"]).failed().errors()
     assert line == "colichat: session dmg: damaged (the sidecar is not a colichat sidecar); /delete dmg removes it"
 
 
@@ -316,16 +317,16 @@ def test_export_shows_the_turns_opening_keeps_and_says_what_it_dropped(colichat_
     records are cut short but whose text is intact is printed, as opening reads it again, with a
     warning more that says so."""
     for name in ("forged", "cut"):
-        chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0], Q[1])).ok()
+        chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0], Q[1])).ok()
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "forged.json")
     doc = json.loads((directory / "forged.json").read_text("utf-8"))
     doc["turns"][3]["text"] = "FORGED"
     (directory / "forged.json").write_text(json.dumps(doc), "utf-8")
     os.truncate(directory / "cut.coli_kv", (directory / "cut.coli_kv").stat().st_size - 100)
     for name, exchanges in (("forged", 1), ("cut", 2)):
-        export = chat(colichat_home, ["--export", name]).ok()
+        export = chat_here(colichat_home, ["--export", name]).ok()
         assert b"FORGED" not in export.out
-        opened = chat(colichat_home, [*TINY_ARGS, "--session", name], lines("/history")).ok()
+        opened = chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines("/history")).ok()
         printed = [w for w in _warnings(export) if "printed all the same: their saved text is intact" in w]
         assert [w for w in _warnings(export) if w not in printed] == _warnings(opened) and _warnings(opened)
         assert len(printed) == exchanges - 1 and ("note: read 1 exchange again" in opened.err) == (exchanges == 2)
@@ -341,34 +342,34 @@ def test_export_refuses_what_opening_refuses(colichat_home):
     text from, what does it), never the sidecar's text unchecked. No KV file (deleted to free its
     space): the text, as opening reads it again, and a warning saying so."""
     for name in ("nokv", "foreign", "bare"):
-        chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0])).ok()
+        chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0])).ok()
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "nokv.json")
     (directory / "nokv.coli_kv").unlink()
     (directory / "foreign.coli_kv").write_bytes(b"GGUF" + bytes(100))
     (directory / "foreign.json").unlink()
     (directory / "bare.json").unlink()
-    [line] = chat(colichat_home, ["--export", "foreign"]).failed().errors()
-    assert chat(colichat_home, [*TINY_ARGS, "--session", "foreign"], "").failed().errors() == [line]
+    [line] = chat_here(colichat_home, ["--export", "foreign"]).failed().errors()
+    assert chat_here(colichat_home, [*TINY_ARGS, "--session", "foreign"], "").failed().errors() == [line]
     assert line.startswith("colichat: session foreign: damaged (") and line.endswith("/delete foreign removes it")
-    export = chat(colichat_home, ["--export", "nokv"]).ok()
+    export = chat_here(colichat_home, ["--export", "nokv"]).ok()
     assert _warnings(export) == [
         "warning: the KV file nokv.coli_kv is not there: none of the 2 turns listed has its records",
         f"warning: turns 1-2 (records 0-{saved_turns_last(colichat_home, 'nokv')}) printed all the same: their "
         "saved text is intact (reopening reads it again)"]
     assert export.out.decode().split("\n", 4)[4] == \
         f"## User\n\n{Q[0]}\n\n## Assistant\n\n{saved_answers(colichat_home, 'nokv')[0].strip()}\n"
-    opened = chat(colichat_home, [*TINY_ARGS, "--session", "nokv"], lines("/history")).ok()
+    opened = chat_here(colichat_home, [*TINY_ARGS, "--session", "nokv"], lines("/history")).ok()
     assert _warnings(opened) == _warnings(export)[:1] and "note: read 1 exchange again" in opened.err
-    assert chat(colichat_home, ["--export", "bare"]).failed().errors() == [
+    assert chat_here(colichat_home, ["--export", "bare"]).failed().errors() == [
         "colichat: session bare has no sidecar, so no text to export: colichat --session bare with its model "
         "loads its cache as one imported turn, which /export writes"]
 
 
 def test_sessions_from_the_shell(colichat_home):
-    assert chat(colichat_home, ["--sessions"]).ok().out == b"no saved conversations\n"
-    first = chat(colichat_home, [*TINY_ARGS, "--session", "one"], lines(Q[0])).ok()
-    chat(colichat_home, [*TINY_ARGS, "--session", "two"], lines(Q[1])).ok()
-    out = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
+    assert chat_here(colichat_home, ["--sessions"]).ok().out == b"no saved conversations\n"
+    first = chat_here(colichat_home, [*TINY_ARGS, "--session", "one"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "two"], lines(Q[1])).ok()
+    out = chat_here(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
     title = first.err.splitlines()[0].split(" (")[0]  # the model as the banner names it
     assert title == "llama" and re.fullmatch(r"llama \(llama\.gguf-[0-9a-f]{12}\):", out[0]), out
     assert out[1].startswith("  two: 2 turns, ") and out[2].startswith("  one: 2 turns, ") and len(out) == 4
@@ -379,28 +380,28 @@ def test_a_conversation_rewound_to_no_exchange_is_not_a_saved_conversation(ref, 
     """/rewind of every exchange (at once or one by one) leaves no saved conversation: its files go
     (the name stays taken while it is open), so --sessions, --resume, --export and --session NAME all
     see none, and the next answer saves it again under its name."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
     for name, rewinds, last in (("e", ["/rewind 2"], "2 exchanges"), ("f", ["/rewind", "/rewind"], "1 exchange")):
-        run = chat(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0], Q[1], *rewinds)).ok()
+        run = chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines(Q[0], Q[1], *rewinds)).ok()
         assert run.err.splitlines()[-1] == (f"rewound {last}; 0 tokens in context; session {name} is empty, "
                                             "off the disk until its next answer")
         assert [p.name for p in session_files(colichat_home) if p.stem == name] == [f"{name}.lock"]
-    listed = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
+    listed = chat_here(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
     assert [row.split(":")[0] for row in listed[1:-1]] == ["  old"] and listed[-1].startswith("1 conversation, ")
-    assert chat(colichat_home, [*TINY_ARGS, "--resume"], "").ok().resumed()[2] == "old"
-    assert chat(colichat_home, ["--export", "e"]).failed().errors() == [
+    assert chat_here(colichat_home, [*TINY_ARGS, "--resume"], "").ok().resumed()[2] == "old"
+    assert chat_here(colichat_home, ["--export", "e"]).failed().errors() == [
         "colichat: no session named e (colichat --sessions lists them)"]
-    assert chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "e"], "").failed().errors() == [
+    assert chat_here(colichat_home, [*TINY_ARGS, "--resume", "--session", "e"], "").failed().errors() == [
         "colichat: no session named e for this model (colichat --sessions lists them)"]
-    again = chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[0])).ok()
+    again = chat_here(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[0])).ok()
     assert "resumed" not in again.err and saved_answers(colichat_home, "e") == ref[:1]
 
 
 def test_an_empty_session_left_on_disk_is_not_listed_nor_reopened(colichat_home):
     """What an older colichat left after rewinding every exchange (the files, no records, no turns):
     no listing shows it, it is not the latest, /resume NAME refuses it, a new conversation takes the name."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
-    chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "old"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[0])).ok()
     [kv] = [p for p in session_files(colichat_home) if p.name == "e.coli_kv"]
     side = kv.with_suffix(".json")
     with open(kv, "r+b") as f:  # nrec 0, the sidecar's turns [] (with its check: not damage)
@@ -412,13 +413,13 @@ def test_an_empty_session_left_on_disk_is_not_listed_nor_reopened(colichat_home)
     side.write_text(json.dumps(doc))
     os.utime(kv, None)
     assert [i.name for i in Store().list()] == ["old"]
-    listed = chat(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
+    listed = chat_here(colichat_home, ["--sessions"]).ok().out.decode().splitlines()
     assert [row.split(":")[0] for row in listed[1:-1]] == ["  old"] and listed[-1].startswith("1 conversation, ")
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "x"], lines("/resume e", "/sessions", "/resume")).failed()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "x"], lines("/resume e", "/sessions", "/resume")).failed()
     assert run.errors() == ["colichat: no session named e for this model (/sessions lists them)"]
     assert [row.split(":")[0] for row in run.err.splitlines() if row.startswith("  ")] == ["  old"]
     assert run.resumed()[2] == "old"
-    new = chat(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[1])).ok()
+    new = chat_here(colichat_home, [*TINY_ARGS, "--session", "e"], lines(Q[1])).ok()
     assert "resumed" not in new.err and saved_users(colichat_home, "e") == [Q[1]]
 
 
@@ -429,17 +430,17 @@ def test_a_name_two_models_have_reopens_and_exports_the_newest_and_names_the_oth
         (tmp_path / d).mkdir()
     a = shutil.copy(TINY_LLAMA, tmp_path / "a" / "llama.gguf")
     b = copy_gguf(TINY_LLAMA, tmp_path / "b" / "llama.gguf", scale={"blk.0.ffn_up.weight": 1.5})
-    chat(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "q2"], lines(Q[0])).ok()
-    chat(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "q2"], lines(Q[1])).ok()
+    chat_here(colichat_home, ["--model", a, *TINY_ARGS[2:], "--session", "q2"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", b, *TINY_ARGS[2:], "--session", "q2"], lines(Q[1])).ok()
     other = f"another model has a conversation q2 too (llama.gguf, last run from {a})"
-    run = chat(colichat_home, [*TINY_ARGS[2:], "--session", "q2"], lines("/history")).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS[2:], "--session", "q2"], lines("/history")).ok()
     assert run.err.splitlines()[:2] == [f"session q2 was saved with llama: loading {b}",
                                         f"note: {other}: colichat --model {a} --session q2 opens it"]
     assert f"user> {Q[1]}" in run.err.splitlines() and f"user> {Q[0]}" not in run.err
-    shell = chat(colichat_home, ["--export", "q2"]).ok()
+    shell = chat_here(colichat_home, ["--export", "q2"]).ok()
     assert Q[1] in shell.out.decode() and Q[0] not in shell.out.decode()
     assert shell.err == f"note: {other}: colichat --export q2 --model {a} prints it\n"
-    theirs = chat(colichat_home, ["--export", "q2", "--model", a]).ok()  # as the note says
+    theirs = chat_here(colichat_home, ["--export", "q2", "--model", a]).ok()  # as the note says
     assert Q[0] in theirs.out.decode() and Q[1] not in theirs.out.decode()
     assert theirs.err == (f"note: another model has a conversation q2 too (llama.gguf, last run from {b}): "
                           f"colichat --export q2 --model {b} prints it\n")
@@ -448,9 +449,9 @@ def test_a_name_two_models_have_reopens_and_exports_the_newest_and_names_the_oth
 def test_a_conversation_reopens_with_the_context_it_was_saved_with(colichat_home):
     """Without --ctx, --session NAME and --resume reopen a conversation with the context size it was
     last saved with; one it cannot have is refused saying where it came from and what chooses another."""
-    chat(colichat_home, [*TINY_ARGS, "--ctx", "160", "--session", "c"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--ctx", "160", "--session", "c"], lines(Q[0])).ok()
     for args in (["--session", "c"], ["--resume"]):
-        run = chat(colichat_home, [*TINY_ARGS, *args], lines(Q[1])).ok()
+        run = chat_here(colichat_home, [*TINY_ARGS, *args], lines(Q[1])).ok()
         assert run.resumed()[2] == "c" and "KV 2.0 KiB/token x 160 = " in run.err
         assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in run.footers()] == ["160"]
     [side] = [p for p in session_files(colichat_home) if p.name == "c.json"]
@@ -458,12 +459,13 @@ def test_a_conversation_reopens_with_the_context_it_was_saved_with(colichat_home
     doc["model"]["n_ctx"] = 4096  # more than the tiny llama's 2048 (a hand edit, checked)
     doc["check"] = doc_check({k: v for k, v in doc.items() if k not in ("turns", "check")})
     side.write_text(json.dumps(doc))
-    assert chat(colichat_home, [*TINY_ARGS, "--session", "c"], lines(Q[1])).failed().errors() == [
+    assert chat_here(colichat_home, [*TINY_ARGS, "--session", "c"], lines(Q[1])).failed().errors() == [
         "colichat: context size 4,096 is above the 2,048 tokens this model was trained for; use at most 2,048 "
         "(the context size session c was saved with: --ctx N reopens it with another)"]
-    assert chat(colichat_home, [*TINY_ARGS, "--ctx", "256", "--session", "c"], lines(Q[1])).ok().resumed()[2] == "c"
+    reopened = chat_here(colichat_home, [*TINY_ARGS, "--ctx", "256", "--session", "c"], lines(Q[1])).ok()
+    assert reopened.resumed()[2] == "c"
     long = " ".join(["Answer in the voice of a patient teacher."] * 40)  # some 300 tokens: more than 256
-    refused = chat(colichat_home, [*TINY_ARGS, "--session", "c", "--system", long], lines(Q[1])).failed()
+    refused = chat_here(colichat_home, [*TINY_ARGS, "--session", "c", "--system", long], lines(Q[1])).failed()
     assert refused.errors()[0].startswith("colichat: the system prompt needs ")
     assert refused.errors()[0].endswith("(the context size session c was saved with: --ctx N reopens it with another)")
 
@@ -472,12 +474,12 @@ def test_a_new_conversation_after_a_reopened_one_runs_and_reopens_with_the_loade
     """**Decided:** the context size is the loaded model's (its cache and rope tables are made for it):
     /new after reopening a conversation saved with --ctx 160 goes on at 160, says so in its footer,
     records it, and reopens with it (a later start without --ctx does not change it behind the user's back)."""
-    chat(colichat_home, [*TINY_ARGS, "--ctx", "160", "--session", "c"], lines(Q[0])).ok()
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "c"], lines("/new", Q[1], "/rename d")).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--ctx", "160", "--session", "c"], lines(Q[0])).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "c"], lines("/new", Q[1], "/rename d")).ok()
     assert [f.split("context ")[1].split(",")[0] for f in run.footers()][-1].endswith("/160")
     [side] = [p for p in session_files(colichat_home) if p.name == "d.json"]
     assert json.loads(side.read_text())["model"]["n_ctx"] == 160
-    again = chat(colichat_home, [*TINY_ARGS, "--session", "d"], lines(Q[2])).ok()
+    again = chat_here(colichat_home, [*TINY_ARGS, "--session", "d"], lines(Q[2])).ok()
     assert again.resumed()[2] == "d" and again.footers()[-1].split("context ")[1].split(",")[0].endswith("/160")
 
 
@@ -508,15 +510,15 @@ def test_a_context_too_small_for_the_saved_conversation_is_refused_before_the_mo
     """--ctx smaller than a saved conversation is refused from its files, before the model loads, and
     the --ctx it names reopens the conversation with room for an exchange (its exact size would
     reopen it full, no message fitting)."""
-    chat(colichat_home, [*TINY_ARGS, "--session", "c"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*TINY_ARGS, "--session", "c"], lines(Q[0])).ok()
     [side] = [p for p in session_files(colichat_home) if p.name == "c.json"]
     n = json.loads(side.read_text())["turns"][-1]["last"]
     assert n > 16
     for args in (["--session", "c"], ["--resume"], ["--resume", "--session", "c"], ["--no-save", "--resume"]):
-        run = chat(colichat_home, [*TINY_ARGS, *args, "--ctx", "16"], lines(Q[1])).failed()
+        run = chat_here(colichat_home, [*TINY_ARGS, *args, "--ctx", "16"], lines(Q[1])).failed()
         assert run.err == (f"colichat: session c holds {n} tokens, more than the context of 16: start colichat "
                            f"with --ctx {n + 16} or more to reopen it with room for an exchange\n"), args
-    run = chat(colichat_home, [*TINY_ARGS, "--session", "c", "--ctx", str(n + 16)], lines("Hi")).ok()
+    run = chat_here(colichat_home, [*TINY_ARGS, "--session", "c", "--ctx", str(n + 16)], lines("Hi")).ok()
     assert run.resumed()[1:] == (2, "c") and "note: the context is" not in run.err
     assert [f.rsplit("; ", 1)[1] for f in run.footers()] == ["saved to c]"]
 
@@ -550,14 +552,14 @@ def test_a_session_of_a_model_given_through_a_link_follows_the_file_not_the_link
     --session NAME is refused with the --model that reopens it, never a second NAME beside it."""
     llama, link = linked.llama, linked.link
     settings = TINY_ARGS[2:]
-    chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
     linked.point_to("other.gguf")
-    run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
+    run = chat_here(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
     assert run.err == (f"colichat: session sym was saved with {llama}, which {link} led to then ({link} holds "
                        f"another model now): colichat --model {llama} --session sym reopens it, or choose another "
                        "name\n")
     assert names_on_disk(colichat_home) == ["sym"]
-    run = chat(colichat_home, [*settings, "--session", "sym"], lines(Q[1])).ok()
+    run = chat_here(colichat_home, [*settings, "--session", "sym"], lines(Q[1])).ok()
     assert run.err.splitlines()[0] == f"session sym was saved with cur: loading {llama}"
     assert run.resumed()[1:] == (2, "sym") and saved_users(colichat_home, "sym") == Q[:2]
     assert names_on_disk(colichat_home) == ["sym"]
@@ -575,17 +577,17 @@ def test_the_context_a_refusal_suggests_is_one_the_model_takes(colichat_home, tm
     in a running colichat says the same."""
     model = copy_gguf(TINY_LLAMA, tmp_path / "short.gguf", set_keys={"llama.context_length": 28})
     args = ["--model", model, *TINY_ARGS[2:]]
-    chat(colichat_home, [*args, "--session", "c"], lines(Q[0])).ok()
+    chat_here(colichat_home, [*args, "--session", "c"], lines(Q[0])).ok()
     n = _saved_tokens(colichat_home, "c")
     assert n <= 28 < n + 16
     refusal = (f"session c holds {n} tokens, more than the context of 16: start colichat with --ctx 28, this "
                f"model's maximum, to reopen it with room for {28 - n} tokens more")
     for how in (["--session", "c"], ["--resume"]):
-        run = chat(colichat_home, [*args, *how, "--ctx", "16"], lines(Q[1])).failed()
+        run = chat_here(colichat_home, [*args, *how, "--ctx", "16"], lines(Q[1])).failed()
         assert run.err == f"colichat: {refusal}\n", how
-    run = chat(colichat_home, [*args, "--ctx", "16"], lines("/resume c")).failed()
+    run = chat_here(colichat_home, [*args, "--ctx", "16"], lines("/resume c")).failed()
     assert run.errors() == [f"colichat: {refusal}"]
-    run = chat(colichat_home, [*args, "--session", "c", "--ctx", "28"], lines("/history")).ok()
+    run = chat_here(colichat_home, [*args, "--session", "c", "--ctx", "28"], lines("/history")).ok()
     assert run.resumed()[1:] == (2, "c")
 
 
@@ -610,7 +612,7 @@ def test_an_older_conversation_too_long_for_the_default_context_is_refused_befor
     it is refused before the model loads, with the --ctx that reopens it."""
     model = copy_gguf(TINY_LLAMA, tmp_path / "long.gguf", set_keys={"llama.context_length": 16384})
     args = ["--model", model, *TINY_ARGS[2:], "--max-tokens", "1"]
-    chat(colichat_home, [*args, "--ctx", "9000", "--session", "c"], lines("ab " * 4200)).ok()
+    chat_here(colichat_home, [*args, "--ctx", "9000", "--session", "c"], lines("ab " * 4200)).ok()
     n = _saved_tokens(colichat_home, "c")
     assert n > 8192
     [side] = [p for p in session_files(colichat_home) if p.name == "c.json"]
@@ -619,10 +621,10 @@ def test_an_older_conversation_too_long_for_the_default_context_is_refused_befor
     doc["check"] = doc_check({k: v for k, v in doc.items() if k not in ("turns", "check")})
     side.write_text(json.dumps(doc))
     for how in (["--session", "c"], ["--resume"]):
-        run = chat(colichat_home, [*args, *how], lines("Hi")).failed()
+        run = chat_here(colichat_home, [*args, *how], lines("Hi")).failed()
         assert run.err == (f"colichat: session c holds {n} tokens, more than the context of 8192: start colichat "
                            f"with --ctx {n + 16} or more to reopen it with room for an exchange\n"), how
-    run = chat(colichat_home, [*args, "--session", "c", "--ctx", str(n + 16)], lines("/history")).ok()
+    run = chat_here(colichat_home, [*args, "--session", "c", "--ctx", str(n + 16)], lines("/history")).ok()
     assert run.resumed()[:2] == (n, 2)
 
 
@@ -633,20 +635,20 @@ def test_resume_through_a_link_pointed_elsewhere_names_the_conversations_of_the_
     led to and the command that reopens them, which does."""
     llama, link = linked.llama, linked.link
     settings = TINY_ARGS[2:]
-    chat(colichat_home, ["--model", link, *settings, "--session", "one"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", link, *settings, "--session", "one"], lines(Q[0])).ok()
     linked.point_to("other.gguf")
-    run = chat(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
+    run = chat_here(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
     assert run.err == (f"note: conversation one was saved with {link} when it led to {llama}: colichat --model "
                        f"{llama} --resume reopens it\ncolichat: no saved conversation for this model yet\n")
     linked.point_to("llama.gguf")
-    chat(colichat_home, ["--model", link, *settings, "--session", "two"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", link, *settings, "--session", "two"], lines(Q[0])).ok()
     linked.point_to("other.gguf")
-    run = chat(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
+    run = chat_here(colichat_home, ["--model", link, *settings, "--resume"], lines(Q[1])).failed()
     assert run.err.splitlines() == [
         f"note: 2 conversations were saved with {link} when it led to {llama} (the newest: two): colichat --model "
         f"{llama} --resume reopens the newest, with --session NAME another",
         "colichat: no saved conversation for this model yet"]
-    run = chat(colichat_home, ["--model", llama, *settings, "--resume"], lines(Q[1])).ok()
+    run = chat_here(colichat_home, ["--model", llama, *settings, "--resume"], lines(Q[1])).ok()
     assert run.resumed()[1:] == (2, "two")
 
 
@@ -658,12 +660,12 @@ def test_a_model_without_a_name_keeps_its_conversations_under_another_file_name(
     (tmp_path / "m").mkdir()
     old = shutil.copy(TINY_LLAMA, tmp_path / "m" / "old.gguf")
     settings = TINY_ARGS[2:]
-    chat(colichat_home, ["--model", old, *settings, "--session", "s"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", old, *settings, "--session", "s"], lines(Q[0])).ok()
     new = tmp_path / "m" / "new.gguf"
     os.rename(old, new)
-    run = chat(colichat_home, ["--model", new, *settings, "--session", "s"], lines(Q[1])).ok()
+    run = chat_here(colichat_home, ["--model", new, *settings, "--session", "s"], lines(Q[1])).ok()
     assert run.resumed()[1:] == (2, "s")
-    run = chat(colichat_home, ["--model", new, *settings, "--resume"], lines("/sessions", Q[2])).ok()
+    run = chat_here(colichat_home, ["--model", new, *settings, "--resume"], lines("/sessions", Q[2])).ok()
     assert run.resumed()[1:] == (4, "s") and "* s: 4 turns" in run.err
     assert saved_users(colichat_home, "s") == Q
 
@@ -673,9 +675,9 @@ def test_a_model_without_a_name_is_named_after_the_path_given_also_from_the_cach
     its weights come from the cache a start through another path made (it kept that path's name:
     'llama.gguf (llama, ...' through cur.gguf), and a general.name is kept whatever the path."""
     settings = TINY_ARGS[2:]
-    first = chat(colichat_home, ["--model", linked.llama, *settings, "--session", "a"], lines(Q[0])).ok()
+    first = chat_here(colichat_home, ["--model", linked.llama, *settings, "--session", "a"], lines(Q[0])).ok()
     assert first.err.startswith("llama (llama, 4 layers), loaded in ")
-    run = chat(colichat_home, ["--model", linked.link, *settings, "--session", "b"], lines(Q[0])).ok()
+    run = chat_here(colichat_home, ["--model", linked.link, *settings, "--session", "b"], lines(Q[0])).ok()
     assert "kept the dequantized weights" not in run.err  # (mapped from the cache)
     assert run.err.startswith("cur (llama, 4 layers), loaded in ")
     assert names_on_disk(colichat_home) == ["a", "b"]
@@ -683,7 +685,7 @@ def test_a_model_without_a_name_is_named_after_the_path_given_also_from_the_cach
     named = copy_gguf(TINY_LLAMA, linked.link.parent / "named.gguf", set_keys={"general.name": "Tiny Named"})
     (linked.link.parent / "nl.gguf").symlink_to("named.gguf")
     for path in (named, linked.link.parent / "nl.gguf"):
-        run = chat(colichat_home, ["--model", path, *settings, "--session", "n"], lines(Q[0])).ok()
+        run = chat_here(colichat_home, ["--model", path, *settings, "--session", "n"], lines(Q[0])).ok()
         assert run.err.startswith("Tiny Named (llama, 4 layers), loaded in ")
 
 
@@ -693,14 +695,14 @@ def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colich
     another model --model LINK --session NAME started a second conversation NAME beside it)."""
     llama, link = linked.llama, linked.link
     settings = TINY_ARGS[2:]
-    chat(colichat_home, ["--model", link, *settings, "--session", "first"], lines(Q[0])).ok()
-    run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
+    chat_here(colichat_home, ["--model", link, *settings, "--session", "first"], lines(Q[0])).ok()
+    run = chat_here(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[0])).ok()
     assert "kept the dequantized weights" not in run.err  # (mapped from the cache)
     [side] = [p for p in session_files(colichat_home) if p.name == "sym.json"]
     model = json.loads(side.read_text("utf-8"))["model"]
     assert (model["path"], model["real_path"]) == (str(link), str(llama))
     linked.point_to("other.gguf")
-    run = chat(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
+    run = chat_here(colichat_home, ["--model", link, *settings, "--session", "sym"], lines(Q[1])).failed()
     assert run.err == (f"colichat: session sym was saved with {llama}, which {link} led to then ({link} holds "
                        f"another model now): colichat --model {llama} --session sym reopens it, or choose another "
                        "name\n")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import TINY_ARGS, TINY_LLAMA, chat, copy_gguf, lines, saved_turns, session_files
+from cli_helpers import TINY_ARGS, TINY_LLAMA, chat_here, copy_gguf, lines, saved_turns, session_files
 from test_commands import Recorder, run
 
 from colichat.chat import ChatError, Conversation, Settings
@@ -50,14 +50,14 @@ def small_app(small_model, tmp_path):
 
 def test_system_given_at_start_to_a_template_that_takes_none_is_refused_at_load(no_system_model, colichat_home):
     args = ["--model", no_system_model, *TINY_ARGS[2:]]
-    run_ = chat(colichat_home, [*args, "--system", "Be brief."], lines("Hello there.")).failed()
+    run_ = chat_here(colichat_home, [*args, "--system", "Be brief."], lines("Hello there.")).failed()
     assert run_.out == b""
     assert run_.err.splitlines() == [  # one line, before the model's banner: as a bad model file is refused
         f"colichat: {no_system_model}: its chat template (tokenizer.chat_template) takes no system prompt "
         "(System role not supported); run without --system"]
     assert session_files(colichat_home) == []
     # without a system prompt the model loads and chats
-    ok = chat(colichat_home, [*args, "--session", "s"], lines("Hello there.")).ok()
+    ok = chat_here(colichat_home, [*args, "--session", "s"], lines("Hello there.")).ok()
     assert ok.out != b"" and len(ok.footers()) == 1 and saved_turns(colichat_home, "s")[0] == ("user", "Hello there.")
 
 
@@ -80,13 +80,13 @@ def test_a_saved_system_prompt_the_template_refuses_is_dropped_on_reopening(no_s
     colichat, whose /set system took one after a /rewind to nothing): its cache cannot hold it (the
     template is part of the model's fingerprint), so it reopens without it and goes on."""
     args = ["--model", no_system_model, *TINY_ARGS[2:], "--session", "g"]
-    chat(colichat_home, args, lines("Hello there.")).ok()
+    chat_here(colichat_home, args, lines("Hello there.")).ok()
     [sidecar] = [p for p in session_files(colichat_home) if p.name == "g.json"]
     doc = json.loads(sidecar.read_text())
     doc["sampler"]["system"] = "Be brief."
     doc["check"] = doc_check(doc)
     sidecar.write_text(json.dumps(doc))
-    run_ = chat(colichat_home, [*args, "--resume"], lines("/set system", "And again?")).ok()
+    run_ = chat_here(colichat_home, [*args, "--resume"], lines("/set system", "And again?")).ok()
     assert f"warning: the saved system prompt is not used: {REFUSED}" in run_.err.splitlines()
     assert "system = none" in run_.err.splitlines() and len(run_.footers()) == 1
     assert [t for t, _ in saved_turns(colichat_home, "g")] == ["user", "assistant"] * 2
@@ -97,7 +97,7 @@ def test_a_saved_system_prompt_the_template_refuses_is_dropped_on_reopening(no_s
 
 
 def test_system_given_at_start_too_long_for_the_context_is_refused_before_anything_is_read(colichat_home):
-    run_ = chat(colichat_home, [*TINY_ARGS, "--ctx", "64", "--system", LONG],
+    run_ = chat_here(colichat_home, [*TINY_ARGS, "--ctx", "64", "--system", LONG],
                 lines("/set system none", "Hello there.")).failed()
     assert run_.out == b"" and run_.err.splitlines() == [
         "colichat: the system prompt needs 449 tokens, more than the whole context of 64: give a shorter --system "
