@@ -7,6 +7,7 @@ process) can always say which records a session should hold for its first m turn
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,29 @@ DIMS = {"mla": (3, 16, 4), "gqa": (2, 8, 8)}  # n_layer, a_width, b_width
 IDENT = {"arch": "deepseek2", "name": "Tiny Test/Model", "fingerprint": "0123456789abcdef" * 2}
 OTHER_IDENT = {"arch": "deepseek2", "name": "Tiny Test/Model", "fingerprint": "fedcba9876543210" * 2}
 ROLES = ("user", "assistant")
+
+
+def parse_colikv1(data: bytes) -> tuple[tuple, list, int]:
+    """The tests' one COLIKV1 parser, written with struct from the format's text (independent of colichat's
+    record dtype): (magic, n_layers, a_w, b_w, index_hd, n_idx, vocab, nrec, zero), then per record
+    (token, [(a floats, b floats) per layer], [index keys per indexed layer]), and where the records end."""
+    n_layers, a_w, b_w, index_hd, n_idx, vocab, nrec, zero = struct.unpack("<8i", data[8:40])
+    pos, records = 40, []
+    for _ in range(nrec):
+        (token,) = struct.unpack_from("<i", data, pos)
+        pos += 4
+        layers = []
+        for _ in range(n_layers):
+            a = struct.unpack_from(f"<{a_w}f", data, pos)
+            b = struct.unpack_from(f"<{b_w}f", data, pos + 4 * a_w)
+            pos += 4 * (a_w + b_w)
+            layers.append((a, b))
+        ic = []
+        for _ in range(n_idx):
+            ic.append(struct.unpack_from(f"<{index_hd}f", data, pos))
+            pos += 4 * index_hd
+        records.append((token, layers, ic))
+    return (data[:8], n_layers, a_w, b_w, index_hd, n_idx, vocab, nrec, zero), records, pos
 
 
 def make_cache(kind: str = "mla", capacity: int = 4096) -> KVCache:

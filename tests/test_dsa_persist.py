@@ -1,5 +1,5 @@
 """Sessions of sparse-attention MLA models: the COLIKV1 header and records carry the indexer keys
-(Ic) exactly as docs/dsa-mtp-spec.md says (checked with a parser written here with struct), a file
+(Ic) exactly as docs/dsa-mtp-spec.md says (checked with the tests' own parser, persist_helpers.parse_colikv1), a file
 of another indexer shape is refused with one line, /rewind, /new and /resume work, and MTP rows
 are never written. (Resume in a new process: test_persist_resume.py.)
 """
@@ -11,6 +11,7 @@ import struct
 import numpy as np
 import pytest
 from conftest import TINY
+from persist_helpers import parse_colikv1
 
 from colichat.chat import Conversation, Settings
 from colichat.engine import load
@@ -21,27 +22,6 @@ from colichat.persist import CacheLayout, SessionError, Store, Turn, model_ident
 @pytest.fixture(scope="module")
 def glm():
     return load(str(TINY / "glm-dsa.gguf"), n_ctx=256)
-
-
-def parse_dsa(data: bytes):
-    """Header ints, then [(token, [(c, k_pe) per layer], [Ic per indexed layer])]."""
-    n_layers, c_w, r_w, index_hd, nic, vocab, nrec, zero = struct.unpack("<8i", data[8:40])
-    pos, records = 40, []
-    for _ in range(nrec):
-        (token,) = struct.unpack_from("<i", data, pos)
-        pos += 4
-        layers = []
-        for _ in range(n_layers):
-            c = struct.unpack_from(f"<{c_w}f", data, pos)
-            k_pe = struct.unpack_from(f"<{r_w}f", data, pos + 4 * c_w)
-            pos += 4 * (c_w + r_w)
-            layers.append((c, k_pe))
-        ic = []
-        for _ in range(nic):
-            ic.append(struct.unpack_from(f"<{index_hd}f", data, pos))
-            pos += 4 * index_hd
-        records.append((token, layers, ic))
-    return (data[:8], n_layers, c_w, r_w, index_hd, nic, vocab, nrec, zero), records, pos
 
 
 def ident_layout(model):
@@ -61,7 +41,7 @@ def test_header_and_records_carry_ic_as_the_spec_says(glm, colichat_home):
         sess.append(glm.cache, [Turn("user", "x", 0, 30)])
         kv_path = sess.kv_path
     data = open(kv_path, "rb").read()
-    header, records, end = parse_dsa(data)
+    header, records, end = parse_colikv1(data)
     assert header == (b"COLIKV1\0", 4, 128, 16, 64, 2, 268, 30, 0)
     assert end == len(data) == 40 + 30 * 2820 == 84640
     # FORMAT.md's offsets: record 0's Ic of layer 2 is its bytes 2564..2820
@@ -129,7 +109,7 @@ def test_mtp_rows_are_never_written(glm, colichat_home):
         sess.append(glm.cache, [Turn("user", "x", 0, ids.size)])
         kv_path = sess.kv_path
     data = open(kv_path, "rb").read()
-    header, records, end = parse_dsa(data)
+    header, records, end = parse_colikv1(data)
     assert header[1] == 4 and end == len(data) == 40 + ids.size * 2820
     mtp_rows = mtp.cache.records["kv"][: ids.size, 0].tobytes()
     assert mtp_rows not in data

@@ -1,5 +1,5 @@
-"""The .coli_kv layout is exactly the issue's COLIKV1 text: checked against a parser and a writer
-written here from that text with struct, independent of colichat's record dtype. Also the sidecar."""
+"""The .coli_kv layout is exactly the issue's COLIKV1 text: checked against a parser (persist_helpers.parse_colikv1)
+and a writer written from that text with struct, independent of colichat's record dtype. Also the sidecar."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from datetime import datetime
 
 import numpy as np
 import pytest
-from persist_helpers import IDENT, VOCAB, build, layout_of, make_cache, plan
+from persist_helpers import IDENT, VOCAB, build, layout_of, make_cache, parse_colikv1, plan
 
 from colichat.engine.cache import KVCache
 from colichat.persist import CacheLayout, SessionError, Store, Turn
@@ -20,22 +20,9 @@ MAGICS = {"mla": b"COLIKV1\0", "gqa": b"COLIGQA\0"}
 
 
 def parse(data: bytes) -> tuple[tuple, list]:
-    """Independent COLIKV1-style parser: header ints, then [(token, [(a floats, b floats) per layer])]."""
-    magic = data[:8]
-    n_layers, a_w, b_w, index_hd, n_idx, vocab, nrec, zero = struct.unpack("<8i", data[8:40])
-    pos, records = 40, []
-    for _ in range(nrec):
-        (token,) = struct.unpack_from("<i", data, pos)
-        pos += 4
-        layers = []
-        for _ in range(n_layers):
-            a = struct.unpack_from(f"<{a_w}f", data, pos)
-            pos += 4 * a_w
-            b = struct.unpack_from(f"<{b_w}f", data, pos)
-            pos += 4 * b_w
-            layers.append((a, b))
-        records.append((token, layers))
-    return (magic, n_layers, a_w, b_w, index_hd, n_idx, vocab, nrec, zero), records
+    """Header ints and [(token, [(a floats, b floats) per layer])]: parse_colikv1's, without index keys."""
+    header, records, _ = parse_colikv1(data)
+    return header, [(token, layers) for token, layers, _ in records]
 
 
 def write_colikv1(path, n_layers, kv_lora, rope, vocab, records, index_hd=0, n_idx=0, magic=b"COLIKV1\0"):
