@@ -30,14 +30,18 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check colichat tests $(wildcard benchmarks)
 
 # The interactive tests drive the program in tmux, as a person would; strace injects I/O faults.
+# pytest-xdist runs the tests on one worker per core (at most 4): the in-process tests are CPU-bound
+# Python, the process and terminal tests spend much of their time waiting.
+PYTEST := $(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4
+
 test: lint
 	command -v tmux >/dev/null 2>&1 && command -v strace >/dev/null 2>&1 || \
 	  { apt-get update -qq && apt-get install -y -qq tmux strace >/dev/null; }
-	$(BIN)/python -m pytest -q -rs
+	$(PYTEST)
 
 # The in-process tier (engine, persistence, commands through the in-process harness): no process, no terminal.
 test-fast: lint
-	$(BIN)/python -m pytest -q -rs -m "not process"
+	$(PYTEST) -m "not process"
 
 # ARGS=--moe runs the real-size MoE benchmark (benchmarks/moe.py) instead, with the other ARGS.
 bench: venv
