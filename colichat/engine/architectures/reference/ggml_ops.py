@@ -41,13 +41,8 @@ LANES = 16  # AVX-512 float lanes (tinyBLAS KN, ggml_vec_dot_f32 EPR)
 
 
 def fma(a, b, c) -> np.ndarray:
-    """a * b + c with one float32 rounding (the product is exact in float64; one float64 buffer)."""
-    out = np.multiply(a, b, dtype=F64)
-    if np.ndim(out) and np.shape(out) == np.broadcast_shapes(np.shape(out), np.shape(c)):
-        np.add(out, c, out=out, dtype=F64)  # in place: the common case, (T, O, lanes) accumulators
-    else:
-        out = np.add(out, c, dtype=F64)
-    return out.astype(F32)
+    """a * b + c with one float32 rounding: the product is exact in float64 (converted as the ufuncs read)."""
+    return np.add(np.multiply(a, b, dtype=F64), c, dtype=F64).astype(F32)
 
 
 def hsum(acc: np.ndarray) -> np.ndarray:
