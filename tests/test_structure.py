@@ -10,8 +10,9 @@ import dataclasses
 import re
 from pathlib import Path
 
-import colichat
 from cli_helpers import chat_here
+
+import colichat
 
 ROOT = Path(colichat.__file__).parent
 
