@@ -62,6 +62,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The options as meant: -p's and --system's text read as UTF-8 (`not_utf8` names those that were
+    not), --model's ~ expanded; what argparse cannot read exits 2 here. Read only by check_command_line,
+    start.plan (the Plan of a chat) and from_the_shell."""
     p = Parser(
         prog="colichat",
         description="Chat with a GGUF model in the terminal; every conversation is kept on disk "
@@ -114,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.not_utf8 = [option for option, text in (("-p", args.prompt), ("--system", args.system))
                      if text is not None and argument_text(text) != argument_text(text, "surrogateescape")]
     args.prompt, args.system = argument_text(args.prompt), argument_text(args.system)
+    if args.model == "":
+        p.exit(2, "colichat: --model needs a path\n")
+    try:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
+        args.model = args.model and expand_home(args.model, UsageError, "--model ")
+    except UsageError as e:
+        p.exit(2, f"colichat: {e}\n")
     return args
 
 
@@ -129,10 +138,6 @@ def argument_text(text: str | None, errors: str = "replace") -> str | None:
 def check_command_line(args) -> tuple[Settings, frozenset]:
     """Refuse, before anything is read, a command line no run could carry out (UsageError: exit 2):
     a bad option value, options that contradict each other. Returns settings_from's answer."""
-    if args.model == "":
-        raise UsageError("--model needs a path")
-    if args.model:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
-        args.model = expand_home(args.model, UsageError, "--model ")
     if is_hub_model(args.model):
         parse_hub_model(args.model)
     if args.prompt is not None and not args.prompt.strip():
@@ -226,25 +231,23 @@ def main(argv=None) -> int:
         store = Store()  # the saved conversations, for the whole run
         if shell:
             return from_the_shell(args, store)
-        plan = start_plan(args, store, path, say)
+        plan = start_plan(args, settings, given, store, path, say)  # from here on, the Plan alone
         waiting = contextlib.nullcontext()
         if plan.interactive:  # keys typed while it loads wait for the prompt, not echoed into the progress line
             from .repl import keys_wait
 
             waiting = keys_wait()
         with waiting:
-            # --draft 0 at start: no MTP rows either (the model's, for its life; /set draft picks what it uses)
-            model = load_model(plan, say, status, mtp=settings.draft > 0, system=settings.system,
-                               expert_cache=args.expert_cache, verbose=args.verbose)
-        settings, note = model_sampling(settings, given, model.cfg)
+            model = load_model(plan, say, status)
+        settings, note = model_sampling(plan.settings, plan.given, model.cfg)
         if note:
             say(note)
-        problem = model.cache.codec_problem(args.kv)
+        problem = model.cache.codec_problem(plan.kv)
         if problem:
-            raise SettingError(f"--kv {args.kv}: {problem}")
-        conv = Conversation(model, settings, session_name=plan.session, store=store, pinned=given,
-                            no_save=args.no_save, save_new=plan.save_new, read_only=plan.read_only, kv=args.kv,
-                            reuse=not args.no_reuse)
+            raise SettingError(f"--kv {plan.kv}: {problem}")
+        conv = Conversation(model, settings, session_name=plan.session, store=store, pinned=plan.given,
+                            no_save=plan.no_save, save_new=plan.save_new, read_only=plan.read_only, kv=plan.kv,
+                            reuse=plan.reuse)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1
@@ -252,14 +255,14 @@ def main(argv=None) -> int:
         status.clear()
         to_stderr("colichat: interrupted while starting")
         return interrupted()
-    return chat(App(conv, plan.interactive, status, banner), plan, args)
+    return chat(App(conv, plan.interactive, status, banner), plan)
 
 
-def chat(app: App, plan: Plan, args) -> int:
+def chat(app: App, plan: Plan) -> int:
     """The chat, once the model is loaded: the conversation reopened or begun, then the REPL, or pipe
     mode (-p's message, or stdin's); the exit status."""
     conv, say, interactive = app.conv, app.say, plan.interactive
-    app.auto_forget = args.auto_forget
+    app.auto_forget = plan.auto_forget
     try:
         if plan.resume:
             app.status.show(BUSY["/resume"])
@@ -268,14 +271,14 @@ def chat(app: App, plan: Plan, args) -> int:
             if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
                 return interrupted()
         else:
-            if plan.session is not None and not args.no_save:
+            if plan.session is not None and not plan.no_save:
                 conv.saving.claim(plan.session, conv.settings.to_dict())
-            hint = conv.saving.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
+            hint = conv.saving.latest_hint() if plan.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
-        if args.prompt is not None:
+        if plan.prompt is not None:
             app.keep = "--session NAME"
-            return pipe_mode(app, [Message(args.prompt)])  # a message, even one that starts with /
+            return pipe_mode(app, [Message(plan.prompt)])  # a message, even one that starts with /
         if interactive:
             from .repl import run
 

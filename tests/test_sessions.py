@@ -486,12 +486,14 @@ def test_a_new_conversation_after_a_reopened_one_runs_and_reopens_with_the_loade
 def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkeypatch):
     """The note on where the context size came from follows a ContextError only, by its type: a model
     error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
-    import argparse
-
     from colichat import start, terminal
     from colichat.engine import ContextError, ModelError
+    from colichat.settings import Settings
 
-    args = argparse.Namespace(model="m.gguf", ctx=160, ctx_of="c", expert_cache=None, numerics="fast", verbose=False)
+    plan = start.Plan(settings=Settings(), given=frozenset(), prompt=None, kv="f32", reuse=True, no_save=False,
+                      auto_forget=False, expert_cache=None, verbose=False, numerics="fast", model="m.gguf",
+                      session="c", resume=True, ctx=160, ctx_of="c", read_only=False, save_new=True,
+                      interactive=False)
     status = terminal.StatusLine()
     for error, suffixed in ((ContextError("context size 160 is too small"), True),
                             (ModelError("m.gguf: chat template: 'context size' is undefined"), False)):
@@ -500,7 +502,7 @@ def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkey
 
         monkeypatch.setattr(start, "load", failing_load)
         with pytest.raises(ModelError) as caught:
-            start.load_model(args, print, status)
+            start.load_model(plan, print, status)
         assert type(caught.value) is type(error)
         assert str(caught.value).endswith("(the context size session c was saved with: --ctx N reopens it "
                                           "with another)") is suffixed, caught.value
