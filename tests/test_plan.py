@@ -20,7 +20,8 @@ DECIDED = {"plain": "interactive", "no_reuse": "reuse"}
 
 def test_every_option_of_a_chat_is_a_field_of_the_plan():
     fields = {f.name for f in dataclasses.fields(Plan)}
-    options = set(vars(cli.parse_args([]))) - NOT_A_CHAT - {"not_utf8"} - {row.name for row in TABLE}  # settings: Plan.settings
+    settings = {row.name for row in TABLE}  # in Plan.settings
+    options = set(vars(cli.parse_args([]))) - NOT_A_CHAT - {"not_utf8"} - settings
     assert {DECIDED.get(name, name) for name in options} <= fields
     assert {"settings", "given"} <= fields
 
