@@ -150,6 +150,26 @@ def test_the_options_are_the_table(colichat_home):
     assert settings.seed is None and settings.temperature == 0.7
 
 
+def test_the_settings_refuse_what_the_sampler_refuses_in_its_words():
+    """The sampling rules are the sampler's (engine/sampler.py): /set, an option and a saved value are
+    refused where SamplerSettings would be, with the same line."""
+    import dataclasses
+
+    from colichat.engine import SamplerSettings
+    from colichat.settings import BY_NAME, SettingError
+
+    for key, bad in (("temperature", -1.0), ("temperature", float("inf")), ("top_k", -1), ("top_k", 2.5),
+                     ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repeat_penalty", 0.0),
+                     ("repeat_last_n", -3), ("seed", -1)):
+        with pytest.raises(ValueError) as engine:
+            dataclasses.replace(SamplerSettings(), **{key: bad}).validate()
+        with pytest.raises(SettingError) as setting:
+            BY_NAME[key].validate(bad)
+        assert str(setting.value) == str(engine.value), key
+    for key, fine in (("top_p", 1.0), ("min_p", 0.0), ("seed", None), ("temperature", 0)):
+        BY_NAME[key].validate(fine)
+
+
 # ---- inputs: one reader of \"\"\" blocks for the terminal and for pipes --------------------------------
 
 
