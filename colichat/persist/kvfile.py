@@ -5,10 +5,7 @@
     8 x int32 LE     n_layers, A width, B width, index_hd, n_index_layers, vocab, nrec, mode
                      (mode: 0 f32, 1 fp8, codec<<8 | bits = 0x104 int4; a compact GQA file has no
                      indexer and holds its row width, head_dim, where index_hd is)
-    nrec records     int32 token id, then per layer the A rows then the B rows (MLA: c, k_pe, one
-                     row each; GQA: K, V, one row per head), each row W f32, or in a compact codec
-                     its codes and f32 scale (engine/kvcodec.py); then index_hd f32 for each of the
-                     n_index_layers indexer layers (DSA: Ic)
+    nrec records     the engine's record, in the file's codec: colichat/engine/cache.py describes it
 
 A record is byte-for-byte what `colichat.engine.cache.KVCache.raw` holds (the f32 record, or the
 stored codes of a compact cache), so records move between the file and the cache with one write
