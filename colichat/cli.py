@@ -61,10 +61,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"colichat: {message} (colichat --help lists the options)\n")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The options as meant: -p's and --system's text read as UTF-8 (`not_utf8` names those that were
-    not), --model's ~ expanded; what argparse cannot read exits 2 here. Read only by check_command_line,
-    start.plan (the Plan of a chat) and from_the_shell."""
+def parser() -> Parser:
+    """colichat's options: --help shows them, and README.md's synopsis is checked against them."""
     p = Parser(
         prog="colichat",
         description="Chat with a GGUF model in the terminal; every conversation is kept on disk "
@@ -113,6 +111,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options as meant: -p's and --system's text read as UTF-8 (`not_utf8` names those that were
+    not), --model's ~ expanded; what argparse cannot read exits 2 here. Read only by check_command_line,
+    start.plan (the Plan of a chat) and from_the_shell."""
+    p = parser()
     args = p.parse_args(argv)
     args.not_utf8 = [option for option, text in (("-p", args.prompt), ("--system", args.system))
                      if text is not None and argument_text(text) != argument_text(text, "surrogateescape")]
