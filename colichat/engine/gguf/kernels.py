@@ -8,16 +8,16 @@
     matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, T 1..16
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
 
-The bodies are in kernel_bodies.py (numba `njit`, nogil): plain loops over the bytes of each block as
-ggml lays them out (dequant.py's docstrings and gguf-py's gguf.quants). A matvec works on each block's
-sub-blocks: the integer codes times x summed in float32 lanes, the sub-block's scale applied once to
-that sum, and a minimum (K-quants, Q4_1) through the per-sub-block sums of x, computed once per call
-and shared by every row.
+The bodies are in kernel_bodies.py and kernel_kquants.py (numba `njit`, nogil): plain loops over the
+bytes of each block as ggml lays them out (their comments; gguf-py's gguf.quants). A matvec works on
+each block's sub-blocks: the integer codes times x summed in float32 (vectorized), the sub-block's scale
+applied once to that sum, and a minimum (K-quants, Q4_1, Q5_1) through the per-sub-block sums of x,
+computed once per call and shared by every row; blocks add into float64.
 
 Contract:
-- w: C-contiguous uint8 rows of whole blocks (a view of the file's memory map: never copied, read
-  only); x: float32 (T, Z), Z = the row's values; out: float32 of the stated shape, any strides (a
-  column range of a larger out is fine).
+- w: C-contiguous rows of whole blocks, uint8 (or the float dtype gguf-py gives F32/F16 tensors: viewed
+  as bytes), a view of the file's memory map: never copied, never written. x: float32 (T, Z), Z the
+  row's values. out: float32 of the stated shape, any strides (a column range of a larger out is fine).
 - Each out[t, r] comes from w[r] and x[t] alone, summed in one fixed order, so its bits do not depend
   on T, on how the rows are split between calls, or on the thread count.
 - nogil: the engine's own threads call matvec on disjoint row ranges at once (the one threading
@@ -37,8 +37,10 @@ import numpy as np
 
 SMALL_BATCH = 16  # the most rows of x a matvec takes (decode and speculative verify passes)
 TYPES = {  # GGUF type name -> (values per block, bytes per block)
-    "Q8_0": (32, 34),
-    "Q4_K": (256, 144),
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_XS": (256, 136),
 }
 
 
@@ -101,7 +103,7 @@ def _compile(names, cache_dir: str | None, progress=None) -> None:
     import numba
     from numba.core.errors import NumbaError
 
-    from . import kernel_bodies as bodies
+    from . import kernel_bodies, kernel_kquants
 
     mv_sig, dq_sig = _signatures()
     path = _cache_path(cache_dir)
@@ -109,7 +111,7 @@ def _compile(names, cache_dir: str | None, progress=None) -> None:
     try:
         numba.config.CACHE_DIR = path or saved
         for i, name in enumerate(names):
-            key = name.lower()
+            key, bodies = name.lower(), kernel_kquants if TYPES[name][0] == 256 else kernel_bodies
             mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(bodies, f"matvec_{key}"))
             dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
             _COMPILED.functions[name] = (mv, dq)
@@ -139,12 +141,15 @@ def _functions(qtype_name: str) -> tuple:
     return f
 
 
-def _check(qtype_name: str, w: np.ndarray, z: int) -> None:
+def _bytes(qtype_name: str, w: np.ndarray, z: int) -> np.ndarray:
+    """w as its (R, row_bytes) uint8 (a view: gguf-py gives F32 and F16 tensors as float arrays)."""
     values, size = TYPES[qtype_name]
-    if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
-        raise ValueError("w must be C-contiguous uint8 rows (R, row_bytes)")
+    if w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError("w must be C-contiguous rows (R, row_bytes)")
+    w = w.view(np.uint8)
     if w.shape[1] % size or w.shape[1] // size * values != z:
         raise ValueError(f"{qtype_name} rows of {w.shape[1]} bytes do not hold {z} values")
+    return w
 
 
 def matvec(qtype_name: str, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
@@ -154,7 +159,7 @@ def matvec(qtype_name: str, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> No
     threads call it on disjoint row ranges. Each out[t, r] is computed from w[r] and x[t] alone in a
     fixed order, so the bits do not depend on T, on how the rows are split, or on the thread count."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    _check(qtype_name, w, x.shape[1])
+    w = _bytes(qtype_name, w, x.shape[1])
     if not 1 <= x.shape[0] <= SMALL_BATCH or out.dtype != np.float32 or out.shape != (x.shape[0], w.shape[0]):
         raise ValueError(f"matvec takes x (T, Z), T 1..{SMALL_BATCH}, and out (T, R) float32")
     _functions(qtype_name)[0](w, x, out)
@@ -164,7 +169,7 @@ def dequantize(qtype_name: str, w: np.ndarray, out: np.ndarray) -> None:
     """out (R, Z) float32 = the values of the R rows w (R, row_bytes) uint8: compiled, nogil, for prefill
     tiles (dequantize a tile into a reused buffer, then numpy's sgemm). Bit for bit what dequant.py /
     gguf-py give."""
-    _check(qtype_name, w, out.shape[1])
+    w = _bytes(qtype_name, w, out.shape[1])
     if out.dtype != np.float32 or out.shape[0] != w.shape[0]:
         raise ValueError("dequantize takes out (R, Z) float32")
     _functions(qtype_name)[1](w, out)
