@@ -363,3 +363,49 @@ def test_an_edit_s_save_cut_short_at_any_call_keeps_the_old_conversation_or_the_
             assert calls[0] < k
             break
     assert finished
+
+
+@pytest.mark.parametrize("edit", ["an answer after reading again", "/forget"])
+def test_reading_again_then_a_save_cut_short_at_any_call_loses_no_exchange(model, tmp_path, monkeypatch, edit):
+    """A resume that read a damaged exchange again from its text, then an answer; /forget, which reads what it
+    keeps into a new conversation: stopped at any call of their save, the conversation on disk keeps every
+    exchange (the damaged one's text, read again at the next opening) or is the new one whole, and /forget's
+    new conversation is there whole or not at all, the old one as it was."""
+    from colichat.persist.loading import read_saved
+
+    finished = False
+    for k in range(1, 60):
+        store = Store(tmp_path / str(k))
+        conv = talked(model, store, 2)
+        old = [t.text for t in conv.turns]
+        if edit != "/forget":
+            conv.close()
+            kv = kv_file(store)
+            data = bytearray(kv.read_bytes())
+            data[-5] ^= 0xFF  # the last answer's records: it is read again from its text
+            kv.write_bytes(bytes(data))
+            conv = conversation(model, store, None)
+            assert "read 1 exchange again" in conv.resume("s")
+        with crash_at(monkeypatch, k) as calls:
+            try:
+                conv.forget(1) if edit == "/forget" else conv.ask(Q[2])
+                finished = True
+            except Crash:
+                pass
+        conv.saving.close()  # (killed: nothing more is written)
+        directory = next(store.root.iterdir())
+        res = read_saved(directory, "s")
+        got = [t.text for t in res.turns + res.unread]
+        if edit == "/forget":
+            assert got == old and res.warnings == [], (k, got)
+            cont = read_saved(directory, "s-cont") if (directory / "s-cont.coli_kv").exists() else None
+            assert cont is None or [t.text for t in cont.turns] == old[2:] and cont.warnings == [], k
+            done = cont is not None
+        else:
+            assert got[:4] == old and len(got) in (4, 6), (k, got)
+            done = len(got) == 6
+            assert not done or got[4] == Q[2] and res.warnings == [] and not res.unread
+        if finished:
+            assert done and calls[0] < k
+            break
+    assert finished
