@@ -236,7 +236,7 @@ class Conversation:
             on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut "
                     f"({ways_out(self)})")
         if start < self.n_tokens:
-            self.history.rebase(start)
+            self.history.rebase(start, defer_cut=True)  # (cut on disk as the answer is saved: one commit)
         first, sampler = self.n_tokens, self.prefs.sampler
         random = sampler.rng.bit_generator.state
         self.clock.start()

@@ -3,7 +3,9 @@
 The cache only grows by appending (or shrinks by truncating), and the saved session is a prefix of
 it. Where the two part for a while, History says how, and the next save (or quitting) joins them:
   unsaved_cut  the session keeps this many turns from the next save on (/regen, a re-render of
-               turns loaded from disk, a cut the disk refused: an append never runs before it);
+               turns loaded from disk, a cut the disk refused): that save drops the others and
+               adds the new turns in one commit (Session.append's `keep`), so a crash leaves one or
+               the other;
   unread_left  exchanges a stopped read left on disk, unread: they go with the next answer's save;
   save_failed  a save or a cut failed since the last save that worked: the disk is behind;
   cut_failed   why the last /rewind could not cut the session now (it waits for the next save).
@@ -126,18 +128,13 @@ class History:
     # --- saving -----------------------------------------------------------------------------------
 
     def save(self, stats: TurnStats) -> None:
-        """Append the unsaved turns, after the cut that waits (the answer /regen replaces goes from
-        the disk only now); how it went is in `stats`."""
+        """Append the unsaved turns, with the cut that waits in the same commit (the answer /regen
+        replaces goes from the disk only as the new one is saved: Session.append's `keep`); how it
+        went is in `stats`."""
         self.model.keep_expert_usage()  # (MoE: which experts this run used, for the next start's warm start)
-        if self.unsaved_cut is not None:
-            try:
-                self.saving.truncate(self.cache, self.unsaved_cut, self.prefs.saved())
-            except ChatError as e:
-                stats.saved, stats.save_error = False, str(e)
-                self.save_failed = True
-                return
+        self.saving.save(self.cache, self.turns, self.prefs.saved(), stats, keep=self.unsaved_cut)
+        if stats.saved is not False:
             self.unsaved_cut = None
-        self.saving.save(self.cache, self.turns, self.prefs.saved(), stats)
         if stats.saved is not None:
             self.save_failed = not stats.saved
         if stats.saved:
@@ -395,9 +392,9 @@ class History:
     @contextlib.contextmanager
     def replacing_last(self):
         """/regen: the body answers the last message (yielded, its user turn) again. The exchange it
-        replaces stays, in memory and on disk, until the new one exists: the session loses it at the
-        next save, and a body that fails (or is stopped before its first token) leaves the
-        conversation as it was."""
+        replaces stays, in memory and on disk, until the new one exists: the next save replaces it in
+        one commit (a crash leaves the old exchange or the new one), and a body that fails (or is
+        stopped before its first token) leaves the conversation as it was."""
         starts = self.starts()
         if not starts:
             raise ChatError("nothing to regenerate: the conversation is empty")

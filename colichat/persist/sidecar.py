@@ -46,6 +46,18 @@ def document(data: bytes):
         return None
 
 
+def session_document(head: dict, turns: list[Turn], crcs: list[int], unread: list[dict] = ()) -> dict:
+    """The sidecar of a session: `head` (model, layout, created, sampler, a fork's parent and branch,
+    pending.py's marks) and the time, under the top-level check; the turns, each with its check, then
+    `unread` (entries of turns whose records are lost, listed as they were)."""
+    doc = {"format": FORMAT_VERSION, **head, "updated": now_iso(), "nrec": turns[-1].last if turns else 0}
+    doc["check"] = doc_check(doc)
+    doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
+                     "check": turn_check(t.role, t.text, t.first, t.last, c)}
+                    for t, c in zip(turns, crcs, strict=True)] + list(unread)
+    return doc
+
+
 def now_iso() -> str:
     """The sidecar's times ("created", "updated"): UTC, to the millisecond."""
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
