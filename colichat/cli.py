@@ -208,6 +208,16 @@ def interrupted() -> int:
     return 130
 
 
+def keys_waiting(interactive: bool):
+    """In the REPL's terminal, keys typed while colichat starts (loads, reopens a conversation) wait for
+    the prompt, not echoed into the progress line (repl.keys_wait); nothing otherwise."""
+    if not interactive:
+        return contextlib.nullcontext()
+    from .repl import keys_wait
+
+    return keys_wait()
+
+
 def main(argv=None) -> int:
     open_standard_streams()
     # Weights that overflow float32 (a damaged or odd file): the model's own check says so in one line
@@ -238,12 +248,7 @@ def main(argv=None) -> int:
         if shell:
             return from_the_shell(args, store)
         plan = start_plan(args, settings, given, store, path, say)  # from here on, the Plan alone
-        waiting = contextlib.nullcontext()
-        if plan.interactive:  # keys typed while it loads wait for the prompt, not echoed into the progress line
-            from .repl import keys_wait
-
-            waiting = keys_wait()
-        with waiting:
+        with keys_waiting(plan.interactive):
             model = load_model(plan, say, status)
         settings, note = model_sampling(plan.settings, plan.given, model.cfg)
         if note:
@@ -272,8 +277,8 @@ def chat(app: App, plan: Plan) -> int:
     try:
         if plan.resume:
             app.status.show(BUSY["/resume"])
-            with stopped_by_ctrl_c(conv) as stopped:  # damaged exchanges read again: keep those read
-                app.resume(plan.session)
+            with stopped_by_ctrl_c(app) as stopped, keys_waiting(interactive):  # damaged exchanges read again
+                app.resume(plan.session)  # (Ctrl-C keeps those read)
             if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
                 return interrupted()
         else:

@@ -245,7 +245,7 @@ def cmd_rewind(app, arg: str) -> None:
 
 def cmd_forget(app, arg: str) -> None:
     n = _int_arg(arg, 0, "/forget") if arg.strip() else None
-    app.say(app.conv.forget(n, on_progress=app.prefill_progress("the exchanges kept")))
+    app.say(app.conv.forget(n, on_progress=app.prefill_progress("the exchanges kept"), cancel=app.cancel))
 
 
 def cmd_fork(app, arg: str) -> None:

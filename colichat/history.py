@@ -283,9 +283,9 @@ class History:
 
     # --- reading it again -------------------------------------------------------------------------
     # `conv` is the chat.Conversation that reads: its `_read_turn` prefills a turn from its text
-    # (appending it here), and its `stop_requested` is Ctrl-C's.
+    # (appending it here); `cancel` (engine.cancel.Cancel) is Ctrl-C's.
 
-    def forget(self, conv, n: int | None = None, on_progress=None) -> str:
+    def forget(self, conv, n: int | None = None, on_progress=None, cancel=None) -> str:
         """/forget [N]: continue in a new conversation without the n oldest exchanges (default: enough
         that what remains fills at most half the context): the rest is read again (prefilled) from
         its text; the current conversation stays saved as it is. Ctrl-C goes back to it."""
@@ -304,14 +304,21 @@ class History:
         kept = self.turns[starts[n]:] if n < len(starts) else []
         self.keep_saved("/forget")
         old = self.saved_name
-        conv.stop_requested, stopped, conv.reused_from = False, False, None
+        stopped, conv.reused_from = False, None
         self.new(stem=f"{old[:54]}-cont" if old and kept else None)  # named after where it came from
         try:
             for t in kept:
-                if conv.stop_requested and old:  # Ctrl-C: back to the conversation as it was, below
+                if cancel.requested and old:  # Ctrl-C: back to the conversation as it was, below
                     stopped = True
                     break
-                conv._read_turn(t, on_progress, "what remains does not fit in the context: /forget more exchanges")
+                try:
+                    conv._read_turn(t, on_progress, "what remains does not fit in the context: /forget more "
+                                    "exchanges", cancel=cancel)
+                except ChatError:
+                    if not (cancel.requested and old):
+                        raise
+                    stopped = True  # inside a turn's reading (what it read goes with the rest, below)
+                    break
         except BaseException:
             if self.turns and self.turns[-1].role == "user":
                 self.turns.pop()  # an exchange is kept whole or not at all
@@ -336,7 +343,7 @@ class History:
                 + f": {count(len(self.starts()), 'exchange')}, {count(self.cache.length, 'token')} read again"
                 + f"{reused}; {where}")
 
-    def read_again(self, conv, unread: list[Turn], on_progress=None) -> str:
+    def read_again(self, conv, unread: list[Turn], on_progress=None, cancel=None) -> str:
         """A resume's exchanges whose records were dropped (damaged, cut short) but whose text is intact
         (LoadResult.unread): read again from their text, an exchange at a time, so that the
         conversation goes on whole. Nothing is written now: the next answer's save replaces their
@@ -346,17 +353,17 @@ class History:
         n0, t0 = self.cache.length, time.perf_counter()
         starts = [i for i, t in enumerate(unread) if t.role == "user"]
         done, why = 0, None
-        conv.stop_requested = False
         for a, b in zip(starts, starts[1:] + [len(unread)], strict=True):
             _, start = conv._prompt_ids(unread[a].text)  # below the cache's end when the template re-renders
             try:
                 with self.restored_unless_done(start):  # else as before this exchange
-                    if conv.stop_requested:
+                    if cancel.requested:
                         raise ChatError("stopped")
                     for t in unread[a:b]:
-                        conv._read_turn(t, on_progress, "it no longer fits in the context", defer_cut=True)
+                        conv._read_turn(t, on_progress, "it no longer fits in the context", defer_cut=True,
+                                        cancel=cancel)
             except ChatError as e:
-                why = "stopped" if conv.stop_requested else str(e)
+                why = "stopped" if cancel.requested else str(e)
                 break
             done += 1
         said = (f"read {count(done, 'exchange')} again from {'its' if done == 1 else 'their'} saved text "

@@ -1,5 +1,6 @@
 """What the user is told about a conversation: one exchange's numbers (TurnStats) and the footer
-after the answer, the /stats lines, the ways out of a full context, and where a resumed one stands."""
+after the answer, the /stats lines, the ways out of a full context, a prefill's progress, and where a
+resumed one stands."""
 
 from __future__ import annotations
 
@@ -109,6 +110,27 @@ def system_tokens(conv) -> int:
     """How many tokens the system prompt's text is (0 without one): what it takes of every conversation."""
     system = conv.settings.system
     return len(conv.tok.encode(system)) if system else 0
+
+
+def progress(done: float, total: int, seconds: float) -> str:
+    """How far a prefill is after `seconds`: '57/105 tokens, 2.6 tok/s, about 18 s left' (the time left
+    once a token has been read, at the rate so far)."""
+    line = f"{int(done):,}/{total:,} tokens"
+    if done <= 0 or seconds <= 0:
+        return line
+    rate = done / seconds
+    left = (total - done) / rate
+    return line + f", {rate:,.1f} tok/s" + (f", about {duration(left)} left" if left >= 1 else "")
+
+
+def duration(seconds: float) -> str:
+    """'8 s', '2 min 05 s', '1 h 02 min'."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 RECAP_LINES = 8  # a turn of the recap longer than this many lines (a long paste) shows its first ones

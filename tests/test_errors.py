@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -133,7 +134,7 @@ def _app(ask):
     from colichat.terminal import StatusLine
 
     class Conv:
-        stop_requested = False
+        model = SimpleNamespace(warming=lambda: None)  # (a model without experts warming)
 
     conv = Conv()
     conv.ask = ask
