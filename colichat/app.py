@@ -135,7 +135,9 @@ class App:
 
     def resume(self, name: str | None) -> None:
         """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
-        self.say(self.conv.resume(name, on_progress=self.prefill_progress("the damaged exchanges' saved text")))
+        said = self.conv.resume(name, on_progress=self.prefill_progress("its saved text"), on_note=self.say)
+        if said:
+            self.say(said)
         for line in report.recap(self.conv.turns, self.conv, self.dim) if self.interactive else ():
             self.say(line)
 
@@ -185,8 +187,7 @@ class App:
                      f"/set max_tokens {max(4096, 4 * most)} (or --max-tokens) leaves it room to answer; /regen "
                      "asks again")
         if stats.stopped == "context":  # cut, not ended: say what lets it go on
-            self.say("note: the answer was cut: the context is full. /forget goes on in a new conversation without "
-                     "the oldest exchanges (--auto-forget does so by itself before a message that does not fit)")
+            self.say(f"note: the answer was cut: the context is full: {report.ways_out(self.conv)}")
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
