@@ -12,7 +12,7 @@ import sys
 
 from . import report
 from .chat import Conversation
-from .commands import dispatch, is_command, is_quit_word, message_text
+from .commands import dispatch, is_command, meant_command, message_text
 from .errors import USER_ERRORS, ChatError
 from .terminal import StatusLine, discard, dumb_terminal, terminal_size, to_stderr
 from .thinking import LiveThinking
@@ -144,22 +144,24 @@ class App:
     def quit(self) -> None:
         self.quitting = True
 
-    def quit_or_send(self, line: str) -> None:
-        """`exit` alone on a line: ask whether /quit was meant; only a "no" sends it to the model."""
+    def quit_or_send(self, line: str, meant: str = "/quit") -> None:
+        """`exit` (or `clear`) alone on a line: ask whether /quit (/clear) was `meant`; only a "no" sends it
+        to the model."""
         word = line.strip()
         if not self.interactive:
-            raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
+            does = "quits" if meant == "/quit" else "starts a new conversation"
+            raise ChatError(f"'{word}' alone is not sent to the model: {meant} {does}, a \"\"\" block sends it")
         from .repl import yes_or_no
 
-        question = f"Did you mean /quit? (n sends '{word}' to the model)"
+        question = f"Did you mean {meant}? (n sends '{word}' to the model)"
         try:
-            meant_quit = yes_or_no(question, self.screen)
+            said_yes = yes_or_no(question, self.screen)
         except (KeyboardInterrupt, EOFError):
             return
         if self.screen:
-            self.screen.echo(f"{question} (y/n) {'y' if meant_quit else 'n'}")
-        if meant_quit:
-            self.quit()
+            self.screen.echo(f"{question} (y/n) {'y' if said_yes else 'n'}")
+        if said_yes:
+            dispatch(self, meant)
         else:
             self.answer(word)
 
@@ -211,8 +213,8 @@ class App:
             if is_command(line):
                 self.status.show(BUSY.get(line.split(maxsplit=1)[0].lower(), "working ..."))
                 dispatch(self, line)
-            elif is_quit_word(line):
-                self.quit_or_send(line)
+            elif meant_command(line):
+                self.quit_or_send(line, meant_command(line))
             elif line.strip():
                 self.answer(message_text(line))
         except USER_ERRORS as e:

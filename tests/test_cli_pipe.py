@@ -485,12 +485,13 @@ def test_new_and_clear_start_a_new_conversation(tiny_ref, colichat_home):
     assert sum(line.startswith("new conversation (session ") for line in run.err.splitlines()) == 2
 
 
-def test_exit_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colichat_home):
-    stdin = lines("exit", "quit", "/hlep", "/sesions", Q[0])
+def test_exit_or_clear_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colichat_home):
+    stdin = lines("exit", "quit", "clear", "/hlep", "/sesions", Q[0])
     run = chat_here(colichat_home, [*TINY_ARGS, "--session", "x"], stdin).failed()
     assert run.errors() == [
         "colichat: 'exit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
         "colichat: 'quit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
+        "colichat: 'clear' alone is not sent to the model: /clear starts a new conversation, a \"\"\" block sends it",
         "colichat: unknown command '/hlep': did you mean /help? /help lists the commands",
         "colichat: unknown command '/sesions': did you mean /sessions? /help lists the commands",
     ]
