@@ -106,7 +106,10 @@ def parser() -> Parser:
     p.add_argument("--models", action="store_true", help="list the GGUF models colichat has used or finds in the "
                    "Hugging Face cache (architecture, size, whether they run here) and exit")
     p.add_argument("--prune-kv", metavar="DAYS", type=float, help="free the disk space of conversations not used "
-                   "for DAYS days: their KV files go, their text stays (reopening one reads it again); then exit")
+                   "for DAYS days: their KV files go, their text stays (reopening one reads it again); it lists them "
+                   "and asks first; 0 keeps the last hour's; then exit")
+    p.add_argument("--yes", action="store_true", help="--prune-kv without asking")
+    p.add_argument("--all", action="store_true", help="--prune-kv 0 prunes the last hour's conversations too")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
@@ -177,6 +180,8 @@ def check_combinations(args) -> None:
         raise UsageError(f"{' and '.join(shell)} each do their work and exit: give one of them")
     if args.prune_kv is not None and not 0 <= args.prune_kv < float("inf"):
         raise UsageError("--prune-kv takes a number of days, 0 or more")
+    if args.prune_kv is None and (args.yes or args.all):
+        raise UsageError(f"{'--yes' if args.yes else '--all'} goes with --prune-kv DAYS, which it answers or widens")
     if not shell:
         return
     if args.prune_kv is not None:
@@ -277,7 +282,7 @@ def chat(app: App, plan: Plan) -> int:
     try:
         if plan.resume:
             app.status.show(BUSY["/resume"])
-            with stopped_by_ctrl_c(app) as stopped, keys_waiting(interactive):  # damaged exchanges read again
+            with stopped_by_ctrl_c(app) as stopped, keys_waiting(interactive):  # exchanges read again
                 app.resume(plan.session)  # (Ctrl-C keeps those read)
             if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
                 return interrupted()

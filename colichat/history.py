@@ -38,6 +38,16 @@ def takes(n: int) -> str:
     return "1" if n == 1 else f"1 to {n}"
 
 
+def one_count(on_progress, cache, later: list[Turn]):
+    """The progress of one turn read again, said as part of reading several (/forget, a resume's
+    exchanges): the cache's rows so far, of those plus the turn's rest plus the `later` turns' tokens
+    (as they were saved): exact once the last turn is read, which the result counts."""
+    if on_progress is None:
+        return None
+    rest = sum(t.last - t.first for t in later)
+    return lambda done, total, *more: on_progress(cache.length, cache.length - done + total + rest, *more)
+
+
 @dataclass
 class Mark:
     """What History.restore puts back: the cache rows [first, end), the turns, the deferred cut."""
@@ -307,13 +317,13 @@ class History:
         stopped, conv.reused_from = False, None
         self.new(stem=f"{old[:54]}-cont" if old and kept else None)  # named after where it came from
         try:
-            for t in kept:
+            for i, t in enumerate(kept):
                 if cancel.requested and old:  # Ctrl-C: back to the conversation as it was, below
                     stopped = True
                     break
                 try:
-                    conv._read_turn(t, on_progress, "what remains does not fit in the context: /forget more "
-                                    "exchanges", cancel=cancel)
+                    conv._read_turn(t, one_count(on_progress, self.cache, kept[i + 1:]),
+                                    "what remains does not fit in the context: /forget more exchanges", cancel=cancel)
                 except ChatError:
                     if not (cancel.requested and old):
                         raise
@@ -343,13 +353,14 @@ class History:
                 + f": {count(len(self.starts()), 'exchange')}, {count(self.cache.length, 'token')} read again"
                 + f"{reused}; {where}")
 
-    def read_again(self, conv, unread: list[Turn], on_progress=None, cancel=None) -> str:
-        """A resume's exchanges whose records were dropped (damaged, cut short) but whose text is intact
-        (LoadResult.unread): read again from their text, an exchange at a time, so that the
+    def read_again(self, conv, unread: list[Turn], on_progress=None, cancel=None, plain: bool = False) -> list[str]:
+        """A resume's exchanges whose records were dropped (damaged, cut short, pruned) but whose text is
+        intact (LoadResult.unread): read again from their text, an exchange at a time, so that the
         conversation goes on whole. Nothing is written now: the next answer's save replaces their
         records. A stop (Ctrl-C), or an exchange that no longer fits, keeps the exchanges read so far
         (as /regen does, the rows a re-render replaced are put back); the others stay on disk until
-        that save (`unread_left`), as the warnings above this line say."""
+        that save (`unread_left`), as the warnings above this line say. -> the lines that say how it
+        went (`plain`: none where all went well, a pruned conversation's line having said it all)."""
         n0, t0 = self.cache.length, time.perf_counter()
         starts = [i for i, t in enumerate(unread) if t.role == "user"]
         done, why = 0, None
@@ -359,9 +370,9 @@ class History:
                 with self.restored_unless_done(start):  # else as before this exchange
                     if cancel.requested:
                         raise ChatError("stopped")
-                    for t in unread[a:b]:
-                        conv._read_turn(t, on_progress, "it no longer fits in the context", defer_cut=True,
-                                        cancel=cancel)
+                    for i in range(a, b):
+                        conv._read_turn(unread[i], one_count(on_progress, self.cache, unread[i + 1:]),
+                                        "it no longer fits in the context", defer_cut=True, cancel=cancel)
             except ChatError as e:
                 why = "stopped" if cancel.requested else str(e)
                 break
@@ -371,10 +382,10 @@ class History:
         saving = not self.saving.read_only  # (--no-save, a read-only file system: nothing is written)
         self.unread_left = len(starts) - done if saving else 0
         if why is None:
-            return (f"note: {said}: the conversation is whole again"
-                    + (f"; the next answer saves {'its' if done == 1 else 'their'} records anew" if saving else ""))
-        return (f"warning: {said}, then {why}: {count(len(starts) - done, 'more exchange')} not read"
-                + ("; they stay on disk until the next answer saves the conversation without them" if saving else ""))
+            return [] if plain else [f"note: {said}: the conversation is whole again" + (
+                f"; the next answer saves {'its' if done == 1 else 'their'} records anew" if saving else "")]
+        return [f"warning: {said}, then {why}: {count(len(starts) - done, 'more exchange')} not read"
+                + ("; they stay on disk until the next answer saves the conversation without them" if saving else "")]
 
     # --- cutting it short -------------------------------------------------------------------------
 
@@ -424,7 +435,7 @@ class History:
             raise ChatError(f"/rewind takes {takes(len(starts))}: the conversation has {count(len(starts), 'exchange')}"
                             + (" (/reset empties it)" if n > len(starts) else ""))
         dropped = self.turns[starts[-n]:]
-        self.cut_failed = None
+        self.cut_failed, self.last_stats = None, None  # (/stats: the last answer is gone)
         if self.unread_left:  # a stopped read left exchanges on disk: they and these go with the next save
             self.rebase(dropped[0].first, defer_cut=True)
             self.turns = self.turns[: starts[-n]]

@@ -490,7 +490,7 @@ def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
     # A file size limit (RLIMIT_FSIZE: writes past it fail with EFBIG; root ignores permissions) halfway
     # between the cache file's size after the first answer and after the second.
     [kv] = [p for p in session_files(tmp_path / "clean") if p.suffix == ".coli_kv"]
-    ctx = [int(f.split("context ")[1].split("/")[0]) for f in clean.footers()]
+    ctx = [used for used, _ in clean.contexts()]
     limit = kv.stat().st_size * (ctx[0] + ctx[1]) // (2 * ctx[2])
 
     def limit_file_size():

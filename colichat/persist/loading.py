@@ -53,6 +53,7 @@ from .sidecar import (
     doc_check,
     document,
     drop_unanswered,
+    kv_gone,
     lineage,
     parse_turns,
     readable_again,
@@ -87,6 +88,7 @@ class LoadResult:
     text_only: bool = False  # no records read: no KV file, or none this load can use (`kv_damage`)
     kv_damage: str | None = None
     pending: Pending | None = None  # what the sidecar committed that the file does not show yet (pending.py)
+    kv_gone: str | None = None  # "was pruned" (--prune-kv) or "is not there": no KV file, all the text read again
 
     def summary(self) -> str:
         """The line the chat program prints to stderr after a resume."""
@@ -306,10 +308,11 @@ def load_text_only(src: Source, damage: str | None, cache=None, ctx_limit: int |
     if doc is None:
         raise SessionError(f"no session named {src.name} for this model (/sessions lists them)")
     listed, _, warn = parse_turns(doc)
-    state = f"is damaged ({damage})" if damage else "is not there"
-    warnings = [f"the KV file {src.name}{KV_EXT} {state}: none of the {count(len(listed), 'turn')} "
-                "listed has its records"] + ([warn] if warn else [])
     unread = readable_again(doc, [])
+    gone = None if damage or warn else kv_gone(doc, listed, unread)  # nothing is lost: no warning
+    state = f"is damaged ({damage})" if damage else "is not there"
+    warnings = [] if gone else [f"the KV file {src.name}{KV_EXT} {state}: none of the {count(len(listed), 'turn')} "
+                                "listed has its records"] + ([warn] if warn else [])
     n = unread[-1].last if unread else 0
     ctx = None if cache is None else cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
     if ctx is not None and n > ctx:
@@ -318,7 +321,7 @@ def load_text_only(src: Source, damage: str | None, cache=None, ctx_limit: int |
         cache.set_length(0)
     return LoadResult(src.name, 0, [], (time.perf_counter() - t0) * 1000, warnings, unread=unread,
                       layout=src.layout, unread_entries=doc["turns"][: len(unread)], text_only=True,
-                      kv_damage=damage, **_kept(doc))
+                      kv_damage=damage, kv_gone=gone, **_kept(doc))
 
 
 # ---- the rules ---------------------------------------------------------------------------------
@@ -363,8 +366,7 @@ def read_sidecar(src: Source) -> dict | None:
 
 
 def header_disagreement(doc: dict, header) -> str | None:
-    """How a header disagrees with the layout its own sidecar recorded (damage, or another
-    session's KV file put in its place), or None."""
+    """How a header disagrees with the layout its own sidecar recorded (damage, another session's KV file), or None."""
     saved = doc.get("layout") if isinstance(doc.get("layout"), dict) else {}
     saved = {"codec": "f32", "head_dim": 0, **saved}  # (an f32 sidecar names no codec)
     got = CacheLayout.from_header(header).__dict__
@@ -373,9 +375,9 @@ def header_disagreement(doc: dict, header) -> str | None:
 
 
 def listed_prefix(doc, nrec: int, size: int, warnings: list[str], record_bytes: int):
-    """(turns, crcs, records to read, pending): the sidecar's turns that lie within the whole records
-    present (all records present when there is no sidecar), of `record_bytes`, where the sidecar's
-    marks say they lie (pending.py: `pending`, what the file does not show yet, or None)."""
+    """(turns, crcs, records to read, pending): the sidecar's turns within the whole records (of `record_bytes`)
+    present (all records present when there is no sidecar), where the sidecar's marks say they lie (pending.py:
+    `pending`, what the file does not show yet, or None)."""
     whole = (size - HEADER_SIZE) // record_bytes
     avail = min(nrec, whole)
     pend = pending_of(doc, nrec)
@@ -457,8 +459,7 @@ def _kept(doc: dict) -> dict:
 
 
 def _sidecar_as_it_is(path: str) -> dict | None:
-    """The sidecar document as `listed_prefix` takes it, unchecked (None: no sidecar, or one that is
-    not a document; SessionError if it cannot be read)."""
+    """The sidecar document as `listed_prefix` takes it, unchecked (None: none there; SessionError: no document)."""
     if lstat_regular(path, "sidecar") is None:
         return None
     fd = open_file(path, "sidecar", os.O_RDONLY)

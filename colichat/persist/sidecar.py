@@ -177,3 +177,25 @@ def readable_again(doc: dict, kept: list[Turn]) -> list[Turn]:
     if roles[0::2] != ["user"] * len(roles[0::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]):
         return []
     return rest
+
+
+# --prune-kv's mark: the time a sidecar's KV file was removed to free its space (all its turns can be read again)
+PRUNED = "pruned"
+
+
+def kv_gone(doc: dict, listed: list[Turn], unread: list[Turn]) -> str | None:
+    """How a sidecar's KV file went, where it is not there and every turn listed is read again from its
+    text, so nothing is lost: "was pruned" (marked so by --prune-kv), else "is not there"; None otherwise."""
+    if not unread or len(unread) < len(listed):
+        return None
+    return "was pruned" if doc.get(PRUNED) else "is not there"
+
+
+def mark_pruned(path: str, doc: dict) -> None:
+    """Write the sidecar `doc` at `path` again with the mark of --prune-kv (before its KV file goes); its
+    "check" is computed anew only if it held (a damaged one is not made to look sound)."""
+    intact = doc.get("check") == doc_check(doc)
+    doc = {**doc, PRUNED: now_iso()}
+    if intact:
+        doc["check"] = doc_check(doc)
+    write_document(path, doc)
