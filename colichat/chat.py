@@ -128,7 +128,7 @@ class Conversation:
 
     # --- the conversation and its session ---------------------------------------------------------
 
-    def resume(self, name: str | None = None, on_progress=None, on_note=None, cancel: Cancel | None = None) -> str:
+    def resume(self, name: str | None = None, on_progress=None, cancel: Cancel | None = None, on_note=None) -> str:
         """Fill the cache from a saved session (the latest by default); no forward pass, except for
         exchanges without records (pruned, damaged) whose text is intact: those are read again from
         their text (History.read_again, with `on_progress`, after what was found is said to `on_note`;

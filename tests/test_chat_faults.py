@@ -278,7 +278,9 @@ def test_an_answer_cut_by_the_context_says_what_lets_it_go_on(tmp_path):
     small = load(TINY_LLAMA, n_ctx=64)
     conv = Conversation(small, Settings(temperature=0, max_tokens=200), store=Store(tmp_path / "s"))
     said = run(Recorder(conv), "hello")
-    assert "context full" in said[-2] and said[-1].startswith("note: the answer was cut: the context is full. /forget")
+    assert "context full" in said[-2] and said[-1].startswith("note: the answer was cut: the context is full")
+    assert "/rewind 1" in said[-1] and "/new" in said[-1] and "--ctx" in said[-1]
+    assert "/forget" not in said[-1]  # one exchange: nothing older to forget
     conv.close()
 
 
