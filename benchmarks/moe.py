@@ -171,13 +171,15 @@ class RouteCounter:
         return out
 
 
-def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
+def colichat(path: str, expert_cache: float | None, load_args: dict) -> SimpleNamespace:
     """colichat as run_phases drives it; fresh() gives a new Model over the same weights (an empty KV cache
-    and a cold expert cache of the same size)."""
+    and a cold expert cache of the same size). With experts multiplied where they lie in the map (no slab
+    of its own: the page cache is the expert cache), fresh() gives a new KV cache only and note() the routes."""
     from colichat.engine import Model, load
 
-    m = load(path, n_ctx=N_CTX, expert_cache=expert_cache)
-    prefetch = bool(os.environ.get("COLICHAT_BENCH_PREFETCH"))
+    m = load(path, n_ctx=N_CTX, expert_cache=expert_cache, **load_args)
+    slab = hasattr(m.experts, "capacity")  # an expert cache of its own, with its counters
+    prefetch = bool(os.environ.get("COLICHAT_BENCH_PREFETCH")) and slab
     if prefetch:
         m.experts.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch")
     cfg, state = m.cfg, {"m": m, "seen": (0, 0, 0, 0, 0)}
@@ -186,6 +188,9 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
     hot = np.stack(bias) > 0 if any("exp_probs_b" in k for k in m.w) else None  # (L, X)
 
     def fresh() -> None:
+        if not slab:
+            common.fresh_cache(state["m"])
+            return
         old = state.pop("m")
         w, tok, tensors, mib = old.w, old.tokenizer, old.tensors, old.experts.capacity / (1 << 20)
         del old
@@ -195,6 +200,8 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
             state["m"].experts.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch")
 
     def note() -> dict:
+        if not slab:
+            return routes.take(hot)
         e, was = state["m"].experts, state["seen"]
         now = (e.hits, e.misses, e.prefetched, e.predictions, e.predicted_right)
         state["seen"] = now
@@ -206,15 +213,20 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
                            decode=lambda i: state["m"].decode(i), model=lambda: state["m"])
 
 
-def child(engine_name: str, path: str, tok_file: str, expert_cache: float | None) -> dict:
+def child(engine_name: str, path: str, tok_file: str, expert_cache: float | None, load_args: dict) -> dict:
     """One engine's figures on one file (in a child process: its peak RSS is its own)."""
     tokens = json.loads(Path(tok_file).read_text())
     t = time.perf_counter()
-    engine = colichat(path, expert_cache) if engine_name == "colichat" else common.llamacpp(path, N_CTX)
+    try:
+        engine = colichat(path, expert_cache, load_args) if engine_name == "colichat" else common.llamacpp(path, N_CTX)
+    except Exception as e:  # a refusal or a failure to load is the result
+        return {"error": f"{type(e).__name__}: {e}"}
     out = {"load_s": time.perf_counter() - t, "rss_load": common.peak_rss()}
     if engine_name == "colichat":
         m = engine.model()
-        out.update(expert_cache_mib=m.experts.capacity >> 20, memory=str(m.memory_estimate()))
+        out["memory"] = str(m.memory_estimate())
+        if hasattr(m.experts, "capacity"):
+            out["expert_cache_mib"] = m.experts.capacity >> 20
         del m
     common.run_phases(out, engine, phases(tokens, engine), Path(tok_file).parent, f"{Path(path).stem}-{engine_name}")
     return out
@@ -370,6 +382,9 @@ def report_file(title: str, col: dict, ref: dict | None, b: dict, cost: dict, li
     if not c:
         return
     biased = "biased_share" in col["prefill512"]
+    if "hits" not in col["prefill512"]:  # experts multiplied in the map: no cache of colichat's own to report
+        print(f"\ncolichat: {col['memory']}\n")
+        return
     print(f"\ncolichat: {col['memory']}; expert cache {col['expert_cache_mib']:,} MiB\n")
     print("| colichat phase | expert hits | misses | hit rate | prefetched | next-layer prediction right "
           "| routes to each layer's top 20% of experts |" + (" to the 13 biased |" if biased else "")
@@ -410,6 +425,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-cache", type=float, help="colichat's expert cache in MiB (default: the engine's)")
     p.add_argument("--prefetch", action="store_true", help="colichat with its next-layer expert prefetch (off by "
                    "default)")
+    p.add_argument("--load-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to colichat's engine.load (e.g. kernels=numpy), repeatable")
     p.add_argument("--moe", action="store_true", help=argparse.SUPPRESS)  # make bench ARGS=--moe passes it on
     p.add_argument("--child", nargs=3, metavar=("ENGINE", "GGUF", "TOKENS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -421,7 +438,7 @@ def main(argv=None) -> int:
     if args.prefetch:  # (the children inherit it)
         os.environ["COLICHAT_BENCH_PREFETCH"] = "1"
     if args.child:  # one engine on one file: its figures as JSON on the last line
-        print(json.dumps(child(*args.child, args.expert_cache)))
+        print(json.dumps(child(*args.child, args.expert_cache, dict(a.split("=", 1) for a in args.load_arg))))
         return 0
     t0, load0 = time.perf_counter(), os.getloadavg()
     say(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; measuring the machine")
@@ -435,6 +452,7 @@ def main(argv=None) -> int:
             continue
         path = model_file(args.dir, args.layers, label == "skewed", args.skew_bias, args.shape)
         cache = ["--expert-cache", str(args.expert_cache)] if args.expert_cache else []
+        cache += [f"--load-arg={a}" for a in args.load_arg]
         say(f"{label}: colichat")
         col = common.run_child([sys.executable, __file__, "--child", "colichat", str(path), str(tok_file), *cache])
         ref = None

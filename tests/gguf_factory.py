@@ -24,6 +24,11 @@ DeepSeek-style specials (ids 256-259: bos, eos, User, Assistant), then merge tok
 default n_vocab = 268 it is exactly the vocabulary of the reference tiny models; a bigger n_vocab
 adds deterministic merges (two-byte, then three-byte tokens) up to the requested size.
 
+`write_llama(path, spec)` writes a llama-3-style file of a `LlamaSpec` the same streaming way, every matrix
+random blocks of a RAW_TYPES type, norms f32, llama-3.1's rope_freqs, and this byte-level vocabulary with
+llama-3's specials (ids 256-260) under the llama-bpe pre-tokenizer. `LLAMA_8B` is Llama-3.1-8B's shape
+(5.1 GB: Q4_K, ffn_down and output Q6_K); llama.cpp 0.3.36 loads it.
+
 Shapes in comments are numpy shapes (reversed ggml ne).
 """
 
