@@ -214,22 +214,27 @@ def machine_table(lim: dict) -> str:
 
 def token_cost(path: str | Path) -> dict:
     """What one decode token must read of a GGUF, in bytes and parameters: every tensor as stored but
-    token_embd, of which one row; of the routed experts (`*_exps`, shape (X, ..)) the share used
-    ({arch}.expert_used_count / expert_count); and per context token the KV cache as llama.cpp keeps it (f16:
-    K and V of every layer, or MLA's latent and rope key). Prefill FLOPs per token: 2 x the parameters."""
+    token_embd, of which one row (all of it where it is also the output head: no output.weight); of the
+    routed experts (`*_exps`, shape (X, ..)) the share used ({arch}.expert_used_count / expert_count); and per
+    context token the KV cache as llama.cpp keeps it (f16: K and V of every layer, or MLA's latent and rope
+    key). Prefill FLOPs per token: 2 x the parameters but the output head's (a prefill takes the last
+    token's logits only; attention's FLOPs left out)."""
     import gguf
 
-    head = gguf_header(path)
-    arch = head.kv.get("general.architecture", "")
-    key = lambda k, d=0: head.kv.get(f"{arch}.{k}", d)  # noqa: E731
+    header = gguf_header(path)
+    arch = header.kv.get("general.architecture", "")
+    key = lambda k, d=0: header.kv.get(f"{arch}.{k}", d)  # noqa: E731
     used = key("expert_used_count") / max(1, key("expert_count", 1))
-    by, params = 0.0, 0.0
-    for t in head.tensors:
+    tied = all(t.name != "output.weight" for t in header.tensors)
+    by, params, out_head = 0.0, 0.0, 0
+    for t in header.tensors:
         n = int(np.prod(t.shape, dtype=np.int64))
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
-        share = 1.0 / t.shape[-1] if t.name == "token_embd.weight" else used if "_exps." in t.name else 1.0
+        row = t.name == "token_embd.weight" and not tied  # only the token's row is read
+        share = 1.0 / t.shape[-1] if row else used if "_exps." in t.name else 1.0
         by += share * (n // block * size)
-        params += share * n if len(t.shape) >= 2 and t.name != "token_embd.weight" else 0
+        params += share * n if len(t.shape) >= 2 and not row else 0
+        out_head = n if t.name == ("token_embd.weight" if tied else "output.weight") else out_head
     n_layer, heads = key("block_count"), key("attention.head_count", 1)
     if key("attention.kv_lora_rank"):
         kv = 2 * n_layer * (key("attention.kv_lora_rank") + key("rope.dimension_count"))
@@ -237,7 +242,7 @@ def token_cost(path: str | Path) -> dict:
         head_dim = key("attention.key_length", key("embedding_length") // heads)
         kv = 2 * 2 * n_layer * key("attention.head_count_kv", heads) * head_dim
     return {"weight_bytes": int(by), "params": int(params), "kv_bytes_per_token": int(kv),
-            "prefill_flops": 2 * int(params)}
+            "prefill_flops": 2 * int(params - out_head)}
 
 
 def decode_bound(cost: dict, lim: dict, ctx: int) -> float:

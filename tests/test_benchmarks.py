@@ -49,7 +49,7 @@ def test_a_small_llama_file_has_the_stated_types_and_loads(tmp_path):
     assert logits.shape[-1] == spec.n_vocab and np.isfinite(logits).all()
 
 
-def test_token_cost_is_every_tensor_but_one_embedding_row(tmp_path):
+def test_a_token_reads_every_tensor_but_one_embedding_row(tmp_path):
     spec = LlamaSpec()
     path = write_llama(tmp_path / "l.gguf", spec)
     r = gguf.GGUFReader(str(path))
@@ -60,6 +60,7 @@ def test_token_cost_is_every_tensor_but_one_embedding_row(tmp_path):
     layer = 2 * spec.n_embd * spec.n_embd + 2 * spec.n_embd * spec.n_embd // 2 + 3 * spec.n_embd * spec.n_ff
     assert cost["params"] == spec.n_layer * layer + spec.n_vocab * spec.n_embd  # the layers and the output head
     assert cost["kv_bytes_per_token"] == 2 * 2 * spec.n_layer * spec.n_head_kv * spec.head_dim  # f16 K and V
+    assert cost["prefill_flops"] == 2 * spec.n_layer * layer  # the head: the last token's logits only
     lim = {"read_gbps": 10.0, "sgemm_gflops": 100.0}
     assert machine.decode_bound(cost, lim, 0) == 10e9 / expected
 
