@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         shell = args.sessions or args.export is not None or args.prune_kv is not None or args.models
         # --model's file first (found, downloaded, checked: its errors come before the sessions directory's)
         path = given_model(args.model, say) if args.model is not None and not shell else None
-        store = Store()  # the saved conversations, for the whole run
+        store = Store(on_note=lambda line: say(f"note: {line}"))  # the saved conversations, for the whole run
         if shell:
             return from_the_shell(args, store)
         plan = start_plan(args, settings, given, store, path, say)  # from here on, the Plan alone
@@ -271,7 +271,12 @@ def main(argv=None) -> int:
         status.clear()
         to_stderr("colichat: interrupted while starting")
         return interrupted()
-    return chat(App(conv, plan.interactive, status, banner), plan)
+    app = App(conv, plan.interactive, status, banner)
+    store.said.on_note = lambda line: app.say(f"note: {line}")  # (a hint's problem: on the chat's screen)
+    try:
+        return chat(app, plan)
+    finally:
+        store.said.on_note = None  # (the store no longer holds the chat)
 
 
 def chat(app: App, plan: Plan) -> int:

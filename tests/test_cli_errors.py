@@ -588,6 +588,29 @@ def test_a_model_sessions_directory_without_permission_is_refused_at_start(colic
     assert saved_users(colichat_home, "s") == [Q[0]]
 
 
+@pytest.mark.parametrize("mode", [0o000, 0o500], ids=["unreadable", "unwritable"])
+def test_a_cache_directory_without_permission_is_a_note_and_a_start_without_it(mode, colichat_home):
+    """chmod 000 cache (as after one `sudo colichat`), or an unwritable one: a MoE model (whose experts' use
+    counts are looked up in the weights cache) starts, says it cannot keep the weights, and answers the same."""
+    from conftest import TINY
+
+    prefix = unprivileged()
+    args = ["--model", str(TINY / "ds-v2-lite.gguf"), *GREEDY, "--max-tokens", "4", "--no-save"]
+    cache = colichat_home / "cache"
+    first = chat(colichat_home, args, lines(Q[0])).ok()
+    if mode:  # nothing kept, and nothing can be
+        shutil.rmtree(cache / "weights")
+    cache.chmod(mode)
+    try:
+        run = chat(colichat_home, args, lines(Q[0]), prefix=prefix).ok()
+    finally:
+        cache.chmod(0o700)
+    assert run.out == first.out
+    assert [line for line in run.err.splitlines() if line.startswith("note: ")] == [
+        f"note: cannot write the weights cache in {cache / 'weights'} (Permission denied); each start dequantizes "
+        "instead"]
+
+
 def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_home):
     first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     before = {p: p.read_bytes() for p in session_files(colichat_home)}

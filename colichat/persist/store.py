@@ -25,6 +25,7 @@ import shlex
 import stat
 from pathlib import Path
 
+from ..hints import Said, read_hint
 from ..paths import paths, private_dir
 from . import renaming
 from .identity import dir_suffix, model_dirname
@@ -37,6 +38,14 @@ from .session import Session
 
 PREFIXES = "prefixes"  # beside the sessions directory: per model, the prefix index (prefixes.py)
 LAST_USED = "last-used"  # beside the sessions directory: per model, the conversation last reopened (Store.used)
+
+
+def _marked(data: bytes) -> str:
+    """The name a last-used mark holds (ValueError: not a conversation's name)."""
+    name = data.decode("utf-8").strip()
+    if not NAME_RE.fullmatch(name):
+        raise ValueError("not a conversation's name")
+    return name
 
 
 def _open_to_remove(path: str) -> int | None:
@@ -54,8 +63,10 @@ def _open_to_remove(path: str) -> int | None:
 
 
 class Store:
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, on_note=None):
         self.root = Path(root) if root is not None else paths().data / "sessions"
+        self.said = Said(on_note)  # the hints beside the sessions (prefix index, last-used mark) found unusable
+
 
     def model_dir(self, ident: dict) -> Path:
         """The model's session directory: the one named after it, else the one its weights already have
@@ -289,10 +300,16 @@ class Store:
         """The conversation of this model last used: the one last reopened (`used`) if that was after
         the newest save, else the newest saved."""
         found = [i for i in self.list(ident) if not i.damage]
+        mark = self.root.parent / LAST_USED / self.model_dir(ident).name
+        name, problem = read_hint(mark, _marked, 4096)
+        if problem:
+            self.said(mark, f"the last-used mark {mark} cannot be used ({problem}): ignored until a conversation "
+                            "is reopened")
         try:
-            mark = self.root.parent / LAST_USED / self.model_dir(ident).name
-            name, when = mark.read_text("utf-8").strip(), mark.stat().st_mtime
-        except (OSError, UnicodeDecodeError):
+            when = mark.stat().st_mtime  # (when it was reopened)
+        except OSError:
+            name = None
+        if name is None:
             return found[0] if found else None
         used = next((i for i in found if i.name == name), None)
         return used if used is not None and when > found[0].last_used else (found[0] if found else None)
@@ -300,7 +317,7 @@ class Store:
     def prefix_index(self, ident: dict) -> PrefixIndex:
         """This model's prefix index (prefixes.py): a small file in PREFIXES beside the sessions directory."""
         directory = self.model_dir(ident)
-        return PrefixIndex(self.root.parent / PREFIXES / (directory.name + ".json"), directory)
+        return PrefixIndex(self.root.parent / PREFIXES / (directory.name + ".json"), directory, self.said)
 
     def used(self, ident: dict, name: str) -> None:
         """Conversation NAME was reopened now: `latest` names it until another is saved or reopened. A
@@ -311,7 +328,7 @@ class Store:
         tmp = mark.with_name(mark.name + ".tmp")
         try:
             private_dir(mark.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
             try:
                 os.write(fd, name.encode("utf-8"))
             finally:
