@@ -3,8 +3,9 @@
 NAME.lock is the writer's lock: one colichat has a session open for writing (`take_lock`, flock
 LOCK_EX on the file, which holds its pid for the refusal another colichat prints; `release_lock`;
 `remove_lock` when its conversation goes, so that no empty NAME.lock stays), and `lock_holder`
-looks, before a long start, whether another has it. The KV file's own flock orders a save (LOCK_EX, `flock_for_save`) and a read without the session's lock (LOCK_SH,
-`reading`): such a read sees the session whole.
+looks, before a long start, whether another has it. The KV file's own flock orders a save
+(LOCK_EX, `flock_for_save`) and a read without the session's lock (LOCK_SH, `reading`): such a
+read sees the session whole.
 """
 
 from __future__ import annotations
