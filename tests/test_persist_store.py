@@ -682,3 +682,25 @@ def test_lock_files_go_with_their_conversation(colichat_home):
     with pytest.raises(SessionError, match="open in another colichat"):
         take_lock(path, "x")
     release_lock(again)
+
+
+def test_the_session_folder_is_named_as_the_screen_names_the_model_and_an_older_one_is_still_found(colichat_home):
+    """The folder is named after the model as the banner names it (a long general.name such as SmolLM2's
+    'Smollm2 135M 8k Lc100K Mix1 Ep2' gives way to the file's name), and the folder an older colichat
+    named from general.name alone is still this model's: found by its weights' suffix, not orphaned."""
+    from colichat.models import model_title
+    from colichat.persist.identity import model_dirname
+
+    ident = {**IDENT, "name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    assert model_title(ident["name"], ident["file"]) == "SmolLM2-135M-Instruct.Q4_1"
+    assert model_dirname(ident) == "SmolLM2-135M-Instruct.Q4_1-0123456789ab"
+    assert model_dirname({**ident, "name": "DeepSeek-V2-Lite-Chat"}) == "DeepSeek-V2-Lite-Chat-0123456789ab"
+    cache = make_cache()
+    store = Store()
+    old = store.root / "Smollm2-135M-8k-Lc100K-Mix1-Ep2-0123456789ab"  # as an older colichat named it
+    old.mkdir(parents=True)
+    assert store.model_dir(ident) == old
+    with store.create(ident, layout_of(cache), name="kept") as sess:
+        sess.append(cache, build(cache, 2))
+    assert [i.name for i in store.list(ident)] == ["kept"] and (old / "kept.json").exists()
+    assert not (store.root / model_dirname(ident)).exists()
