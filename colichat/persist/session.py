@@ -43,7 +43,7 @@ from .kvfile import (
     write_records,
 )
 from .loading import LoadResult, Source, load, load_text_only, saved_rope_factors, what_opens
-from .locks import flock_for_save, flock_quietly, reading, release_lock, relock, take_lock
+from .locks import flock_for_save, flock_quietly, reading, release_lock, relock, remove_lock, take_lock
 from .names import (
     KV_EXT,
     SIDECAR_EXT,
@@ -157,8 +157,11 @@ class Session:
             with contextlib.suppress(OSError):  # everything was fsynced: an error closing loses nothing
                 os.close(fd)
         if self._lock_fd is not None:
-            release_lock(self._lock_fd)
-            self._lock_fd = None
+            fd, self._lock_fd = self._lock_fd, None
+            if any(os.path.lexists(p) for p in (self.kv_path, self.json_path)):
+                release_lock(fd)
+            else:  # no conversation on disk (never saved, emptied): no lock file either
+                remove_lock(fd, os.path.join(self.directory, self.name + ".lock"))
 
     def __enter__(self) -> Session:
         return self

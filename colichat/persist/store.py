@@ -31,7 +31,7 @@ from . import renaming
 from .identity import dir_suffix, model_dirname
 from .kvfile import CacheLayout, SessionBusy, SessionError, SessionExists, fsync_dir, oserror_text
 from .listing import SessionInfo, damaged_text, dir_layout, holds_or_damaged, model_file_now, session_info
-from .locks import flock_for_save, release_lock, take_lock
+from .locks import flock_for_save, release_lock, remove_lock, take_lock
 from .names import KV_EXT, NAME_RE, SIDECAR_EXT, auto_name, check_name, holds_conversation, remove_leftovers
 from .prefixes import PrefixIndex
 from .session import Session
@@ -185,7 +185,7 @@ class Store:
                 raise SessionError(f"cannot delete session {name}: {path} is a directory, which colichat did not "
                                    f"make; nothing was deleted (remove it yourself: rm -r '{path}')")
         fd = take_lock(base + ".lock", name)
-        freed = 0
+        freed, gone = 0, False
         kv = _open_to_remove(base + KV_EXT)  # a reader without the lock (--export) ends its read first
         try:  # links are removed, never followed; the temporary files of an interrupted save go too
             for path in paths:
@@ -197,10 +197,14 @@ class Store:
                 except OSError as e:
                     raise SessionError(f"cannot delete session {name}: {oserror_text(e)}") from None
             fsync_dir(str(directory))
+            gone = True
         finally:
             if kv is not None:
                 os.close(kv)
-            release_lock(fd)
+            if gone:  # its lock file too
+                remove_lock(fd, base + ".lock")
+            else:
+                release_lock(fd)
         self.prefix_index(ident).drop(name)
         return freed
 
@@ -252,7 +256,10 @@ class Store:
         except BaseException:
             release_lock(fd)
             raise
-        release_lock(sess._lock_fd)
+        if copy:  # the old name keeps its files: its lock file may serve them
+            release_lock(sess._lock_fd)
+        else:
+            remove_lock(sess._lock_fd, old + ".lock")
         sess._lock_fd, sess.name = fd, new
         sess.kv_path, sess.json_path = base + KV_EXT, base + SIDECAR_EXT
         if copy and sess.on_disk:  # a copy, not a second link to the files this session writes
