@@ -246,9 +246,8 @@ class Session:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
         self._cache = cache
-        if self._text_only:  # a new KV file first (the sidecar, listing the text, stays until it is replaced:
-            # a crash or an error after the rename leaves it listing turns past the file's records, which
-            # reopening reads again; the next save retries)
+        if self._text_only:  # a new KV file first; the sidecar stays until replaced (a crash after the rename
+            # leaves it listing turns past the file's records, which reopening reads again)
             try:
                 remake_directory(self.directory, self.name)
                 self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
@@ -313,13 +312,11 @@ class Session:
         return True
 
     def truncate(self, n_turns: int, sampler: dict | None = None, keep_files: bool = False) -> None:
-        """Keep the first n_turns saved turns: rewrite the sidecar (with `sampler`, the settings from
-        now on, when given), then nrec, then cut the KV file to its records. The sidecar goes first:
-        once it is replaced, the turns it no longer lists are gone for good (a crash before nrec is
-        written leaves records no turn covers, dropped at the next load, never text read again).
-        Keeping more turns than are saved (after a failed save) keeps them all. Cut to no turn, the
-        files are removed (no exchange is no saved conversation), unless `keep_files` (/reset: the
-        conversation emptied in place, its KV file cut to its header and its sidecar listing no turn)."""
+        """Keep the first n_turns saved turns: the sidecar (with `sampler`, the settings from now on), then
+        nrec, then the KV file cut to its records. The sidecar first: once replaced, the turns it no longer
+        lists are gone for good (a crash before nrec leaves records no turn covers, dropped at the next
+        load). More turns than are saved (after a failed save) keeps them all. Cut to no turn, the files go
+        (no exchange is no saved conversation), unless `keep_files` (/reset: emptied in place)."""
         self._require_loaded()
         if sampler is not None:
             self.sampler = dict(sampler)
