@@ -40,7 +40,7 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPress
 from prompt_toolkit.keys import Keys
 
 from . import inputs
-from .commands import completions
+from .commands import commands_of, completions
 from .paths import paths, private_dir, private_file
 from .wrap import Screen, rows
 
@@ -314,12 +314,17 @@ def run(app) -> int:
             except (EOFError, OSError):  # Ctrl-D, or the terminal is gone (its window closed, SIGHUP ignored)
                 break
             busy()  # (the prompt turned bracketed paste off)
-            old = signal.signal(signal.SIGINT, on_sigint)
-            try:
-                with app.ending_signals():
-                    app.handle(text)
-            except KeyboardInterrupt:
-                app.say("(interrupted)")
-            finally:
-                signal.signal(signal.SIGINT, old)
+            for k, line in enumerate(commands_of(text)):  # lines that are all commands: each in turn
+                if app.quitting:
+                    break
+                if k:
+                    app.say(echo(line))  # as a shell shows the next line typed ahead, then its output
+                old = signal.signal(signal.SIGINT, on_sigint)
+                try:
+                    with app.ending_signals():
+                        app.handle(line)
+                except KeyboardInterrupt:
+                    app.say("(interrupted)")
+                finally:
+                    signal.signal(signal.SIGINT, old)
     return 128 + app.ended_by if app.ended_by else 0

@@ -156,7 +156,7 @@ def test_a_model_that_computes_nan_is_one_line_and_nothing_is_saved(tmp_path, co
         assert run.out == b"" and run.errors() == [
             "colichat: the model computed NaN for the next token's scores (its weights are damaged or overflow "
             "float32): the message is dropped"]
-    assert [p.name for p in session_files(colichat_home)] == ["n.lock"]  # the name was claimed, nothing saved
+    assert [p.name for p in session_files(colichat_home)] == []  # claimed, nothing saved: no lock file
 
 
 # ---- bad options --------------------------------------------------------------------------------
@@ -490,7 +490,7 @@ def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
     # A file size limit (RLIMIT_FSIZE: writes past it fail with EFBIG; root ignores permissions) halfway
     # between the cache file's size after the first answer and after the second.
     [kv] = [p for p in session_files(tmp_path / "clean") if p.suffix == ".coli_kv"]
-    ctx = [int(f.split("context ")[1].split("/")[0]) for f in clean.footers()]
+    ctx = [used for used, _ in clean.contexts()]
     limit = kv.stat().st_size * (ctx[0] + ctx[1]) // (2 * ctx[2])
 
     def limit_file_size():
@@ -586,6 +586,29 @@ def test_a_model_sessions_directory_without_permission_is_refused_at_start(colic
     finally:
         model_dir.chmod(0o700)
     assert saved_users(colichat_home, "s") == [Q[0]]
+
+
+@pytest.mark.parametrize("mode", [0o000, 0o500], ids=["unreadable", "unwritable"])
+def test_a_cache_directory_without_permission_is_a_note_and_a_start_without_it(mode, colichat_home):
+    """chmod 000 cache (as after one `sudo colichat`), or an unwritable one: a MoE model (whose experts' use
+    counts are looked up in the weights cache) starts, says it cannot keep the weights, and answers the same."""
+    from conftest import TINY
+
+    prefix = unprivileged()
+    args = ["--model", str(TINY / "ds-v2-lite.gguf"), *GREEDY, "--max-tokens", "4", "--no-save"]
+    cache = colichat_home / "cache"
+    first = chat(colichat_home, args, lines(Q[0])).ok()
+    if mode:  # nothing kept, and nothing can be
+        shutil.rmtree(cache / "weights")
+    cache.chmod(mode)
+    try:
+        run = chat(colichat_home, args, lines(Q[0]), prefix=prefix).ok()
+    finally:
+        cache.chmod(0o700)
+    assert run.out == first.out
+    assert [line for line in run.err.splitlines() if line.startswith("note: ")] == [
+        f"note: cannot write the weights cache in {cache / 'weights'} (Permission denied); each start dequantizes "
+        "instead"]
 
 
 def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_home):

@@ -26,7 +26,7 @@ from colichat.engine.generate import Generation
 from colichat.engine.mtp import MTPBlock, bytes_per_token
 from colichat.engine.speculative import DraftSource
 from colichat.persist import Store
-from colichat.report import footer
+from colichat.report import footer, stats_lines
 from colichat.settings import Settings
 
 
@@ -231,12 +231,12 @@ def test_no_mtp_drafts_where_passes_are_not_exact():
     assert load(str(TINY / "glm-dsa.gguf"), n_ctx=64).mtp is not None
 
 
-def test_footer_counts_mtp_drafts(copying_path):
+def test_stats_count_mtp_drafts(copying_path):
     m = copying_model(copying_path)
     conv = Conversation(m, Settings(temperature=0, max_tokens=30, draft=4), save=False)
     _, stats = conv.ask("copy this: one two three four five six")
     checked, kept = stats.by_source["MTP"]
-    assert f"MTP {kept}/{checked}" in footer(conv, stats)
+    assert f"MTP {kept} of {checked}" in stats_lines(conv)[-1] and "MTP" not in footer(conv, stats)
     assert stats.drafted == sum(c for c, _ in stats.by_source.values())
 
 

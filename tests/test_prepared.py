@@ -119,8 +119,8 @@ def _edit_meta_json(entry):  # still valid JSON, one offset moved by 64 bytes: w
 
 
 DAMAGE = {
-    "meta-json-text": (lambda e: (e / "meta.json").write_text("{not json"), "meta.json does not match"),
-    "meta-json-value": (_edit_meta_json, "meta.json does not match its checksum"),
+    "meta-json-text": (lambda e: (e / "meta.json").write_text("{not json"), "meta.json: does not match"),
+    "meta-json-value": (_edit_meta_json, "meta.json: does not match its checksum"),
     "weights-cut": (lambda e: os.truncate(e / "weights.f32", os.path.getsize(e / "weights.f32") - 4096),
                     "weights.f32 holds"),
     "weights-empty": (lambda e: os.truncate(e / "weights.f32", 0), "weights.f32 holds 0 bytes"),

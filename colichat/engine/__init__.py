@@ -99,7 +99,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     model = Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp)
     if cache_dir is not None and model.experts is not None:
         model.usage_entry = entry_of(path, cache_dir)
-        counts = read_usage(model.usage_entry) if model.usage_entry is not None else None
+        counts = read_usage(model.usage_entry, on_note) if model.usage_entry is not None else None
         if counts is not None:
             model.experts.warm(counts)  # (in the background: the model is usable now)
     return model

@@ -9,6 +9,7 @@ Axis letters: engine/__init__.py.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ from ..errors import ModelError
 from ..units import format_size
 from .architectures import architecture, forward_class
 from .cache import KVCache
+from .cancel import Cancel
 from .config import ModelConfig
 from .gguf.prepared import write_usage
 from .gguf.tensors import Tensors
@@ -178,10 +180,17 @@ class Model:
 
     # --- public API -------------------------------------------------------------------------------
 
-    def prefill(self, ids, all_logits: bool = True, hidden: bool = False):
+    def prefill(self, ids, all_logits: bool = True, hidden: bool = False, cancel: Cancel | None = None,
+                progress=None):
         """Run new tokens after the cache; logits (T, V) for every new token, or (1, V) for the last.
         hidden=True: (logits, h) with h (T, D) the output_norm'd hidden states of every new token
-        (what an MTP block takes, mtp.py; self.mtp is given them of every forward)."""
+        (what an MTP block takes, mtp.py; self.mtp is given them of every forward).
+
+        cancel: checked before every layer and, in a MoE layer, before each routed expert's fill and product
+        (the safe points); a stop raises cancel.Cancelled there, and the cache keeps none of this call's
+        rows. progress(done):
+        at the same points, `done` the tokens of this call read so far (a fraction of a chunk counts its
+        layers done), so that a long pass shows it moves."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -191,13 +200,17 @@ class Model:
             )
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
-        out, hs = [], []
-        with self.threads.limit(ids.size):
+        out, hs, first, n_layer = [], [], self.cache.length, self.cfg.n_layer
+        with self.threads.limit(ids.size), self._safe_points(cancel, progress) as point:
             for start in range(0, ids.size, PREFILL_CHUNK):
                 chunk = ids[start : start + PREFILL_CHUNK]
                 last = start + chunk.size == ids.size
                 pos0 = self.cache.length
-                x = self._forward(chunk)  # (T, D)
+                try:
+                    x = self._forward(chunk, lambda l, a=start, t=chunk.size: point(a + t * l / n_layer))  # (T, D)
+                except BaseException:  # (a stop, or a failure midway: the chunks before go too)
+                    self.cache.truncate(first)
+                    raise
                 if hidden or self.mtp is not None:
                     h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
                     if self.mtp is not None:
@@ -209,11 +222,30 @@ class Model:
                 elif last:
                     out.append(self.fwd.logits(x[-1:]))
         logits = np.concatenate(out) if len(out) > 1 else out[0]
+        if progress:
+            progress(ids.size)
         return (logits, np.concatenate(hs)) if hidden else logits
 
-    def decode(self, token_id: int) -> np.ndarray:
-        """One token after the cache: logits (V,)."""
-        return self.prefill([token_id], all_logits=False)[0]
+    def decode(self, token_id: int, cancel: Cancel | None = None) -> np.ndarray:
+        """One token after the cache: logits (V,). cancel: as prefill's."""
+        return self.prefill([token_id], all_logits=False, cancel=cancel)[0]
+
+    @contextmanager
+    def quiet(self):
+        """While colichat answers (a prompt read, an answer generated): the background work (the routed
+        experts' warm start, ExpertCache.warm) waits, so that it takes no core from the answer."""
+        if self.experts is None:
+            yield
+            return
+        with self.experts.paused():
+            yield
+
+    def warming(self) -> tuple[int, int] | None:
+        """(experts filled, experts to fill) while the experts' warm start is still under way, else None."""
+        e = self.experts
+        if e is None or e.warmer is None or not e.warmer.is_alive() or e.warmed >= e.warming:
+            return None
+        return e.warmed, e.warming
 
     def keep_expert_usage(self) -> None:
         """Write the routed experts' use counts beside the weights cache, for the next start's warm
@@ -268,12 +300,39 @@ class Model:
 
     # --- internals --------------------------------------------------------------------------------
 
-    def _forward(self, ids: np.ndarray) -> np.ndarray:
+    @contextmanager
+    def _safe_points(self, cancel: Cancel | None, progress):
+        """A pass's safe points: yields point(done), which checks `cancel` and tells `progress` the
+        tokens done; the routed experts (ffn.ExpertCache.between) call the last point again between theirs."""
+        if cancel is None and progress is None:
+            yield lambda done: None
+            return
+        at = [0.0]
+
+        def point(done: float | None = None) -> None:
+            if cancel is not None:
+                cancel.check()
+            at[0] = at[0] if done is None else done
+            if progress:
+                progress(at[0])
+
+        if self.experts is None:
+            yield point
+            return
+        self.experts.between, before = point, self.experts.between
+        try:
+            yield point
+        finally:
+            self.experts.between = before
+
+    def _forward(self, ids: np.ndarray, point=lambda l: None) -> np.ndarray:
+        """The layers over ids (T,) after the cache; point(l) before layer l (a safe point: it may raise)."""
         pos0 = self.cache.length
         t = ids.size
         self.cache.tokens[pos0 : pos0 + t] = ids
         x = self.w["token_embd"][ids]  # (T, D)
         for l in range(self.cfg.n_layer):
+            point(l)
             x = self.fwd.layer(l, x, pos0, self.cache)
         self.cache.length = pos0 + t
         return x

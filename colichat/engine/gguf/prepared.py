@@ -10,6 +10,9 @@ The first start of a model parses its metadata (file.py) and dequantizes its den
                                     (L X,)), rewritten after every answer; a start warms the most used
                                     (ffn.ExpertCache.warm). A hint only: one that is unreadable is ignored
 
+meta.json and usage.npy are read as hints are (hints.py): without blocking, size-capped, any damage one
+line. A meta.json that cannot be used makes its entry damaged; usage.npy's counts are then only ignored.
+
 key = a hash of the GGUF's real path, size, mtime and inode, and PREPARED_FORMAT: a GGUF that
 changes gets a new key (and the old entries of that path are removed). A later start maps
 weights.f32 read-only (no copy, no dequantizing) and the GGUF tensors it still needs (routed experts)
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import io
 import json
 import mmap
 import os
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...hints import read_hint
 from ...paths import private_dir, private_file
 
 try:  # the same CRC-32 as zlib.crc32, several times faster
@@ -55,6 +60,8 @@ FREE_MARGIN = 1 << 30  # bytes the weights cache leaves free on its disk
 FULL_CHECK_BYTES = 1 << 30  # entries up to this size are checked in full at every start (~0.3 s)
 SAMPLE = 1 << 16  # larger ones: three pieces of this size per array (start, middle, end)
 USAGE = "usage.npy"
+META_LIMIT = 1 << 28  # bytes of a meta.json read at most (the tokenizer's vocabulary and merges are in it)
+USAGE_LIMIT = 1 << 24  # bytes of a usage.npy read at most (a count per layer and expert)
 
 
 class DamagedEntry(Exception):
@@ -123,11 +130,9 @@ class Prepared:
     def __init__(self, path: str, entry: Path, given: str | None = None):
         """`path`: the GGUF file (links resolved), whose tensors are mapped; `given`: the path the
         model was given by, which the config names (a link stays the link: sessions record it)."""
-        raw = (entry / "meta.json").read_bytes()
-        digest, _, body = raw.partition(b"\n")
-        if digest.decode("ascii", "replace") != hashlib.sha256(body).hexdigest():
-            raise DamagedEntry("meta.json does not match its checksum")
-        meta = json.loads(body)  # its checksum holds: what save_prepared wrote, in some format
+        meta, problem = read_hint(entry / "meta.json", _meta, META_LIMIT)
+        if meta is None:
+            raise DamagedEntry(f"meta.json: {problem or 'missing'}")
         if meta.get("format") != PREPARED_FORMAT:
             raise DamagedEntry("meta.json is not what this colichat wrote")
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -166,6 +171,17 @@ class Prepared:
         self.tensors = Tensors.from_records(path, records, files, offsets)
 
 
+def _meta(raw: bytes) -> dict:
+    """meta.json's JSON (ValueError: it does not match its checksum, or is not a JSON object)."""
+    digest, _, body = raw.partition(b"\n")
+    if digest.decode("ascii", "replace") != hashlib.sha256(body).hexdigest():
+        raise ValueError("does not match its checksum")
+    meta = json.loads(body)  # its checksum holds: what save_prepared wrote, in some format
+    if not isinstance(meta, dict):
+        raise ValueError("not what this colichat wrote")
+    return meta
+
+
 def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
     """The cache entry of this GGUF as it is now, or None (missing, stale, unreadable or damaged:
     prepare anew). A damaged entry is removed and `on_note(line)` told why."""
@@ -173,7 +189,7 @@ def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
     try:
         key, real = _identity(path)
         entry = Path(cache_dir) / key
-        if not (entry / "meta.json").is_file():
+        if not os.path.lexists(entry):  # (nor where the cache directory cannot be read: it is not used)
             return None
         return Prepared(real, entry, given=path)
     except DamagedEntry as e:
@@ -247,18 +263,27 @@ def entry_of(path: str, cache_dir) -> Path | None:
     """The cache entry directory of this GGUF as it is now, if there is one."""
     try:
         entry = Path(cache_dir) / _identity(path)[0]
-    except OSError:
+        return entry if os.path.isfile(entry / "meta.json") else None
+    except OSError:  # (a cache directory that cannot be read: PermissionError)
         return None
-    return entry if (entry / "meta.json").is_file() else None
 
 
-def read_usage(entry: Path) -> np.ndarray | None:
-    """The expert use counts kept in `entry` (write_usage), or None (none kept, or unreadable)."""
-    try:
-        counts = np.load(entry / USAGE, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    return counts if counts.dtype == np.float32 and counts.ndim == 1 else None
+def read_usage(entry: Path, on_note=None) -> np.ndarray | None:
+    """The expert use counts kept in `entry` (write_usage), or None (none kept, or unusable: `on_note`
+    told why; the next answer writes them anew)."""
+    counts, problem = read_hint(entry / USAGE, _counts, USAGE_LIMIT)
+    if problem and on_note:
+        on_note(f"the experts' use counts {entry / USAGE} cannot be used ({problem}): ignored, and written anew "
+                "after the next answer")
+    return counts
+
+
+def _counts(raw: bytes) -> np.ndarray:
+    """usage.npy's counts (L X,) (ValueError: not a float32 vector in .npy format)."""
+    counts = np.load(io.BytesIO(raw), allow_pickle=False)
+    if not (isinstance(counts, np.ndarray) and counts.dtype == np.float32 and counts.ndim == 1):
+        raise ValueError("not a float32 vector")
+    return counts
 
 
 def write_usage(entry: Path, counts: np.ndarray) -> None:
@@ -313,9 +338,6 @@ def _remove_stale(root: Path, real: str, keep: str) -> None:
     for entry in root.iterdir():
         if entry.name == keep or entry.name.startswith(".tmp-"):
             continue
-        try:
-            head = (entry / "meta.json").read_text()[:4096]
-            if json.dumps(real) in head:
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            continue
+        head = read_hint(entry / "meta.json", lambda raw: raw[:4096].decode("utf-8", "replace"), META_LIMIT).value
+        if head is not None and json.dumps(real) in head:
+            shutil.rmtree(entry, ignore_errors=True)
