@@ -333,7 +333,7 @@ def side_by_side(figures: list, c: dict, r: dict | None) -> str:
 def kernels_note(run: dict) -> str:
     """What colichat's run says of its compiled kernels' start (load_colichat), as a sentence's end."""
     s = run.get("kernels_s")
-    return "" if s is None else f"; compiled kernels ready in {s:.1f} s before the load (numba's cache or a compile)"
+    return "" if s is None else f"; its load includes {s:.1f} s of kernels made ready (numba's cache or a compile)"
 
 
 def correlations(logits_dir: Path, stem: str, phases) -> str:
