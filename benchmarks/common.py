@@ -209,13 +209,12 @@ def llamacpp(path: str, n_ctx: int, state_dir: str | None = None) -> SimpleNames
 
 
 def colichat(path: str, n_ctx: int, state_dir: str | None = None, **load_args) -> SimpleNamespace:
-    """colichat for a benchmark's phases (engine.load, no prepared-weights cache: the first start's load).
+    """colichat for a benchmark's phases (load_colichat).
     save() saves the cache as a session in a Store under state_dir; restore() opens it into a new, never
     touched cache, as `colichat --resume` in a program that has just started. model() gives the Model."""
-    from colichat.engine import load
     from colichat.persist import CacheLayout, Store, model_identity
 
-    m = load(path, n_ctx=n_ctx, **load_args)
+    m, kernels_s = load_colichat(path, n_ctx, **load_args)
     store = Store(Path(state_dir or ".") / "sessions")
     ident = model_identity(path, m.cfg.arch, m.cfg.name)
     layout = CacheLayout.from_cache(m.cache, m.cfg.n_vocab)
@@ -241,7 +240,21 @@ def colichat(path: str, n_ctx: int, state_dir: str | None = None, **load_args) -
         fresh_cache(m)
 
     return SimpleNamespace(prefill=lambda ids: m.prefill(ids, all_logits=False), decode=m.decode, fresh=fresh,
-                           save=save, restore=restore, note=dict, model=lambda: m)
+                           save=save, restore=restore, note=dict, model=lambda: m, kernels_s=kernels_s)
+
+
+def load_colichat(path: str, n_ctx: int, **load_args):
+    """(Model, seconds its compiled kernels took to be ready or None): as the chat starts, the kernels are
+    compiled or taken from numba's cache under colichat's cache directory first (where the engine has
+    them: engine.prepare_kernels), then engine.load, without a prepared-weights cache (what a first start
+    reads)."""
+    import colichat.engine as engine
+    from colichat.paths import paths
+
+    kernels_s = None
+    if hasattr(engine, "prepare_kernels") and load_args.get("kernels", "numba") != "numpy":
+        kernels_s = engine.prepare_kernels(path, paths().cache)
+    return engine.load(path, n_ctx=n_ctx, **load_args), kernels_s
 
 
 def fresh_cache(model) -> None:
@@ -315,6 +328,12 @@ def side_by_side(figures: list, c: dict, r: dict | None) -> str:
             row += f" {cell(b)} | {'' if ratio is None else f'**{ratio:.3f}**'} |"
         rows.append(row)
     return "\n".join(rows) + "\n"
+
+
+def kernels_note(run: dict) -> str:
+    """What colichat's run says of its compiled kernels' start (load_colichat), as a sentence's end."""
+    s = run.get("kernels_s")
+    return "" if s is None else f"; its load includes {s:.1f} s of kernels made ready (numba's cache or a compile)"
 
 
 def correlations(logits_dir: Path, stem: str, phases) -> str:

@@ -92,7 +92,7 @@ def child(engine_name: str, path: str, tok_file: str, shape: str, load_args: dic
         return {"error": f"{type(e).__name__}: {e}"}
     out = {"load_s": time.perf_counter() - t, "rss_load": common.peak_rss()}
     if engine_name == "colichat":
-        out["memory"] = str(engine.model().memory_estimate())
+        out.update(memory=str(engine.model().memory_estimate()), kernels_s=engine.kernels_s)
     dec, stem = tokens["decode"], f"{Path(path).stem}-{engine_name}"
     for c in cfg["contexts"]:
         ids = tokens[f"prompt{c}"]
@@ -210,6 +210,7 @@ def main(argv=None) -> int:
         ref = common.run_child([args.vs_llamacpp, __file__, "--child", "llamacpp", str(path), str(tok_file), *flags])
     common.say("measuring the machine again")
     lim = machine.faster(lim, machine.measure_machine())
+    lim["kernels"] = machine.measure_kernels()
     c, r = rates(col, args.shape), rates(ref, args.shape)
     load1 = os.getloadavg()
     print(f"## {args.shape}: {path.name}, {path.stat().st_size / 1e9:.2f} GB\n\n{time.strftime('%Y-%m-%d %H:%M')}, "
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
         if x and "restore" in x:
             print(f"{name}: restored logits identical to never stopped: {x['restore']['identical']}")
     if c:
-        print(f"\ncolichat: {col['memory']}\n")
+        print(f"\ncolichat: {col['memory']}" + common.kernels_note(col) + "\n")
     ctxs = SHAPES[args.shape]["contexts"]
     print(machine.limits_table(cost, lim, c, r, [(f"decode{n}_steady", f"decode at {n} (steady)", n) for n in ctxs],
                               [(f"prefill{n}", f"prefill {n}") for n in ctxs]))

@@ -191,6 +191,45 @@ def measure_machine(reps: int = 5) -> dict:
     return out
 
 
+KERNEL_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the llama8b and V2-Lite-shaped files' types
+
+
+def measure_kernels(rows: int = 14336, width: int = 4096, reps: int = 5) -> dict:
+    """colichat's compiled matvec (colichat.engine.gguf.kernels) alone, per type of KERNEL_TYPES it has: a
+    rows x width matrix of random blocks (llama8b's ffn_up: 33-62 MB, beyond the caches) times one row of x,
+    on one thread and split into two row halves on two (the kernels release the GIL): Gparam/s. {} without
+    the kernels; {"problem": why} where they cannot run. Compiled as the chat compiles them (numba's cache
+    under colichat's cache directory: the first time takes minutes on a busy machine)."""
+    try:
+        from colichat.engine.gguf import kernels
+    except ImportError:
+        return {}
+    from colichat.paths import paths
+
+    if kernels.problem() is None:
+        kernels.prepare(str(paths().cache))  # numba's cache where the chat keeps it
+    if kernels.problem():
+        return {"problem": kernels.problem()}
+    with ThreadPoolExecutor(2) as pool:
+        return {name: kernel_rate(kernels, name, rows, width, pool, reps) for name in KERNEL_TYPES
+                if kernels.supported(name)}
+
+
+def kernel_rate(kernels, name: str, rows: int, width: int, pool: ThreadPoolExecutor, reps: int) -> dict:
+    """measure_kernels' figures of one type."""
+    import gguf
+    from gguf_factory import raw_blocks
+
+    w = raw_blocks(0, "w", (rows, width), gguf.GGMLQuantizationType[name])  # (R, row bytes)
+    x = np.random.default_rng(2).standard_normal((1, width), dtype=np.float32)  # (T, Z)
+    out = np.zeros((1, rows), dtype=np.float32)  # (T, R)
+    halves = [(w[a:b], out[:, a:b]) for a, b in ((0, rows // 2), (rows // 2, rows))]
+    one = best_of(lambda: kernels.matvec(name, w, x, out), reps)[0]
+    two = best_of(lambda: list(pool.map(lambda h: kernels.matvec(name, h[0], x, h[1]), halves)), reps)[0]
+    return {"gparams_1": rows * width / one / 1e9, "gparams_2": rows * width / two / 1e9,
+            "gbps_2": w.nbytes / two / 1e9}
+
+
 def faster(a, b):
     """Figure by figure, the better of two measurements of the machine (the less disturbed one)."""
     if isinstance(a, dict):
@@ -204,7 +243,7 @@ def machine_table(lim: dict) -> str:
             f"| memory read bandwidth: the best of sum 1 thread {lim['read_sum_1']:.1f}, sum 2 threads "
             f"{lim['read_sum_2']:.1f}, f32 matvec 2 BLAS threads {lim['matvec_gbps_2']:.1f} | "
             f"**{lim['read_gbps']:.1f} GB/s** |\n"
-            f"| numpy f32 matvec (1 GiB matrix), 1 / 2 BLAS threads | {lim['matvec_gbps_1']:.1f} / "
+            f"| numpy f32 matvec (8192 x 8192, 256 MiB), 1 / 2 BLAS threads | {lim['matvec_gbps_1']:.1f} / "
             f"{lim['matvec_gbps_2']:.1f} GB/s = **{lim['matvec_gparams']:.2f} Gparam/s** |\n"
             f"| sgemm 2048^3, 2 BLAS threads | **{lim['sgemm_gflops']:.0f} GFLOP/s** |\n")
 
@@ -308,6 +347,15 @@ def limits_table(cost: dict, lim: dict, c: dict, r: dict, decodes: list, prefill
         rows.append(f"| {label}, tok/s: {cost['prefill_flops'] / 1e9:.1f} GFLOP a token at "
                     f"{lim['sgemm_gflops']:.0f} GFLOP/s | {bound:.3g} | {cell(a)} | {frac(a, bound)} | "
                     f"{cell(b)} | {frac(b, bound)} | | | |")
+    kern = lim.get("kernels") or {}
+    if decodes and kern and "problem" not in kern:
+        b = r.get(decodes[0][0])
+        rows.append("\ncolichat's kernels alone, matvec of a 14336 x 4096 matrix, Gparam/s on 1 / 2 threads (2 "
+                    "threads: GB/s of blocks read" + (", and over llama.cpp's decode Gparam/s" if b else "") + "): "
+                    + "; ".join(f"{n} {k['gparams_1']:.2f} / {k['gparams_2']:.2f} ({k['gbps_2']:.1f} GB/s"
+                                + (f", {k['gparams_2'] / (b * gp):.2f}x" if b else "") + ")" for n, k in kern.items()))
+    elif "problem" in kern:
+        rows.append(f"\ncolichat's kernels: {kern['problem']}")
     return "\n".join(rows) + (f"\n\nA token reads {cost['weight_bytes'] / 1e9:.2f} GB of the file's weights "
                               f"({gp:.2f} G parameters) plus {cost['kv_bytes_per_token']:,} bytes of f16 KV per "
                               f"context token; numpy's f32 matvec runs at {lim['matvec_gparams']:.2f} Gparam/s.\n")

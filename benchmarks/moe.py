@@ -175,9 +175,9 @@ def colichat(path: str, expert_cache: float | None, load_args: dict) -> SimpleNa
     """colichat as run_phases drives it; fresh() gives a new Model over the same weights (an empty KV cache
     and a cold expert cache of the same size). With experts multiplied where they lie in the map (no slab
     of its own: the page cache is the expert cache), fresh() gives a new KV cache only and note() the routes."""
-    from colichat.engine import Model, load
+    from colichat.engine import Model
 
-    m = load(path, n_ctx=N_CTX, expert_cache=expert_cache, **load_args)
+    m, kernels_s = common.load_colichat(path, N_CTX, expert_cache=expert_cache, **load_args)
     slab = hasattr(m.experts, "capacity")  # an expert cache of its own, with its counters
     prefetch = bool(os.environ.get("COLICHAT_BENCH_PREFETCH")) and slab
     if prefetch:
@@ -210,7 +210,7 @@ def colichat(path: str, expert_cache: float | None, load_args: dict) -> SimpleNa
         return {**d, **routes.take(hot)}
 
     return SimpleNamespace(prefill=lambda ids: state["m"].prefill(ids, all_logits=False), fresh=fresh, note=note,
-                           decode=lambda i: state["m"].decode(i), model=lambda: state["m"])
+                           decode=lambda i: state["m"].decode(i), model=lambda: state["m"], kernels_s=kernels_s)
 
 
 def child(engine_name: str, path: str, tok_file: str, expert_cache: float | None, load_args: dict) -> dict:
@@ -224,7 +224,7 @@ def child(engine_name: str, path: str, tok_file: str, expert_cache: float | None
     out = {"load_s": time.perf_counter() - t, "rss_load": common.peak_rss()}
     if engine_name == "colichat":
         m = engine.model()
-        out["memory"] = str(m.memory_estimate())
+        out.update(memory=str(m.memory_estimate()), kernels_s=engine.kernels_s)
         if hasattr(m.experts, "capacity"):
             out["expert_cache_mib"] = m.experts.capacity >> 20
         del m
@@ -382,10 +382,10 @@ def report_file(title: str, col: dict, ref: dict | None, b: dict, cost: dict, li
     if not c:
         return
     biased = "biased_share" in col["prefill512"]
+    print(f"\ncolichat: {col['memory']}" + common.kernels_note(col))
     if "hits" not in col["prefill512"]:  # experts multiplied in the map: no cache of colichat's own to report
-        print(f"\ncolichat: {col['memory']}\n")
         return
-    print(f"\ncolichat: {col['memory']}; expert cache {col['expert_cache_mib']:,} MiB\n")
+    print(f"expert cache {col['expert_cache_mib']:,} MiB\n")
     print("| colichat phase | expert hits | misses | hit rate | prefetched | next-layer prediction right "
           "| routes to each layer's top 20% of experts |" + (" to the 13 biased |" if biased else "")
           + "\n|---|---|---|---|---|---|---|" + ("---|" if biased else ""))
@@ -465,6 +465,7 @@ def main(argv=None) -> int:
         runs[label] = (path, col, ref)
     say("measuring the machine again")
     lim = machine.faster(lim, measure_limits())
+    lim["kernels"] = machine.measure_kernels()
     b = bounds(spec_for(args.layers, False, args.shape), lim)
     load1 = os.getloadavg()
     print(f"## MoE at the real size: {args.shape}-shaped, {args.layers} layers, random blocks\n\n"

@@ -300,7 +300,7 @@ def tensor_values(spec: DS2Spec, name: str, shape: tuple, expert: int | None = N
     return _init(spec, name, shape)
 
 
-def _raw_blocks(seed: int, name: str, shape: tuple, qtype, expert: int = -1) -> np.ndarray:
+def raw_blocks(seed: int, name: str, shape: tuple, qtype, expert: int = -1) -> np.ndarray:
     """Random blocks of a RAW_TYPES type for `shape` (one expert of a 3-D tensor, or a whole tensor)."""
     rng = _rng(seed, name, expert)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -320,7 +320,7 @@ def _is_raw(spec: DS2Spec, plan) -> bool:
 def _encode(spec: DS2Spec, plan: _Plan, values: np.ndarray | None, expert: int) -> np.ndarray:
     if _is_raw(spec, plan):
         shape = plan.shape if expert < 0 else plan.shape[1:]
-        return _raw_blocks(spec.seed, plan.name, shape, plan.qtype, expert)
+        return raw_blocks(spec.seed, plan.name, shape, plan.qtype, expert)
     return gguf.quants.quantize(values, plan.qtype)
 
 
@@ -566,6 +566,6 @@ def write_llama(path, spec: LlamaSpec | None = None, **overrides) -> Path:
             rng = _rng(spec.seed, plan.name)
             yield (1.0 + 0.1 * rng.standard_normal(plan.shape, dtype=np.float32)).astype(np.float32)
         else:
-            yield _raw_blocks(spec.seed, plan.name, plan.shape, plan.qtype)
+            yield raw_blocks(spec.seed, plan.name, plan.shape, plan.qtype)
 
     return _stream(path, "llama", llama_metadata(spec), plans, chunks)

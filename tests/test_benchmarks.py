@@ -15,6 +15,7 @@ from gguf_factory import LLAMA_8B, LlamaSpec, llama3_rope_factors, llama_tensors
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import common  # noqa: E402
+import dense  # noqa: E402
 import machine  # noqa: E402
 
 
@@ -63,6 +64,12 @@ def test_a_token_reads_every_tensor_but_one_embedding_row(tmp_path):
     assert cost["prefill_flops"] == 2 * spec.n_layer * layer  # the head: the last token's logits only
     lim = {"read_gbps": 10.0, "sgemm_gflops": 100.0}
     assert machine.decode_bound(cost, lim, 0) == 10e9 / expected
+
+
+def test_the_harness_restores_the_never_stopped_logits(tmp_path, default_model_path):
+    engine = common.colichat(default_model_path, 256, str(tmp_path))
+    r = dense.restore(engine, list(range(300, 364)), 400, reps=1)
+    assert r["identical"] and r["tokens"] == 64 and r["state_bytes"] > 64 * engine.model().cache.record_bytes
 
 
 def test_ratios_are_speeds_for_rates_and_times_and_sizes_for_memory():
