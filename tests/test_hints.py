@@ -6,6 +6,8 @@ bounded by a timeout; "no permission" runs as a user file permissions apply to (
     the last-used mark        data/last-used/MODEL                  a start names the latest conversation
     the weights cache's meta  cache/weights/KEY/meta.json           a start maps the dequantized weights
     the experts' use counts   cache/weights/KEY/usage.npy           a MoE model's start warms its expert cache
+    the hub cache's ref       HF_HOME/hub/models--O--R/refs/main    an hf: model from the cache
+    the hub's agent registry  HF_HOME/.agent_harnesses.json         an hf: model downloaded (its requests' headers)
 """
 
 from __future__ import annotations
@@ -112,6 +114,12 @@ HINTS = [
     HintFile("usage-npy", ["--model", MOE, *GREEDY, "--max-tokens", "4", "--no-save"], lines("Hello there"),
              lambda home: _saved(home, MOE), lambda home: _entry(home) / "usage.npy",
              "note: the experts' use counts {} cannot be used (", lambda body: _npy(body)),
+    HintFile("hub-ref", ["--model", f"hf:{REPO}", *GREEDY, "--max-tokens", "4", "--no-save"], lines("Hello there"),
+             _hub_cached, lambda home: next((home / "hf" / "hub").glob("models--*/refs/main")),
+             "note: the Hugging Face cache's ref {} cannot be used (", env=_offline_hub),
+    HintFile("hub-agents", ["--model", f"hf:{REPO}", *GREEDY, "--max-tokens", "4", "--no-save"], lines("Hello there"),
+             _agents, lambda home: home / "hf" / ".agent_harnesses.json",
+             "note: the Hugging Face cache's list of agent harnesses {} cannot be used (", env=_serving_hub),
 ]
 REMOVED = {"hub-ref", "hub-agents"}  # (removed, and written again by the hub when it needs them)
 
