@@ -214,3 +214,33 @@ def test_a_usage_file_of_a_huge_shape_is_refused_without_allocating(tmp_path):
     assert len(notes) == 1 and notes[0].startswith(f"the experts' use counts {tmp_path / USAGE} cannot be used (")
     np.save(tmp_path / USAGE, np.ones(3, dtype=np.float32))
     assert read_usage(tmp_path, notes.append).tolist() == [1, 1, 1] and len(notes) == 1
+
+
+# ---- files read beside the hints: a rename's mark, the input history ---------------------------------------
+
+
+def test_a_rename_mark_that_is_a_fifo_is_not_waited_on(prepared_homes, tmp_path):
+    """NAME.renaming (what an interrupted /rename leaves) is read as hints are: a FIFO there is passed by."""
+    home = tmp_path / "home"
+    shutil.copytree(prepared_homes["prefix-index"], home, symlinks=True)
+    [model_dir] = _sessions_of(home)
+    os.mkfifo(model_dir / "t.renaming")
+    run = chat(home, ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "4", "--session", "t"], lines("Hello there"),
+               timeout=TIMEOUT).ok()
+    assert run.footers()[0].endswith("saved to t]")
+
+
+@pytest.mark.parametrize("no_save", [False, True], ids=["saving", "no-save"])
+def test_an_input_history_that_is_not_a_regular_file_is_kept_in_memory(no_save, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "state").mkdir()
+    for make in (os.mkfifo, lambda p: p.symlink_to("/dev/zero")):
+        history = tmp_path / "state" / "history"
+        make(history)
+        code = f"from colichat.repl import _history; print(type(_history(no_save={no_save})).__name__)"
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
+                           env={**os.environ, "COLICHAT_HOME": str(tmp_path)})
+        assert p.stdout == "InMemoryHistory\n", p.stderr
+        history.unlink()
