@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 from contextlib import contextmanager
 from pathlib import Path
@@ -177,7 +178,27 @@ def test_every_hint_file_survives_every_damage_and_says_so_once(hint, damage, pr
 # ---- the reader itself (in process) -------------------------------------------------------------------------
 
 
+@contextmanager
+def bounded(seconds: int = 30):
+    """The block fails (TimeoutError) instead of hanging past `seconds`."""
+    def stop(*_):
+        raise TimeoutError(f"still reading after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def test_read_hint_refuses_what_is_not_a_small_regular_file_and_turns_any_parse_error_into_a_line(tmp_path):
+    with bounded():
+        _read_hint_cases(tmp_path)
+
+
+def _read_hint_cases(tmp_path):
     path = tmp_path / "hint"
     assert read_hint(path, json.loads) == Hint(None, None)  # no file: no hint, no problem
     path.write_bytes(b'{"a": 1}')
