@@ -4,7 +4,8 @@
     said = Said(on_note)                   # each problem said once a run: said(path, "what; what now")
 
 A hint is the prefix index (persist/prefixes.py), the experts' use counts and the weights cache's meta
-(engine/gguf/prepared.py), the last-used mark (persist/store.py), the Hugging Face cache's refs (hub.py).
+(engine/gguf/prepared.py), the last-used mark (persist/store.py), the Hugging Face cache's refs and its
+list of agent harnesses (hub.py); an interrupted rename's mark (persist/renaming.py) is read here too.
 Whatever lies at such a path, reading it never hangs, never reads without end, never raises: it is opened
 without blocking and without following a last link (a FIFO or a device is refused before a byte is read,
 by fstat on the open descriptor), read up to `limit` bytes (more: refused), and parsed here, where any error
@@ -24,6 +25,7 @@ import stat
 from typing import Any, NamedTuple
 
 LIMIT = 1 << 20  # bytes a hint holds at most, unless its reader says otherwise
+CHUNK = 1 << 20  # bytes read at a time
 
 
 class Hint(NamedTuple):
@@ -43,13 +45,15 @@ def read_hint(path, parse, limit: int = LIMIT) -> Hint:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             return Hint(None, f"{_kind(mode)}, not a file")
-        data = b""
-        while len(data) <= limit:
-            chunk = os.read(fd, limit + 1 - len(data))
+        parts, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(CHUNK, limit + 1 - size))
             if not chunk:
                 break
-            data += chunk
-        if len(data) > limit:
+            parts.append(chunk)
+            size += len(chunk)
+        data = b"".join(parts)
+        if size > limit:
             return Hint(None, f"larger than {limit:,} bytes")
     except OSError as e:
         return Hint(None, e.strerror or str(e))

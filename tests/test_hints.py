@@ -6,6 +6,8 @@ bounded by a timeout; "no permission" runs as a user file permissions apply to (
     the last-used mark        data/last-used/MODEL                  a start names the latest conversation
     the weights cache's meta  cache/weights/KEY/meta.json           a start maps the dequantized weights
     the experts' use counts   cache/weights/KEY/usage.npy           a MoE model's start warms its expert cache
+    the hub cache's ref       HF_HOME/hub/models--O--R/refs/main    an hf: model from the cache
+    the hub's agent registry  HF_HOME/.agent_harnesses.json         an hf: model downloaded (its requests' headers)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 from contextlib import contextmanager
 from pathlib import Path
@@ -112,6 +115,12 @@ HINTS = [
     HintFile("usage-npy", ["--model", MOE, *GREEDY, "--max-tokens", "4", "--no-save"], lines("Hello there"),
              lambda home: _saved(home, MOE), lambda home: _entry(home) / "usage.npy",
              "note: the experts' use counts {} cannot be used (", lambda body: _npy(body)),
+    HintFile("hub-ref", ["--model", f"hf:{REPO}", *GREEDY, "--max-tokens", "4", "--no-save"], lines("Hello there"),
+             _hub_cached, lambda home: next((home / "hf" / "hub").glob("models--*/refs/main")),
+             "note: the Hugging Face cache's ref {} cannot be used (", env=_offline_hub),
+    HintFile("hub-agents", ["--model", f"hf:{REPO}", *GREEDY, "--max-tokens", "4", "--no-save"], lines("Hello there"),
+             _agents, lambda home: home / "hf" / ".agent_harnesses.json",
+             "note: the Hugging Face cache's list of agent harnesses {} cannot be used (", env=_serving_hub),
 ]
 REMOVED = {"hub-ref", "hub-agents"}  # (removed, and written again by the hub when it needs them)
 
@@ -169,7 +178,27 @@ def test_every_hint_file_survives_every_damage_and_says_so_once(hint, damage, pr
 # ---- the reader itself (in process) -------------------------------------------------------------------------
 
 
+@contextmanager
+def bounded(seconds: int = 30):
+    """The block fails (TimeoutError) instead of hanging past `seconds`."""
+    def stop(*_):
+        raise TimeoutError(f"still reading after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def test_read_hint_refuses_what_is_not_a_small_regular_file_and_turns_any_parse_error_into_a_line(tmp_path):
+    with bounded():
+        _read_hint_cases(tmp_path)
+
+
+def _read_hint_cases(tmp_path):
     path = tmp_path / "hint"
     assert read_hint(path, json.loads) == Hint(None, None)  # no file: no hint, no problem
     path.write_bytes(b'{"a": 1}')
@@ -206,3 +235,33 @@ def test_a_usage_file_of_a_huge_shape_is_refused_without_allocating(tmp_path):
     assert len(notes) == 1 and notes[0].startswith(f"the experts' use counts {tmp_path / USAGE} cannot be used (")
     np.save(tmp_path / USAGE, np.ones(3, dtype=np.float32))
     assert read_usage(tmp_path, notes.append).tolist() == [1, 1, 1] and len(notes) == 1
+
+
+# ---- files read beside the hints: a rename's mark, the input history ---------------------------------------
+
+
+def test_a_rename_mark_that_is_a_fifo_is_not_waited_on(prepared_homes, tmp_path):
+    """NAME.renaming (what an interrupted /rename leaves) is read as hints are: a FIFO there is passed by."""
+    home = tmp_path / "home"
+    shutil.copytree(prepared_homes["prefix-index"], home, symlinks=True)
+    [model_dir] = _sessions_of(home)
+    os.mkfifo(model_dir / "t.renaming")
+    run = chat(home, ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "4", "--session", "t"], lines("Hello there"),
+               timeout=TIMEOUT).ok()
+    assert run.footers()[0].endswith("saved to t]")
+
+
+@pytest.mark.parametrize("no_save", [False, True], ids=["saving", "no-save"])
+def test_an_input_history_that_is_not_a_regular_file_is_kept_in_memory(no_save, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "state").mkdir()
+    for make in (os.mkfifo, lambda p: p.symlink_to("/dev/zero")):
+        history = tmp_path / "state" / "history"
+        make(history)
+        code = f"from colichat.repl import _history; print(type(_history(no_save={no_save})).__name__)"
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
+                           env={**os.environ, "COLICHAT_HOME": str(tmp_path)})
+        assert p.stdout == "InMemoryHistory\n", p.stderr
+        history.unlink()

@@ -14,7 +14,7 @@ import pytest
 from cli_helpers import GREEDY, TINY_LLAMA, chat, copy_gguf
 from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
-from hub_server import HubServer
+from hub_server import HubServer, SilentServer
 
 from colichat import hub
 from colichat.engine import ModelError, load
@@ -198,7 +198,74 @@ def test_hub_failures_are_one_line_each(tmp_path, monkeypatch):
     assert blobs(cache) == []
 
 
+def test_a_file_list_that_is_not_json_is_refused_in_one_line(tmp_path):
+    with HubServer({REPO: {"llama-Q4_K_M.gguf": LLAMA}}) as server:
+        server.portal = True  # a captive portal answers every request with its sign-in page
+        with pytest.raises(ModelError, match=rf"^hf:{REPO}: the Hugging Face Hub at {server.url} answered the list "
+                                             rf"of files of {REPO} with something that is not JSON \(a network's "
+                                             r"login page\?\); check the network connection, or HF_ENDPOINT$"):
+            fetch(server, tmp_path / "hf", f"hf:{REPO}")
+    assert blobs(tmp_path / "hf") == []
+
+
+@pytest.mark.parametrize("sent", [100_000, len(LLAMA)], ids=["in-the-header", "in-the-download"])
+def test_a_file_whose_body_stops_before_the_size_announced_is_refused_in_one_line(sent, tmp_path, monkeypatch):
+    """10^15 bytes announced, `sent` of them sent, then the connection closed: while its header is read (the
+    hub's retry inside its stream gave `RuntimeError: generator didn't stop after throw()`), or while it
+    downloads (after the hub's own retries)."""
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda s: None)  # (the hub's retries, at once)
+    with HubServer({REPO: {"llama-Q4_K_M.gguf": LLAMA[:sent]}}) as server:
+        server.announce[f"{REPO}/llama-Q4_K_M.gguf"] = 10**15
+        with pytest.raises(ModelError) as refused:
+            fetch(server, tmp_path / "hf", f"hf:{REPO}")
+    line = str(refused.value)
+    assert "\n" not in line
+    if sent < len(LLAMA):
+        assert line == (f"hf:{REPO}/llama-Q4_K_M.gguf: the Hugging Face Hub announced 1000000000000000 bytes but the "
+                        f"connection ended after {sent:,}; try again (nothing was downloaded)")
+    else:
+        assert line.startswith(f"hf:{REPO}: the Hugging Face Hub at {server.url} sent less than it announced (")
+        assert line.endswith("expected 1000000000000000)); try again")
+
+
+def test_every_request_gets_a_timeout_where_the_hub_sets_none():
+    import httpx2
+
+    from colichat.hints import Said
+    from colichat.hub_requests import TIMEOUT, Watch
+
+    watch = Watch(Said())
+    none = httpx2.Request("GET", "http://127.0.0.1:9/api/models/a/b/tree/main",
+                          extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"))})
+    given = httpx2.Request("HEAD", "http://127.0.0.1:9/a/b/resolve/main/x.gguf",
+                           extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), 5.0)})
+    for request in (none, given):
+        watch.request(request)
+    watch.stop()
+    assert none.extensions["timeout"] == dict.fromkeys(("connect", "read", "write", "pool"), TIMEOUT)
+    assert given.extensions["timeout"] == dict.fromkeys(("connect", "read", "write", "pool"), 5.0)
+
+
 # ---- the program (processes: HF_ENDPOINT and HF_HOME as a user sets them) -----------------------------------
+
+
+def test_a_hub_that_never_answers_says_what_it_waits_for_then_ends_in_one_line(tmp_path):
+    """A server that accepts and never answers (it was silent for over 300 s, whatever HF_HUB_ETAG_TIMEOUT):
+    after COLICHAT_HUB_WAIT s a line says what colichat waits for, after COLICHAT_HUB_TIMEOUT s one line ends
+    it (the run itself is bounded by the test's timeout)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "hf").mkdir()  # (the hub's agent registry, kept fresh: it is not fetched first)
+    (tmp_path / "hf" / ".agent_harnesses.json").write_text('{"standardEnvVars": [], "harnesses": {}}')
+    with SilentServer() as url:
+        run = chat(home, ["--model", f"hf:{REPO}", "-p", "hi"], timeout=60,
+                   env_extra=hub_env(url, tmp_path / "hf", COLICHAT_HUB_TIMEOUT="2", COLICHAT_HUB_WAIT="1")).failed()
+    assert run.out == b""
+    assert run.err.splitlines() == [
+        f"waiting for the Hugging Face Hub at 127.0.0.1 to answer: the list of files of {REPO} ...",
+        f"colichat: hf:{REPO}: the Hugging Face Hub at {url} did not answer in 2 s (the list of files of {REPO}); "
+        "check the network connection (a model already downloaded starts without one)"]
+
 
 
 def hub_env(server_url: str, hf_home: Path, **more) -> dict:
