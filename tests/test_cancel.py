@@ -59,6 +59,30 @@ def test_a_stop_during_a_layer_ends_the_pass_before_the_next_and_keeps_none_of_i
     assert model.prefill(PROMPT[4:]).tobytes() == (fresh.prefill(PROMPT[:4]), fresh.prefill(PROMPT[4:]))[1].tobytes()
 
 
+def test_a_stop_inside_a_layer_acts_before_the_next_block_of_a_product(monkeypatch):
+    """A dense layer of a big model is a few long matrix products: the stop is checked before each of
+    their row blocks (the products a prompt's pass computes by blocks), so no product begins after it."""
+    import colichat.engine.architectures.llama as llama
+
+    model = load(str(TINY / "llama.gguf"), n_ctx=128)
+    cancel, told, before, after, layers = Cancel(), [], [], [], []
+    linear = llama.linear
+
+    def counted(*args):
+        (after if cancel.requested else before).append(1)
+        return linear(*args)
+
+    def progress(done):
+        told.append(done)
+        if len(told) == 2:  # the first safe point inside layer 0 (the first was before it)
+            cancel.set()
+
+    monkeypatch.setattr(llama, "linear", counted)
+    with pytest.raises(Cancelled):
+        slowed(model, layers.append).prefill(list(range(3, 40)), cancel=cancel, progress=progress)
+    assert told == [0.0, 0.0] and layers == [0] and len(before) == 1 and after == []
+
+
 def test_a_stop_in_a_prompt_of_several_chunks_keeps_none_of_them(monkeypatch):
     monkeypatch.setattr("colichat.engine.model.PREFILL_CHUNK", 4)
     model = load(str(TINY / "llama.gguf"), n_ctx=64)
@@ -74,12 +98,13 @@ def test_a_stop_in_a_prompt_of_several_chunks_keeps_none_of_them(monkeypatch):
     assert model.cache.length == 0
 
 
-def test_progress_is_told_at_every_layer_in_tokens_read():
+def test_progress_is_told_at_every_safe_point_in_tokens_read():
+    """At every layer (as a fraction of the pass) and again at the safe points inside it, then the end."""
     model = load(str(TINY / "llama.gguf"), n_ctx=64)
     told = []
     model.prefill(PROMPT, progress=told.append)
     n = model.cfg.n_layer
-    assert told == [len(PROMPT) * l / n for l in range(n)] + [len(PROMPT)]
+    assert sorted(set(told)) == [len(PROMPT) * l / n for l in range(n)] + [len(PROMPT)] and told == sorted(told)
 
 
 def test_a_stop_between_routed_expert_fills_acts_before_the_next_fill():

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ModelError
 from .gguf import dequant
-from .ops import linear, silu_mul
+from .ops import SAFE_POINT, linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
 FILL_THREADS = 2  # threads dequantizing an expert cache's misses at once (at most the cores there are)
@@ -134,9 +134,9 @@ class ExpertCache:
     slots' bookkeeping between it and fetch/prefetch (held through a fetch: the warmer pauses meanwhile).
     While colichat answers (`paused()`, Model.quiet) the warmer waits before its next fill.
 
-    Safe points: `between`, set by Model for the pass under way, is called before each miss's fill on the
-    calling thread (it may raise: a stop; the fills under way end first, and their slots stay free), and
-    before each expert's product (moe).
+    Safe points: the pass's ops.SAFE_POINT is called before each miss's fill on the calling thread (it may
+    raise: a stop; the fills under way end first, and their slots stay free), and before each expert's
+    product (moe).
     """
 
     def __init__(self, tensors, layers: list[int], capacity_bytes: int, prefetch: bool = False):
@@ -187,7 +187,6 @@ class ExpertCache:
         self.warming = self.warmed = 0  # experts the warm start takes on, and has filled
         self.unpaused = threading.Event()  # cleared while colichat answers: the warmer waits (paused())
         self.unpaused.set()
-        self.between = None  # the pass's safe point, called between fills (Model._safe_points)
         self.fds: dict[str, int] = {}
         weakref.finalize(self, _close_all, self.fds, self.pool, self.prefetcher, self.stopping, self.unpaused)
 
@@ -372,7 +371,7 @@ class ExpertCache:
     def _fill_all(self, jobs: list[tuple[int, int, int]]) -> None:
         """Fill slots (slot, layer, e): the calling thread and the helper take the next job when free; it
         returns once every fill has ended (an error or Ctrl-C too: no fill goes on into a slot after it)."""
-        between = self.between or (lambda: None)
+        between = SAFE_POINT.get() or (lambda: None)
         if self.pool is None or len(jobs) < 2:
             for s, layer, e in jobs:
                 between()
@@ -468,7 +467,7 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: Expe
         ahead: tuple[int, list[int]] | None = None) -> np.ndarray:
     """sum_u w[t, u] * expert_{ids[t, u]}(x[t]); tokens grouped by expert (a loop over experts hit only).
     `ahead`: (next layer, its predicted experts), prefetched once this layer's first group is resident.
-    The pass's safe point (experts.between) is called before each expert's product: a long prefill's layer
+    The pass's safe point (ops.SAFE_POINT) is called before each expert's product: a long prefill's layer
     of resident experts is many of them.
 
     x: (T, D); ids, w: (T, U). Returns (T, D).
@@ -481,7 +480,7 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: Expe
     out = np.zeros_like(x)  # (T, D)
     wf = w.reshape(-1)
     spans = list(zip(hit.tolist(), starts.tolist(), ends.tolist(), strict=True))
-    between = experts.between or (lambda: None)
+    between = SAFE_POINT.get() or (lambda: None)
     for g in range(0, len(spans), experts.batch):  # a group of experts resident at once (ExpertCache.fetch)
         group = spans[g : g + experts.batch]
         resident = experts.fetch(layer, [e for e, _, _ in group])

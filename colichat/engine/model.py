@@ -24,7 +24,7 @@ from .gguf.prepared import write_usage
 from .gguf.tensors import Tensors
 from .mtp import MTPDrafts
 from .mtp import bytes_per_token as mtp_bytes_per_token
-from .ops import rms_norm
+from .ops import SAFE_POINT, rms_norm
 from .threads import ThreadPolicy
 
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
@@ -186,11 +186,11 @@ class Model:
         hidden=True: (logits, h) with h (T, D) the output_norm'd hidden states of every new token
         (what an MTP block takes, mtp.py; self.mtp is given them of every forward).
 
-        cancel: checked before every layer and, in a MoE layer, before each routed expert's fill and product
-        (the safe points); a stop raises cancel.Cancelled there, and the cache keeps none of this call's
-        rows. progress(done):
-        at the same points, `done` the tokens of this call read so far (a fraction of a chunk counts its
-        layers done), so that a long pass shows it moves."""
+        cancel: checked before every layer, and inside one before each block of its matrix products and
+        each routed expert's fill and product (the safe points); a stop raises cancel.Cancelled there, and
+        the cache keeps none of this call's rows. progress(done): at the same points, `done` the tokens of
+        this call read so far (a chunk's layers done count as a fraction of it), so that a long pass shows
+        it moves."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -202,25 +202,25 @@ class Model:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         out, hs, first, n_layer = [], [], self.cache.length, self.cfg.n_layer
         with self.threads.limit(ids.size), self._safe_points(cancel, progress) as point:
-            for start in range(0, ids.size, PREFILL_CHUNK):
-                chunk = ids[start : start + PREFILL_CHUNK]
-                last = start + chunk.size == ids.size
-                pos0 = self.cache.length
-                try:
+            try:
+                for start in range(0, ids.size, PREFILL_CHUNK):
+                    chunk = ids[start : start + PREFILL_CHUNK]
+                    last = start + chunk.size == ids.size
+                    pos0 = self.cache.length
                     x = self._forward(chunk, lambda l, a=start, t=chunk.size: point(a + t * l / n_layer))  # (T, D)
-                except BaseException:  # (a stop, or a failure midway: the chunks before go too)
-                    self.cache.truncate(first)
-                    raise
-                if hidden or self.mtp is not None:
-                    h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
-                    if self.mtp is not None:
-                        self.mtp.observe(pos0, h)
-                    if hidden:
-                        hs.append(h)
-                if all_logits:
-                    out.append(self.fwd.logits(x))
-                elif last:
-                    out.append(self.fwd.logits(x[-1:]))
+                    if hidden or self.mtp is not None:
+                        h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
+                        if self.mtp is not None:
+                            self.mtp.observe(pos0, h)
+                        if hidden:
+                            hs.append(h)
+                    if all_logits:
+                        out.append(self.fwd.logits(x))
+                    elif last:
+                        out.append(self.fwd.logits(x[-1:]))
+            except BaseException:  # (a stop, or a failure midway: the chunks before go too)
+                self.cache.truncate(first)
+                raise
         logits = np.concatenate(out) if len(out) > 1 else out[0]
         if progress:
             progress(ids.size)
@@ -302,8 +302,8 @@ class Model:
 
     @contextmanager
     def _safe_points(self, cancel: Cancel | None, progress):
-        """A pass's safe points: yields point(done), which checks `cancel` and tells `progress` the
-        tokens done; the routed experts (ffn.ExpertCache.between) call the last point again between theirs."""
+        """A pass's safe points: yields point(done), which checks `cancel` and tells `progress` the tokens
+        done; inside a layer, the products' blocks and the routed experts call it again (ops.SAFE_POINT)."""
         if cancel is None and progress is None:
             yield lambda done: None
             return
@@ -316,14 +316,11 @@ class Model:
             if progress:
                 progress(at[0])
 
-        if self.experts is None:
-            yield point
-            return
-        self.experts.between, before = point, self.experts.between
+        token = SAFE_POINT.set(point)
         try:
             yield point
         finally:
-            self.experts.between = before
+            SAFE_POINT.reset(token)
 
     def _forward(self, ids: np.ndarray, point=lambda l: None) -> np.ndarray:
         """The layers over ids (T,) after the cache; point(l) before layer l (a safe point: it may raise)."""

@@ -20,6 +20,10 @@ WORKERS: ContextVar = ContextVar("workers", default=None)
 # (OpenBLAS's threads, set per pass by threads.ThreadPolicy.limit), or None for BLAS calls on this
 # thread (or the WORKERS). The bits are the same.
 MATVEC: ContextVar = ContextVar("matvec", default=None)
+# The current pass's safe point (set per pass by Model.prefill: it checks the pass's stop request, and may
+# raise, and tells its progress), called on the pass's thread between the blocks of a product, and by the
+# routed experts (ffn.py) between theirs; None outside a pass.
+SAFE_POINT: ContextVar = ContextVar("safe_point", default=None)
 
 
 def row_blocks(o: int) -> list[int]:
@@ -34,12 +38,15 @@ def row_blocks(o: int) -> list[int]:
 
 
 def run_blocks(compute, store, n: int, workers) -> None:
-    """store(i, compute(i)) for i in range(n): by `workers` (threads.Workers) if any, else here."""
+    """store(i, compute(i)) for i in range(n): by `workers` (threads.Workers) if any, else here; the
+    pass's SAFE_POINT before each block this thread computes."""
+    point = SAFE_POINT.get() or (lambda: None)
     if workers is None or n == 1:
         for i in range(n):
+            point()
             store(i, compute(i))
     else:
-        workers.run(compute, store, n)
+        workers.run(compute, store, n, point)
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -70,8 +70,9 @@ class Workers:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="colichat-blas")
 
-    def run(self, compute, store, n: int) -> None:
-        """store(i, compute(i)) once for every i in range(n); returns when all are stored.
+    def run(self, compute, store, n: int, point=lambda: None) -> None:
+        """store(i, compute(i)) once for every i in range(n); returns when all are stored. point(): called
+        on the calling thread before each block it takes (a safe point: if it raises, no block is stored).
 
         Each thread takes the next block when it is free. When none is left, the calling thread waits
         for the helpers' blocks about as long as one block took it, then computes a late one itself
@@ -105,7 +106,10 @@ class Workers:
             self.pool.submit(work)
         block_s = None  # how long a block took here
         try:
-            while (i := next_block()) is not None:
+            while True:
+                point()
+                if (i := next_block()) is None:
+                    break
                 t0 = time.perf_counter()
                 keep(i, compute(i))
                 block_s = time.perf_counter() - t0
