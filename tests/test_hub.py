@@ -6,6 +6,7 @@ get HF_ENDPOINT and HF_HOME, as a user would set them."""
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import gguf
@@ -131,7 +132,8 @@ def test_a_cached_model_starts_with_no_request(tmp_path):
         again = []
         assert fetch(server, cache, f"hf:{REPO}:Q4_K_M", again) == first
         assert fetch(server, cache, f"hf:{REPO}", again) == first  # the one downloaded is the only one cached
-        assert server.requests == [] and again == []
+        assert server.requests == [] and again == [
+            f"hf:{REPO}: taking llama-Q4_K_M.gguf, the one downloaded (hf:{REPO}:QUANT takes another)"]
 
 
 def test_a_split_model_downloads_as_a_set_and_loads(tmp_path):
@@ -265,3 +267,22 @@ def test_models_lists_used_and_cached_models_one_line_each(tmp_path):
         "incomplete: 1 of 3 parts downloaded (colichat --model hf:test/split/tiny-Q8_0-00001-of-00003.gguf downloads "
         "the rest)",
         f"hf:{REPO}/llama-Q4_K_M.gguf: llama, 9.0 MiB, runs (9.0 MiB of weights as f32)"]
+
+
+def test_the_download_bar_counts_in_binary_units_and_leaves_the_name_to_the_line_above(tmp_path, capsys):
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    from colichat.hub import _bar
+
+    was = are_progress_bars_disabled()  # (off after a download in a test: stderr is no terminal)
+    enable_progress_bars()
+    try:
+        bar = _bar()(total=3 << 30, desc="(…)a-very-long-name-of-a-model-cut-by-the-hub-Q4_K_M.gguf", disable=False,
+                     file=sys.stderr, mininterval=0)
+        bar.update(1 << 30)
+        bar.close()
+    finally:
+        if was:
+            disable_progress_bars()
+    shown = capsys.readouterr().err
+    assert "1.00GiB/3.00GiB" in shown and "(…)" not in shown and "MB" not in shown and "GB" not in shown
