@@ -268,6 +268,10 @@ def model_file(text: str, say, endpoint: str | None = None, cache_dir=None, offl
         cached = _cached_repos(cache_dir, said).get(spec.repo, {})
         try:
             pick, _ = choose(spec, dict.fromkeys(cached, 0))
+            if not (spec.quant or spec.file):  # taken for the user, as a download's choice is: said
+                n = sum(not _is_projector(c) for c in choices(dict.fromkeys(cached, 0)))
+                say(f"{text}: taking {pick.name}, {'the one' if n == 1 else f'of the {n} GGUFs'} downloaded "
+                    f"(hf:{spec.repo}:QUANT takes another)")
             return cached[pick.files[0]]
         except ModelError:
             if offline:
@@ -302,8 +306,22 @@ def _download(spec: HubSpec, say, endpoint: str | None, cache_dir, cached: dict)
     for f in pick.files:
         if f in missing:
             say(f"downloading {f} ({format_size(listing[f])}) from {spec.repo} into {_cache_dir(cache_dir)}")
-        paths.append(hf_hub_download(spec.repo, f, cache_dir=cache_dir, endpoint=endpoint))
+        paths.append(hf_hub_download(spec.repo, f, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=_bar()))
     return paths[0]
+
+
+def _bar():
+    """The hub's progress bar (shown on a terminal only), in colichat's units (MiB, GiB: binary, as the
+    line above it) and without a file name: that line names the file whole, the bar would cut it."""
+    from huggingface_hub.utils import tqdm
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **{**kw, "desc": "", "unit": "iB", "unit_scale": True, "unit_divisor": 1024,
+                                       "bar_format": "{l_bar}{bar}| {n_fmt}iB/{total_fmt}iB [{elapsed}<{remaining}, "
+                                                     "{rate_fmt}]"})
+
+    return Bar
 
 
 def _quiet_hub(said: Said) -> None:

@@ -78,7 +78,8 @@ def _file_header(path: str):
         if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
             raise HeaderError("an empty file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return read_header(buf, lambda key: key in ("general.architecture", "split.count", "split.no"))
+            return read_header(buf, lambda key: key in ("general.architecture", "general.file_type", "split.count",
+                                                        "split.no"))
 
 
 def shard_paths(path: str, reader) -> list[str]:
