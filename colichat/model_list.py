@@ -99,10 +99,10 @@ def quant(path: str, kv: dict) -> str:
     named = quant_of(path)
     if named:
         return named
-    try:
-        return gguf.LlamaFileType(kv.get("general.file_type")).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except ValueError:
-        return "?"
+    known = {t.value: t.name for t in gguf.LlamaFileType}
+    ftype = kv.get("general.file_type")
+    name = known.get(ftype, "?") if type(ftype) is int else "?"  # (a number no llama.cpp names, or none)
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
 def cache_bytes(path: str) -> int:
