@@ -86,14 +86,15 @@ def _row_q3_k(wr, xt, xs):
     for b in range(xt.shape[0] // 256):
         o, xo = 110 * b, 256 * b
         a = 0.0
-        for i in range(16):
-            h, s, v = i >> 3, (i >> 1) & 3, xo + 16 * i
-            q, m = o + 32 + 32 * h + 16 * (i & 1), o + 16 * (i & 1)
-            p = F32(0)
+        for g in range(8):  # values 32 g .. 32 g + 31: h = g // 4, s = g % 4; sub-blocks 2 g, 2 g + 1
+            q, shift, bit, v = o + 32 + 32 * (g >> 2), 2 * (g & 3), g, xo + 32 * g
+            p0 = p1 = F32(0)
             for k in range(16):
-                code = ((np.int32(wr[q + k]) >> (2 * s)) & 3) - 4 + 4 * ((np.int32(wr[m + k]) >> (4 * h + s)) & 1)
-                p += F32(code) * xt[v + k]
-            a += F64(_scale_q3_k(wr, o + 96, i)) * F64(p)
+                c0 = ((np.int32(wr[q + k]) >> shift) & 3) - 4 + 4 * ((np.int32(wr[o + k]) >> bit) & 1)
+                c1 = ((np.int32(wr[q + 16 + k]) >> shift) & 3) - 4 + 4 * ((np.int32(wr[o + 16 + k]) >> bit) & 1)
+                p0 += F32(c0) * xt[v + k]
+                p1 += F32(c1) * xt[v + 16 + k]
+            a += F64(_scale_q3_k(wr, o + 96, 2 * g)) * F64(p0) + F64(_scale_q3_k(wr, o + 96, 2 * g + 1)) * F64(p1)
         acc += F64(_f16(wr[o + 108], wr[o + 109])) * a
     return acc
 
@@ -108,34 +109,43 @@ def _block_q3_k(wr, o, y, yo):
 
 
 @fast
-def _row_k4(wr, xt, xs, size, high):
-    """Q4_K (size 144) and Q5_K (176, high: the fifth bits at byte 16, the nibbles after them)."""
+def _row_q4_k(wr, xt, xs):
     acc = 0.0
-    q0 = 48 if high else 16
     for b in range(xt.shape[0] // 256):
-        o, xo = size * b, 256 * b
+        o, xo = 144 * b, 256 * b
         d, dmin = F64(_f16(wr[o], wr[o + 1])), F64(_f16(wr[o + 2], wr[o + 3]))
-        for j in range(8):
-            q, shift, v = o + q0 + 32 * (j >> 1), 4 * (j & 1), xo + 32 * j
-            a = F32(0)
+        for c in range(4):  # 32 bytes: sub-blocks 2 c (low nibbles) and 2 c + 1 (high)
+            q, v = o + 16 + 32 * c, xo + 64 * c
+            p0 = p1 = F32(0)
             for k in range(32):
-                code = (np.int32(wr[q + k]) >> shift) & 15
-                if high:
-                    code |= ((np.int32(wr[o + 16 + k]) >> j) & 1) << 4
-                a += F32(code) * xt[v + k]
-            sc, m = _scale_min_k4(wr, o + 4, j)
-            acc += d * sc * F64(a) - dmin * m * F64(xs[8 * b + j])
+                byte = np.int32(wr[q + k])
+                p0 += F32(byte & 15) * xt[v + k]
+                p1 += F32(byte >> 4) * xt[v + 32 + k]
+            sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
+            sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
+            acc += d * sc0 * F64(p0) - dmin * m0 * F64(xs[8 * b + 2 * c])
+            acc += d * sc1 * F64(p1) - dmin * m1 * F64(xs[8 * b + 2 * c + 1])
     return acc
 
 
 @fast
-def _row_q4_k(wr, xt, xs):
-    return _row_k4(wr, xt, xs, 144, False)
-
-
-@fast
 def _row_q5_k(wr, xt, xs):
-    return _row_k4(wr, xt, xs, 176, True)
+    acc = 0.0
+    for b in range(xt.shape[0] // 256):
+        o, xo = 176 * b, 256 * b
+        d, dmin = F64(_f16(wr[o], wr[o + 1])), F64(_f16(wr[o + 2], wr[o + 3]))
+        for c in range(4):  # as Q4_K, the fifth bits: bits 2 c and 2 c + 1 of qh[k]
+            q, v = o + 48 + 32 * c, xo + 64 * c
+            p0 = p1 = F32(0)
+            for k in range(32):
+                byte, high = np.int32(wr[q + k]), np.int32(wr[o + 16 + k]) >> (2 * c)
+                p0 += F32((byte & 15) | (high & 1) << 4) * xt[v + k]
+                p1 += F32((byte >> 4) | (high & 2) << 3) * xt[v + 32 + k]
+            sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
+            sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
+            acc += d * sc0 * F64(p0) - dmin * m0 * F64(xs[8 * b + 2 * c])
+            acc += d * sc1 * F64(p1) - dmin * m1 * F64(xs[8 * b + 2 * c + 1])
+    return acc
 
 
 @njit
@@ -163,20 +173,34 @@ def _block_q5_k(wr, o, y, yo):
     _block_k4(wr, o, y, yo, True)
 
 
+@njit
+def _q6(low, top):
+    """A Q6_K code, less 32: four low bits and two high bits (both in place, as int32)."""
+    return F32((low & 15) | top) - F32(32)
+
+
 @fast
 def _row_q6_k(wr, xt, xs):
     acc = 0.0
     for b in range(xt.shape[0] // 256):
         o, xo = 210 * b, 256 * b
         a = 0.0
-        for i in range(16):  # sub-block i: h = i // 8, g = (i // 2) % 4, l from 16 (i % 2)
-            h, g, l0 = i >> 3, (i >> 1) & 3, 16 * (i & 1)
-            ql, qh, v = o + 64 * h + 32 * (g & 1) + l0, o + 128 + 32 * h + l0, xo + 16 * i
-            p = F32(0)
+        for h in range(2):  # 128 values, in 8 sub-blocks of 16: p<g><e> the one of group g, half e
+            ql, qh, v, sc = o + 64 * h, o + 128 + 32 * h, xo + 128 * h, o + 192 + 8 * h
+            p00 = p01 = p10 = p11 = p20 = p21 = p30 = p31 = F32(0)
             for k in range(16):
-                low = (np.int32(wr[ql + k]) >> (4 * (g >> 1))) & 15
-                p += F32((low | ((np.int32(wr[qh + k]) >> (2 * g)) & 3) << 4) - 32) * xt[v + k]
-            a += F64(np.int8(wr[o + 192 + i])) * F64(p)
+                a0, b0, t0 = np.int32(wr[ql + k]), np.int32(wr[ql + 32 + k]), np.int32(wr[qh + k])
+                a1, b1, t1 = np.int32(wr[ql + 16 + k]), np.int32(wr[ql + 48 + k]), np.int32(wr[qh + 16 + k])
+                p00 += _q6(a0, (t0 & 3) << 4) * xt[v + k]
+                p01 += _q6(a1, (t1 & 3) << 4) * xt[v + 16 + k]
+                p10 += _q6(b0, (t0 & 12) << 2) * xt[v + 32 + k]
+                p11 += _q6(b1, (t1 & 12) << 2) * xt[v + 48 + k]
+                p20 += _q6(a0 >> 4, t0 & 48) * xt[v + 64 + k]
+                p21 += _q6(a1 >> 4, t1 & 48) * xt[v + 80 + k]
+                p30 += _q6(b0 >> 4, (t0 & 192) >> 2) * xt[v + 96 + k]
+                p31 += _q6(b1 >> 4, (t1 & 192) >> 2) * xt[v + 112 + k]
+            for i, p in enumerate((p00, p01, p10, p11, p20, p21, p30, p31)):
+                a += F64(np.int8(wr[sc + i])) * F64(p)
         acc += F64(_f16(wr[o + 208], wr[o + 209])) * a
     return acc
 
