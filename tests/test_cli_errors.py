@@ -272,15 +272,18 @@ def test_export_takes_model_to_choose_whose_conversation(tmp_path, colichat_home
 def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeypatch):
     from colichat import engine
     from colichat.engine import ModelError, load
+    from colichat.engine.model import working_bytes
 
     record = 4 + 4 * 4 * 2 * 64  # the tiny llama's KV record: token id + 4 layers x (K, V) x 64 floats
-    have = engine.dense_f32_bytes(load(TINY_LLAMA, n_ctx=16).tensors) + 100 * record  # 100 tokens fit
+    model = load(TINY_LLAMA, n_ctx=16)
+    have = engine.dense_f32_bytes(model.tensors) + working_bytes(model.cfg) + 100 * record  # 100 tokens fit
     monkeypatch.setattr(engine, "available_memory", lambda: have)
     with pytest.raises(ModelError) as e:
         load(TINY_LLAMA, n_ctx=2048)
     msg = str(e.value)
-    assert msg == ("context size 2,048 needs 4 MiB for its KV cache, but only 9 MiB of memory is available "
-                   "and the weights take 9 MiB; use at most 100 tokens")
+    held = have - 100 * record
+    assert msg == (f"context size 2,048 needs 4 MiB for its KV cache, but only {have / 2**20:.0f} MiB of memory is "
+                   f"available and the weights and buffers take {held / 2**20:.0f} MiB; use at most 100 tokens")
     fits = int(msg.rsplit("use at most ", 1)[1].split()[0])
     assert load(TINY_LLAMA, n_ctx=fits).n_ctx == fits  # the number it gives does load
 

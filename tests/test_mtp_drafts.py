@@ -23,6 +23,7 @@ import colichat.engine as engine
 from colichat.chat import Conversation
 from colichat.engine import ModelError, Sampler, SamplerSettings
 from colichat.engine.generate import Generation
+from colichat.engine.model import working_bytes
 from colichat.engine.mtp import MTPBlock, bytes_per_token
 from colichat.engine.speculative import DraftSource
 from colichat.persist import Store
@@ -217,7 +218,8 @@ def test_memory_check_counts_the_mtp_rows(monkeypatch):
     assert est.total - plain.memory_estimate().total == 64 * est.mtp_per_token
     assert "MTP drafts" in str(est)
     n_ctx = 1024
-    have = engine.dense_f32_bytes(plain.tensors) + plain.cache.record_bytes * n_ctx + est.mtp_per_token * n_ctx // 2
+    have = (engine.dense_f32_bytes(plain.tensors) + working_bytes(cfg) + plain.cache.record_bytes * n_ctx
+            + est.mtp_per_token * n_ctx // 2)
     monkeypatch.setattr(engine, "available_memory", lambda: have)
     assert load(path, n_ctx=n_ctx, mtp=False).n_ctx == n_ctx  # fits without the MTP rows
     with pytest.raises(ModelError, match="use at most"):
