@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from . import hub, system_prompt
-from .engine import ContextError, ModelError, default_context, load, resume_problem, trained_context
+from .engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
 from .models import DefaultModelMissing, default_model_path, model_title
 from .paths import paths
 from .persist import SessionError, Store, check_name
@@ -48,6 +48,7 @@ class Plan:
     save_new: bool  # a new conversation is saved (a person types its messages, or --session, --resume)
     interactive: bool  # the terminal REPL; else pipe mode (line mode, a pipe, -p)
     numerics: str  # "fast" or "llama.cpp"
+    kernels: str  # "numba" (the compiled kernels on the GGUF's blocks) or "numpy" (f32 weights): --kernels
 
 
 def plan(args, store: Store, model: str | None, say) -> Plan:
@@ -73,7 +74,7 @@ def plan(args, store: Store, model: str | None, say) -> Plan:
     person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
     return Plan(model=model, session=args.session, resume=resume, ctx=ctx, ctx_of=ctx_of, read_only=read_only,
                 save_new=person_types or args.session is not None or resume, interactive=interactive,
-                numerics=args.numerics or "fast")
+                numerics=args.numerics or "fast", kernels=args.kernels)
 
 
 def given_model(name: str, say) -> str:
@@ -271,10 +272,20 @@ def load_model(plan: Plan, say, status, mtp: bool = True, system: str | None = N
         status.show(f"loading {name}: layer {done}/{total}{more}")
 
     notes: list[str] = []
+    compiled = []  # the first start compiles the kernels (seconds, said); later starts load them quietly
+
+    def compiling():
+        status.show("compiling kernels (first start) ...")
+        compiled.append(time.perf_counter())
+
+    if plan.kernels == "numba" and plan.numerics == "fast":
+        prepare_kernels(path, paths().cache, compiling)
+        compiled = [time.perf_counter() - t for t in compiled]
     try:
         model = load(path, n_ctx=plan.ctx, progress=progress, cache_dir=paths().cache / "weights",
                      expert_cache=expert_cache, on_note=notes.append, numerics=plan.numerics, mtp=mtp,
-                     check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
+                     check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system),
+                     kernels=plan.kernels)
     except ContextError as e:  # (a --system's too)
         if plan.ctx_of:  # not a --ctx given: say where it came from
             raise ContextError(f"{e} (the context size session {plan.ctx_of} was saved with: "
@@ -285,6 +296,8 @@ def load_model(plan: Plan, say, status, mtp: bool = True, system: str | None = N
     where = f" from {path}" if verbose else ""
     say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
         f"loaded in {time.perf_counter() - t0:.1f} s")
+    if compiled:
+        say(f"kernels: compiled in {compiled[0]:.1f} s (the first start; later starts load them)")
     say(f"memory: {model.memory_estimate()}")
     if model.experts is not None and model.experts.warming:
         say(f"experts: reading the {model.experts.warming:,} used most in earlier runs into the cache, in the "
