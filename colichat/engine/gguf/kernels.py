@@ -8,16 +8,16 @@
     matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, T 1..16
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
 
-The bodies are in kernel_bodies.py (numba `njit`, nogil): plain loops over the bytes of each block as
-ggml lays them out (dequant.py's docstrings and gguf-py's gguf.quants). A matvec works on each block's
-sub-blocks: the integer codes times x summed in float32 lanes, the sub-block's scale applied once to
-that sum, and a minimum (K-quants, Q4_1) through the per-sub-block sums of x, computed once per call
-and shared by every row.
+The bodies are in kernel_bodies.py and kernel_kquants.py (numba `njit`, nogil): plain loops over the
+bytes of each block as ggml lays them out (their comments; gguf-py's gguf.quants). A matvec works on
+each block's sub-blocks: the integer codes times x summed in float32 (vectorized), the sub-block's scale
+applied once to that sum, and a minimum (K-quants, Q4_1, Q5_1) through the per-sub-block sums of x,
+computed once per call and shared by every row; blocks add into float64.
 
 Contract:
-- w: C-contiguous uint8 rows of whole blocks (a view of the file's memory map: never copied, read
-  only); x: float32 (T, Z), Z = the row's values; out: float32 of the stated shape, any strides (a
-  column range of a larger out is fine).
+- w: C-contiguous rows of whole blocks, uint8 (or the float dtype gguf-py gives F32/F16 tensors: viewed
+  as bytes), a view of the file's memory map: never copied, never written. x: float32 (T, Z), Z the
+  row's values. out: float32 of the stated shape, any strides (a column range of a larger out is fine).
 - Each out[t, r] comes from w[r] and x[t] alone, summed in one fixed order, so its bits do not depend
   on T, on how the rows are split between calls, or on the thread count.
 - nogil: the engine's own threads call matvec on disjoint row ranges at once (the one threading
@@ -30,15 +30,22 @@ compile failed); everything else here is constant tables.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+HELPER_WAIT = 300  # seconds prepare() waits for its compiling helper process before doing its share itself
 SMALL_BATCH = 16  # the most rows of x a matvec takes (decode and speculative verify passes)
 TYPES = {  # GGUF type name -> (values per block, bytes per block)
-    "Q8_0": (32, 34),
-    "Q4_K": (256, 144),
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_XS": (256, 136),
 }
 
 
@@ -95,39 +102,85 @@ def _cache_path(cache_dir: str | None) -> str | None:
     return path if os.access(path, os.W_OK | os.X_OK) else None
 
 
-def _compile(names, cache_dir: str | None, progress=None) -> None:
-    """Compile the kernels of `names` into _COMPILED (loading them from numba's disk cache where it has
-    them). numba reads its CACHE_DIR when a function is decorated: it is set around the decoration only."""
+def _compile(names, path: str | None, progress=None, done: int = 0, total: int = 0) -> None:
+    """Compile the kernels of `names` into _COMPILED, kept in (or loaded from) numba's cache at `path`
+    (None: not kept). numba reads its CACHE_DIR when a function is decorated: it is set around that only."""
     import numba
     from numba.core.errors import NumbaError
 
-    from . import kernel_bodies as bodies
+    from . import kernel_bodies, kernel_kquants
 
     mv_sig, dq_sig = _signatures()
-    path = _cache_path(cache_dir)
     saved = numba.config.CACHE_DIR
     try:
         numba.config.CACHE_DIR = path or saved
-        for i, name in enumerate(names):
-            key = name.lower()
+        for name in names:
+            key, bodies = name.lower(), kernel_kquants if TYPES[name][0] == 256 else kernel_bodies
             mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(bodies, f"matvec_{key}"))
             dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
             _COMPILED.functions[name] = (mv, dq)
+            done += 1
             if progress is not None:
-                progress(i + 1, len(names))
+                progress(done, total or len(names))
     except NumbaError as e:
         _COMPILED.failure = f"the compiled kernels failed to compile ({str(e).splitlines()[0]}): the numpy path is used"
     finally:
         numba.config.CACHE_DIR = saved
 
 
-def prepare(cache_dir: str | None, progress=None) -> float:
+def _stamp(path: str, name: str) -> str:
+    """The file that says type `name`'s kernels of this source, numba and Python are in the cache at
+    `path` (so that a later start needs no helper process)."""
+    import numba
+
+    h = hashlib.sha256(f"{numba.__version__} {sys.version}".encode())
+    for module in ("kernel_bodies.py", "kernel_kquants.py"):
+        h.update(Path(__file__).with_name(module).read_bytes())
+    return os.path.join(path, f"{name}-{h.hexdigest()[:16]}.done")
+
+
+def _compile_beside(path: str, names: list[str]):
+    """A process compiling `names` into numba's cache at `path` while this one compiles the others: the
+    first start takes about half as long on two cores. None if it cannot be started."""
+    root = str(Path(__file__).resolve().parents[3])  # the directory colichat is imported from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    code = "import sys; from colichat.engine.gguf import kernels; kernels._compile(sys.argv[2:], sys.argv[1])"
+    try:
+        return subprocess.Popen([sys.executable, "-c", code, path, *names], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
+
+
+def prepare(cache_dir: str | None, progress=None, names=None) -> float:
     """Compile (or load from numba's on-disk cache kept under <cache_dir>/kernels; a read-only cache
-    directory compiles without keeping) every kernel once; returns the seconds it took. progress(done,
-    total) is called after each type. After a failure, problem() says what failed."""
+    directory compiles without keeping) every kernel once, or those of the type `names` given (a file's);
+    returns the seconds it took. progress(done, total) is called after each type. After a failure,
+    problem() says what failed. A first start with a cache compiles half the types in a second process
+    (into the cache, then loaded here); a stamp file per type says it is in the cache."""
     start = time.perf_counter()
     if problem() is None:
-        _compile([n for n in TYPES if n not in _COMPILED.functions], cache_dir, progress)
+        todo = [n for n in (names or TYPES) if n not in _COMPILED.functions]
+        path = _cache_path(cache_dir)
+        helper = None
+        cached = path is not None and all(os.path.exists(_stamp(path, n)) for n in todo)
+        if path is not None and len(todo) > 1 and (os.cpu_count() or 1) > 1 and not cached:
+            helper = _compile_beside(path, todo[1::2])
+        mine = todo if helper is None else todo[0::2]
+        try:
+            _compile(mine, path, progress, 0, len(todo))
+            if helper is not None:
+                helper.wait(timeout=HELPER_WAIT)
+        except subprocess.TimeoutExpired:
+            pass  # its share is compiled here
+        finally:
+            if helper is not None and helper.poll() is None:
+                helper.kill()
+                helper.wait()
+        if helper is not None:
+            _compile(todo[1::2], path, progress, len(mine), len(todo))
+        for n in todo if path is not None and not cached and problem() is None else ():
+            Path(_stamp(path, n)).touch()
     return time.perf_counter() - start
 
 
@@ -139,12 +192,15 @@ def _functions(qtype_name: str) -> tuple:
     return f
 
 
-def _check(qtype_name: str, w: np.ndarray, z: int) -> None:
+def _bytes(qtype_name: str, w: np.ndarray, z: int) -> np.ndarray:
+    """w as its (R, row_bytes) uint8 (a view: gguf-py gives F32 and F16 tensors as float arrays)."""
     values, size = TYPES[qtype_name]
-    if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
-        raise ValueError("w must be C-contiguous uint8 rows (R, row_bytes)")
+    if w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError("w must be C-contiguous rows (R, row_bytes)")
+    w = w.view(np.uint8)
     if w.shape[1] % size or w.shape[1] // size * values != z:
         raise ValueError(f"{qtype_name} rows of {w.shape[1]} bytes do not hold {z} values")
+    return w
 
 
 def matvec(qtype_name: str, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
@@ -154,7 +210,7 @@ def matvec(qtype_name: str, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> No
     threads call it on disjoint row ranges. Each out[t, r] is computed from w[r] and x[t] alone in a
     fixed order, so the bits do not depend on T, on how the rows are split, or on the thread count."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    _check(qtype_name, w, x.shape[1])
+    w = _bytes(qtype_name, w, x.shape[1])
     if not 1 <= x.shape[0] <= SMALL_BATCH or out.dtype != np.float32 or out.shape != (x.shape[0], w.shape[0]):
         raise ValueError(f"matvec takes x (T, Z), T 1..{SMALL_BATCH}, and out (T, R) float32")
     _functions(qtype_name)[0](w, x, out)
@@ -164,7 +220,7 @@ def dequantize(qtype_name: str, w: np.ndarray, out: np.ndarray) -> None:
     """out (R, Z) float32 = the values of the R rows w (R, row_bytes) uint8: compiled, nogil, for prefill
     tiles (dequantize a tile into a reused buffer, then numpy's sgemm). Bit for bit what dequant.py /
     gguf-py give."""
-    _check(qtype_name, w, out.shape[1])
+    w = _bytes(qtype_name, w, out.shape[1])
     if out.dtype != np.float32 or out.shape[0] != w.shape[0]:
         raise ValueError("dequantize takes out (R, Z) float32")
     _functions(qtype_name)[1](w, out)
