@@ -44,7 +44,7 @@ def test_a_small_llama_file_has_the_stated_types_and_loads(tmp_path):
 
     from colichat.engine import load
 
-    m = load(str(path), n_ctx=64)
+    m = load(str(path), n_ctx=64, kernels="numpy")  # (the kernels' own tests compile them)
     assert (m.cfg.arch, m.cfg.n_layer, m.cfg.n_head_kv, m.cfg.rope_base) == ("llama", 2, 2, 500000.0)
     logits = m.prefill([300, 301, 302], all_logits=False)
     assert logits.shape[-1] == spec.n_vocab and np.isfinite(logits).all()
@@ -66,8 +66,8 @@ def test_a_token_reads_every_tensor_but_one_embedding_row(tmp_path):
     assert machine.decode_bound(cost, lim, 0) == 10e9 / expected
 
 
-def test_the_harness_restores_the_never_stopped_logits(tmp_path, default_model_path):
-    engine = common.colichat(default_model_path, 256, str(tmp_path))
+def test_the_harness_restores_the_never_stopped_logits(tmp_path, default_model_path, colichat_home):
+    engine = common.colichat(default_model_path, 256, str(tmp_path), kernels="numpy")
     r = dense.restore(engine, list(range(300, 364)), 400, reps=1)
     assert r["identical"] and r["tokens"] == 64 and r["state_bytes"] > 64 * engine.model().cache.record_bytes
 
