@@ -175,7 +175,7 @@ def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
         def __init__(self, error):
             self.error = error
 
-        def append(self, cache, turns, sampler=None):
+        def append(self, cache, turns, sampler=None, keep=None):
             raise self.error
 
     saving = Saving(store=object(), ident={}, layout=CacheLayout("gqa", 1, 2, 2, 10), name="s")
