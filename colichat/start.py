@@ -43,7 +43,7 @@ class Plan:
     settings: Settings  # the chat settings the options give (TABLE's rows), the defaults for the others
     given: frozenset  # the names of the settings an option gave: pinned, not replaced by a reopened one's
     prompt: str | None  # -p's message: answered, then colichat exits
-    kv: str  # --kv: how a new conversation keeps its KV cache ("f32", "fp8", "int4")
+    kv: str | None  # --kv: how a new conversation keeps its KV cache ("f32", "fp8", "int4"); None: not given
     reuse: bool  # not --no-reuse: a new prompt takes the records of a saved one it begins like
     no_save: bool  # --no-save: nothing of the user's is written
     auto_forget: bool  # --auto-forget: a message that does not fit goes on without the oldest exchanges

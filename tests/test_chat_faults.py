@@ -411,3 +411,73 @@ def test_reading_again_then_a_save_cut_short_at_any_call_loses_no_exchange(model
             assert done and calls[0] < k
             break
     assert finished
+
+
+@pytest.mark.parametrize("edit", ["/reset", "/rewind of every exchange"])
+def test_an_interrupted_reset_or_rewind_to_nothing_shows_as_a_finished_one(model, tmp_path, monkeypatch, edit):
+    """The third attack's N6: /reset (or /rewind of every exchange) stopped at each of its calls is, once its
+    sidecar is written, what a finished one is: /reset's conversation listed as `s: empty` (a reset keeps it
+    listed, as a newcomer expects), exported with no warning, and reopened for writing its cut is finished
+    (nrec 0, the file cut to its header: no removed token id lingers); a rewind of everything is no
+    conversation (not listed), and the next claim of its name removes its files. Before, it is as it was."""
+    from colichat.persist.loading import read_saved
+
+    clean = Store(tmp_path / "clean")
+    conv = talked(model, clean, 2)
+    conv.reset() if edit == "/reset" else conv.rewind(2)
+    conv.close()
+    rows = [i.describe().split(", ")[0] for i in clean.list()]
+    assert rows == (["s: empty"] if edit == "/reset" else [])
+    finished = False
+    for k in range(1, 30):
+        store = Store(tmp_path / str(k))
+        conv = talked(model, store, 2)
+        old, ident, layout = [t.text for t in conv.turns], conv.saving.ident, conv.saving.layout
+        with crash_at(monkeypatch, k) as calls:
+            try:
+                conv.reset() if edit == "/reset" else conv.rewind(2)
+                finished = True
+            except Crash:
+                pass
+        conv.saving.close()  # (killed: nothing more is written)
+        directory = next(store.root.iterdir())
+        listed = [i.describe().split(", ")[0] for i in store.list()]
+        if listed == ["s: 4 turns"]:  # not committed: as it was
+            assert [t.text for t in read_saved(directory, "s").turns] == old
+        elif edit == "/reset":
+            assert listed == rows
+            res = read_saved(directory, "s")
+            assert res.turns == [] and res.warnings == [], (k, res.warnings)
+            again = conversation(model, store, None)
+            again.resume("s")
+            again.close()
+            data = kv_file(store).read_bytes()
+            assert len(data) == HEADER_SIZE and data[32:36] == bytes(4), k
+        else:
+            assert listed == rows, k
+            store.claim(ident, "s", layout).close()
+            assert sorted(p.name for p in directory.iterdir()) == ["s.lock"], k
+        if finished:
+            assert calls[0] < k
+            break
+    assert finished
+
+
+def test_listings_count_only_what_opening_keeps(model, tmp_path):
+    """K6: --sessions and /sessions count the turns opening keeps: a sidecar whose second turn is malformed
+    is `empty` (its first message has no answer left), not `2 turns` that then open as none; one whose
+    fourth turn is malformed is 2 turns."""
+    store = Store(tmp_path / "s")
+    talked(model, store, 2).close()
+    [sidecar] = store.root.glob("*/s.json")
+    doc = json.loads(sidecar.read_text("utf-8"))
+    for bad, row in ((3, "s: 2 turns"), (1, "s: empty")):
+        damaged = json.loads(json.dumps(doc))
+        damaged["turns"][bad]["first"] = "x"
+        sidecar.write_text(json.dumps(damaged))
+        [info] = store.list()
+        opened = conversation(model, store, None)
+        opened.resume("s")
+        assert info.describe().split(", ")[0] == row and info.turns == len(opened.turns), (bad, info.describe())
+        assert info.tokens == model.cache.length
+        opened.close()
