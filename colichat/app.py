@@ -13,7 +13,7 @@ import time
 
 from . import report
 from .chat import Conversation
-from .commands import dispatch, is_command, is_quit_word, message_text
+from .commands import dispatch, is_command, meant_command, message_text
 from .engine.cancel import Cancel
 from .errors import USER_ERRORS, ChatError
 from .terminal import StatusLine, discard, dumb_terminal, terminal_size, to_stderr
@@ -141,7 +141,10 @@ class App:
 
     def resume(self, name: str | None) -> None:
         """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
-        self.say(self.conv.resume(name, self.prefill_progress("the damaged exchanges' saved text"), self.cancel))
+        said = self.conv.resume(name, on_progress=self.prefill_progress("its saved text"), on_note=self.say,
+                                cancel=self.cancel)
+        if said:
+            self.say(said)
         self.warm_note = True
         for line in report.recap(self.conv.turns, self.conv, self.dim) if self.interactive else ():
             self.say(line)
@@ -149,22 +152,24 @@ class App:
     def quit(self) -> None:
         self.quitting = True
 
-    def quit_or_send(self, line: str) -> None:
-        """`exit` alone on a line: ask whether /quit was meant; only a "no" sends it to the model."""
+    def quit_or_send(self, line: str, meant: str = "/quit") -> None:
+        """`exit` (or `clear`) alone on a line: ask whether /quit (/clear) was `meant`; only a "no" sends it
+        to the model."""
         word = line.strip()
         if not self.interactive:
-            raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
+            does = "quits" if meant == "/quit" else "starts a new conversation"
+            raise ChatError(f"'{word}' alone is not sent to the model: {meant} {does}, a \"\"\" block sends it")
         from .repl import yes_or_no
 
-        question = f"Did you mean /quit? (n sends '{word}' to the model)"
+        question = f"Did you mean {meant}? (n sends '{word}' to the model)"
         try:
-            meant_quit = yes_or_no(question, self.screen)
+            said_yes = yes_or_no(question, self.screen)
         except (KeyboardInterrupt, EOFError):
             return
         if self.screen:
-            self.screen.echo(f"{question} (y/n) {'y' if meant_quit else 'n'}")
-        if meant_quit:
-            self.quit()
+            self.screen.echo(f"{question} (y/n) {'y' if said_yes else 'n'}")
+        if said_yes:
+            dispatch(self, meant)
         else:
             self.answer(word)
 
@@ -198,8 +203,7 @@ class App:
                      f"/set max_tokens {max(4096, 4 * most)} (or --max-tokens) leaves it room to answer; /regen "
                      "asks again")
         if stats.stopped == "context":  # cut, not ended: say what lets it go on
-            self.say("note: the answer was cut: the context is full. /forget goes on in a new conversation without "
-                     "the oldest exchanges (--auto-forget does so by itself before a message that does not fit)")
+            self.say(f"note: the answer was cut: the context is full: {report.ways_out(self.conv)}")
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
@@ -233,8 +237,8 @@ class App:
             if is_command(line):
                 self.status.show(BUSY.get(line.split(maxsplit=1)[0].lower(), "working ..."))
                 dispatch(self, line)
-            elif is_quit_word(line):
-                self.quit_or_send(line)
+            elif meant_command(line):
+                self.quit_or_send(line, meant_command(line))
             elif line.strip():
                 self.answer(message_text(line))
         except USER_ERRORS as e:

@@ -31,7 +31,7 @@ from .errors import ChatError
 from .history import History
 from .persist import CacheLayout, Store, Turn, model_identity
 from .persist.loading import REOPEN_ROOM
-from .report import TurnStats, no_room, ways_out
+from .report import TurnStats, full_note, no_room, reopened, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
@@ -128,31 +128,30 @@ class Conversation:
 
     # --- the conversation and its session ---------------------------------------------------------
 
-    def resume(self, name: str | None = None, on_progress=None, cancel: Cancel | None = None) -> str:
+    def resume(self, name: str | None = None, on_progress=None, cancel: Cancel | None = None, on_note=None) -> str:
         """Fill the cache from a saved session (the latest by default); no forward pass, except for
-        exchanges whose records were damaged but whose text is intact: those are read again from
-        their text (History.read_again: `on_progress`; `cancel` stops it), so that going on never loses them."""
+        exchanges without records (pruned, damaged) whose text is intact: those are read again from
+        their text (History.read_again, with `on_progress`, after what was found is said to `on_note`;
+        `cancel` stops it), so that going on never loses them."""
         res, name = self.history.resume(name, lambda sess: sess.load(
             self.model.cache, self.model.n_ctx, self.tok.decode, exchanges=True, ctx_most=self.model.cfg.n_ctx_train))
         # Options given at start are the settings from now on, written with the next save: opening a
         # conversation to read it changes nothing on disk (FORMAT.md, "Loading reads only").
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
-        damaged = damaged_settings(res.sampler)
-        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
+        lines = [reopened(res)] + [f"warning: {w}" for w in res.warnings + damaged_settings(res.sampler)]
         lines += self.prefs.check_saved_system(self.tok)
         codec, kv = self.model.cache.codec, self.history.kv
         if codec != kv:
             lines.append(f"note: {name} is kept as {codec}, as it was saved; --kv {kv} is for new conversations")
+        if res.unread and on_note:  # what was found is said before the reading, which takes a while
+            on_note("\n".join(lines))
+            lines = []
         if res.unread:
-            lines.append(self.history.read_again(self, res.unread, on_progress, cancel or Cancel()))
+            lines += self.history.read_again(self, res.unread, on_progress, cancel or Cancel(), plain=bool(res.kv_gone))
         if self.prefs.pending_system is not False:  # --system given: this conversation was read with its own
             lines.append("note: the system prompt given waits for the next conversation (/new starts one); this "
                          "one goes on with the one it was saved with")
-        left, n_ctx = self.model.n_ctx - self.n_tokens, self.model.n_ctx
-        if left < FULL_BELOW:  # reopened as it was: what makes room
-            full = "full" if left < 2 else "nearly full"
-            lines.append(f"note: the context is {full} ({self.n_tokens} of {n_ctx} tokens): {ways_out(self)}")
-        return "\n".join(lines)
+        return "\n".join(lines + full_note(self, FULL_BELOW))  # reopened as it was: what makes room
 
     def save_as(self, name: str) -> str:
         """/save NAME: the conversation, from the cache, into a new session (saving.Saving.save_as)."""
@@ -232,10 +231,11 @@ class Conversation:
         if len(ids) + 1 >= room:
             raise ChatError(no_room(self, len(ids), room))
         if on_note and room - len(ids) < min(self.settings.max_tokens, 256):
-            on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut "
-                    f"({ways_out(self)})")
+            ways = ways_out(self)
+            on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut"
+                    + (f" ({ways})" if ways else ""))
         if start < self.n_tokens:
-            self.history.rebase(start)
+            self.history.rebase(start, defer_cut=True)  # (cut on disk as the answer is saved: one commit)
         first, sampler = self.n_tokens, self.prefs.sampler
         random = sampler.rng.bit_generator.state
         self.clock.start()

@@ -61,7 +61,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"colichat: {message} (colichat --help lists the options)\n")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> Parser:
+    """colichat's options: --help shows them, and README.md's synopsis is checked against them."""
     p = Parser(
         prog="colichat",
         description="Chat with a GGUF model in the terminal; every conversation is kept on disk "
@@ -105,15 +106,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", action="store_true", help="list the GGUF models colichat has used or finds in the "
                    "Hugging Face cache (architecture, size, whether they run here) and exit")
     p.add_argument("--prune-kv", metavar="DAYS", type=float, help="free the disk space of conversations not used "
-                   "for DAYS days: their KV files go, their text stays (reopening one reads it again); then exit")
+                   "for DAYS days: their KV files go, their text stays (reopening one reads it again); it lists them "
+                   "and asks first; 0 keeps the last hour's; then exit")
+    p.add_argument("--yes", action="store_true", help="--prune-kv without asking")
+    p.add_argument("--all", action="store_true", help="--prune-kv 0 prunes the last hour's conversations too")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
     p.add_argument("--version", action="version", version=f"colichat {__version__}")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options as meant: -p's and --system's text read as UTF-8 (`not_utf8` names those that were
+    not), --model's ~ expanded; what argparse cannot read exits 2 here. Read only by check_command_line,
+    start.plan (the Plan of a chat) and from_the_shell."""
+    p = parser()
     args = p.parse_args(argv)
     args.not_utf8 = [option for option, text in (("-p", args.prompt), ("--system", args.system))
                      if text is not None and argument_text(text) != argument_text(text, "surrogateescape")]
     args.prompt, args.system = argument_text(args.prompt), argument_text(args.system)
+    if args.model == "":
+        p.exit(2, "colichat: --model needs a path\n")
+    try:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
+        args.model = args.model and expand_home(args.model, UsageError, "--model ")
+    except UsageError as e:
+        p.exit(2, f"colichat: {e}\n")
     return args
 
 
@@ -129,10 +147,6 @@ def argument_text(text: str | None, errors: str = "replace") -> str | None:
 def check_command_line(args) -> tuple[Settings, frozenset]:
     """Refuse, before anything is read, a command line no run could carry out (UsageError: exit 2):
     a bad option value, options that contradict each other. Returns settings_from's answer."""
-    if args.model == "":
-        raise UsageError("--model needs a path")
-    if args.model:  # `--model=~/m.gguf`, or a quoted ~, which the shell leaves as it is
-        args.model = expand_home(args.model, UsageError, "--model ")
     if is_hub_model(args.model):
         parse_hub_model(args.model)
     if args.prompt is not None and not args.prompt.strip():
@@ -166,6 +180,8 @@ def check_combinations(args) -> None:
         raise UsageError(f"{' and '.join(shell)} each do their work and exit: give one of them")
     if args.prune_kv is not None and not 0 <= args.prune_kv < float("inf"):
         raise UsageError("--prune-kv takes a number of days, 0 or more")
+    if args.prune_kv is None and (args.yes or args.all):
+        raise UsageError(f"{'--yes' if args.yes else '--all'} goes with --prune-kv DAYS, which it answers or widens")
     if not shell:
         return
     if args.prune_kv is not None:
@@ -233,23 +249,21 @@ def main(argv=None) -> int:
         shell = args.sessions or args.export is not None or args.prune_kv is not None or args.models
         # --model's file first (found, downloaded, checked: its errors come before the sessions directory's)
         path = given_model(args.model, say) if args.model is not None and not shell else None
-        store = Store()  # the saved conversations, for the whole run
+        store = Store(on_note=lambda line: say(f"note: {line}"))  # the saved conversations, for the whole run
         if shell:
             return from_the_shell(args, store)
-        plan = start_plan(args, store, path, say)
+        plan = start_plan(args, settings, given, store, path, say)  # from here on, the Plan alone
         with keys_waiting(plan.interactive):
-            # --draft 0 at start: no MTP rows either (the model's, for its life; /set draft picks what it uses)
-            model = load_model(plan, say, status, mtp=settings.draft > 0, system=settings.system,
-                               expert_cache=args.expert_cache, verbose=args.verbose)
-        settings, note = model_sampling(settings, given, model.cfg)
+            model = load_model(plan, say, status)
+        settings, note = model_sampling(plan.settings, plan.given, model.cfg)
         if note:
             say(note)
-        problem = model.cache.codec_problem(args.kv)
+        problem = model.cache.codec_problem(plan.kv)
         if problem:
-            raise SettingError(f"--kv {args.kv}: {problem}")
-        conv = Conversation(model, settings, session_name=plan.session, store=store, pinned=given,
-                            no_save=args.no_save, save_new=plan.save_new, read_only=plan.read_only, kv=args.kv,
-                            reuse=not args.no_reuse)
+            raise SettingError(f"--kv {plan.kv}: {problem}")
+        conv = Conversation(model, settings, session_name=plan.session, store=store, pinned=plan.given,
+                            no_save=plan.no_save, save_new=plan.save_new, read_only=plan.read_only, kv=plan.kv,
+                            reuse=plan.reuse)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1
@@ -257,30 +271,35 @@ def main(argv=None) -> int:
         status.clear()
         to_stderr("colichat: interrupted while starting")
         return interrupted()
-    return chat(App(conv, plan.interactive, status, banner), plan, args)
+    app = App(conv, plan.interactive, status, banner)
+    store.said.on_note = lambda line: app.say(f"note: {line}")  # (a hint's problem: on the chat's screen)
+    try:
+        return chat(app, plan)
+    finally:
+        store.said.on_note = None  # (the store no longer holds the chat)
 
 
-def chat(app: App, plan: Plan, args) -> int:
+def chat(app: App, plan: Plan) -> int:
     """The chat, once the model is loaded: the conversation reopened or begun, then the REPL, or pipe
     mode (-p's message, or stdin's); the exit status."""
     conv, say, interactive = app.conv, app.say, plan.interactive
-    app.auto_forget = args.auto_forget
+    app.auto_forget = plan.auto_forget
     try:
         if plan.resume:
             app.status.show(BUSY["/resume"])
-            with stopped_by_ctrl_c(app) as stopped, keys_waiting(interactive):  # damaged exchanges read again
+            with stopped_by_ctrl_c(app) as stopped, keys_waiting(interactive):  # exchanges read again
                 app.resume(plan.session)  # (Ctrl-C keeps those read)
             if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
                 return interrupted()
         else:
-            if plan.session is not None and not args.no_save:
+            if plan.session is not None and not plan.no_save:
                 conv.saving.claim(plan.session, conv.settings.to_dict())
-            hint = conv.saving.latest_hint() if args.prompt is None else None  # one-shot: no hint to act on
+            hint = conv.saving.latest_hint() if plan.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
-        if args.prompt is not None:
+        if plan.prompt is not None:
             app.keep = "--session NAME"
-            return pipe_mode(app, [Message(args.prompt)])  # a message, even one that starts with /
+            return pipe_mode(app, [Message(plan.prompt)])  # a message, even one that starts with /
         if interactive:
             from .repl import run
 

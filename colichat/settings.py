@@ -10,11 +10,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 from .engine import SamplerSettings
+from .engine.sampler import broken_rule
 from .engine.speculative import MAX_DRAFT
 from .errors import SettingError
 from .thinking import MODES
@@ -33,14 +33,23 @@ def printable(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def rule(check: Callable[[object], bool], text: str) -> Callable[[object], str | None]:
+    """A setting's rule: `text` ("must be >= 0") for a value that fails `check`, else None."""
+    return lambda value: None if check(value) else text
+
+
+def sampling_rule(name: str) -> Callable[[object], str | None]:
+    """A sampling setting's rule, as the sampler states it (engine/sampler.py: broken_rule)."""
+    return lambda value: broken_rule(name, value)
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
     kind: type  # int, float or str
     default: object
     help: str
-    check: Callable[[object], bool] = lambda v: True
-    rule: str = ""  # what check requires, said when it fails ("must be >= 0")
+    broken: Callable[[object], str | None] = lambda v: None  # the rule a value breaks ("must be >= 0"), or None
     optional: bool = False  # `none` unsets it (the value None)
     metavar: str = "N"
     choices: tuple[str, ...] = ()  # a word setting's values (typed in any case)
@@ -78,10 +87,9 @@ class Setting:
     def validate(self, value, label: str | None = None) -> None:
         if value is None and self.optional:
             return
-        if self.kind is float and not math.isfinite(value):
-            raise SettingError(f"{label or self.name} must be a finite number")
-        if not self.check(value):
-            raise SettingError(f"{label or self.name} {self.rule}")
+        broken = self.broken(value)
+        if broken:
+            raise SettingError(f"{label or self.name} {broken}")
 
     def show(self, value) -> str:
         """The value as the user would type it: `none`, a number, the text itself."""
@@ -92,36 +100,36 @@ SAMPLING = SamplerSettings()  # the sampling settings' defaults are the sampler'
 
 TABLE: tuple[Setting, ...] = (
     Setting("temperature", float, SAMPLING.temperature, "0 = greedy; higher = more random",
-            lambda v: v >= 0, "must be >= 0 (0 means greedy)", metavar="T"),
+            sampling_rule("temperature"), metavar="T"),
     Setting("top_k", int, SAMPLING.top_k, "keep the K most likely tokens (0 = off)",
-            lambda v: v >= 0, "must be >= 0 (0 means off)", metavar="K"),
+            sampling_rule("top_k"), metavar="K"),
     Setting("top_p", float, SAMPLING.top_p,
             "keep the smallest set of tokens with this total probability (1 = off)",
-            lambda v: 0 < v <= 1, "must be in (0, 1]", metavar="P"),
+            sampling_rule("top_p"), metavar="P"),
     Setting("min_p", float, SAMPLING.min_p,
             "drop tokens below this fraction of the best one's probability (0 = off)",
-            lambda v: 0 <= v < 1, "must be in [0, 1)", metavar="P"),
+            sampling_rule("min_p"), metavar="P"),
     Setting("repeat_penalty", float, SAMPLING.repeat_penalty, "penalize the tokens of the repeat window (1 = off)",
-            lambda v: v > 0, "must be > 0 (1 means off)", metavar="R"),
+            sampling_rule("repeat_penalty"), metavar="R"),
     Setting("repeat_last_n", int, SAMPLING.repeat_last_n,
             "the repeat window: how many recent tokens repeat_penalty looks at",
-            lambda v: v >= 0, "must be >= 0"),
+            sampling_rule("repeat_last_n")),
     Setting("seed", int, SAMPLING.seed, "random seed: the same seed gives the same answers (none = a fresh one)",
-            lambda v: v >= 0, "must be >= 0", optional=True),
+            sampling_rule("seed"), optional=True),
     Setting("max_tokens", int, 512, "the longest answer, in tokens",
-            lambda v: v >= 1, "must be at least 1"),
+            rule(lambda v: v >= 1, "must be at least 1")),
     # speculative decoding: the largest number of drafts per pass, by default the most a pass checks exactly
     # (speculative.MAX_DRAFT, 15; BENCHMARKS.md: 15 did best on the echo tasks, none slowed chat beyond the noise)
     Setting("draft", int, MAX_DRAFT, "speculative decoding: at most this many tokens guessed from the conversation "
             "(or by the model's MTP block) are checked per step (0 = off; the same answer, greedy or with a seed)",
-            lambda v: 0 <= v <= MAX_DRAFT, f"must be between 0 (off) and {MAX_DRAFT}"),
+            rule(lambda v: 0 <= v <= MAX_DRAFT, f"must be between 0 (off) and {MAX_DRAFT}")),
     Setting("system", str, None, "the system prompt (none = no system prompt); a new one applies from "
             "the next conversation when this one has started", optional=True, metavar="TEXT"),
     Setting("think", str, "fold", "a thinking model's reasoning (<think>...</think>): fold = one dim line "
             "counting its tokens, show = its text, dim, hide = nothing; answers and /history show it so, "
             "/export always keeps it; off = ask the model not to think (models with the switch: V3.1, GLM, "
-            "Qwen3), from the next conversation when this one has started", lambda v: v in MODES,
-            "must be show, fold, hide or off", metavar="MODE", choices=MODES),
+            "Qwen3), from the next conversation when this one has started",
+            rule(lambda v: v in MODES, "must be show, fold, hide or off"), metavar="MODE", choices=MODES),
 )
 BY_NAME = {row.name: row for row in TABLE}
 SAMPLER_KEYS = tuple(SamplerSettings.__dataclass_fields__)

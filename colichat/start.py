@@ -30,15 +30,26 @@ from .sessions import (
     resume_context,
     resume_rope_factors,
 )
-from .settings import SettingError
+from .settings import SettingError, Settings
 from .terminal import dumb_terminal
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What the start decided before the model loads (`plan`), read from then on; the command line
-    (args) stays as it was typed."""
+    """Every option of a chat and what the start decided from them before the model loads (`plan`):
+    read from then on, in place of the command line (args), which nothing reads after it. The options
+    first, as given; then the decisions. An option is one field here, one line in `plan`."""
 
+    settings: Settings  # the chat settings the options give (TABLE's rows), the defaults for the others
+    given: frozenset  # the names of the settings an option gave: pinned, not replaced by a reopened one's
+    prompt: str | None  # -p's message: answered, then colichat exits
+    kv: str  # --kv: how a new conversation keeps its KV cache ("f32", "fp8", "int4")
+    reuse: bool  # not --no-reuse: a new prompt takes the records of a saved one it begins like
+    no_save: bool  # --no-save: nothing of the user's is written
+    auto_forget: bool  # --auto-forget: a message that does not fit goes on without the oldest exchanges
+    expert_cache: float | None  # --expert-cache MiB, or None: the model's default
+    verbose: bool  # --verbose: the start says where the model file is
+    numerics: str  # --numerics: "fast" or "llama.cpp"
     model: str  # the GGUF file: --model's, else the one that saved the conversation reopened, else the default
     session: str | None  # --session NAME
     resume: bool  # a saved conversation reopens (--resume, or --session NAME of a saved one)
@@ -47,12 +58,12 @@ class Plan:
     read_only: bool  # the reopened conversation's directory cannot be written: nothing is saved
     save_new: bool  # a new conversation is saved (a person types its messages, or --session, --resume)
     interactive: bool  # the terminal REPL; else pipe mode (line mode, a pipe, -p)
-    numerics: str  # "fast" or "llama.cpp"
 
 
-def plan(args, store: Store, model: str | None, say) -> Plan:
-    """The start's decisions for the command line `args`, in order, each refused (a user error) before
-    the model loads where it cannot be carried out. `model`: --model's file (given_model), or None."""
+def plan(args, settings: Settings, given: frozenset, store: Store, model: str | None, say) -> Plan:
+    """The Plan of the command line `args` (checked: cli.check_command_line, whose `settings` and
+    `given` these are): its decisions in order, each refused (a user error) before the model loads
+    where it cannot be carried out. `model`: --model's file (given_model), or None."""
     if model is None:
         model = choose_model(store, args.session, args.resume, say)
         check_model_file(model)
@@ -71,9 +82,26 @@ def plan(args, store: Store, model: str | None, say) -> Plan:
     if not (args.no_save or read_only):  # (those read it without its lock: another colichat may have it)
         refuse_if_open(store, model, args.session, resume)
     person_types = sys.stdin.isatty() and args.prompt is None  # the messages: saved as in the REPL
-    return Plan(model=model, session=args.session, resume=resume, ctx=ctx, ctx_of=ctx_of, read_only=read_only,
-                save_new=person_types or args.session is not None or resume, interactive=interactive,
-                numerics=args.numerics or "fast")
+    return Plan(
+        settings=settings,
+        given=given,
+        prompt=args.prompt,
+        kv=args.kv,
+        reuse=not args.no_reuse,
+        no_save=args.no_save,
+        auto_forget=args.auto_forget,
+        expert_cache=args.expert_cache,
+        verbose=args.verbose,
+        numerics=args.numerics or "fast",
+        model=model,
+        session=args.session,
+        resume=resume,
+        ctx=ctx,
+        ctx_of=ctx_of,
+        read_only=read_only,
+        save_new=person_types or args.session is not None or resume,
+        interactive=interactive,
+    )
 
 
 def given_model(name: str, say) -> str:
@@ -256,12 +284,12 @@ def model_sampling(settings, given: frozenset, cfg) -> tuple:
     return settings, f"note: the model's own sampling defaults: {said} (/set or an option changes them)"
 
 
-def load_model(plan: Plan, say, status, mtp: bool = True, system: str | None = None,
-               expert_cache: float | None = None, verbose: bool = False):
+def load_model(plan: Plan, say, status):
     """The model of plan.model, with the progress shown on `status` (terminal.StatusLine); a --system
-    `system` its chat template refuses, or that leaves no room for a message, is refused before the
-    weights are prepared. `expert_cache`, `verbose`: --expert-cache, --verbose."""
-    path = plan.model
+    its chat template refuses, or that leaves no room for a message, is refused before the weights are
+    prepared. --draft 0 at start loads no MTP rows either (the model's, for its life; /set draft picks
+    what it uses)."""
+    path, system, expert_cache = plan.model, plan.settings.system, plan.expert_cache
     t0 = time.perf_counter()
     name = os.path.basename(path)
     status.show(f"loading {name} ...")  # the first start of a model reads its metadata for seconds
@@ -273,7 +301,8 @@ def load_model(plan: Plan, say, status, mtp: bool = True, system: str | None = N
     notes: list[str] = []
     try:
         model = load(path, n_ctx=plan.ctx, progress=progress, cache_dir=paths().cache / "weights",
-                     expert_cache=expert_cache, on_note=notes.append, numerics=plan.numerics, mtp=mtp,
+                     expert_cache=expert_cache, on_note=notes.append, numerics=plan.numerics,
+                     mtp=plan.settings.draft > 0,
                      check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
     except ContextError as e:  # (a --system's too)
         if plan.ctx_of:  # not a --ctx given: say where it came from
@@ -282,7 +311,7 @@ def load_model(plan: Plan, say, status, mtp: bool = True, system: str | None = N
         raise
     status.clear()
     cfg = model.cfg
-    where = f" from {path}" if verbose else ""
+    where = f" from {path}" if plan.verbose else ""
     say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
         f"loaded in {time.perf_counter() - t0:.1f} s")
     say(f"memory: {model.memory_estimate()}")

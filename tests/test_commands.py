@@ -150,6 +150,26 @@ def test_the_options_are_the_table(colichat_home):
     assert settings.seed is None and settings.temperature == 0.7
 
 
+def test_the_settings_refuse_what_the_sampler_refuses_in_its_words():
+    """The sampling rules are the sampler's (engine/sampler.py): /set, an option and a saved value are
+    refused where SamplerSettings would be, with the same line."""
+    import dataclasses
+
+    from colichat.engine import SamplerSettings
+    from colichat.settings import BY_NAME, SettingError
+
+    for key, bad in (("temperature", -1.0), ("temperature", float("inf")), ("top_k", -1), ("top_k", 2.5),
+                     ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repeat_penalty", 0.0),
+                     ("repeat_last_n", -3), ("seed", -1)):
+        with pytest.raises(ValueError) as engine:
+            dataclasses.replace(SamplerSettings(), **{key: bad}).validate()
+        with pytest.raises(SettingError) as setting:
+            BY_NAME[key].validate(bad)
+        assert str(setting.value) == str(engine.value), key
+    for key, fine in (("top_p", 1.0), ("min_p", 0.0), ("seed", None), ("temperature", 0)):
+        BY_NAME[key].validate(fine)
+
+
 # ---- inputs: one reader of \"\"\" blocks for the terminal and for pipes --------------------------------
 
 
@@ -383,7 +403,18 @@ def test_readme_names_every_word_that_asks_whether_quit_was_meant():
     readme = (Path(__file__).parents[1] / "README.md").read_text("utf-8")
     row = next(line for line in readme.splitlines() if "asks whether you meant `/quit`" in line)
     assert all(f"`{word}`" in row for word in QUIT_WORDS), row
-    assert is_quit_word("Bye!") and "`Bye!`" in row and is_quit_word("EXIT.")
+    assert is_quit_word("Bye!") and "`Bye!`" in row and is_quit_word("EXIT.") and not is_quit_word("clear")
+
+
+def test_a_word_alone_that_means_a_command_is_asked_about_and_commands_typed_ahead_run_one_by_one():
+    from colichat.commands import commands_of, meant_command
+    from colichat.inputs import Message
+
+    assert [meant_command(w) for w in ("exit", "Bye!", "clear", "CLS.", "clear the table", Message("clear"))] == [
+        "/quit", "/quit", "/clear", "/clear", None, None]
+    assert commands_of("/history\n/rewind 1\n\n/stats") == ["/history", "/rewind 1", "/stats"]
+    for one in ("/history", "/history\nwhat was that?", "hello\n/stats", "//etc\n/stats", Message("/a\n/b")):
+        assert commands_of(one) == [one]  # anything else stays one input, as typed
 
 
 def test_sessions_on_a_terminal_lists_the_newest_that_fit_with_the_command_and_the_prompt():

@@ -1,19 +1,30 @@
 """In-memory KV cache: one preallocated buffer of per-token records, laid out like the file record.
 
-A record is: int32 token id, then for every layer `A` floats then `B` floats (no padding):
-  MLA (deepseek2): A = c, the normalized latent (kv_lora_rank); B = k_pe, the roped shared key (qk_rope).
-  GQA (llama):     A = roped keys (n_head_kv * head_dim);     B = values (n_head_kv * head_dim).
-then, for sparse-attention MLA (deepseek32, glm-dsa), `Di` floats for each of the `nic` layers
-that own a full indexer, in layer order: Ic, the token's indexer key (LayerNorm'd, roped).
-This is exactly the COLIKV1 record, so persistence moves whole records with one read or write
-(`records`), and the engine reads per-layer strided views (`a[l]`, `b[l]`) without copies.
+The record, one token's entry, is the same bytes here and in a session's KV file (this is where it
+is described; FORMAT.md and persist/kvfile.py, which frame it in a file, point here):
 
-A compact cache (`codec` fp8 or int4, kvcodec.py) also keeps every row as its file stores it
-(`stored`, the COLIKV2/COLIKV3 record): a row is encoded as it enters (`round_rows`, called by the
-layer that wrote it, before attention reads it) and the f32 row is replaced by what the codes decode
-to. So the engine attends over exactly what a file gives back, and a resumed conversation is the
-one that never stopped. Rows are MLA's c and k_pe whole, and a GQA model's heads one by one
-(`row_width` = head_dim); the int32 token and the Ic rows stay as they are.
+    int32 token id
+    for each layer 0..L-1:
+        the A rows   MLA (deepseek2): c, the normalized latent (A = kv_lora_rank)
+                     GQA (llama):     K, the roped keys, head-major (A = n_head_kv * head_dim)
+        the B rows   MLA: k_pe, the roped shared key (B = qk_rope_head_dim);  GQA: V (B = A)
+    for each of the nic layers that own a full indexer, in layer order (sparse-attention MLA:
+    deepseek32 every layer, glm-dsa those whose indexer type is 1):
+        Di f32       Ic, the token's indexer key (after LayerNorm and RoPE, not Hadamard-rotated)
+
+Little-endian, no padding; MTP (NextN) blocks are never part of it. In f32 a layer's rows are A then
+B floats, so a record is 4 + 4 x (L x (A + B) + nic x Di) bytes (`record_bytes`): for MLA exactly
+colibri's COLIKV1 record. So persistence moves whole records with one read or write (`records`),
+and the engine reads per-layer strided views (`a[l]`, `b[l]`) without copies.
+
+A compact cache (`codec` fp8 or int4: colibri's COLIKV2 and COLIKV3 rows, kvcodec.py says each bit)
+stores every row as its codes and an f32 scale, in the same order (`stored_record_bytes`): MLA's c
+and k_pe are one row each (an fp8 record is colibri's COLIKV2 record exactly); a GQA layer is one
+row per head (`row_width` = head_dim), K heads then V heads; the token and the Ic rows stay as they
+are. It keeps that stored record too (`stored`): a row is encoded as it enters (`round_rows`, called
+by the layer that wrote it, before attention reads it) and the f32 row is replaced by what the codes
+decode to. So the engine attends over exactly what a file gives back, and a resumed conversation is
+the one that never stopped.
 
 Axis letters: engine/__init__.py (N cache rows, L layers, A/B the widths above, Di the indexer
 key width).

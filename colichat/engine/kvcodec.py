@@ -7,8 +7,7 @@ A row is one cache vector of width W (an MLA c or k_pe row), stored little-endia
     fp8    W + 4      W e4m3 codes, then the row's f32 scale        COLIKV2\\0  1
     int4   W/2 + 4    W/2 bytes of 4-bit codes, then the f32 radius COLIKV3\\0  1<<8 | 4 (codec<<8 | bits)
 
-An MLA record (`record_bytes`): int32 token; per layer the c row, then the k_pe row; then the Ic rows
-(the sparse-attention indexer keys), which stay f32.
+The record these rows make up (the token, each layer's rows, the indexer keys): cache.py describes it.
 
 fp8 (colibri c/kv_fp8.h, coli_kv8_quant_row): amax = max |x| over the row, NaN ignored. If amax <= 1e-35
 (a zero, subnormal or all-NaN row) or amax > 3.4e38 (an inf), the row is W zero codes with scale 1.

@@ -3,13 +3,14 @@ after a repetition penalty over recent tokens. Randomness comes from one seeded 
 so the same seed and settings give the same tokens.
 
 SamplerSettings' defaults are colichat's: the settings table (settings.py) takes its defaults from
-them, so a user, a test and a benchmark that leave a value out all get the same one.
+them, so a user, a test and a benchmark that leave a value out all get the same one; it takes the
+rules a value must meet from here too (`broken_rule`), so they are written once.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -34,30 +35,39 @@ class SamplerSettings:
         return asdict(self)
 
     def validate(self) -> None:
-        """ValueError naming the setting for values the sampler cannot use (NaN fails every check;
-        settings read back from a file may hold any JSON value: the types are checked too)."""
-        for key in ("top_k", "repeat_last_n", "seed"):
-            v = getattr(self, key)
-            if not (isinstance(v, int) and not isinstance(v, bool)) and not (key == "seed" and v is None):
-                raise ValueError(f"{key} must be a whole number, not {v!r}")
-        for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{key} must be a finite number")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError("seed must be >= 0")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0 (0 means greedy)")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 means off)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if not 0 <= self.min_p < 1:
-            raise ValueError("min_p must be in [0, 1)")
-        if self.repeat_penalty <= 0:
-            raise ValueError("repeat_penalty must be > 0 (1 means off)")
-        if self.repeat_last_n < 0:
-            raise ValueError("repeat_last_n must be >= 0")
+        """ValueError naming the setting for values the sampler cannot use (broken_rule)."""
+        for field in fields(self):
+            broken = broken_rule(field.name, getattr(self, field.name))
+            if broken:
+                raise ValueError(f"{field.name} {broken}")
+
+
+# What each sampling setting must be, said after its name when it is not ("top_p must be in (0, 1]").
+RANGES = {
+    "temperature": (lambda v: v >= 0, "must be >= 0 (0 means greedy)"),
+    "top_k": (lambda v: v >= 0, "must be >= 0 (0 means off)"),
+    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "min_p": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "repeat_penalty": (lambda v: v > 0, "must be > 0 (1 means off)"),
+    "repeat_last_n": (lambda v: v >= 0, "must be >= 0"),
+    "seed": (lambda v: v >= 0, "must be >= 0"),
+}
+WHOLE = ("top_k", "repeat_last_n", "seed")  # the others are numbers, whole or not
+
+
+def broken_rule(key: str, value) -> str | None:
+    """The rule of sampling setting `key` that `value` breaks ("must be >= 0"), or None: a whole number
+    for WHOLE (seed may be None: a fresh seed), a finite number for the others, then its RANGES entry.
+    Settings read back from a file may hold any JSON value: the type is checked first."""
+    if key in WHOLE:
+        if value is None and key == "seed":
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"must be a whole number, not {value!r}"
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "must be a finite number"
+    check, rule = RANGES[key]
+    return None if check(value) else rule
 
 
 class Sampler:
