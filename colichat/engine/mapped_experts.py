@@ -21,7 +21,8 @@ class MappedExperts:
     the use counts are kept the same way (usage()), for a later start on the numpy path."""
 
     prefetcher = None  # nothing to prefetch: a product reads the pages it needs
-    warmer, warming = None, 0  # nor to warm: the page cache keeps what earlier runs read
+    warming = warmed = 0
+    warmer = None  # nothing to warm (Model.warming)
 
     def __init__(self, tensors, layers: list[int]):
         self.tensors, self.layers = tensors, set(layers)
@@ -61,7 +62,7 @@ class MappedExperts:
         """Nothing to fill (the page cache keeps what earlier runs read)."""
 
     def paused(self):
-        """Nothing runs in the background to pause while colichat answers (Model.quiet)."""
+        """While colichat answers (Model.quiet): nothing runs in the background to pause."""
         return contextlib.nullcontext()
 
 
