@@ -99,10 +99,8 @@ def quant(path: str, kv: dict) -> str:
     named = quant_of(path)
     if named:
         return named
-    try:
-        return gguf.LlamaFileType(kv.get("general.file_type")).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except ValueError:
-        return "?"
+    names = {t.value: t.name.removeprefix("MOSTLY_").removeprefix("ALL_") for t in gguf.LlamaFileType}
+    return names.get(kv.get("general.file_type"), "?")
 
 
 def cache_bytes(path: str) -> int:

@@ -278,7 +278,9 @@ def test_an_answer_cut_by_the_context_says_what_lets_it_go_on(tmp_path):
     small = load(TINY_LLAMA, n_ctx=64)
     conv = Conversation(small, Settings(temperature=0, max_tokens=200), store=Store(tmp_path / "s"))
     said = run(Recorder(conv), "hello")
-    assert "context full" in said[-2] and said[-1].startswith("note: the answer was cut: the context is full. /forget")
+    assert "context full" in said[-2] and said[-1] == (
+        "note: the answer was cut: the context is full: /rewind 1 drops the last exchange; /new starts a new "
+        "conversation; a larger --ctx at the next start (this model takes up to 2048)")
     conv.close()
 
 
