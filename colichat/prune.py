@@ -11,7 +11,6 @@ without text checksums). One open in a running colichat is left as it is.
 from __future__ import annotations
 
 import os
-import time
 
 from .persist import SessionError, Store
 from .persist.kvfile import fsync_dir
@@ -39,7 +38,7 @@ def readable_again_whole(sidecar: str) -> bool:
 def prune_kv(store: Store, days: float, now: float | None = None) -> list[str]:
     """Remove the KV files of the conversations (of every model) last used more than `days` ago whose
     text can be read again; the lines that say what was done."""
-    cutoff = (time.time() if now is None else now) - days * 86400
+    cutoff = (store.clock() if now is None else now) - days * 86400
     freed, pruned, lines = 0, 0, []
     for info in store.list():
         kv, sidecar = str(info.path), str(info.path.with_suffix(".json"))

@@ -226,7 +226,6 @@ def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_lates
     """A sidecar that is not colichat's, a symlinked sidecar, a bare KV file of another model: listed
     as damaged by /sessions and --sessions, never offered at start as the conversation to resume."""
     chat_here(colichat_home, [*TINY_ARGS, "--session", "good"], lines("Hello there")).ok()
-    time.sleep(0.05)
     for name in ("foreign", "linked", "bare"):
         chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).ok()
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "good.coli_kv")
@@ -239,6 +238,9 @@ def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_lates
     with open(directory / "bare.coli_kv", "r+b") as f:  # a cache of a model with 3 layers, not 4
         f.seek(8)
         f.write(struct.pack("<i", 3))
+    later = time.time() + 3600  # the damaged ones used after "good": newer, yet never the latest
+    for path in directory.glob("[flb]*"):
+        os.utime(path, (later, later), follow_symlinks=False)
     damaged = ["foreign: damaged (the sidecar is not a colichat sidecar); /delete foreign removes it",
                "linked: damaged (the sidecar is a symbolic link); /delete linked removes it",
                "bare: damaged (a cache of another model: n_layers 3 (model: 4)); /delete bare removes it"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY
-from persist_helpers import IDENT, OTHER_IDENT, TESTS, build, layout_of, make_cache
+from persist_helpers import IDENT, OTHER_IDENT, TESTS, Ticks, build, layout_of, make_cache
 
 import colichat.persist.identity as identity_mod
 from colichat.persist import SessionError, Store, model_identity, weights_fingerprint
@@ -117,12 +117,11 @@ def test_auto_names_are_unique(colichat_home):
 
 
 def test_listing_newest_first_per_model(colichat_home):
-    store = Store()
+    store = Store(clock=Ticks())
     cache = make_cache()
     for name, ident, n in [("old", IDENT, 1), ("other", OTHER_IDENT, 2), ("new", IDENT, 3)]:
         with store.create(ident, layout_of(cache), name=name) as sess:
             sess.append(cache, build(cache, n))
-        time.sleep(0.01)
     junk = store.model_dir(IDENT) / "junk.coli_kv"
     junk.write_bytes(b"not a session")
     [bad] = [i for i in store.list(IDENT) if i.damage]  # listed, with the command that clears it

@@ -46,9 +46,10 @@ def document(data: bytes):
         return None
 
 
-def now_iso() -> str:
-    """The sidecar's times ("created", "updated"): UTC, to the millisecond."""
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+def iso_time(t: float) -> str:
+    """The sidecar's times ("created", "updated"), from epoch seconds (the store's clock): UTC, to the
+    millisecond."""
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
 
 def write_document(path: str, doc: dict) -> None:
