@@ -205,6 +205,7 @@ def hub_env(server_url: str, hf_home: Path, **more) -> dict:
     return {"HF_ENDPOINT": server_url, "HF_HOME": str(hf_home), **more}
 
 
+@pytest.mark.process
 def test_hf_model_downloads_loads_and_answers_then_starts_offline(tmp_path):
     home, hf_home = tmp_path / "home", tmp_path / "hf"
     home.mkdir()
@@ -229,6 +230,7 @@ def test_hf_model_downloads_loads_and_answers_then_starts_offline(tmp_path):
                                 "HF_HUB_OFFLINE is set: unset it to download the model"]
 
 
+@pytest.mark.process
 def test_a_missing_repository_is_one_line(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -242,6 +244,7 @@ def test_a_missing_repository_is_one_line(tmp_path):
     assert bad.errors()[0].startswith("colichat: --model hf:nothing: a model of the Hugging Face Hub is hf:OWNER/REPO")
 
 
+@pytest.mark.process
 def test_models_lists_used_and_cached_models_one_line_each(tmp_path):
     home, hf_home = tmp_path / "home", tmp_path / "hf"
     home.mkdir()

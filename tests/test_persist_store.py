@@ -151,6 +151,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.process
 def test_second_writer_is_refused(colichat_home):
     cache = make_cache()
     store = Store()
@@ -190,6 +191,7 @@ def _waits_for_a_lock(pid: int) -> bool:
                for line in Path("/proc/locks").read_text().splitlines())
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not Path("/proc/locks").exists(),
                     reason="needs Linux's /proc/locks to see a process wait on a lock (the read's wait is seen "
                     "nowhere else)")

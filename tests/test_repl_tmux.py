@@ -8,7 +8,7 @@ import sys
 import pytest
 from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 
-pytestmark = pytest.mark.default_model
+pytestmark = [pytest.mark.process, pytest.mark.default_model]  # a terminal, on the default model
 
 # a footer, also where the terminal's width broke it into rows (at spaces)
 FOOTER = re.compile(r"\[\d+ tokens?, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+".replace(" ", r"\s+"))
