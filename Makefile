@@ -43,10 +43,11 @@ test: lint
 test-fast: lint
 	$(PYTEST) -m "not process"
 
-# ARGS=--moe runs the real-size MoE benchmark (benchmarks/moe.py) instead, with the other ARGS.
+# ARGS=--moe runs the real-size MoE benchmark (benchmarks/moe.py) instead, ARGS=--dense the dense models side
+# by side with llama.cpp (benchmarks/dense.py), with the other ARGS.
 bench: venv
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python benchmarks/$(if $(filter --moe,$(ARGS)),moe,bench).py $(ARGS)
+	$(BIN)/python benchmarks/$(if $(filter --moe,$(ARGS)),moe,$(if $(filter --dense,$(ARGS)),dense,bench)).py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

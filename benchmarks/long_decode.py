@@ -31,6 +31,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+import common  # noqa: E402  (benchmarks/common.py)
+import machine  # noqa: E402  (benchmarks/machine.py: limits and rooflines)
 
 SHORT_CTX = 64
 
@@ -156,11 +158,10 @@ def bench_timed(fn, *args) -> float:
 
 def one_thread_limits() -> dict:
     """sgemm GFLOP/s and matvec GB/s with one BLAS thread, as decode runs (the roofline uses all threads)."""
-    import bench
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1, "blas"):
-        return {"sgemm_gflops": bench.measure_sgemm(reps=4), "matvec_gbps": bench.measure_matvec(reps=6)}
+        return {"sgemm_gflops": machine.measure_sgemm(reps=4), "matvec_gbps": machine.measure_matvec(reps=6)}
 
 
 def attention_work(model, ctx: int) -> dict:
@@ -211,35 +212,34 @@ def attention_in_cache(model, ctx: int, reps: int = 15) -> float:
 def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: int, before=None) -> dict:
     """Decode at SHORT_CTX and ctx, alternating (and at ctx with `before`'s attention functions when given,
     as a third alternating case), the limits around them, then the per-op profiles."""
-    import bench
 
     from colichat.engine import attention, load
     from colichat.engine.threads import cores
 
-    bench.say(f"{label}: loading {path.name}")
+    common.say(f"{label}: loading {path.name}")
     model = load(str(path), n_ctx=ctx + 16)
-    terms = bench.roofline_terms(model)
+    terms = machine.roofline_terms(model)
     fill_cache(model, ctx)
     token = int(model.cache.tokens[1])
     cases = [(f"ctx {SHORT_CTX}", SHORT_CTX, attention), (f"ctx {ctx}", ctx, attention)]
     if before is not None:
         cases.append((f"ctx {ctx}, attention of {before[0]}", ctx, before[1]))
-    lim_before = bench.machine_limits(quick=True)
+    lim_before = machine.machine_limits(quick=True)
     one_before = one_thread_limits()
-    bench.say(f"{label}: decode, {len(cases)} cases alternating, {rounds} rounds")
+    common.say(f"{label}: decode, {len(cases)} cases alternating, {rounds} rounds")
     times: dict[str, list[float]] = {case: [] for case, _, _ in cases}
     try:
-        with bench.OtherLoad() as other:
+        with common.OtherLoad() as other:
             for i in range(rounds + 1):  # round 0 warms up
                 for case, n, mod in cases if i % 2 else cases[::-1]:
                     use_attention(mod)
                     model.cache.set_length(n)
-                    dt = bench.timed(model.decode, token)[0]
+                    dt = common.timed(model.decode, token)[0]
                     if i:
                         times[case].append(dt)
-        lim_after = bench.machine_limits(quick=True)
+        lim_after = machine.machine_limits(quick=True)
         one_after = one_thread_limits()
-        bench.say(f"{label}: per-op profile")
+        common.say(f"{label}: per-op profile")
         extra = (before[1],) if before is not None else ()
         prof = {}
         for case, n, mod in cases:
@@ -252,8 +252,8 @@ def bench_model(label: str, path: Path, ctx: int, rounds: int, profile_steps: in
     rows = []
     for case, n, _ in cases:
         ts = times[case]
-        roof = bench.decode_bytes(terms, n) / (gbps * 1e9)
-        roof_one = bench.decode_bytes(terms, n) / (gbps_one * 1e9)
+        roof = machine.decode_bytes(terms, n) / (gbps * 1e9)
+        roof_one = machine.decode_bytes(terms, n) / (gbps_one * 1e9)
         rows.append({"case": case, "ctx": n, "s_per_token": min(ts), "median_s": float(np.median(ts)),
                      "tok_s": 1 / min(ts), "roofline_tok_s": 1 / roof, "fraction": roof / min(ts),
                      "fraction_of_one_thread_roofline": roof_one / min(ts)})
@@ -278,7 +278,6 @@ def run(models: list[tuple[str, Path]], ctx: int = 4096, rounds: int | None = No
 
 
 def report(res: dict, markdown: bool = True) -> str:
-    import bench
 
     parts = []
     rows = [[m["label"], d["case"], f"{d['tok_s']:.1f}", f"{d['s_per_token'] * 1e3:.1f}",
@@ -286,7 +285,7 @@ def report(res: dict, markdown: bool = True) -> str:
              f"{d['fraction_of_one_thread_roofline']:.0%}", f"{m['one_thread']['matvec_gbps']:.1f}",
              f"{m['others_cpu']:.0%}"]
             for m in res["models"] for d in m["decode"]]
-    parts.append(bench.table(["model", "decode", "tok/s (best)", "ms/token", "roofline tok/s", "fraction",
+    parts.append(common.table(["model", "decode", "tok/s (best)", "ms/token", "roofline tok/s", "fraction",
                               "matvec GB/s", "fraction (1-thread roofline)", "1-thread matvec GB/s", "others' CPU"],
                              rows, markdown))
     for m in res["models"]:
@@ -298,7 +297,7 @@ def report(res: dict, markdown: bool = True) -> str:
         rows.append(["total (profiled step)"] + [x for p in prof.values()
                                                  for x in (f"{p['s_per_token'] * 1e3:.2f}", "100%")])
         parts.append(f"{m['label']}: per-op time of one decode step (medians over the profiled steps)\n")
-        parts.append(bench.table(["op"] + [x for case in prof for x in (f"ms, {case}", "share")], rows, markdown))
+        parts.append(common.table(["op"] + [x for case in prof for x in (f"ms, {case}", "share")], rows, markdown))
         long_ = prof[f"ctx {res['ctx']}"]
         att = long_["ops_s"].get("attention over the cache", 0) + long_["ops_s"].get("softmax (within attention)", 0)
         w, one = m["attention_work"], m["one_thread"]
@@ -336,8 +335,6 @@ def report(res: dict, markdown: bool = True) -> str:
 def main(argv=None) -> int:
     import json
 
-    import bench
-
     from colichat.models import default_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -349,18 +346,18 @@ def main(argv=None) -> int:
     p.add_argument("--before", metavar="REV", default=None,
                    help="also decode at the long context with attention.py of git revision REV, alternating")
     args = p.parse_args(argv)
-    bench.OUT.mkdir(parents=True, exist_ok=True)
+    common.OUT.mkdir(parents=True, exist_ok=True)
     models = [] if args.skip_smollm2 else [("SmolLM2-135M", Path(default_model_path()))]
     if not args.skip_deepseek:
-        models.append((f"V2-Lite-shaped (FFN {args.ff})", bench.deepseek_gguf(args.ff)))
+        models.append((f"V2-Lite-shaped (FFN {args.ff})", common.deepseek_gguf(args.ff)))
     t0 = time.perf_counter()
     res = run(models, args.ctx, args.rounds, before=args.before)
-    res.update(machine=bench.machine_info(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"), code=bench.code_version(),
+    res.update(machine=machine.machine_info(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"), code=machine.code_version(),
                run_s=time.perf_counter() - t0)
-    (bench.OUT / "long_decode.json").write_text(json.dumps(res, indent=1))
-    (bench.OUT / "long_decode.md").write_text(report(res, markdown=True))
+    (common.OUT / "long_decode.json").write_text(json.dumps(res, indent=1))
+    (common.OUT / "long_decode.md").write_text(report(res, markdown=True))
     print(report(res, markdown=False))
-    print(f"run time {res['run_s']:.0f} s; wrote {bench.OUT / 'long_decode.json'}, long_decode.md")
+    print(f"run time {res['run_s']:.0f} s; wrote {common.OUT / 'long_decode.json'}, long_decode.md")
     return 0
 
 

@@ -29,7 +29,6 @@ import gc
 import inspect
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,11 @@ from types import SimpleNamespace
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # gguf_factory writes the model
+import common  # noqa: E402  (benchmarks/common.py: probes, files, the engines' children, tables)
+import machine  # noqa: E402  (benchmarks/machine.py: the limits, what a token costs)
+from common import GIB, say  # noqa: E402
 
 MOE = dict(  # V2-Lite's MoE part, over gguf_factory.V2_LITE_DENSE's attention, vocabulary and YaRN
     n_dense=1, n_ff=10944, n_expert=64, n_expert_used=6, n_expert_shared=2, n_ff_exp=1408, gating=1,
@@ -67,40 +70,6 @@ N_CTX = 1024
 SEED = 34
 QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "Q4_0")
 FP16_AT = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
-GIB = 1 << 30
-
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def best(fn, reps: int = 5) -> float:
-    """Seconds of the fastest of `reps` calls of fn() after a warm-up call (the least disturbed one)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def peak_rss() -> int:
-    """This process's peak resident set (VmHWM: file pages it mapped and touched included), in bytes."""
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
-def cpu_mark() -> tuple[float, float, float]:
-    """(wall seconds, busy seconds of all CPUs, this process's CPU seconds) now."""
-    f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    t = os.times()
-    return time.perf_counter(), (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system
-
-
-def others_share(a: tuple, b: tuple) -> float:
-    """Share of the machine's CPUs that other processes used between two cpu_marks (0.5 on 2 cores: a core)."""
-    return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / max(1e-9, (b[0] - a[0]) * (os.cpu_count() or 1)))
 
 
 # --- the files ---------------------------------------------------------------------------------------
@@ -116,33 +85,14 @@ def spec_for(layers: int, skewed: bool, shape: str = "v2lite"):
     return replace(V2_LITE_DENSE, **MOE, n_layer=layers, probs_bias=skewed)
 
 
-def file_ok(path: Path, spec) -> bool:
-    """Whether `path` is a complete file of `spec`: all its tensors, the last one's data within the file."""
-    import gguf
-    from gguf_factory import tensor_shapes
-
-    try:
-        r = gguf.GGUFReader(path)
-        last = r.tensors[-1]
-        return len(r.tensors) == len(tensor_shapes(spec)) and last.data_offset + last.n_bytes <= path.stat().st_size
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 def model_file(folder: Path, layers: int, skewed: bool, bias: float, shape: str = "v2lite") -> Path:
     """The file (written once, as a stream: memory for one expert) and, if skewed, its bias set to `bias`."""
-    from gguf_factory import write_deepseek2
+    from gguf_factory import tensor_shapes, write_deepseek2
 
     spec = spec_for(layers, skewed, shape)
     full = layers == SHAPES[shape]
     path = folder / f"{shape}-{'skewed' if skewed else 'uniform'}{'' if full else f'-L{layers}'}.gguf"
-    if not file_ok(path, spec):
-        folder.mkdir(parents=True, exist_ok=True)
-        say(f"writing {path} (random blocks)")
-        t = time.perf_counter()
-        write_deepseek2(path.with_suffix(".part"), spec)
-        os.replace(path.with_suffix(".part"), path)
-        say(f"wrote {path.stat().st_size / 1e9:.1f} GB in {time.perf_counter() - t:.0f} s")
+    common.write_once(path, lambda part: write_deepseek2(part, spec), len(tensor_shapes(spec)))
     if skewed:
         set_bias(path, bias)
     return path
@@ -172,24 +122,13 @@ def token_ids(n_vocab: int) -> dict[str, list[int]]:
 # --- the engines, each in a child process ---------------------------------------------------------------
 
 
-def run_phases(out: dict, tokens: dict, engine, logits_dir: Path, name: str) -> None:
-    """The phases, the same for both engines. engine: prefill(ids) -> last logits (V,), decode(id) -> (V,),
-    fresh() (an empty KV cache), note() -> extra figures of the phase just ended. Logits go to logits_dir."""
+def phases(tokens: dict, engine) -> list:
+    """The phases, the same for both engines, as common.run_phases runs them: (name, fn, fresh cache first)."""
     dec = tokens["decode"]
-    runs = {"prefill64": lambda: engine.prefill(tokens["prompt64"]),
-            "prefill512": lambda: engine.prefill(tokens["prompt512"]),
-            "decode_first": lambda: [engine.decode(i) for i in dec[:FIRST]][-1],
-            "decode_steady": lambda: [engine.decode(i) for i in dec[FIRST:]][-1]}
-    for phase in PHASES:
-        if phase == "prefill512":
-            engine.fresh()
-        a = cpu_mark()
-        logits = np.asarray(runs[phase](), dtype=np.float32).reshape(-1)  # (V,)
-        b = cpu_mark()
-        np.save(logits_dir / f"{name}-{phase}.npy", logits)
-        out[phase] = {"s": b[0] - a[0], "others_cpu": others_share(a, b), "finite": bool(np.isfinite(logits).all()),
-                      "rss": peak_rss(), **engine.note()}
-    out["peak_rss"] = peak_rss()
+    return [("prefill64", lambda: engine.prefill(tokens["prompt64"]), False),
+            ("prefill512", lambda: engine.prefill(tokens["prompt512"]), True),
+            ("decode_first", lambda: [engine.decode(i) for i in dec[:FIRST]][-1], False),
+            ("decode_steady", lambda: [engine.decode(i) for i in dec[FIRST:]][-1], False)]
 
 
 class RouteCounter:
@@ -232,13 +171,15 @@ class RouteCounter:
         return out
 
 
-def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
+def colichat(path: str, expert_cache: float | None, load_args: dict) -> SimpleNamespace:
     """colichat as run_phases drives it; fresh() gives a new Model over the same weights (an empty KV cache
-    and a cold expert cache of the same size)."""
-    from colichat.engine import Model, load
+    and a cold expert cache of the same size). With experts multiplied where they lie in the map (no slab
+    of its own: the page cache is the expert cache), fresh() gives a new KV cache only and note() the routes."""
+    from colichat.engine import Model
 
-    m = load(path, n_ctx=N_CTX, expert_cache=expert_cache)
-    prefetch = bool(os.environ.get("COLICHAT_BENCH_PREFETCH"))
+    m, kernels_s = common.load_colichat(path, N_CTX, expert_cache=expert_cache, **load_args)
+    slab = hasattr(m.experts, "capacity")  # an expert cache of its own, with its counters
+    prefetch = bool(os.environ.get("COLICHAT_BENCH_PREFETCH")) and slab
     if prefetch:
         m.experts.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch")
     cfg, state = m.cfg, {"m": m, "seen": (0, 0, 0, 0, 0)}
@@ -247,6 +188,9 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
     hot = np.stack(bias) > 0 if any("exp_probs_b" in k for k in m.w) else None  # (L, X)
 
     def fresh() -> None:
+        if not slab:
+            common.fresh_cache(state["m"])
+            return
         old = state.pop("m")
         w, tok, tensors, mib = old.w, old.tokenizer, old.tensors, old.experts.capacity / (1 << 20)
         del old
@@ -256,6 +200,8 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
             state["m"].experts.prefetcher = ThreadPoolExecutor(1, "colichat-prefetch")
 
     def note() -> dict:
+        if not slab:
+            return routes.take(hot)
         e, was = state["m"].experts, state["seen"]
         now = (e.hits, e.misses, e.prefetched, e.predictions, e.predicted_right)
         state["seen"] = now
@@ -264,44 +210,26 @@ def colichat(path: str, expert_cache: float | None) -> SimpleNamespace:
         return {**d, **routes.take(hot)}
 
     return SimpleNamespace(prefill=lambda ids: state["m"].prefill(ids, all_logits=False), fresh=fresh, note=note,
-                           decode=lambda i: state["m"].decode(i), model=lambda: state["m"])
+                           decode=lambda i: state["m"].decode(i), model=lambda: state["m"], kernels_s=kernels_s)
 
 
-def llamacpp(path: str) -> SimpleNamespace:
-    """llama.cpp (llama-cpp-python) as run_phases drives it: only ever in the --vs-llamacpp python's process."""
-    from llama_cpp import Llama
-
-    llm = Llama(path, n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2, verbose=False)
-
-    def run(ids) -> np.ndarray:
-        llm.eval(ids)
-        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()  # (V,) the last token's
-
-    # reset: the next eval drops every cached row
-    return SimpleNamespace(prefill=run, decode=lambda i: run([i]), fresh=llm.reset, note=dict)
-
-
-def child(engine_name: str, path: str, tok_file: str, expert_cache: float | None) -> dict:
+def child(engine_name: str, path: str, tok_file: str, expert_cache: float | None, load_args: dict) -> dict:
     """One engine's figures on one file (in a child process: its peak RSS is its own)."""
     tokens = json.loads(Path(tok_file).read_text())
     t = time.perf_counter()
-    engine = colichat(path, expert_cache) if engine_name == "colichat" else llamacpp(path)
-    out = {"load_s": time.perf_counter() - t, "rss_load": peak_rss()}
+    try:
+        engine = colichat(path, expert_cache, load_args) if engine_name == "colichat" else common.llamacpp(path, N_CTX)
+    except Exception as e:  # a refusal or a failure to load is the result
+        return {"error": f"{type(e).__name__}: {e}"}
+    out = {"load_s": time.perf_counter() - t, "rss_load": common.peak_rss()}
     if engine_name == "colichat":
         m = engine.model()
-        out.update(expert_cache_mib=m.experts.capacity >> 20, memory=str(m.memory_estimate()))
+        out.update(memory=str(m.memory_estimate()), kernels_s=engine.kernels_s)
+        if hasattr(m.experts, "capacity"):
+            out["expert_cache_mib"] = m.experts.capacity >> 20
         del m
-    run_phases(out, tokens, engine, Path(tok_file).parent, f"{Path(path).stem}-{engine_name}")
+    common.run_phases(out, engine, phases(tokens, engine), Path(tok_file).parent, f"{Path(path).stem}-{engine_name}")
     return out
-
-
-def run_child(cmd: list[str]) -> dict:
-    """Run a child that prints its figures as JSON on its last stdout line; {"error": ...} if it fails."""
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    lines = p.stdout.strip().splitlines()
-    if p.returncode or not lines:
-        return {"error": f"exit {p.returncode}: {(p.stderr or p.stdout).strip()[-800:]}"}
-    return json.loads(lines[-1])
 
 
 # --- the numpy limit ----------------------------------------------------------------------------------
@@ -324,28 +252,17 @@ def dequantizer(name: str):
 
 
 def measure_limits(mb: int = 30) -> dict:
-    """Measured: f32 matvec bandwidth (1 and 2 BLAS threads), copy bandwidth, 2-thread sgemm GFLOP/s, and
-    dequantize throughput per quant type on `mb` MB of random blocks (sane fp16 scales) in pieces of one
-    expert matrix (1408 x 2048 values), on 1 and on 2 threads."""
+    """Measured: common.measure_machine (read bandwidth, f32 matvec, sgemm), copy bandwidth, and dequantize
+    throughput per quant type on `mb` MB of random blocks (sane fp16 scales) in pieces of one expert matrix
+    (1408 x 2048 values), on 1 and on 2 threads."""
     import gguf
-    from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
-
-    def matvec(n: int) -> float:
-        w = rng.standard_normal((65536, 2048), dtype=np.float32)  # (N, D): 512 MiB, far beyond the caches
-        x = rng.standard_normal(2048, dtype=np.float32)  # (D,)
-        with threadpool_limits(n, user_api="blas"):
-            return w.nbytes / best(lambda: w @ x) / 1e9
+    best = common.best
 
     def copy() -> float:  # each byte read once and written once; the target touched first (no page faults)
         src, dst = np.ones(256 << 20, dtype=np.uint8), np.zeros(256 << 20, dtype=np.uint8)
         return src.nbytes / best(lambda: np.copyto(dst, src)) / 1e9
-
-    def sgemm() -> float:
-        a = rng.standard_normal((2048, 2048), dtype=np.float32)
-        with threadpool_limits(2, user_api="blas"):
-            return 2 * 2048**3 / best(lambda: a @ a) / 1e9
 
     def dequantize(name: str, pool: ThreadPoolExecutor) -> dict:
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
@@ -363,15 +280,7 @@ def measure_limits(mb: int = 30) -> dict:
 
     with ThreadPoolExecutor(2) as pool:
         deq = {name: dequantize(name, pool) for name in QUANT_TYPES}
-    return {"matvec_gbps_1": matvec(1), "matvec_gbps_2": matvec(2), "copy_gbps": copy(), "sgemm_gflops": sgemm(),
-            "dequant": deq}
-
-
-def faster(a, b):
-    """Figure by figure, the better of two measurements of the machine (the less disturbed one)."""
-    if isinstance(a, dict):
-        return {k: faster(v, b[k]) for k, v in a.items()}
-    return max(a, b) if isinstance(a, float) else a
+    return {**machine.measure_machine(), "copy_gbps": copy(), "dequant": deq}
 
 
 def bounds(spec, lim: dict) -> dict:
@@ -407,10 +316,11 @@ def bounds(spec, lim: dict) -> dict:
 
 # --- report -------------------------------------------------------------------------------------------
 
-FIGURES = [("load_s", "load, s"), ("prefill64", "prefill 64 tokens, tok/s"),
-           ("prefill512", "prefill 512 tokens, tok/s"), ("decode_first", f"decode tokens 1-{FIRST}, tok/s"),
-           ("decode_steady", f"decode tokens {FIRST + 1}-{DECODE} (steady), tok/s"),
-           ("peak_rss_gib", "peak RSS, GiB"), ("finite", "logits finite in every phase")]
+FIGURES = [("load_s", "load, s", "time"), ("prefill64", "prefill 64 tokens, tok/s", "rate"),
+           ("prefill512", "prefill 512 tokens, tok/s", "rate"),
+           ("decode_first", f"decode tokens 1-{FIRST}, tok/s", "rate"),
+           ("decode_steady", f"decode tokens {FIRST + 1}-{DECODE} (steady), tok/s", "rate"),
+           ("peak_rss_gib", "peak RSS, GiB", "size"), ("finite", "logits finite in every phase", "flag")]
 
 
 def rates(r: dict | None) -> dict:
@@ -422,17 +332,11 @@ def rates(r: dict | None) -> dict:
             "finite": all(r[p]["finite"] for p in PHASES)}
 
 
-def cell(v) -> str:
-    return "-" if v is None else str(v) if isinstance(v, bool) else f"{v:.2f}"
-
-
 def report_limits(lim: dict, b: dict) -> None:
     """The measured machine and the bounds worked out from it."""
-    print("### The machine's numpy limit (the better of two measurements, before and after)\n\n"
-          "| measured | value |\n|---|---|\n"
-          f"| f32 matvec (65536 x 2048), 1 / 2 BLAS threads | {lim['matvec_gbps_1']:.1f} / "
-          f"{lim['matvec_gbps_2']:.1f} GB/s |\n| copy of 256 MiB (each byte read and written) | "
-          f"{lim['copy_gbps']:.1f} GB/s |\n| sgemm 2048^3, 2 BLAS threads | {lim['sgemm_gflops']:.0f} GFLOP/s |\n")
+    print("### The machine's limits, and numpy's (the better of two measurements, before and after)\n\n"
+          + machine.machine_table(lim)
+          + f"| copy of 256 MiB (each byte read and written) | {lim['copy_gbps']:.1f} GB/s |\n")
     print("| quant type | dequantizer | input MB/s, 1 thread | f32 output MB/s, 1 thread | output / copy bandwidth "
           "| input MB/s, 2 threads |\n|---|---|---|---|---|---|")
     for name, q in lim["dequant"].items():
@@ -460,29 +364,28 @@ def report_limits(lim: dict, b: dict) -> None:
     print()
 
 
-def report_file(title: str, col: dict, ref: dict | None, b: dict, logits_dir: Path, stem: str) -> None:
-    """One file's tables: the figures side by side, colichat's expert cache and routing, against the bound."""
+def report_file(title: str, col: dict, ref: dict | None, b: dict, cost: dict, lim: dict, logits_dir: Path,
+                stem: str) -> None:
+    """One file's tables: the figures side by side, against the machine's limits, colichat's expert cache and
+    routing, against the numpy bound."""
     c, r = rates(col), rates(ref)
     print(f"### {title}\n")
     for name, run in (("colichat", col), ("llama.cpp", ref)):
         if run and "error" in run:
             print(f"{name} failed: {run['error']}\n")
-    print("| figure | colichat |" + (" llama.cpp 0.3.36 | colichat / llama.cpp |\n|---|---|---|---|" if ref
-                                      else "\n|---|---|"))
-    for key, text in FIGURES:
-        row = f"| {text} | {cell(c.get(key))} |"
-        if ref:
-            ratio = c[key] / r[key] if isinstance(c.get(key), float) and r.get(key) else None
-            row += f" {cell(r.get(key))} | {'' if ratio is None else f'{ratio:.3f}'} |"
-        print(row)
+    print(common.side_by_side(FIGURES, c, r if ref else None).rstrip())
     print("| CPU share other processes used, per phase (" + ", ".join(PHASES) + ") | "
           + " | ".join(" / ".join(f"{x[p]['others_cpu']:.2f}" for p in PHASES) if rates(x) else "-"
-                       for x in ([col, ref] if ref else [col])) + (" | |" if ref else " |"))
+                       for x in ([col, ref] if ref else [col])) + (" | |" if ref else " |") + "\n")
+    print(machine.limits_table(cost, lim, c, r, [("decode_steady", f"decode tokens {FIRST + 1}-{DECODE} (steady)",
+                                                 512 + DECODE)], [("prefill512", "prefill 512")]))
     if not c:
-        print()
         return
     biased = "biased_share" in col["prefill512"]
-    print(f"\ncolichat: {col['memory']}; expert cache {col['expert_cache_mib']:,} MiB\n")
+    print(f"\ncolichat: {col['memory']}" + common.kernels_note(col))
+    if "hits" not in col["prefill512"]:  # experts multiplied in the map: no cache of colichat's own to report
+        return
+    print(f"expert cache {col['expert_cache_mib']:,} MiB\n")
     print("| colichat phase | expert hits | misses | hit rate | prefetched | next-layer prediction right "
           "| routes to each layer's top 20% of experts |" + (" to the 13 biased |" if biased else "")
           + "\n|---|---|---|---|---|---|---|" + ("---|" if biased else ""))
@@ -491,7 +394,7 @@ def report_file(title: str, col: dict, ref: dict | None, b: dict, logits_dir: Pa
         right = f"{q['predicted_right'] / q['predictions']:.0%}" if q.get("predictions") else "-"
         print(f"| {p} | {q['hits']} | {q['misses']} | {q['hits'] / max(1, q['hits'] + q['misses']):.0%} | "
               f"{q.get('prefetched', 0)} | {right} | "
-              f"{cell(q.get('top20_share'))} |" + (f" {q['biased_share']:.2f} |" if biased else ""))
+              f"{common.cell(q.get('top20_share'))} |" + (f" {q['biased_share']:.2f} |" if biased else ""))
     steady = col["decode_steady"]
     h = steady["hits"] / max(1, steady["hits"] + steady["misses"])
     at_h = b["decode_hit_s"] + (1 - h) * (b["decode_miss_s"] - b["decode_hit_s"])
@@ -500,10 +403,8 @@ def report_file(title: str, col: dict, ref: dict | None, b: dict, logits_dir: Pa
           f"| {at_h * c['decode_steady']:.0%} |\n| prefill 512, s | {512 / c['prefill512']:.0f} | "
           f"{b['prefill512_s']:.0f} | {b['prefill512_s'] * c['prefill512'] / 512:.0%} |")
     if r:
-        corr = [np.corrcoef(*(np.load(logits_dir / f"{stem}-{e}-{p}.npy").astype(np.float64)
-                              for e in ("colichat", "llamacpp")))[0, 1] for p in PHASES]
         print("\ncorrelation of colichat's last logits with llama.cpp's, per phase: "
-              + ", ".join(f"{v:.4f}" for v in corr))
+              + common.correlations(logits_dir, stem, PHASES))
     print()
 
 
@@ -524,6 +425,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-cache", type=float, help="colichat's expert cache in MiB (default: the engine's)")
     p.add_argument("--prefetch", action="store_true", help="colichat with its next-layer expert prefetch (off by "
                    "default)")
+    p.add_argument("--load-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to colichat's engine.load (e.g. kernels=numpy), repeatable")
     p.add_argument("--moe", action="store_true", help=argparse.SUPPRESS)  # make bench ARGS=--moe passes it on
     p.add_argument("--child", nargs=3, metavar=("ENGINE", "GGUF", "TOKENS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -535,7 +438,7 @@ def main(argv=None) -> int:
     if args.prefetch:  # (the children inherit it)
         os.environ["COLICHAT_BENCH_PREFETCH"] = "1"
     if args.child:  # one engine on one file: its figures as JSON on the last line
-        print(json.dumps(child(*args.child, args.expert_cache)))
+        print(json.dumps(child(*args.child, args.expert_cache, dict(a.split("=", 1) for a in args.load_arg))))
         return 0
     t0, load0 = time.perf_counter(), os.getloadavg()
     say(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; measuring the machine")
@@ -549,18 +452,20 @@ def main(argv=None) -> int:
             continue
         path = model_file(args.dir, args.layers, label == "skewed", args.skew_bias, args.shape)
         cache = ["--expert-cache", str(args.expert_cache)] if args.expert_cache else []
+        cache += [f"--load-arg={a}" for a in args.load_arg]
         say(f"{label}: colichat")
-        col = run_child([sys.executable, __file__, "--child", "colichat", str(path), str(tok_file), *cache])
+        col = common.run_child([sys.executable, __file__, "--child", "colichat", str(path), str(tok_file), *cache])
         ref = None
         lite = args.shape == "v2lite"  # (no q_lora: llama.cpp's is_lite needs 26 or 27 layers)
         if args.vs_llamacpp and lite and args.layers not in (26, 27):
             ref = {"error": "not run: llama.cpp 0.3.36 takes a deepseek2 file without q_lora only at 26 or 27 layers"}
         elif args.vs_llamacpp:
             say(f"{label}: llama.cpp")
-            ref = run_child([args.vs_llamacpp, __file__, "--child", "llamacpp", str(path), str(tok_file)])
+            ref = common.run_child([args.vs_llamacpp, __file__, "--child", "llamacpp", str(path), str(tok_file)])
         runs[label] = (path, col, ref)
     say("measuring the machine again")
-    lim = faster(lim, measure_limits())
+    lim = machine.faster(lim, measure_limits())
+    lim["kernels"] = machine.measure_kernels()
     b = bounds(spec_for(args.layers, False, args.shape), lim)
     load1 = os.getloadavg()
     print(f"## MoE at the real size: {args.shape}-shaped, {args.layers} layers, random blocks\n\n"
@@ -571,8 +476,10 @@ def main(argv=None) -> int:
     for label, (path, col, ref) in runs.items():
         bias = f", selection bias {args.skew_bias} on {HOT} of 64 experts per layer" if label == "skewed" else ""
         title = f"{label} routing: {path.name}, {path.stat().st_size / 1e9:.1f} GB{bias}"
-        report_file(title, col, ref, b, logits_dir, path.stem)
-        summary[label] = {"colichat": rates(col), "llamacpp": rates(ref), "colichat_run": col, "llamacpp_run": ref}
+        cost = machine.token_cost(path)
+        report_file(title, col, ref, b, cost, lim, logits_dir, path.stem)
+        summary[label] = {"colichat": rates(col), "llamacpp": rates(ref), "colichat_run": col, "llamacpp_run": ref,
+                          "cost": cost}
     tmp.cleanup()
     summary["run_s"] = time.perf_counter() - t0
     print(json.dumps(summary, separators=(",", ":")))

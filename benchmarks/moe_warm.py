@@ -22,21 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from moe import (
-    FIRST,
-    GIB,
-    N_CTX,
-    SEED,
-    SKEW_BIAS,
-    cpu_mark,
-    model_file,
-    others_share,
-    peak_rss,
-    run_child,
-    say,
-    spec_for,
-    token_ids,
-)
+from common import GIB, cpu_mark, others_share, peak_rss, run_child, say
+from moe import FIRST, N_CTX, SEED, SKEW_BIAS, model_file, spec_for, token_ids
 
 
 def child(mode: str, path: str, cache_dir: str, expert_cache: float | None) -> dict:

@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import threads  # noqa: E402  (benchmarks/threads.py)
+from common import say  # noqa: E402
 
 PARAGRAPH = (
     "Their are many reason why people choose to learn a new language later in life. Some want to travel "
@@ -104,10 +105,6 @@ CHAT_MIX = [TASKS[2][2],  # part 5: ordinary questions, nothing in the prompt fo
             "What is the difference between weather and climate?",
             "Tell me a short story about a cat who learns to fly.",
             "How does a computer store numbers?"]
-
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def prompt_ids(tok, text: str) -> list[int]:
@@ -413,7 +410,7 @@ def main(argv=None) -> int:
     p.add_argument("--mtp-only", action="store_true", help="only part 4 (MTP drafts)")
     p.add_argument("--chat-only", action="store_true", help="only part 5 (ordinary chat, ten questions)")
     args = p.parse_args(argv)
-    from bench import OUT, deepseek_gguf
+    from common import OUT, deepseek_gguf
 
     from colichat.models import default_model_path
 

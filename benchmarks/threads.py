@@ -25,12 +25,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import say  # noqa: E402
 
 VERIFY_TOKENS = 5  # the verify pass measured: 4 drafts and the token before them
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class OpenBLASThreads:
@@ -139,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--ff", type=int, default=2816, help="dense FFN width of the deepseek2 model (default 2816)")
     p.add_argument("--rounds", type=int, default=5, help="turns of every variant (default 5)")
     args = p.parse_args(argv)
-    from bench import OUT, deepseek_gguf
+    from common import OUT, deepseek_gguf
 
     from colichat.engine import load
     from colichat.engine.threads import ThreadPolicy

@@ -9,16 +9,20 @@ import contextlib
 import os
 import signal
 import sys
+import time
 
 from . import report
 from .chat import Conversation
-from .commands import dispatch, is_command, is_quit_word, message_text
+from .commands import dispatch, is_command, meant_command, message_text
+from .engine.cancel import Cancel
 from .errors import USER_ERRORS, ChatError
 from .terminal import StatusLine, discard, dumb_terminal, terminal_size, to_stderr
 from .thinking import LiveThinking
 from .wrap import Screen
 
 BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
+PROGRESS_EVERY = 0.25  # seconds between two redraws of a prefill's progress (the engine tells it every layer)
+RATE_AFTER = 1.0  # seconds of a prefill before its rate and the time left are shown
 
 
 class App:
@@ -31,6 +35,8 @@ class App:
         self.errors = 0
         self.output_closed = False  # stdout's reader went away (broken pipe)
         self.ended_by = 0  # the signal (SIGTERM, SIGHUP) that ends colichat after this input, if any
+        self.cancel = Cancel()  # the stop request of the input handled (a new one each: handle)
+        self.warm_note = True  # the next answer says if the experts' warm start still runs (after a start, /resume)
         self.status = status or StatusLine()
         self.hushed = False  # Ctrl-C: the rest of the answer is not shown
         self.writing = False  # a piece of the answer is being written (out)
@@ -82,7 +88,7 @@ class App:
             # Nobody reads the answer any more, or it cannot be written (a file on a full disk): end it
             # here (what was generated is kept and saved).
             self.output_closed = True
-            self.conv.stop_requested = True
+            self.cancel.set()
             self.errors += 1
             discard(sys.stdout)
             why = ("the output was closed" if isinstance(e, BrokenPipeError)
@@ -97,7 +103,7 @@ class App:
             self.cut_waits = True
         elif not self.hushed:
             self._show_cut()
-        self.conv.stop_requested = True
+        self.cancel.set()
         self.hushed = True
 
     def _show_cut(self) -> None:
@@ -121,7 +127,7 @@ class App:
 
         def on_signal(signum, frame):
             self.ended_by = signum
-            self.conv.stop_requested = True
+            self.cancel.set()
             self.quitting = True
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -135,39 +141,51 @@ class App:
 
     def resume(self, name: str | None) -> None:
         """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
-        self.say(self.conv.resume(name, on_progress=self.prefill_progress("the damaged exchanges' saved text")))
+        said = self.conv.resume(name, on_progress=self.prefill_progress("its saved text"), on_note=self.say,
+                                cancel=self.cancel)
+        if said:
+            self.say(said)
+        self.warm_note = True
         for line in report.recap(self.conv.turns, self.conv, self.dim) if self.interactive else ():
             self.say(line)
 
     def quit(self) -> None:
         self.quitting = True
 
-    def quit_or_send(self, line: str) -> None:
-        """`exit` alone on a line: ask whether /quit was meant; only a "no" sends it to the model."""
+    def quit_or_send(self, line: str, meant: str = "/quit") -> None:
+        """`exit` (or `clear`) alone on a line: ask whether /quit (/clear) was `meant`; only a "no" sends it
+        to the model."""
         word = line.strip()
         if not self.interactive:
-            raise ChatError(f"'{word}' alone is not sent to the model: /quit quits, a \"\"\" block sends it")
+            does = "quits" if meant == "/quit" else "starts a new conversation"
+            raise ChatError(f"'{word}' alone is not sent to the model: {meant} {does}, a \"\"\" block sends it")
         from .repl import yes_or_no
 
-        question = f"Did you mean /quit? (n sends '{word}' to the model)"
+        question = f"Did you mean {meant}? (n sends '{word}' to the model)"
         try:
-            meant_quit = yes_or_no(question, self.screen)
+            said_yes = yes_or_no(question, self.screen)
         except (KeyboardInterrupt, EOFError):
             return
         if self.screen:
-            self.screen.echo(f"{question} (y/n) {'y' if meant_quit else 'n'}")
-        if meant_quit:
-            self.quit()
+            self.screen.echo(f"{question} (y/n) {'y' if said_yes else 'n'}")
+        if said_yes:
+            dispatch(self, meant)
         else:
             self.answer(word)
 
     def answer(self, text: str | None) -> None:
         """Answer the message `text`, or with None the last message again (/regen)."""
         if text is not None and self.auto_forget and self.conv.turns and not self.conv.fits(text):
-            self.say(self.conv.forget(on_progress=self.prefill_progress("the exchanges kept")))
+            self.say(self.conv.forget(on_progress=self.prefill_progress("the exchanges kept"), cancel=self.cancel))
+        warming = self.warm_note and self.conv.model.warming()
+        if warming:
+            self.say(f"note: the expert cache is still being filled from earlier runs ({warming[0]:,} of "
+                     f"{warming[1]:,} experts read); it waits while colichat answers, so this answer reads "
+                     "the experts it needs itself")
+        self.warm_note = False
         self.status.show("reading your message ...")
         shown = {"on_text": self.out, "on_progress": self.prefill_progress(), "on_note": self.say,
-                 "on_think": self.thinking.piece}
+                 "on_think": self.thinking.piece, "cancel": self.cancel}
         try:
             _, stats = self.conv.ask(text, **shown) if text is not None else self.conv.regen(**shown)
         finally:
@@ -185,33 +203,42 @@ class App:
                      f"/set max_tokens {max(4096, 4 * most)} (or --max-tokens) leaves it room to answer; /regen "
                      "asks again")
         if stats.stopped == "context":  # cut, not ended: say what lets it go on
-            self.say("note: the answer was cut: the context is full. /forget goes on in a new conversation without "
-                     "the oldest exchanges (--auto-forget does so by itself before a message that does not fit)")
+            self.say(f"note: the answer was cut: the context is full: {report.ways_out(self.conv)}")
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 
     def prefill_progress(self, what: str = "your message"):
-        """The callback that shows how far a prefill of `what` is (a status line, on a terminal)."""
+        """The callback that shows how far a prefill of `what` is (a status line, on a terminal):
+        progress(done, total), told at every layer (`done` a float: tokens read so far). Once it has run
+        RATE_AFTER seconds, the line gives the tokens read, their rate and the time left (report.progress),
+        redrawn at most every PROGRESS_EVERY seconds; a done below the last one starts a new prefill."""
+        began, shown, last = [0.0], [0.0], [-1.0]
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: float, total: int) -> None:
+            now = time.monotonic()
+            if done < last[0] or last[0] < 0:
+                began[0], shown[0] = now, now
+                self.status.show(f"reading {what} ({total:,} tokens) ...")
+            last[0] = done
+            if now - shown[0] < PROGRESS_EVERY or now - began[0] < RATE_AFTER:
+                return
+            shown[0] = now
             if self.screen:
                 self.write(self.screen.follow())
-            if done == 0:
-                self.status.show(f"reading {what} ({total:,} tokens) ...")
-            else:
-                self.status.show(f"reading {what}: {done:,}/{total:,} tokens ...")
+            self.status.show(f"reading {what}: {report.progress(done, total, now - began[0])} ...")
 
         return progress
 
     def handle(self, line: str) -> None:
         """One input: a command or a message. Errors print one line and count."""
         self.hushed = False
+        self.cancel = Cancel()
         try:
             if is_command(line):
                 self.status.show(BUSY.get(line.split(maxsplit=1)[0].lower(), "working ..."))
                 dispatch(self, line)
-            elif is_quit_word(line):
-                self.quit_or_send(line)
+            elif meant_command(line):
+                self.quit_or_send(line, meant_command(line))
             elif line.strip():
                 self.answer(message_text(line))
         except USER_ERRORS as e:
@@ -222,7 +249,7 @@ class App:
 
 
 @contextlib.contextmanager
-def stopped_by_ctrl_c(conv):
+def stopped_by_ctrl_c(app: App):
     """While opening a conversation at start: Ctrl-C stops reading its damaged exchanges again (the
     ones read are kept, as /resume does) instead of ending colichat. Yields a list, non-empty once
     Ctrl-C came."""
@@ -230,7 +257,7 @@ def stopped_by_ctrl_c(conv):
 
     def on_sigint(signum, frame):
         came.append(True)
-        conv.stop_requested = True
+        app.cancel.set()
 
     old = signal.signal(signal.SIGINT, on_sigint)
     try:

@@ -25,12 +25,13 @@ from __future__ import annotations
 from .answer import generate, prefill
 from .chat_settings import ChatSettings
 from .engine import Model
+from .engine.cancel import Cancel
 from .engine.text.template import TemplateError, chat_template_for
 from .errors import ChatError
 from .history import History
 from .persist import CacheLayout, Store, Turn, model_identity
 from .persist.loading import REOPEN_ROOM
-from .report import TurnStats, no_room, ways_out
+from .report import TurnStats, full_note, no_room, reopened, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
@@ -59,7 +60,6 @@ class Conversation:
         self.template = chat_template_for(self.tok)
         self.prefs = ChatSettings(settings, pinned)
         self.prefs.opens = {on: self._opens_thinking(on) for on in (True, False)}
-        self.stop_requested = False
         self.clock = Stopwatch()  # the prefill or answer under way; continued() after a stop (app.App)
         cfg = model.cfg
         ident = model_identity(cfg.path, cfg.arch, cfg.name) if save else None
@@ -128,31 +128,30 @@ class Conversation:
 
     # --- the conversation and its session ---------------------------------------------------------
 
-    def resume(self, name: str | None = None, on_progress=None) -> str:
+    def resume(self, name: str | None = None, on_progress=None, cancel: Cancel | None = None, on_note=None) -> str:
         """Fill the cache from a saved session (the latest by default); no forward pass, except for
-        exchanges whose records were damaged but whose text is intact: those are read again from
-        their text (History.read_again, with `on_progress`), so that going on never loses them."""
+        exchanges without records (pruned, damaged) whose text is intact: those are read again from
+        their text (History.read_again, with `on_progress`, after what was found is said to `on_note`;
+        `cancel` stops it), so that going on never loses them."""
         res, name = self.history.resume(name, lambda sess: sess.load(
             self.model.cache, self.model.n_ctx, self.tok.decode, exchanges=True, ctx_most=self.model.cfg.n_ctx_train))
         # Options given at start are the settings from now on, written with the next save: opening a
         # conversation to read it changes nothing on disk (FORMAT.md, "Loading reads only").
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
-        damaged = damaged_settings(res.sampler)
-        lines = [res.summary()] + [f"warning: {w}" for w in res.warnings + damaged]
+        lines = [reopened(res)] + [f"warning: {w}" for w in res.warnings + damaged_settings(res.sampler)]
         lines += self.prefs.check_saved_system(self.tok)
         codec, kv = self.model.cache.codec, self.history.kv
         if codec != kv:
             lines.append(f"note: {name} is kept as {codec}, as it was saved; --kv {kv} is for new conversations")
+        if res.unread and on_note:  # what was found is said before the reading, which takes a while
+            on_note("\n".join(lines))
+            lines = []
         if res.unread:
-            lines.append(self.history.read_again(self, res.unread, on_progress))
+            lines += self.history.read_again(self, res.unread, on_progress, cancel or Cancel(), plain=bool(res.kv_gone))
         if self.prefs.pending_system is not False:  # --system given: this conversation was read with its own
             lines.append("note: the system prompt given waits for the next conversation (/new starts one); this "
                          "one goes on with the one it was saved with")
-        left, n_ctx = self.model.n_ctx - self.n_tokens, self.model.n_ctx
-        if left < FULL_BELOW:  # reopened as it was: what makes room
-            full = "full" if left < 2 else "nearly full"
-            lines.append(f"note: the context is {full} ({self.n_tokens} of {n_ctx} tokens): {ways_out(self)}")
-        return "\n".join(lines)
+        return "\n".join(lines + full_note(self, FULL_BELOW))  # reopened as it was: what makes room
 
     def save_as(self, name: str) -> str:
         """/save NAME: the conversation, from the cache, into a new session (saving.Saving.save_as)."""
@@ -214,29 +213,29 @@ class Conversation:
 
     # --- one exchange -----------------------------------------------------------------------------
 
-    def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None,
-            on_think=None) -> tuple[str, TurnStats]:
+    def ask(self, user_text: str, on_text=None, on_progress=None, on_note=None, on_think=None,
+            cancel: Cancel | None = None) -> tuple[str, TurnStats]:
         """Append the user's message, generate the answer (streamed through on_text), save both turns.
         With `on_think`, a thinking model's thinking goes there instead, `on_think(text, tokens so
         far)` for each of its tokens (thinking.Splitter sorts it out), and on_text gets the answer.
 
-        `stop_requested` (set from a signal handler) ends the answer: what was shown stays in the
-        transcript and the cache; a token that was being computed when the stop came is dropped (a
-        terminal shows nothing after the ^C, so the conversation goes on from what the user read).
-        """
+        `cancel` (set by a signal handler) drops a message still being read, or ends the answer: what was
+        shown stays in the transcript and the cache; a token being computed when the stop came is dropped
+        (a terminal shows nothing after the ^C: the conversation goes on from what the user read)."""
         if not user_text.strip():
             raise ChatError("empty message")
-        self.stop_requested = False
+        cancel = cancel or Cancel()
         stats = TurnStats()
         ids, start = self._prompt_ids(user_text)
         room = self.model.n_ctx - start
         if len(ids) + 1 >= room:
             raise ChatError(no_room(self, len(ids), room))
         if on_note and room - len(ids) < min(self.settings.max_tokens, 256):
-            on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut "
-                    f"({ways_out(self)})")
+            ways = ways_out(self)
+            on_note(f"note: {room - len(ids)} tokens of context are left for the answer, which may be cut"
+                    + (f" ({ways})" if ways else ""))
         if start < self.n_tokens:
-            self.history.rebase(start)
+            self.history.rebase(start, defer_cut=True)  # (cut on disk as the answer is saved: one commit)
         first, sampler = self.n_tokens, self.prefs.sampler
         random = sampler.rng.bit_generator.state
         self.clock.start()
@@ -246,10 +245,11 @@ class Conversation:
                 if stats.reused and on_note:
                     on_note(f"reused {stats.reused:,} tokens from {source}")
             ids = ids[stats.reused :]
-            logits = prefill(self, ids, on_progress)
+            logits = prefill(self.model, ids, self.clock, cancel, on_progress)
             stats.prompt_tokens, stats.prefill_s = len(ids), self.clock.elapsed()
             user = Turn("user", user_text, first, self.n_tokens)
-            answer, stats = generate(self, logits, stats, on_text, on_think)
+            answer, stats = generate(self.model, logits, sampler, self.clock, cancel, stats, self.settings.max_tokens,
+                                     self.settings.draft, self.prefs.opens_thinking, on_text, on_think)
         except BaseException:
             # an exchange that failed midway leaves no rows without turns, and draws nothing
             self.model.cache.truncate(first)
@@ -262,12 +262,12 @@ class Conversation:
 
     # --- a full context, history edits -------------------------------------------------------------
 
-    def forget(self, n: int | None = None, on_progress=None) -> str:
+    def forget(self, n: int | None = None, on_progress=None, cancel: Cancel | None = None) -> str:
         """/forget [N]: go on in a new conversation without the n oldest exchanges, the rest read again
-        from its text (History.forget)."""
-        return self.history.forget(self, n, on_progress)
+        from its text (History.forget; `cancel` goes back to this one)."""
+        return self.history.forget(self, n, on_progress, cancel or Cancel())
 
-    def _read_turn(self, t: Turn, on_progress, too_long: str, defer_cut: bool = False) -> None:
+    def _read_turn(self, t: Turn, on_progress, too_long: str, defer_cut: bool = False, cancel=None) -> None:
         """Append turn t with records made again from its text (a prefill of it as the template renders
         it after the turns so far): /forget, and a resume's damaged exchanges. ChatError(too_long) if it
         does not fit in the context. `defer_cut`: a re-render that cuts turns loaded from disk cuts
@@ -286,14 +286,14 @@ class Conversation:
             reused, source = self.saving.reuse(self.model.cache, ids)
             self.reused_from = f"reused {reused:,} tokens from {source}" if reused else None
         if ids[reused:]:
-            prefill(self, ids[reused:], on_progress)
+            prefill(self.model, ids[reused:], self.clock, cancel or Cancel(), on_progress)
         self.turns.append(Turn(t.role, t.text, first, self.n_tokens))
 
-    def regen(self, on_text=None, on_progress=None, on_note=None, on_think=None) -> tuple[str, TurnStats]:
+    def regen(self, on_text=None, on_progress=None, on_note=None, on_think=None, cancel=None) -> tuple[str, TurnStats]:
         """Answer the last message again; the answer it replaces stays until the new one exists
         (History.replacing_last)."""
         with self.history.replacing_last() as user:
-            return self.ask(user.text, on_text, on_progress, on_note, on_think)
+            return self.ask(user.text, on_text, on_progress, on_note, on_think, cancel)
 
     def rewind(self, n: int = 1) -> list[Turn]:
         """Drop the last n exchanges (History.rewind); -> the turns dropped."""

@@ -106,7 +106,10 @@ def parser() -> Parser:
     p.add_argument("--models", action="store_true", help="list the GGUF models colichat has used or finds in the "
                    "Hugging Face cache (architecture, size, whether they run here) and exit")
     p.add_argument("--prune-kv", metavar="DAYS", type=float, help="free the disk space of conversations not used "
-                   "for DAYS days: their KV files go, their text stays (reopening one reads it again); then exit")
+                   "for DAYS days: their KV files go, their text stays (reopening one reads it again); it lists them "
+                   "and asks first; 0 keeps the last hour's; then exit")
+    p.add_argument("--yes", action="store_true", help="--prune-kv without asking")
+    p.add_argument("--all", action="store_true", help="--prune-kv 0 prunes the last hour's conversations too")
     p.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     p.add_argument("--verbose", action="store_true", help="say where the model file is")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="answer one message and exit")
@@ -177,6 +180,8 @@ def check_combinations(args) -> None:
         raise UsageError(f"{' and '.join(shell)} each do their work and exit: give one of them")
     if args.prune_kv is not None and not 0 <= args.prune_kv < float("inf"):
         raise UsageError("--prune-kv takes a number of days, 0 or more")
+    if args.prune_kv is None and (args.yes or args.all):
+        raise UsageError(f"{'--yes' if args.yes else '--all'} goes with --prune-kv DAYS, which it answers or widens")
     if not shell:
         return
     if args.prune_kv is not None:
@@ -208,6 +213,16 @@ def interrupted() -> int:
     return 130
 
 
+def keys_waiting(interactive: bool):
+    """In the REPL's terminal, keys typed while colichat starts (loads, reopens a conversation) wait for
+    the prompt, not echoed into the progress line (repl.keys_wait); nothing otherwise."""
+    if not interactive:
+        return contextlib.nullcontext()
+    from .repl import keys_wait
+
+    return keys_wait()
+
+
 def main(argv=None) -> int:
     open_standard_streams()
     # Weights that overflow float32 (a damaged or odd file): the model's own check says so in one line
@@ -234,16 +249,11 @@ def main(argv=None) -> int:
         shell = args.sessions or args.export is not None or args.prune_kv is not None or args.models
         # --model's file first (found, downloaded, checked: its errors come before the sessions directory's)
         path = given_model(args.model, say) if args.model is not None and not shell else None
-        store = Store()  # the saved conversations, for the whole run
+        store = Store(on_note=lambda line: say(f"note: {line}"))  # the saved conversations, for the whole run
         if shell:
             return from_the_shell(args, store)
         plan = start_plan(args, settings, given, store, path, say)  # from here on, the Plan alone
-        waiting = contextlib.nullcontext()
-        if plan.interactive:  # keys typed while it loads wait for the prompt, not echoed into the progress line
-            from .repl import keys_wait
-
-            waiting = keys_wait()
-        with waiting:
+        with keys_waiting(plan.interactive):
             model = load_model(plan, say, status)
         settings, note = model_sampling(plan.settings, plan.given, model.cfg)
         if note:
@@ -261,7 +271,12 @@ def main(argv=None) -> int:
         status.clear()
         to_stderr("colichat: interrupted while starting")
         return interrupted()
-    return chat(App(conv, plan.interactive, status, banner), plan)
+    app = App(conv, plan.interactive, status, banner)
+    store.said.on_note = lambda line: app.say(f"note: {line}")  # (a hint's problem: on the chat's screen)
+    try:
+        return chat(app, plan)
+    finally:
+        store.said.on_note = None  # (the store no longer holds the chat)
 
 
 def chat(app: App, plan: Plan) -> int:
@@ -272,8 +287,8 @@ def chat(app: App, plan: Plan) -> int:
     try:
         if plan.resume:
             app.status.show(BUSY["/resume"])
-            with stopped_by_ctrl_c(conv) as stopped:  # damaged exchanges read again: keep those read
-                app.resume(plan.session)
+            with stopped_by_ctrl_c(app) as stopped, keys_waiting(interactive):  # exchanges read again
+                app.resume(plan.session)  # (Ctrl-C keeps those read)
             if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
                 return interrupted()
         else:

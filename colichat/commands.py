@@ -63,7 +63,9 @@ def cmd_help(app, arg: str) -> None:
         return
     for cmd in COMMANDS:
         app.say(f"{(cmd.name + ' ' + cmd.args).strip():<20}{listed(cmd)}", hang=20)
-    app.say('Multi-line input: Esc then Enter for a newline, or a block between """ lines.')
+    app.say('Multi-line input: Esc then Enter for a newline, or a block between """ lines. Several lines that are '
+            "all commands (typed while colichat was busy, say) run one by one, in order; any other text of "
+            "several lines is one message.")
     app.say("A message that starts with / is typed with // (it is sent with one /).")
 
 
@@ -245,7 +247,7 @@ def cmd_rewind(app, arg: str) -> None:
 
 def cmd_forget(app, arg: str) -> None:
     n = _int_arg(arg, 0, "/forget") if arg.strip() else None
-    app.say(app.conv.forget(n, on_progress=app.prefill_progress("the exchanges kept")))
+    app.say(app.conv.forget(n, on_progress=app.prefill_progress("the exchanges kept"), cancel=app.cancel))
 
 
 def cmd_fork(app, arg: str) -> None:
@@ -347,6 +349,7 @@ COMMANDS = [
 ]
 BY_NAME = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
 QUIT_WORDS = ("exit", "quit", "bye")  # alone on a line: meant as /quit, not as a message
+CLEAR_WORDS = ("clear", "cls")  # alone on a line: meant as /clear (a shell's habit; ollama's /clear)
 
 
 # other chat programs' commands (ollama's, llm's): what colichat calls them
@@ -377,6 +380,14 @@ def is_command(line: str) -> bool:
     return line.startswith("/") and not line.startswith("//") and not isinstance(line, Message)
 
 
+def commands_of(text: str) -> list[str]:
+    """The inputs in what a prompt sent: a text of several lines each of which is a command (typed ahead
+    while colichat was busy, say) is those commands, to run one by one in order, as a shell runs lines
+    typed ahead (blank lines skipped); anything else is one input, a message of several lines as typed."""
+    lines = [line for line in text.split("\n") if line.strip()] if "\n" in text else []
+    return lines if lines and not isinstance(text, Message) and all(map(is_command, lines)) else [text]
+
+
 def message_text(line: str) -> str:
     """What a line that is not a command sends: a line `//text` sends `/text` (as IRC clients do),
     the way to start a message with `/`; a \"\"\" block is sent as it is."""
@@ -386,7 +397,14 @@ def message_text(line: str) -> str:
 def is_quit_word(line: str) -> bool:
     """`exit`, `quit` or `bye` typed alone (any case, a `.` or `!` after it or not): most likely meant
     for colichat, though `Bye!` can be a message: the REPL asks, and sends it on a "no"."""
-    return not isinstance(line, Message) and line.strip().lower().rstrip(".!") in QUIT_WORDS
+    return meant_command(line) == "/quit"
+
+
+def meant_command(line: str) -> str | None:
+    """The command a word typed alone most likely meant (any case, a `.` or `!` after it or not): /quit
+    for `exit`, `quit`, `bye`; /clear for `clear`, `cls`. None for anything else (a message)."""
+    word = "" if isinstance(line, Message) else line.strip().lower().rstrip(".!")
+    return "/quit" if word in QUIT_WORDS else "/clear" if word in CLEAR_WORDS else None
 
 
 def dispatch(app, line: str) -> None:

@@ -3,7 +3,9 @@
 The cache only grows by appending (or shrinks by truncating), and the saved session is a prefix of
 it. Where the two part for a while, History says how, and the next save (or quitting) joins them:
   unsaved_cut  the session keeps this many turns from the next save on (/regen, a re-render of
-               turns loaded from disk, a cut the disk refused: an append never runs before it);
+               turns loaded from disk, a cut the disk refused): that save drops the others and
+               adds the new turns in one commit (Session.append's `keep`), so a crash leaves one or
+               the other;
   unread_left  exchanges a stopped read left on disk, unread: they go with the next answer's save;
   save_failed  a save or a cut failed since the last save that worked: the disk is behind;
   cut_failed   why the last /rewind could not cut the session now (it waits for the next save).
@@ -34,6 +36,16 @@ from .wrap import displayable
 def takes(n: int) -> str:
     """'1 to N' exchanges, or '1' when there is one."""
     return "1" if n == 1 else f"1 to {n}"
+
+
+def one_count(on_progress, cache, later: list[Turn]):
+    """The progress of one turn read again, said as part of reading several (/forget, a resume's
+    exchanges): the cache's rows so far, of those plus the turn's rest plus the `later` turns' tokens
+    (as they were saved): exact once the last turn is read, which the result counts."""
+    if on_progress is None:
+        return None
+    rest = sum(t.last - t.first for t in later)
+    return lambda done, total, *more: on_progress(cache.length, cache.length - done + total + rest, *more)
 
 
 @dataclass
@@ -126,18 +138,13 @@ class History:
     # --- saving -----------------------------------------------------------------------------------
 
     def save(self, stats: TurnStats) -> None:
-        """Append the unsaved turns, after the cut that waits (the answer /regen replaces goes from
-        the disk only now); how it went is in `stats`."""
+        """Append the unsaved turns, with the cut that waits in the same commit (the answer /regen
+        replaces goes from the disk only as the new one is saved: Session.append's `keep`); how it
+        went is in `stats`."""
         self.model.keep_expert_usage()  # (MoE: which experts this run used, for the next start's warm start)
-        if self.unsaved_cut is not None:
-            try:
-                self.saving.truncate(self.cache, self.unsaved_cut, self.prefs.saved())
-            except ChatError as e:
-                stats.saved, stats.save_error = False, str(e)
-                self.save_failed = True
-                return
+        self.saving.save(self.cache, self.turns, self.prefs.saved(), stats, keep=self.unsaved_cut)
+        if stats.saved is not False:
             self.unsaved_cut = None
-        self.saving.save(self.cache, self.turns, self.prefs.saved(), stats)
         if stats.saved is not None:
             self.save_failed = not stats.saved
         if stats.saved:
@@ -286,9 +293,9 @@ class History:
 
     # --- reading it again -------------------------------------------------------------------------
     # `conv` is the chat.Conversation that reads: its `_read_turn` prefills a turn from its text
-    # (appending it here), and its `stop_requested` is Ctrl-C's.
+    # (appending it here); `cancel` (engine.cancel.Cancel) is Ctrl-C's.
 
-    def forget(self, conv, n: int | None = None, on_progress=None) -> str:
+    def forget(self, conv, n: int | None = None, on_progress=None, cancel=None) -> str:
         """/forget [N]: continue in a new conversation without the n oldest exchanges (default: enough
         that what remains fills at most half the context): the rest is read again (prefilled) from
         its text; the current conversation stays saved as it is. Ctrl-C goes back to it."""
@@ -307,14 +314,21 @@ class History:
         kept = self.turns[starts[n]:] if n < len(starts) else []
         self.keep_saved("/forget")
         old = self.saved_name
-        conv.stop_requested, stopped, conv.reused_from = False, False, None
+        stopped, conv.reused_from = False, None
         self.new(stem=f"{old[:54]}-cont" if old and kept else None)  # named after where it came from
         try:
-            for t in kept:
-                if conv.stop_requested and old:  # Ctrl-C: back to the conversation as it was, below
+            for i, t in enumerate(kept):
+                if cancel.requested and old:  # Ctrl-C: back to the conversation as it was, below
                     stopped = True
                     break
-                conv._read_turn(t, on_progress, "what remains does not fit in the context: /forget more exchanges")
+                try:
+                    conv._read_turn(t, one_count(on_progress, self.cache, kept[i + 1:]),
+                                    "what remains does not fit in the context: /forget more exchanges", cancel=cancel)
+                except ChatError:
+                    if not (cancel.requested and old):
+                        raise
+                    stopped = True  # inside a turn's reading (what it read goes with the rest, below)
+                    break
         except BaseException:
             if self.turns and self.turns[-1].role == "user":
                 self.turns.pop()  # an exchange is kept whole or not at all
@@ -339,27 +353,28 @@ class History:
                 + f": {count(len(self.starts()), 'exchange')}, {count(self.cache.length, 'token')} read again"
                 + f"{reused}; {where}")
 
-    def read_again(self, conv, unread: list[Turn], on_progress=None) -> str:
-        """A resume's exchanges whose records were dropped (damaged, cut short) but whose text is intact
-        (LoadResult.unread): read again from their text, an exchange at a time, so that the
+    def read_again(self, conv, unread: list[Turn], on_progress=None, cancel=None, plain: bool = False) -> list[str]:
+        """A resume's exchanges whose records were dropped (damaged, cut short, pruned) but whose text is
+        intact (LoadResult.unread): read again from their text, an exchange at a time, so that the
         conversation goes on whole. Nothing is written now: the next answer's save replaces their
         records. A stop (Ctrl-C), or an exchange that no longer fits, keeps the exchanges read so far
         (as /regen does, the rows a re-render replaced are put back); the others stay on disk until
-        that save (`unread_left`), as the warnings above this line say."""
+        that save (`unread_left`), as the warnings above this line say. -> the lines that say how it
+        went (`plain`: none where all went well, a pruned conversation's line having said it all)."""
         n0, t0 = self.cache.length, time.perf_counter()
         starts = [i for i, t in enumerate(unread) if t.role == "user"]
         done, why = 0, None
-        conv.stop_requested = False
         for a, b in zip(starts, starts[1:] + [len(unread)], strict=True):
             _, start = conv._prompt_ids(unread[a].text)  # below the cache's end when the template re-renders
             try:
                 with self.restored_unless_done(start):  # else as before this exchange
-                    if conv.stop_requested:
+                    if cancel.requested:
                         raise ChatError("stopped")
-                    for t in unread[a:b]:
-                        conv._read_turn(t, on_progress, "it no longer fits in the context", defer_cut=True)
+                    for i in range(a, b):
+                        conv._read_turn(unread[i], one_count(on_progress, self.cache, unread[i + 1:]),
+                                        "it no longer fits in the context", defer_cut=True, cancel=cancel)
             except ChatError as e:
-                why = "stopped" if conv.stop_requested else str(e)
+                why = "stopped" if cancel.requested else str(e)
                 break
             done += 1
         said = (f"read {count(done, 'exchange')} again from {'its' if done == 1 else 'their'} saved text "
@@ -367,10 +382,10 @@ class History:
         saving = not self.saving.read_only  # (--no-save, a read-only file system: nothing is written)
         self.unread_left = len(starts) - done if saving else 0
         if why is None:
-            return (f"note: {said}: the conversation is whole again"
-                    + (f"; the next answer saves {'its' if done == 1 else 'their'} records anew" if saving else ""))
-        return (f"warning: {said}, then {why}: {count(len(starts) - done, 'more exchange')} not read"
-                + ("; they stay on disk until the next answer saves the conversation without them" if saving else ""))
+            return [] if plain else [f"note: {said}: the conversation is whole again" + (
+                f"; the next answer saves {'its' if done == 1 else 'their'} records anew" if saving else "")]
+        return [f"warning: {said}, then {why}: {count(len(starts) - done, 'more exchange')} not read"
+                + ("; they stay on disk until the next answer saves the conversation without them" if saving else "")]
 
     # --- cutting it short -------------------------------------------------------------------------
 
@@ -395,9 +410,9 @@ class History:
     @contextlib.contextmanager
     def replacing_last(self):
         """/regen: the body answers the last message (yielded, its user turn) again. The exchange it
-        replaces stays, in memory and on disk, until the new one exists: the session loses it at the
-        next save, and a body that fails (or is stopped before its first token) leaves the
-        conversation as it was."""
+        replaces stays, in memory and on disk, until the new one exists: the next save replaces it in
+        one commit (a crash leaves the old exchange or the new one), and a body that fails (or is
+        stopped before its first token) leaves the conversation as it was."""
         starts = self.starts()
         if not starts:
             raise ChatError("nothing to regenerate: the conversation is empty")
@@ -420,7 +435,7 @@ class History:
             raise ChatError(f"/rewind takes {takes(len(starts))}: the conversation has {count(len(starts), 'exchange')}"
                             + (" (/reset empties it)" if n > len(starts) else ""))
         dropped = self.turns[starts[-n]:]
-        self.cut_failed = None
+        self.cut_failed, self.last_stats = None, None  # (/stats: the last answer is gone)
         if self.unread_left:  # a stopped read left exchanges on disk: they and these go with the next save
             self.rebase(dropped[0].first, defer_cut=True)
             self.turns = self.turns[: starts[-n]]

@@ -16,11 +16,19 @@ progress bar on a terminal and its resume of a download whose connection drops. 
   MiBs) and judged by the rule loading applies (engine.check_headers): an architecture colichat does
   not run, or dense weights that would not fit in memory as f32, is refused; so is a download the
   cache's disk has no room for.
-- Every failure is one line (ModelError): no network, no such repository, file or quant, a gated one.
+- Every failure is one line (ModelError): no network, no such repository, file or quant, a gated one, a
+  file list that is not JSON (a captive portal's page), a file whose body ends before the size announced.
+- Every request has a connect and a read timeout (the hub's own where it sets one, HF_HUB_ETAG_TIMEOUT and
+  HF_HUB_DOWNLOAD_TIMEOUT, else COLICHAT_HUB_TIMEOUT, 30 s); a request not answered after COLICHAT_HUB_WAIT
+  (5 s) says what it waits for, once, and one that timed out is not sent again: the hub is not answering.
+- The cache's refs (refs/main: which snapshot a branch is) are hints the hub's own code opens as they are:
+  each is read first as hints are (hints.py), and one that is not a commit hash is removed and said (the
+  next download writes it again).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -32,6 +40,8 @@ from typing import NamedTuple
 from .engine import ModelError, check_headers
 from .engine.gguf.header import Header, HeaderError, read_header
 from .errors import UsageError
+from .hints import Said, read_hint
+from .hub_requests import HubSilent, watched
 from .units import format_size
 
 PREFIX = "hf:"
@@ -42,6 +52,7 @@ QUANT_RE = re.compile(r"(?<![A-Za-z0-9])(?:UD-)?(?:I?Q\d(?:_[A-Z0-9]+)*|BF16|F16
                       r"(?![A-Za-z0-9])", re.I)
 HEADER_READ = 1 << 20  # bytes of a GGUF first asked for its header; four times more while it runs on
 MAX_HEADER = 1 << 28   # a header longer than this is not a GGUF's
+COMMIT_RE = re.compile(rb"[0-9a-f]{40}")
 
 
 class HubSpec(NamedTuple):
@@ -171,14 +182,16 @@ def _cache_dir(cache_dir=None) -> str:
     return str(cache_dir or constants.HF_HUB_CACHE)
 
 
-def _cached_repos(cache_dir=None) -> dict:
+def _cached_repos(cache_dir=None, said: Said | None = None) -> dict:
     """{repo id: {path in the repository: file in the cache}} of the models in the hub's cache, each at
-    the revision its main branch points to (else its newest); ModelError if the cache cannot be read."""
+    the revision its main branch points to (else its newest); ModelError if the cache cannot be read.
+    Its refs are checked first (_check_refs), a damaged one said through `said`."""
     from huggingface_hub import scan_cache_dir
 
     root = _cache_dir(cache_dir)
     if not os.path.isdir(root):
         return {}
+    _check_refs(root, said or Said())
     try:
         found = scan_cache_dir(root).repos
     except OSError as e:
@@ -194,10 +207,47 @@ def _cached_repos(cache_dir=None) -> dict:
     return repos
 
 
-def cached_models(cache_dir=None) -> list[CachedModel]:
+def _check_refs(root: str, said: Said) -> None:
+    """Each ref of the cache's models (models--O--R/refs/**) read as a hint: one that is not a commit hash
+    in a small regular file (a FIFO, a link to /dev/zero, other bytes) is removed, and a directory at
+    refs/main, which the hub would open as a file, is said and left; said once each."""
+    try:
+        repos = [e.path for e in os.scandir(root) if e.name.startswith("models--")]
+    except OSError:
+        return
+    for refs in (os.path.join(r, "refs") for r in repos):
+        todo = [refs]
+        while todo:
+            try:
+                entries = list(os.scandir(todo.pop()))
+            except OSError:
+                continue
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+                    problem = "a directory, not a file" if e.path == os.path.join(refs, "main") else None
+                else:
+                    problem = read_hint(e.path, _commit, 256).problem
+                    if problem:
+                        try:
+                            os.unlink(e.path)
+                        except OSError:
+                            problem += "; it could not be removed"
+                if problem:
+                    said(e.path, f"the Hugging Face cache's ref {e.path} cannot be used ({problem}): ignored")
+
+
+def _commit(data: bytes) -> str:
+    """A ref's commit hash (ValueError: it holds something else)."""
+    if not COMMIT_RE.fullmatch(data.strip()):
+        raise ValueError("not a commit hash")
+    return data.strip().decode()
+
+
+def cached_models(cache_dir=None, on_note=None) -> list[CachedModel]:
     """The GGUF models in the hub's cache (vision projectors left out), by repository and path."""
     found = []
-    for repo, files in sorted(_cached_repos(cache_dir).items()):
+    for repo, files in sorted(_cached_repos(cache_dir, Said(on_note)).items()):
         ggufs = {p: os.path.getsize(f) for p, f in files.items() if p.lower().endswith(".gguf") and os.path.isfile(f)}
         for c in choices(ggufs):
             if not _is_projector(c):
@@ -213,44 +263,101 @@ def model_file(text: str, say, endpoint: str | None = None, cache_dir=None, offl
     (saying what and where) once its headers show it runs and fits; offline=True: from the cache or a
     ModelError. `endpoint`, `cache_dir`: the hub's own (HF_ENDPOINT, HF_HUB_CACHE) unless given."""
     spec = parse(text)
+    said = Said(lambda line: say(f"note: {line}"))
     with _hub_errors(spec, endpoint, cache_dir):
-        cached = _cached_repos(cache_dir).get(spec.repo, {})
+        cached = _cached_repos(cache_dir, said).get(spec.repo, {})
         try:
             pick, _ = choose(spec, dict.fromkeys(cached, 0))
+            if not (spec.quant or spec.file):  # taken for the user, as a download's choice is: said
+                n = sum(not _is_projector(c) for c in choices(dict.fromkeys(cached, 0)))
+                say(f"{text}: taking {pick.name}, {'the one' if n == 1 else f'of the {n} GGUFs'} downloaded "
+                    f"(hf:{spec.repo}:QUANT takes another)")
             return cached[pick.files[0]]
         except ModelError:
             if offline:
                 raise ModelError(f"{text}: not downloaded yet (colichat --model {text} downloads it)") from None
-        _quiet_hub()
-        from huggingface_hub import HfApi, RepoFile, hf_hub_download
+        _quiet_hub(said)
+        with watched(Said(say)):  # (its lines: what a request waits for)
+            return _download(spec, say, endpoint, cache_dir, cached)
 
+
+def _download(spec: HubSpec, say, endpoint: str | None, cache_dir, cached: dict) -> str:
+    """model_file's network side: the listing, the choice, the headers checked, the files downloaded."""
+    from huggingface_hub import HfApi, RepoFile, hf_hub_download
+
+    text = spec.text
+    try:
         listing = {f.path: f.size for f in HfApi(endpoint=endpoint).list_repo_tree(spec.repo, recursive=True)
                    if isinstance(f, RepoFile)}
-        pick, note = choose(spec, listing)
-        if note:
-            say(note)
-        missing = [f for f in pick.files if f not in cached]
-        try:
-            check_headers(f"{text} ({pick.name})", [_remote_header(spec.repo, f, endpoint) for f in pick.files])
-        except ModelError as e:
-            raise ModelError(f"{e} (nothing was downloaded)") from None
-        _check_room(text, sum(listing[f] for f in missing), _cache_dir(cache_dir))
-        paths = []
-        for f in pick.files:
-            if f in missing:
-                say(f"downloading {f} ({format_size(listing[f])}) from {spec.repo} into {_cache_dir(cache_dir)}")
-            paths.append(hf_hub_download(spec.repo, f, cache_dir=cache_dir, endpoint=endpoint))
-        return paths[0]
+    except json.JSONDecodeError:
+        raise ModelError(f"{text}: the Hugging Face Hub at {_site(endpoint)} answered the list of files of "
+                         f"{spec.repo} with something that is not JSON (a network's login page?); check the "
+                         "network connection, or HF_ENDPOINT") from None
+    pick, note = choose(spec, listing)
+    if note:
+        say(note)
+    missing = [f for f in pick.files if f not in cached]
+    try:
+        check_headers(f"{text} ({pick.name})", [_remote_header(spec.repo, f, endpoint) for f in pick.files])
+    except ModelError as e:
+        raise ModelError(f"{e} (nothing was downloaded)") from None
+    _check_room(text, sum(listing[f] for f in missing), _cache_dir(cache_dir))
+    paths = []
+    for f in pick.files:
+        if f in missing:
+            say(f"downloading {f} ({format_size(listing[f])}) from {spec.repo} into {_cache_dir(cache_dir)}")
+        paths.append(hf_hub_download(spec.repo, f, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=_bar()))
+    return paths[0]
 
 
-def _quiet_hub() -> None:
+def _bar():
+    """The hub's progress bar (shown on a terminal only), in colichat's units (MiB, GiB: binary, as the
+    line above it) and without a file name: that line names the file whole, the bar would cut it."""
+    from huggingface_hub.utils import tqdm
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **{**kw, "desc": "", "unit": "iB", "unit_scale": True, "unit_divisor": 1024,
+                                       "bar_format": "{l_bar}{bar}| {n_fmt}iB/{total_fmt}iB [{elapsed}<{remaining}, "
+                                                     "{rate_fmt}]"})
+
+    return Bar
+
+
+def _quiet_hub(said: Said) -> None:
     """The hub's own warnings (each retry of a request) are not for the user: its errors become one line
-    here. Its progress bars show on a terminal only, as colichat's own progress does."""
+    here. Its progress bars show on a terminal only, as colichat's own progress does. The list of agent
+    harnesses the hub keeps in HF_HOME (read with a plain open() by every request's headers: a FIFO there
+    would hang it) is read first as a hint: one that cannot be used is removed (the hub fetches it again)."""
+    from huggingface_hub import constants
     from huggingface_hub.utils import disable_progress_bars, logging
 
     logging.set_verbosity_error()
     if not (sys.stderr and sys.stderr.isatty()):
         disable_progress_bars()
+    path = constants.AGENT_HARNESSES_PATH
+    problem = read_hint(path, _registry).problem
+    if problem:
+        if not os.path.isdir(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                problem += "; it could not be removed"
+        said(path, f"the Hugging Face cache's list of agent harnesses {path} cannot be used ({problem}): ignored")
+
+
+def _registry(data: bytes) -> dict:
+    """The hub's cached agent-harness registry (ValueError: not a JSON object)."""
+    registry = json.loads(data)
+    if not isinstance(registry, dict):
+        raise ValueError("not a JSON object")
+    return registry
+
+
+def _site(endpoint: str | None) -> str:
+    from huggingface_hub import constants
+
+    return (endpoint or constants.ENDPOINT).rstrip("/")
 
 
 def _remote_header(repo: str, file: str, endpoint: str | None) -> Header:
@@ -272,22 +379,31 @@ def _remote_header(repo: str, file: str, endpoint: str | None) -> Header:
 
 def _read_range(repo: str, file: str, endpoint: str | None, start: int, end: int) -> bytes:
     """Bytes start..end-1 of a file on the hub (fewer at its end), through the hub's own client (its
-    token, its retries); a server that sends the whole file is read no further than `end`."""
+    token, its retries of an error status); a server that sends the whole file is read no further than
+    `end`; one whose body ends before what it announced is refused (ModelError). (A broken connection is
+    not retried here: the hub's retry inside a `with` it yields from ends in a RuntimeError.)"""
+    import httpx2
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
     url = hf_hub_url(repo, file, endpoint=endpoint)
     headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
     out = bytearray()
-    with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+    with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+                             retry_on_exceptions=()) as r:
         if r.status_code == 416:  # the file ends before `start`
             return b""
         hf_raise_for_status(r)
         skip = start if r.status_code == 200 else 0  # the range was not honoured: the file from its start
-        for chunk in r.iter_bytes():
-            out += chunk
-            if len(out) >= skip + end - start:
-                break
+        try:
+            for chunk in r.iter_bytes():
+                out += chunk
+                if len(out) >= skip + end - start:
+                    break
+        except (httpx2.RemoteProtocolError, httpx2.ReadError):
+            announced = r.headers.get("Content-Length", "?")
+            raise ModelError(f"hf:{repo}/{file}: the Hugging Face Hub announced {announced} bytes but the "
+                             f"connection ended after {len(out):,}; try again") from None
     return bytes(out[skip : skip + end - start])
 
 
@@ -306,7 +422,6 @@ def _check_room(text: str, need: int, cache_dir: str) -> None:
 def _hub_errors(spec: HubSpec, endpoint: str | None, cache_dir):
     """The hub's errors, each as one line saying what is wrong and what to do (ModelError)."""
     import httpx2
-    from huggingface_hub import constants
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -316,11 +431,13 @@ def _hub_errors(spec: HubSpec, endpoint: str | None, cache_dir):
         RepositoryNotFoundError,
     )
 
-    site = (endpoint or constants.ENDPOINT).rstrip("/")
+    site = _site(endpoint)
     unreachable = (f"{spec.text}: cannot reach the Hugging Face Hub at {site} ({{}}); check the network "
                    "connection (a model already downloaded starts without one)")
     try:
         yield
+    except HubSilent as e:
+        raise ModelError(f"{spec.text}: {e}") from None
     except GatedRepoError:
         raise ModelError(f"{spec.text}: {spec.repo} is gated: accept its conditions at {site}/{spec.repo}, then "
                          "log in with `hf auth login` (or set HF_TOKEN)") from None
@@ -339,6 +456,9 @@ def _hub_errors(spec: HubSpec, endpoint: str | None, cache_dir):
         status = e.response.status_code if e.response is not None else "an error"
         raise ModelError(f"{spec.text}: the Hugging Face Hub answered {status} ({_reason(e)}); "
                          "try again later") from None
+    except httpx2.RemoteProtocolError as e:  # an answer that ends before the size it announced
+        raise ModelError(f"{spec.text}: the Hugging Face Hub at {site} sent less than it announced ({_reason(e)}); "
+                         "try again") from None
     except httpx2.HTTPError as e:  # no connection, a timeout, a connection cut for good
         raise ModelError(unreachable.format(_reason(e))) from None
     except OSError as e:  # writing the cache (a full disk, no permission), or the hub's size check

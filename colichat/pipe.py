@@ -64,7 +64,7 @@ def pipe_mode(app: App, inputs=None) -> int:
         if not busy:  # waiting for input: at a prompt typed_lines drops the line, else colichat ends
             interrupted = not prompting
             raise KeyboardInterrupt
-        app.conv.stop_requested = True  # the answer or command ends after the current token, kept
+        app.cancel.set()  # the answer or command ends at the engine's next safe point, what was shown kept
         if not prompting:  # then colichat ends; a second Ctrl-C ends it now
             if interrupted:
                 raise KeyboardInterrupt

@@ -26,6 +26,7 @@ import io
 import os
 import select
 import signal
+import stat
 import sys
 
 from prompt_toolkit import PromptSession
@@ -40,7 +41,7 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPress
 from prompt_toolkit.keys import Keys
 
 from . import inputs
-from .commands import completions
+from .commands import commands_of, completions
 from .paths import paths, private_dir, private_file
 from .wrap import Screen, rows
 
@@ -117,17 +118,26 @@ class _ReadOnlyHistory(FileHistory):
 
 
 def _history(no_save: bool = False):
-    """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails. With
-    --no-save the file's lines are recalled but nothing is added (nor the file created)."""
-    if no_save:
-        path = paths().state / "history"
-        return _ReadOnlyHistory(str(path)) if path.is_file() else InMemoryHistory()
+    """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails, or if
+    what is there is not a regular file (a FIFO would hang the start, a link to /dev/zero read without
+    end: it is opened without blocking, and its descriptor checked, first). With --no-save the file's lines are
+    recalled but nothing is added (nor the file created)."""
+    path = paths().state / "history"
     try:
-        state = private_dir(paths().state)
-        os.close(private_file(state / "history", os.O_WRONLY | os.O_CREAT | os.O_APPEND))  # 0600 before use
-        return FileHistory(str(state / "history"))
+        if no_save:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        else:
+            private_dir(path.parent)
+            fd = private_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK)  # 0600 before use
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
     except OSError:
         return InMemoryHistory()
+    if not regular:
+        return InMemoryHistory()
+    return (_ReadOnlyHistory if no_save else FileHistory)(str(path))
 
 
 def _continuation(width, line_number, wrap_count):
@@ -314,12 +324,17 @@ def run(app) -> int:
             except (EOFError, OSError):  # Ctrl-D, or the terminal is gone (its window closed, SIGHUP ignored)
                 break
             busy()  # (the prompt turned bracketed paste off)
-            old = signal.signal(signal.SIGINT, on_sigint)
-            try:
-                with app.ending_signals():
-                    app.handle(text)
-            except KeyboardInterrupt:
-                app.say("(interrupted)")
-            finally:
-                signal.signal(signal.SIGINT, old)
+            for k, line in enumerate(commands_of(text)):  # lines that are all commands: each in turn
+                if app.quitting:
+                    break
+                if k:
+                    app.say(echo(line))  # as a shell shows the next line typed ahead, then its output
+                old = signal.signal(signal.SIGINT, on_sigint)
+                try:
+                    with app.ending_signals():
+                        app.handle(line)
+                except KeyboardInterrupt:
+                    app.say("(interrupted)")
+                finally:
+                    signal.signal(signal.SIGINT, old)
     return 128 + app.ended_by if app.ended_by else 0

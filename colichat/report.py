@@ -1,5 +1,6 @@
 """What the user is told about a conversation: one exchange's numbers (TurnStats) and the footer
-after the answer, the /stats lines, the ways out of a full context, and where a resumed one stands."""
+after the answer, the /stats lines, the ways out of a full context, a prefill's progress, and where a
+resumed one stands."""
 
 from __future__ import annotations
 
@@ -36,9 +37,15 @@ class TurnStats:
         return self.generated / self.decode_s if self.decode_s > 0 else 0.0
 
 
+SLOW_READ_S = 2.0  # a prompt read this long is said in the footer: the user waited for it
+
+
 def footer(conv, stats: TurnStats, keep: str = "/save NAME") -> str:
-    """The line after an answer: its speeds, the context left, and whether it was saved (if not, and it
-    could be, what keeps it: `keep`)."""
+    """The line after an answer, short enough for one line of 80 columns on the usual answer: its tokens
+    and speed, the context left, and whether it was saved (if not, and it could be, what keeps it:
+    `keep`). What matters only now and then shows only then: a prompt read from a saved conversation
+    (`reused N tokens`), a prompt whose reading took a while, why the answer stopped; the rest
+    (drafts, the prompt's speed) is in /stats."""
     saving = conv.saving
     unsaved = ("not saved (--no-save)" if saving.no_save else "not saved (read-only)" if saving.read_only
                else f"not saved ({keep} keeps it)")
@@ -46,23 +53,24 @@ def footer(conv, stats: TurnStats, keep: str = "/save NAME") -> str:
              False: f"NOT saved: {stats.save_error}"}[stats.saved]
     stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
             "context": ", context full"}.get(stats.stopped, "")
-    drafts = ""
-    if stats.drafted:
-        each = "".join(f"; {name} {kept}/{checked}" for name, (checked, kept) in stats.by_source.items())
-        share = 100 * stats.accepted / stats.drafted
-        drafts = f", drafts {stats.accepted}/{stats.drafted} accepted ({share:.0f}%{each})"
     note = f"\nnote: {stats.save_note}" if stats.save_note else ""
     n_ctx = conv.model.n_ctx
-    reused = f" (+{stats.reused} reused)" if stats.reused else ""
     thought = f", {stats.thinking} thinking" if stats.thinking else ""  # (of those tokens)
-    return (f"[{count(stats.generated, 'token')}{thought}, {stats.decode_tps:.1f} tok/s, prefill "
-            f"{stats.prompt_tokens}{reused} "
-            f"at {stats.prefill_tps:.0f} tok/s, context {conv.n_tokens}/{n_ctx}, "
-            f"{n_ctx - conv.n_tokens} left{drafts}{stop}; {saved}]{note}")
+    prompt = f", reused {stats.reused:,} tokens" if stats.reused else ""  # (saving.MIN_REUSE at least)
+    if stats.prefill_s >= SLOW_READ_S:
+        prompt += f", prompt {stats.prompt_tokens:,} at {rate(stats.prefill_tps)} tok/s"
+    return (f"[{count(stats.generated, 'token')}{thought}, {rate(stats.decode_tps)} tok/s{prompt}, "
+            f"{n_ctx - conv.n_tokens} of {n_ctx} context left{stop}; {saved}]{note}")
+
+
+def rate(tps: float) -> str:
+    """Tokens per second as the footer and /stats say it: one decimal below 100."""
+    return f"{tps:.1f}" if tps < 100 else f"{tps:.0f}"
 
 
 def stats_lines(conv) -> list[str]:
-    """/stats: the context used, the cache's size in memory and on disk, the last answer's speeds."""
+    """/stats: the context used, the cache's size in memory and on disk, the last answer's speeds, how its
+    prompt was read (reused from a saved conversation, prefilled) and its drafts."""
     cache, saving = conv.model.cache, conv.saving
     lines = [f"context: {conv.n_tokens} of {conv.model.n_ctx} tokens, {count(conv.exchanges(), 'exchange')}",
              f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
@@ -73,19 +81,50 @@ def stats_lines(conv) -> list[str]:
         lines.append("session: saving is off (--no-save)" if saving.no_save else "session: not saved yet")
     s = conv.history.last_stats
     if s:
-        lines.append(f"last answer: {count(s.generated, 'token')} at {s.decode_tps:.1f} tok/s; "
-                     f"prefill {count(s.prompt_tokens, 'token')} at {s.prefill_tps:.0f} tok/s")
+        lines.append(f"last answer: {count(s.generated, 'token')} at {rate(s.decode_tps)} tok/s; prompt: "
+                     + (f"{count(s.reused, 'token')} reused, " if s.reused else "")
+                     + f"{count(s.prompt_tokens, 'token')} read"
+                     + (f" at {rate(s.prefill_tps)} tok/s" if s.prompt_tokens > 1 else ""))
+        if s.drafted:
+            each = "".join(f"; {name} {kept} of {checked}" for name, (checked, kept) in s.by_source.items())
+            lines.append(f"drafts (tokens guessed ahead, then checked in one pass): {s.accepted} of {s.drafted} "
+                         f"kept ({100 * s.accepted / s.drafted:.0f}%{each})")
     return lines
 
 
 def ways_out(conv) -> str:
-    """What frees context: the commands, and a larger --ctx only when the model allows one."""
-    ways = ["/rewind N drops the last exchanges", "/new starts a new conversation"]
-    if conv.exchanges() > 1:
-        ways.append("/forget N continues in a new one without the N oldest exchanges")
+    """What goes on from a full context, the one advice every note and refusal about it gives, each way
+    only where it applies: /forget (more than one exchange: it keeps the later ones), /rewind and /new
+    (an exchange to drop), a larger --ctx (where the model takes one)."""
+    n, ways = conv.exchanges(), []
+    if n > 1:
+        ways.append("/forget goes on in a new conversation without the oldest exchanges (--auto-forget does so "
+                    "by itself)")
+    if n:
+        ways += [f"/rewind {'N' if n > 1 else 1} drops the last {'N exchanges' if n > 1 else 'exchange'}",
+                 "/new starts a new conversation"]
     if conv.model.n_ctx < conv.model.cfg.n_ctx_train:
-        ways.append(f"or restart with a larger --ctx (this model takes up to {conv.model.cfg.n_ctx_train})")
+        ways.append(f"a larger --ctx at the next start (this model takes up to {conv.model.cfg.n_ctx_train})")
     return "; ".join(ways)
+
+
+def full_note(conv, below: int) -> list[str]:
+    """A reopened conversation with fewer than `below` tokens of context left: that it is (nearly) full,
+    and the ways on."""
+    left, n_ctx = conv.model.n_ctx - conv.n_tokens, conv.model.n_ctx
+    if left >= below:
+        return []
+    return [f"note: the context is {'full' if left < 2 else 'nearly full'} ({conv.n_tokens} of {n_ctx} tokens): "
+            f"{ways_out(conv)}"]
+
+
+def reopened(res) -> str:
+    """The line a reopened conversation starts with (a persist LoadResult): its tokens read from disk, or,
+    where its KV file was pruned (or removed) and all its text is read again, one plain line that says so."""
+    if not res.kv_gone:
+        return res.summary()
+    return (f"{res.name}: its KV file {res.kv_gone}; reading its {count(len(res.unread) // 2, 'exchange')} again "
+            f"({count(res.unread[-1].last, 'token')}) ...")
 
 
 def no_room(conv, needs: int, room: int) -> str:
@@ -109,6 +148,27 @@ def system_tokens(conv) -> int:
     """How many tokens the system prompt's text is (0 without one): what it takes of every conversation."""
     system = conv.settings.system
     return len(conv.tok.encode(system)) if system else 0
+
+
+def progress(done: float, total: int, seconds: float) -> str:
+    """How far a prefill is after `seconds`: '57/105 tokens, 2.6 tok/s, about 18 s left' (the time left
+    once a token has been read, at the rate so far)."""
+    line = f"{int(done):,}/{total:,} tokens"
+    if done <= 0 or seconds <= 0:
+        return line
+    rate = done / seconds
+    left = (total - done) / rate
+    return line + f", {rate:,.1f} tok/s" + (f", about {duration(left)} left" if left >= 1 else "")
+
+
+def duration(seconds: float) -> str:
+    """'8 s', '2 min 05 s', '1 h 02 min'."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 RECAP_LINES = 8  # a turn of the recap longer than this many lines (a long paste) shows its first ones

@@ -137,10 +137,11 @@ class Saving:
 
     # --- writing ----------------------------------------------------------------------------------
 
-    def save(self, cache, turns: list, settings: dict, stats) -> None:
+    def save(self, cache, turns: list, settings: dict, stats, keep: int | None = None) -> None:
         """Append the unsaved turns, with the settings in use (options given at start and a /set whose
         own save failed are written here); a failure is reported in `stats` and the conversation goes
-        on in memory."""
+        on in memory. `keep`: the saved session keeps only its first `keep` turns, the others replaced
+        by the turns after them in one commit (Session.append)."""
         if not self.store or self.read_only:
             return
         if self.session is None and not self.save_new:
@@ -151,7 +152,7 @@ class Saving:
                 self.session = self.store.create(self.ident, self.layout, self.name, settings,
                                                  stem=self.stem or slug(first), files=False)
                 self.name, self.stem = self.session.name, None
-            self.session.append(cache, turns, settings)
+            self.session.append(cache, turns, settings, keep)
             self._index(cache)
             stats.saved = True
             stats.save_note = "; ".join(self.session.notes) or None

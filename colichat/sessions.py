@@ -279,7 +279,7 @@ def export_saved(store: Store, model_path: str | None, name: str, given: bool = 
     text = markdown(name, model_title(info.model, info.model_file), [(t.role, t.text) for t in turns],
                     system if isinstance(system, str) else None, res.sampler.get("opens_thinking") is True)
     kept = ([f"{span(turns, len(res.turns))} printed all the same: their saved text is intact (reopening "
-             "reads it again)"] if res.unread else [])
+             "reads it again)"] if res.unread and not res.kv_gone else [])  # (pruned: nothing to warn of)
     return text, res.warnings + kept, note
 
 

@@ -11,10 +11,11 @@ from .hub import is_hub_model, model_file
 from .model_list import NO_MODELS, model_rows
 from .models import DefaultModelMissing, default_model_path
 from .persist import SessionError, Store
-from .prune import prune_kv
+from .prune import choose, listed, prune_kv
 from .sessions import export_saved, listing
 from .start import unreadable_sessions
-from .terminal import print_out, terminal_columns, to_stderr
+from .terminal import ask_yes, print_out, terminal_columns, to_stderr
+from .units import format_size
 from .wrap import wrap_line
 
 
@@ -29,9 +30,7 @@ def from_the_shell(args, store: Store) -> int:
     if args.models:
         return print_out("".join(f"{row}\n" for row in model_rows(store)) or NO_MODELS)
     if args.prune_kv is not None:
-        for line in prune_kv(store, args.prune_kv):
-            to_stderr(line)
-        return 0
+        return prune_asked(store, args)
     if args.sessions:
         rows = listing(store)
         if sys.stdout.isatty():  # as /sessions shows them
@@ -51,3 +50,24 @@ def from_the_shell(args, store: Store) -> int:
         to_stderr(f"warning: {line}")
     return print_out(text)
 
+
+def prune_asked(store: Store, args) -> int:
+    """--prune-kv DAYS: list the KV files it would free, ask (unless --yes, or stdin is not a terminal:
+    a script), then free them. DAYS 0 keeps the last hour's conversations unless --all."""
+    choices = choose(store, args.prune_kv, everything=args.all)
+    days = f"{args.prune_kv:g} days" if args.prune_kv or args.all else "the last hour"
+    if not choices:
+        to_stderr(f"nothing to prune: no conversation's KV file unused for {days}"
+                  + ("" if args.all or args.prune_kv else " (--all prunes those too)"))
+        return 0
+    free = sum(c.size for c in choices if not c.kept)
+    to_stderr(f"--prune-kv {args.prune_kv:g} frees {format_size(free)}: the KV files of the conversations not used "
+              f"for {days} (their text stays; reopening one reads it again):")
+    for line in listed(choices):
+        to_stderr(line)
+    if free and not args.yes and sys.stdin.isatty() and not ask_yes("Free them?"):
+        to_stderr("nothing pruned")
+        return 0
+    for line in prune_kv(choices, args.prune_kv) if free else ["nothing pruned"]:
+        to_stderr(line)
+    return 0

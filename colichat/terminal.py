@@ -27,6 +27,20 @@ def to_stderr(line: str, hang: int = 0) -> None:
         discard(sys.stderr)
 
 
+def ask_yes(question: str) -> bool:
+    """`QUESTION [y/N]` on stderr, answered by a line on the terminal: yes only for y or yes; anything else,
+    Enter, Ctrl-C or Ctrl-D is no (nothing is done)."""
+    try:
+        sys.stderr.write(f"{question} [y/N] ")
+        sys.stderr.flush()
+        answer = sys.stdin.readline()
+    except (KeyboardInterrupt, OSError):
+        answer = ""
+    if not answer.endswith("\n"):  # (Ctrl-C, Ctrl-D: the next line starts below the question)
+        to_stderr("")
+    return answer.strip().lower() in ("y", "yes")
+
+
 def discard(stream) -> None:
     """Point a standard stream that can no longer be written (its reader gone, its disk full) at
     /dev/null: what is still buffered, and every later write, goes nowhere quietly, at exit too."""

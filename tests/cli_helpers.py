@@ -34,7 +34,7 @@ CHAT = [sys.executable, "-m", "colichat.cli"]
 GREEDY = ["--temperature", "0", "--repeat-penalty", "1"]  # llama.cpp's greedy decoding (no penalty)
 TINY_ARGS = ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "8"]
 RESUMED_RE = re.compile(r"^resumed (\d+) tokens?, (\d+) turns? from (\S+) in \d+ ms, no re-prefill$", re.M)
-FOOTER_RE = re.compile(r"^\[\d+ tokens?, .*context (\d+)/(\d+).*; "
+FOOTER_RE = re.compile(r"^\[\d+ tokens?, .*?(\d+) of (\d+) context left.*; "
                        r"(saved to \S+|NOT saved: .*|not saved \(.*\))\]$", re.M)
 
 
@@ -61,6 +61,10 @@ class Run:
 
     def footers(self) -> list[str]:
         return [m.group(0) for m in FOOTER_RE.finditer(self.err)]
+
+    def contexts(self) -> list[tuple[int, int]]:
+        """(tokens used, context size) as each footer says them (it says what is left of the context)."""
+        return [(int(m.group(2)) - int(m.group(1)), int(m.group(2))) for m in FOOTER_RE.finditer(self.err)]
 
     def resumed(self) -> tuple[int, int, str]:
         """(tokens, turns, name) of the resume line; fails if there is none."""

@@ -1,4 +1,4 @@
-"""Write small (or big) random deepseek2 GGUF files for tests and benchmarks.
+"""Write small (or big) random deepseek2 and llama GGUF files for tests and benchmarks.
 
     from gguf_factory import DS2Spec, V2_LITE_DENSE, write_deepseek2
     path = write_deepseek2(tmp_path / "m.gguf", DS2Spec(q_lora_rank=32, n_expert=8, qtype="Q8_0"))
@@ -23,6 +23,11 @@ The vocabulary is byte-level BPE (gpt2 model, deepseek-v3 pre-tokenizer): 256 by
 DeepSeek-style specials (ids 256-259: bos, eos, User, Assistant), then merge tokens. With the
 default n_vocab = 268 it is exactly the vocabulary of the reference tiny models; a bigger n_vocab
 adds deterministic merges (two-byte, then three-byte tokens) up to the requested size.
+
+`write_llama(path, spec)` writes a llama-3-style file of a `LlamaSpec` the same streaming way, every matrix
+random blocks of a RAW_TYPES type, norms f32, llama-3.1's rope_freqs, and this byte-level vocabulary with
+llama-3's specials (ids 256-260) under the llama-bpe pre-tokenizer. `LLAMA_8B` is Llama-3.1-8B's shape
+(5.1 GB: Q4_K, ffn_down and output Q6_K); llama.cpp 0.3.36 loads it.
 
 Shapes in comments are numpy shapes (reversed ggml ne).
 """
@@ -140,11 +145,12 @@ def byte_chars() -> list[str]:
     return [out[b] for b in range(256)]
 
 
-def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) of a byte-level BPE vocabulary with n_vocab >= 260 tokens."""
+def vocabulary(n_vocab: int, specials: list[str] = SPECIALS) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a byte-level BPE vocabulary of n_vocab tokens: the 256 bytes, the
+    specials, then merges."""
     chars = byte_chars()
-    tokens = chars + SPECIALS
-    types = [1] * 256 + [3] * len(SPECIALS)
+    tokens = chars + specials
+    types = [1] * 256 + [3] * len(specials)
     merges: list[str] = []
     seen = set(tokens)
 
@@ -294,9 +300,9 @@ def tensor_values(spec: DS2Spec, name: str, shape: tuple, expert: int | None = N
     return _init(spec, name, shape)
 
 
-def _raw_blocks(spec: DS2Spec, name: str, shape: tuple, qtype, expert: int) -> np.ndarray:
+def raw_blocks(seed: int, name: str, shape: tuple, qtype, expert: int = -1) -> np.ndarray:
     """Random blocks of a RAW_TYPES type for `shape` (one expert of a 3-D tensor, or a whole tensor)."""
-    rng = _rng(spec.seed, name, expert)
+    rng = _rng(seed, name, expert)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape)) // block
     blocks = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
@@ -314,7 +320,7 @@ def _is_raw(spec: DS2Spec, plan) -> bool:
 def _encode(spec: DS2Spec, plan: _Plan, values: np.ndarray | None, expert: int) -> np.ndarray:
     if _is_raw(spec, plan):
         shape = plan.shape if expert < 0 else plan.shape[1:]
-        return _raw_blocks(spec, plan.name, shape, plan.qtype, expert)
+        return raw_blocks(spec.seed, plan.name, shape, plan.qtype, expert)
     return gguf.quants.quantize(values, plan.qtype)
 
 
@@ -404,38 +410,162 @@ def write_deepseek2(path, spec: DS2Spec | None = None, **overrides) -> Path:
     """Write `spec` (with field overrides) to `path`, streaming one tensor (or expert) at a time.
     Returns the path written (for a split model: the first part)."""
     spec = replace(spec or DS2Spec(), **overrides)
+    plans = [_Plan(name, shape, _qtype_of(spec, name, len(shape), shape[-1])) for name, shape in tensor_shapes(spec)]
+
+    def chunks(plan: _Plan):
+        experts = range(plan.shape[0]) if plan.name.endswith("_exps.weight") else [None]
+        for e in experts:
+            values = None if _is_raw(spec, plan) else tensor_values(spec, plan.name, plan.shape, e)
+            yield _encode(spec, plan, values, -1 if e is None else e)
+
+    return _stream(path, spec.arch, metadata(spec), plans, chunks, spec.shards)
+
+
+def _stream(path, arch: str, kv: list, plans: list[_Plan], chunks, shards: int = 1) -> Path:
+    """Write a GGUF: the header, then each plan's data from chunks(plan) (arrays whose bytes follow each
+    other), one chunk in memory at a time. Returns the path written (for a split model: the first part)."""
     path = Path(path)
-    shapes = tensor_shapes(spec)
-    per_shard = -(-len(shapes) // spec.shards) if spec.shards > 1 else 0
-    w = gguf.GGUFWriter(str(path), spec.arch, split_max_tensors=per_shard)
-    for key, val, vtype in metadata(spec):
+    per_shard = -(-len(plans) // shards) if shards > 1 else 0
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=per_shard)
+    for key, val, vtype in kv:
         w.add_key_value(key, val, vtype)
-    plans = {}
-    for name, shape in shapes:
-        plan = _Plan(name, shape, _qtype_of(spec, name, len(shape), shape[-1]))
-        plans[name] = plan
+    by_name = {}
+    for plan in plans:
+        by_name[plan.name] = plan
         if plan.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             dtype = np.float32 if plan.qtype == gguf.GGMLQuantizationType.F32 else np.float16
-            w.add_tensor_info(name, shape, np.dtype(dtype), plan.nbytes())
+            w.add_tensor_info(plan.name, plan.shape, np.dtype(dtype), plan.nbytes())
         else:
-            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, plan.qtype)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), plan.nbytes(), raw_dtype=plan.qtype)
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(plan.shape, plan.qtype)
+            w.add_tensor_info(plan.name, byte_shape, np.dtype(np.uint8), plan.nbytes(), raw_dtype=plan.qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     first = Path(w.fout[0].name)
     for fout, names in zip(w.fout, w.tensors, strict=True):
         for name in names:
-            plan = plans[name]
+            plan = by_name[name]
             w.write_padding(fout, fout.tell())
             written = 0
-            experts = range(plan.shape[0]) if name.endswith("_exps.weight") else [None]
-            for e in experts:
-                values = None if _is_raw(spec, plan) else tensor_values(spec, name, plan.shape, e)
-                data = _encode(spec, plan, values, -1 if e is None else e)
+            for data in chunks(plan):
                 data.tofile(fout)
                 written += data.nbytes
             assert written == plan.nbytes(), name
             w.write_padding(fout, written)
     w.close()
     return first
+
+
+# --- llama -------------------------------------------------------------------------------------------
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eot_id|>"]
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+    " + m['content'] + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """A llama-3-style model to write: every matrix random blocks of its type (a RAW_TYPES type, as
+    raw_quant writes them), norms f32, llama-3.1's rope_freqs. Defaults: a tiny model."""
+
+    n_layer: int = 2
+    n_embd: int = 256
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 512
+    n_vocab: int = 512
+    rope_base: float = 500000.0
+    rope_scaling: tuple = (8.0, 1.0, 4.0, 8192)  # llama-3.1 rope_freqs: factor, low, high, original context
+    context_length: int = 131072
+    rms_eps: float = 1e-5
+    qtype: str = "Q4_K"           # matrices
+    qtypes: dict = field(default_factory=lambda: {"ffn_down": "Q6_K", "output": "Q6_K"})  # per suffix
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# Llama-3.1-8B's shape: every matrix Q4_K but ffn_down and output Q6_K (a Q4_K_M-like mix); 5.1 GB.
+LLAMA_8B = LlamaSpec(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256)
+
+
+def llama_tensors(spec: LlamaSpec) -> list[tuple[str, tuple]]:
+    """(name, numpy shape) of every tensor of a llama spec, in file order."""
+    d, e, f = spec.n_embd, spec.head_dim, spec.n_ff
+    out = [("token_embd.weight", (spec.n_vocab, d)), ("output_norm.weight", (d,)),
+           ("output.weight", (spec.n_vocab, d)), ("rope_freqs.weight", (e // 2,))]
+    for l in range(spec.n_layer):
+        b = f"blk.{l}."
+        out += [(b + "attn_norm.weight", (d,)), (b + "attn_q.weight", (spec.n_head * e, d)),
+                (b + "attn_k.weight", (spec.n_head_kv * e, d)), (b + "attn_v.weight", (spec.n_head_kv * e, d)),
+                (b + "attn_output.weight", (d, spec.n_head * e)), (b + "ffn_norm.weight", (d,)),
+                (b + "ffn_gate.weight", (f, d)), (b + "ffn_up.weight", (f, d)), (b + "ffn_down.weight", (d, f))]
+    return out
+
+
+def llama3_rope_factors(spec: LlamaSpec) -> np.ndarray:
+    """rope_freqs.weight as convert_hf_to_gguf.py writes it for llama-3.1 (rope_type llama3). (I,) f32"""
+    factor, low, high, old = spec.rope_scaling
+    freqs = 1.0 / spec.rope_base ** (np.arange(0, spec.head_dim, 2) / spec.head_dim)  # (I,)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid)).astype(np.float32)
+
+
+def llama_metadata(spec: LlamaSpec) -> list[tuple[str, object, gguf.GGUFValueType]]:
+    """(key, value, type) of every metadata key of a llama spec (beside general.architecture)."""
+    T = gguf.GGUFValueType
+    tokens, types, merges = vocabulary(spec.n_vocab, LLAMA3_SPECIALS)
+    return [
+        ("general.name", "colichat test llama", T.STRING),
+        ("llama.block_count", spec.n_layer, T.UINT32),
+        ("llama.context_length", spec.context_length, T.UINT32),
+        ("llama.embedding_length", spec.n_embd, T.UINT32),
+        ("llama.feed_forward_length", spec.n_ff, T.UINT32),
+        ("llama.attention.head_count", spec.n_head, T.UINT32),
+        ("llama.attention.head_count_kv", spec.n_head_kv, T.UINT32),
+        ("llama.rope.freq_base", spec.rope_base, T.FLOAT32),
+        ("llama.attention.layer_norm_rms_epsilon", spec.rms_eps, T.FLOAT32),
+        ("llama.rope.dimension_count", spec.head_dim, T.UINT32),
+        ("llama.vocab_size", spec.n_vocab, T.UINT32),
+        ("tokenizer.ggml.model", "gpt2", T.STRING),
+        ("tokenizer.ggml.pre", "llama-bpe", T.STRING),
+        ("tokenizer.ggml.tokens", tokens, T.ARRAY),
+        ("tokenizer.ggml.token_type", types, T.ARRAY),
+        ("tokenizer.ggml.merges", merges, T.ARRAY),
+        ("tokenizer.ggml.bos_token_id", 256, T.UINT32),
+        ("tokenizer.ggml.eos_token_id", 257, T.UINT32),
+        ("tokenizer.ggml.eot_token_id", 260, T.UINT32),
+        ("tokenizer.chat_template", LLAMA3_TEMPLATE, T.STRING),
+    ]
+
+
+def write_llama(path, spec: LlamaSpec | None = None, **overrides) -> Path:
+    """Write a llama spec (with field overrides) to `path`, streaming: memory for one tensor at a time."""
+    spec = replace(spec or LlamaSpec(), **overrides)
+    F32 = gguf.GGMLQuantizationType.F32
+    plans = []
+    for name, shape in llama_tensors(spec):
+        base = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        qtype = F32 if len(shape) == 1 else gguf.GGMLQuantizationType[spec.qtypes.get(base, spec.qtype)]
+        if qtype != F32 and qtype.name not in RAW_TYPES:
+            raise ValueError(f"{name}: write_llama writes random blocks of {', '.join(RAW_TYPES)}, not {qtype.name}")
+        plans.append(_Plan(name, shape, qtype))
+
+    def chunks(plan: _Plan):
+        if plan.name == "rope_freqs.weight":
+            yield llama3_rope_factors(spec)
+        elif plan.qtype == F32:  # the norms
+            rng = _rng(spec.seed, plan.name)
+            yield (1.0 + 0.1 * rng.standard_normal(plan.shape, dtype=np.float32)).astype(np.float32)
+        else:
+            yield raw_blocks(spec.seed, plan.name, plan.shape, plan.qtype)
+
+    return _stream(path, "llama", llama_metadata(spec), plans, chunks)

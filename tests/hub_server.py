@@ -5,6 +5,11 @@ served from a thread, for HF_ENDPOINT (or the `endpoint` colichat.hub takes).
         hub.url                       # http://127.0.0.1:PORT
         hub.requests                  # [(method, repo path or API path, Range header or None)], in order
         hub.cut["test/tiny-GGUF/tiny-Q4_K_M.gguf"] = n   # its next full GET ends (connection closed) after n bytes
+        hub.announce["test/tiny-GGUF/tiny-Q4_K_M.gguf"] = n  # every GET of it: 200, n bytes announced, its
+                                                           # bytes sent, the connection closed
+        hub.portal = True             # every answer a captive portal's page (200, HTML)
+
+    with SilentServer() as url: ...   # accepts connections, never answers
 
     GET  /api/models/OWNER/REPO/tree/REV?recursive=..  [{"type": "file", "path", "size", "oid", "lfs"}]
     HEAD /OWNER/REPO/resolve/REV/PATH                  200: X-Repo-Commit, ETag (the sha256), Content-Length
@@ -37,6 +42,8 @@ class HubServer:
         self.gated = set(gated)
         self.requests: list[tuple[str, str, str | None]] = []
         self.cut: dict[str, int] = {}
+        self.announce: dict[str, int] = {}
+        self.portal = False
 
     def __enter__(self) -> HubServer:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -84,6 +91,9 @@ def _handler(hub: HubServer):
                 hub.requests.append((self.command, f"{resolve[1]}/{resolve[2]}", rng))
             else:
                 hub.requests.append((self.command, path, rng))
+            if hub.portal:
+                page = b"<html><body>Sign in to the network to continue</body></html>"
+                return self._send(200, page, {"Content-Type": "text/html"}, body)
             repo = (tree or resolve)[1] if (tree or resolve) else None
             if repo not in hub.repos:
                 return self._error(404, "RepoNotFound")
@@ -100,6 +110,8 @@ def _handler(hub: HubServer):
                 return self._error(404, "EntryNotFound", repo)
             headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                        "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+            if body and f"{repo}/{resolve[2]}" in hub.announce:
+                return self._send_cut(data, headers, len(data), hub.announce[f"{repo}/{resolve[2]}"])
             m = RANGE_RE.match(rng) if rng else None
             if m and int(m[1]) >= len(data):
                 return self._error(416, "RangeNotSatisfiable", repo)
@@ -121,12 +133,13 @@ def _handler(hub: HubServer):
             if body:
                 self.wfile.write(data)
 
-        def _send_cut(self, data: bytes, headers: dict, n: int) -> None:
-            """The whole file announced, `n` bytes of it sent, then the connection closed: a dropped download."""
+        def _send_cut(self, data: bytes, headers: dict, n: int, announced: int | None = None) -> None:
+            """The whole file announced (or `announced` bytes), `n` bytes of it sent, then the connection
+            closed: a dropped download."""
             self.send_response(200)
             for k, v in headers.items():
                 self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", str(len(data) if announced is None else announced))
             self.end_headers()
             self.wfile.write(data[:n])
             self.wfile.flush()
@@ -134,3 +147,28 @@ def _handler(hub: HubServer):
             self.connection.shutdown(socket.SHUT_RDWR)
 
     return Handler
+
+
+class SilentServer:
+    """A server on loopback that accepts every connection, reads what is sent, and never answers."""
+
+    def __enter__(self) -> str:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.held: list[socket.socket] = []
+        self.running = True
+        threading.Thread(target=self._accept, daemon=True).start()
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while self.running:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.sock.close()
+        for conn in self.held:
+            conn.close()

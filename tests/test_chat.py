@@ -10,6 +10,7 @@ from conftest import TINY
 
 from colichat.chat import ChatError, Conversation, Settings
 from colichat.engine import load
+from colichat.engine.cancel import Cancel
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +23,14 @@ def test_stop_during_a_long_prompt_drops_the_message(model):
     conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
     conv.ask("hello")
     before = (model.cache.length, list(conv.turns))
+    cancel = Cancel()
 
-    def stop_at_first_step(done, total):
-        conv.stop_requested = True  # what Ctrl-C does
+    def stop_in_the_second_step(done, total):
+        if done > 300:
+            cancel.set()  # what Ctrl-C does
 
     with pytest.raises(ChatError, match="not sent"):
-        conv.ask("x y " * 500, on_progress=stop_at_first_step)
+        conv.ask("x y " * 500, on_progress=stop_in_the_second_step, cancel=cancel)
     assert (model.cache.length, conv.turns) == before
     answer, _ = conv.ask("hello again")  # and the conversation goes on
     assert conv.exchanges() == 2
@@ -36,14 +39,14 @@ def test_stop_during_a_long_prompt_drops_the_message(model):
 def test_stop_during_the_answer_keeps_what_was_said(model):
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=50), save=False)
-    pieces = []
+    pieces, cancel = [], Cancel()
 
     def on_text(piece):
         pieces.append(piece)
         if len(pieces) == 3:
-            conv.stop_requested = True
+            cancel.set()
 
-    answer, stats = conv.ask("tell me", on_text=on_text)
+    answer, stats = conv.ask("tell me", on_text=on_text, cancel=cancel)
     assert stats.stopped == "interrupt" and answer == "".join(pieces)
     assert conv.turns[-1].last == model.cache.length and stats.generated >= 3
 
@@ -58,21 +61,21 @@ def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, dr
     full, _ = conv.ask(message)
     full_ids = model.cache.token_ids()[conv.turns[-1].first:]
     conv.new()
-    pieces, passes = [], []
+    pieces, passes, cancel = [], [], Cancel()
     decode, prefill = model.decode, model.prefill
 
     def stop_inside(step):
         def run(*args, **kwargs):
             passes.append(1)
             if len(passes) == 5:
-                conv.stop_requested = True  # what Ctrl-C does, arriving while the step computes
+                cancel.set()  # what Ctrl-C does, arriving while the step computes
             return step(*args, **kwargs)
         return run
 
     model.decode, model.prefill = stop_inside(decode), stop_inside(prefill)
     try:
         # shown as the REPL shows it: after the ^C, nothing (App.hushed)
-        answer, stats = conv.ask(message, on_text=lambda piece: conv.stop_requested or pieces.append(piece))
+        answer, stats = conv.ask(message, on_text=lambda piece: cancel.requested or pieces.append(piece), cancel=cancel)
     finally:
         model.decode, model.prefill = decode, prefill
     assert stats.stopped == "interrupt" and answer == "".join(pieces) and full.startswith(answer)
@@ -81,17 +84,19 @@ def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, dr
 
 
 @contextlib.contextmanager
-def ctrl_c_at_first_decode(conv, model):
-    """Inside: model.decode's first call gets a stop request (what Ctrl-C does) while it computes."""
-    decode = model.decode
+def ctrl_c_at_first_decode(model):
+    """Inside: model.decode's first call gets a stop request (what Ctrl-C does) while it computes, after
+    the engine's last safe point. Yields the Cancel."""
+    decode, cancel = model.decode, Cancel()
 
     def run(*args, **kwargs):
-        conv.stop_requested = True
-        return decode(*args, **kwargs)
+        logits = decode(*args, **kwargs)
+        cancel.set()
+        return logits
 
     model.decode = run
     try:
-        yield
+        yield cancel
     finally:
         del model.decode
 
@@ -107,17 +112,18 @@ def test_a_stop_inside_a_character_keeps_only_whole_characters(model):
     split = next(i for i, t in enumerate(ids)  # a token that begins a character and ends none
                  if utf8.decode(conv.tok.piece(t)) == "" and utf8.getstate()[0])
     conv.new()
-    decode, calls = model.decode, []
+    decode, calls, cancel = model.decode, [], Cancel()
 
     def run(*args, **kwargs):  # decode call k + 1 makes token k: Ctrl-C while the one after `split` computes
         calls.append(1)
+        logits = decode(*args, **kwargs)
         if len(calls) == split + 2:
-            conv.stop_requested = True
-        return decode(*args, **kwargs)
+            cancel.set()
+        return logits
 
     model.decode, shown = run, []
     try:
-        answer, stats = conv.ask("hello", on_text=lambda piece: conv.stop_requested or shown.append(piece))
+        answer, stats = conv.ask("hello", on_text=lambda piece: cancel.requested or shown.append(piece), cancel=cancel)
     finally:
         del model.decode
     kept = model.cache.token_ids()[conv.turns[-1].first:]
@@ -131,8 +137,8 @@ def test_a_stop_before_the_first_token_drops_the_message(model):
     conv.ask("hello")
     before = (model.cache.token_ids(), list(conv.turns))
     dropped = "^interrupted before the answer began; the message was not sent$"
-    with ctrl_c_at_first_decode(conv, model), pytest.raises(ChatError, match=dropped):
-        conv.ask("and now?")
+    with ctrl_c_at_first_decode(model) as cancel, pytest.raises(ChatError, match=dropped):
+        conv.ask("and now?", cancel=cancel)
     assert (model.cache.token_ids(), conv.turns) == before  # no empty answer kept
     conv.ask("and now?")
     assert conv.exchanges() == 2
@@ -151,8 +157,8 @@ def test_regen_keeps_the_old_answer_until_a_new_one_exists(model, tmp_path):
         files = {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"}
         rows = bytes(model.cache.raw(0, model.cache.length))
         turns = list(conv.turns)
-        with ctrl_c_at_first_decode(conv, model), pytest.raises(ChatError, match="not sent"):
-            conv.regen()
+        with ctrl_c_at_first_decode(model) as cancel, pytest.raises(ChatError, match="not sent"):
+            conv.regen(cancel=cancel)
         assert conv.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
         assert {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"} == files
         second, stats = conv.regen()  # a new answer replaces it, on disk too
@@ -180,8 +186,8 @@ def test_set_of_another_setting_and_a_dropped_message_leave_the_random_numbers_w
     conv = Conversation(model, settings, save=False)
     got = [conv.ask("first")[0]]
     conv.set_option("max_tokens", 10)
-    with ctrl_c_at_first_decode(conv, model), pytest.raises(ChatError, match="not sent"):
-        conv.ask("dropped")
+    with ctrl_c_at_first_decode(model) as cancel, pytest.raises(ChatError, match="not sent"):
+        conv.ask("dropped", cancel=cancel)
     got.append(conv.ask("second")[0])
     assert got == ref
     conv.set_option("seed", 8)  # a new seed starts its own numbers
@@ -201,15 +207,16 @@ def test_ctrl_c_during_forget_goes_back_to_the_conversation_as_it_was(model, tmp
             conv.ask(question)
         turns, rows = list(conv.turns), bytes(model.cache.raw(0, model.cache.length))
         files = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".lock"}
-        reads = []
+        reads, cancel = [], Cancel()
 
         def progress(done, total):  # each kept turn read again; Ctrl-C during the second
-            reads.append(total)
+            if done == 0:
+                reads.append(total)
             if len(reads) == 2:
-                conv.stop_requested = True
+                cancel.set()
 
         with pytest.raises(ChatError, match="^/forget stopped: back in f, as it was$"):
-            conv.forget(1, on_progress=progress)
+            conv.forget(1, on_progress=progress, cancel=cancel)
         assert len(reads) == 2 and conv.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
         assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".lock"} == files
         assert "new conversation without the oldest exchange" in conv.forget(1)  # and it can be done again

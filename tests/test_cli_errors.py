@@ -156,7 +156,7 @@ def test_a_model_that_computes_nan_is_one_line_and_nothing_is_saved(tmp_path, co
         assert run.out == b"" and run.errors() == [
             "colichat: the model computed NaN for the next token's scores (its weights are damaged or overflow "
             "float32): the message is dropped"]
-    assert [p.name for p in session_files(colichat_home)] == ["n.lock"]  # the name was claimed, nothing saved
+    assert [p.name for p in session_files(colichat_home)] == []  # claimed, nothing saved: no lock file
 
 
 # ---- bad options --------------------------------------------------------------------------------
@@ -273,15 +273,18 @@ def test_export_takes_model_to_choose_whose_conversation(tmp_path, colichat_home
 def test_context_beyond_the_memory_available_is_refused_with_the_numbers(monkeypatch):
     from colichat import engine
     from colichat.engine import ModelError, load
+    from colichat.engine.model import working_bytes
 
     record = 4 + 4 * 4 * 2 * 64  # the tiny llama's KV record: token id + 4 layers x (K, V) x 64 floats
-    have = engine.dense_f32_bytes(load(TINY_LLAMA, n_ctx=16).tensors) + 100 * record  # 100 tokens fit
+    model = load(TINY_LLAMA, n_ctx=16)
+    have = engine.dense_f32_bytes(model.tensors) + working_bytes(model.cfg) + 100 * record  # 100 tokens fit
     monkeypatch.setattr(engine, "available_memory", lambda: have)
     with pytest.raises(ModelError) as e:
         load(TINY_LLAMA, n_ctx=2048)
     msg = str(e.value)
-    assert msg == ("context size 2,048 needs 4 MiB for its KV cache, but only 9 MiB of memory is available "
-                   "and the weights take 9 MiB; use at most 100 tokens")
+    held = have - 100 * record
+    assert msg == (f"context size 2,048 needs 4 MiB for its KV cache, but only {have / 2**20:.0f} MiB of memory is "
+                   f"available and the weights and buffers take {held / 2**20:.0f} MiB; use at most 100 tokens")
     fits = int(msg.rsplit("use at most ", 1)[1].split()[0])
     assert load(TINY_LLAMA, n_ctx=fits).n_ctx == fits  # the number it gives does load
 
@@ -494,7 +497,7 @@ def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
     # A file size limit (RLIMIT_FSIZE: writes past it fail with EFBIG; root ignores permissions) halfway
     # between the cache file's size after the first answer and after the second.
     [kv] = [p for p in session_files(tmp_path / "clean") if p.suffix == ".coli_kv"]
-    ctx = [int(f.split("context ")[1].split("/")[0]) for f in clean.footers()]
+    ctx = [used for used, _ in clean.contexts()]
     limit = kv.stat().st_size * (ctx[0] + ctx[1]) // (2 * ctx[2])
 
     def limit_file_size():
@@ -593,6 +596,30 @@ def test_a_model_sessions_directory_without_permission_is_refused_at_start(colic
     finally:
         model_dir.chmod(0o700)
     assert saved_users(colichat_home, "s") == [Q[0]]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("mode", [0o000, 0o500], ids=["unreadable", "unwritable"])
+def test_a_cache_directory_without_permission_is_a_note_and_a_start_without_it(mode, colichat_home):
+    """chmod 000 cache (as after one `sudo colichat`), or an unwritable one: a MoE model (whose experts' use
+    counts are looked up in the weights cache) starts, says it cannot keep the weights, and answers the same."""
+    from conftest import TINY
+
+    prefix = unprivileged()
+    args = ["--model", str(TINY / "ds-v2-lite.gguf"), *GREEDY, "--max-tokens", "4", "--no-save"]
+    cache = colichat_home / "cache"
+    first = chat(colichat_home, args, lines(Q[0])).ok()
+    if mode:  # nothing kept, and nothing can be
+        shutil.rmtree(cache / "weights")
+    cache.chmod(mode)
+    try:
+        run = chat(colichat_home, args, lines(Q[0]), prefix=prefix).ok()
+    finally:
+        cache.chmod(0o700)
+    assert run.out == first.out
+    assert [line for line in run.err.splitlines() if line.startswith("note: ")] == [
+        f"note: cannot write the weights cache in {cache / 'weights'} (Permission denied); each start dequantizes "
+        "instead"]
 
 
 @pytest.mark.process

@@ -56,8 +56,9 @@ def tiny_ref(tmp_path_factory):
 
 
 def last_context(run) -> int:
-    """The context length the last footer reports."""
-    return int(run.footers()[-1].split("context ")[1].split("/")[0])
+    """The context length the last footer reports (the context less what it says is left)."""
+    left, n_ctx = re.search(r"(\d+) of (\d+) context left", run.footers()[-1]).groups()
+    return int(n_ctx) - int(left)
 
 
 # ---- a conversation -----------------------------------------------------------------------------
@@ -71,7 +72,7 @@ def test_conversation_stdout_holds_only_the_answers(tiny_ref):
     assert err[0].startswith("llama (llama, 4 layers), loaded in ")  # the file's name; its path with --verbose
     footers = run.footers()
     assert len(footers) == 3 and all(f.endswith("; saved to a]") for f in footers)
-    contexts = [int(f.split("context ")[1].split("/")[0]) for f in footers]
+    contexts = [used for used, _ in run.contexts()]
     assert contexts == sorted(contexts) and contexts[-1] < 2048
     assert [line for line in err if line.startswith("user> ")] == [f"user> {q}" for q in Q]
     assert f"context: {contexts[-1]} of 2048 tokens, 3 exchanges" in err
@@ -278,7 +279,7 @@ def test_a_one_token_answer_says_1_token(colichat_home):
     run = chat_here(colichat_home, [*TINY_ARGS, "--no-save", "--max-tokens", "1"], lines("hello", "/stats")).ok()
     [footer] = run.footers()
     assert footer.startswith("[1 token, "), footer
-    assert re.search(r"^last answer: 1 token at [\d.]+ tok/s; prefill \d+ tokens at", run.err, re.M), run.err
+    assert re.search(r"^last answer: 1 token at [\d.]+ tok/s; prompt: \d+ tokens read at", run.err, re.M), run.err
 
 
 def test_forget_out_of_range_says_how_many_there_are(colichat_home):
@@ -425,16 +426,18 @@ def test_default_model_conversation_and_resume(default_home):
 @pytest.mark.default_model
 def test_draft_option_and_set_draft_change_the_speed_not_the_answer(default_home):
     """--draft 0 turns speculative decoding off and /set draft turns it on: the same answer, and the
-    footer counts drafts only where they were checked (text to repeat: prompt lookup has drafts)."""
+    /stats counts drafts only where they were checked (text to repeat: prompt lookup has drafts); the
+    footer leaves them to /stats."""
     text = ("Repeat exactly: the cat sat on the mat, the dog sat on the log, "
             "the cat sat on the mat, the dog sat on the log.")
     args = [*GREEDY, "--ctx", "1024", "--max-tokens", "40", "--draft", "0"]
-    off = chat_here(default_home, args, lines("/show", text)).ok()
-    on = chat_here(default_home, args, lines("/set draft 6", "/show", text)).ok()
+    off = chat_here(default_home, args, lines("/show", text, "/stats")).ok()
+    on = chat_here(default_home, args, lines("/set draft 6", "/show", text, "/stats")).ok()
     assert re.search(r"^draft +0$", off.err, re.M) and re.search(r"^draft +6$", on.err, re.M)
     assert on.out == off.out and b"the dog sat on the log" in on.out
-    assert "drafts" not in off.footers()[0]
-    assert re.search(r", drafts [1-9]\d*/\d+ accepted \(\d+%\)", on.footers()[0])
+    assert "drafts" not in off.err and "drafts" not in on.footers()[0]
+    assert re.search(r"^drafts \(tokens guessed ahead, then checked in one pass\): [1-9]\d* of \d+ kept \(\d+%",
+                     on.err, re.M), on.err
 
 
 @pytest.mark.process
@@ -494,12 +497,13 @@ def test_new_and_clear_start_a_new_conversation(tiny_ref, colichat_home):
     assert sum(line.startswith("new conversation (session ") for line in run.err.splitlines()) == 2
 
 
-def test_exit_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colichat_home):
-    stdin = lines("exit", "quit", "/hlep", "/sesions", Q[0])
+def test_exit_or_clear_alone_is_not_sent_and_unknown_commands_suggest_the_nearest(colichat_home):
+    stdin = lines("exit", "quit", "clear", "/hlep", "/sesions", Q[0])
     run = chat_here(colichat_home, [*TINY_ARGS, "--session", "x"], stdin).failed()
     assert run.errors() == [
         "colichat: 'exit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
         "colichat: 'quit' alone is not sent to the model: /quit quits, a \"\"\" block sends it",
+        "colichat: 'clear' alone is not sent to the model: /clear starts a new conversation, a \"\"\" block sends it",
         "colichat: unknown command '/hlep': did you mean /help? /help lists the commands",
         "colichat: unknown command '/sesions': did you mean /sessions? /help lists the commands",
     ]

@@ -403,7 +403,18 @@ def test_readme_names_every_word_that_asks_whether_quit_was_meant():
     readme = (Path(__file__).parents[1] / "README.md").read_text("utf-8")
     row = next(line for line in readme.splitlines() if "asks whether you meant `/quit`" in line)
     assert all(f"`{word}`" in row for word in QUIT_WORDS), row
-    assert is_quit_word("Bye!") and "`Bye!`" in row and is_quit_word("EXIT.")
+    assert is_quit_word("Bye!") and "`Bye!`" in row and is_quit_word("EXIT.") and not is_quit_word("clear")
+
+
+def test_a_word_alone_that_means_a_command_is_asked_about_and_commands_typed_ahead_run_one_by_one():
+    from colichat.commands import commands_of, meant_command
+    from colichat.inputs import Message
+
+    assert [meant_command(w) for w in ("exit", "Bye!", "clear", "CLS.", "clear the table", Message("clear"))] == [
+        "/quit", "/quit", "/clear", "/clear", None, None]
+    assert commands_of("/history\n/rewind 1\n\n/stats") == ["/history", "/rewind 1", "/stats"]
+    for one in ("/history", "/history\nwhat was that?", "hello\n/stats", "//etc\n/stats", Message("/a\n/b")):
+        assert commands_of(one) == [one]  # anything else stays one input, as typed
 
 
 def test_sessions_on_a_terminal_lists_the_newest_that_fit_with_the_command_and_the_prompt():

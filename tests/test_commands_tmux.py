@@ -77,6 +77,41 @@ def test_exit_alone_asks_whether_quit_was_meant(terminal):
     t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
 
 
+def test_clear_alone_asks_whether_clear_was_meant(terminal, colichat_home):
+    t = terminal("--session", "cl")
+    t.type("hello")
+    t.keys("Enter")
+    t.wait_for(lambda s: "saved to cl]" in s, WAIT, "the answer")
+    t.type("clear")
+    t.keys("Enter")
+    t.wait_for(lambda s: "Did you mean /clear? (n sends 'clear' to the model)" in s, WAIT, "the question")
+    t.type("y")
+    t.wait_for(lambda s: "new conversation (session cl is saved; /resume cl reopens it)" in s, WAIT, "/clear run")
+    assert saved_users(colichat_home, "cl") == ["hello"]  # (not sent)
+
+
+def test_commands_typed_while_it_answers_run_one_by_one_in_order(terminal, colichat_home):
+    """/history, /rewind 1 and /stats typed while an answer streams wait at the prompt, and Enter runs them
+    in turn, as a shell runs lines typed ahead (not one three-line message); /stats no longer shows the
+    answer /rewind removed."""
+    t = terminal(*LONG, "--session", "ta")
+    t.type("hello")
+    t.keys("Enter")
+    t.wait_for(streaming("hello"), WAIT, "the answer to stream")
+    for line in ("/history", "/rewind 1", "/stats"):
+        t.type(line)
+        t.keys("Enter")
+    waiting = "> /history\n... /rewind 1\n... /stats"
+    t.keys("C-c")
+    t.wait_for(lambda s: "saved to ta]" in s and s.rstrip().endswith(waiting), WAIT, "the commands at the prompt")
+    t.keys("Enter")
+    screen = t.wait_for(lambda s: "context: 0 of 2048 tokens" in s and s.rstrip().endswith(">"), WAIT, "the three run")
+    after = screen.split(waiting, 1)[1]
+    assert after.index("user> hello") < after.index("> /rewind 1") < after.index("rewound 1 exchange") \
+        < after.index("> /stats") < after.index("context: 0 of 2048 tokens"), after
+    assert "last answer" not in after and "takes no argument" not in after
+
+
 def test_the_quit_question_waits_for_y_or_n_and_ctrl_z_stops_colichat(shell):
     """Enter alone does not answer the question (it neither quits nor sends the word); Ctrl-Z stops
     colichat as at the prompt, and `fg` asks again."""
@@ -197,7 +232,8 @@ def test_control_characters_in_an_answer_are_shown_not_acted_on(terminal, colich
     t.run("resize-window", "-x", "80", "-y", "60")
     t.type("hello")
     t.keys("Enter")
-    t.wait_for(lambda s: "saved to c]" in s and s.rstrip().endswith(">"), WAIT, "the answer")
+    t.wait_for(lambda s: "saved to c]" in " ".join(s.split()) and s.rstrip().endswith(">"), WAIT,
+               "the answer")  # (the footer may wrap: max_tokens reached)
     answer = saved_answers(colichat_home, "c")[0]
     assert "\x1b" in answer and "\r" in answer  # what the test is about
     assert rows_after(visible(t), "hello") == wrapped(displayable(answer), 80)

@@ -14,12 +14,13 @@ LONG = [" ".join(f"topic{k}-word{i}" for i in range(45)) for k in range(4)]  # ~
 
 def test_a_message_that_does_not_fit_is_refused_with_what_helps(colichat_home):
     run = chat_here(colichat_home, [*FULL, "--session", "full"], lines(*LONG, "/forget", LONG[3], "/sessions")).failed()
-    contexts = [tuple(map(int, m)) for m in re.findall(r"context (\d+)/2048, (\d+) left", run.err)]
-    assert all(used + left == 2048 for used, left in contexts) and len(contexts) == 4
+    contexts = [int(m) for m in re.findall(r"(\d+) of 2048 context left", run.err)]
+    assert len(contexts) == 4
     [refusal] = run.errors()
     assert re.fullmatch(r"colichat: the message needs \d+ tokens but only \d+ of the context of 2048 are left; "
-                        r"it was not sent: /rewind N drops the last exchanges; /new starts a new conversation; "
-                        r"/forget N continues in a new one without the N oldest exchanges", refusal), refusal
+                        r"it was not sent: /forget goes on in a new conversation without the oldest exchanges "
+                        r"\(--auto-forget does so by itself\); /rewind N drops the last N exchanges; /new starts a new "
+                        r"conversation", refusal), refusal
     assert "--ctx" not in run.err  # the model's whole context is in use already
     # /forget: a new conversation from the exchanges that fill at most half the context, then the message.
     assert saved_users(colichat_home, "full") == LONG[:3]
@@ -29,7 +30,7 @@ def test_a_message_that_does_not_fit_is_refused_with_what_helps(colichat_home):
     [said] = [line for line in run.err.splitlines() if line.startswith("new conversation without")]
     assert said.startswith("new conversation without the 2 oldest exchanges of full (still saved as it was): "
                            "1 exchange, ") and said.endswith(f" tokens read again; saved as {new}")
-    assert contexts[-1][0] < 1024 + 700
+    assert 2048 - contexts[-1] < 1024 + 700
 
 
 def test_a_note_before_an_answer_that_may_be_cut(colichat_home):
@@ -37,8 +38,8 @@ def test_a_note_before_an_answer_that_may_be_cut(colichat_home):
                                "--no-save"], lines(LONG[0][:120])).ok()
     err = run.err.splitlines()
     [note] = [i for i, line in enumerate(err) if line.startswith("note: ") and "left for the answer" in line]
-    assert err[note].endswith("(/rewind N drops the last exchanges; /new starts a new conversation; or restart "
-                              "with a larger --ctx (this model takes up to 2048))")
+    assert err[note].endswith("left for the answer, which may be cut (a larger --ctx at the next start (this model "
+                              "takes up to 2048))")  # a first message: no exchange to drop
     assert note < err.index(run.footers()[0])
 
 
@@ -60,7 +61,18 @@ def test_a_conversation_that_filled_its_context_reopens_full_and_goes_on_after_a
     run = chat_here(colichat_home, [*args, "--session", "f"], lines("/history", "/rewind", "hi")).ok()
     used = int(re.search(r"^resumed (\d+) tokens, 2 turns from f in", run.err, re.M).group(1))
     assert used >= 63
-    assert (f"note: the context is full ({used} of 64 tokens): /rewind N drops the last exchanges; /new starts a "
-            "new conversation; or restart with a larger --ctx (this model takes up to 2048)") in run.err.splitlines()
+    assert (f"note: the context is full ({used} of 64 tokens): /rewind 1 drops the last exchange; /new starts a "
+            "new conversation; a larger --ctx at the next start (this model takes up to 2048)") in run.err.splitlines()
     assert "user> hello" in run.err.splitlines()  # /history: the conversation as it was saved
     assert saved_users(colichat_home, "f") == ["hi"]
+
+
+def test_the_cut_answer_and_the_next_refusal_give_the_same_ways_on_each_where_it_applies(colichat_home):
+    args = ["--model", TINY_LLAMA, "--temperature", "0", "--ctx", "64", "--max-tokens", "100", "--no-save"]
+    run = chat_here(colichat_home, args, lines("hello", "and what else can you say about it")).failed()
+    [cut] = [line for line in run.err.splitlines() if line.startswith("note: the answer was cut: the context is full")]
+    [refusal] = run.errors()
+    ways = cut.split("the context is full: ", 1)[1]
+    assert refusal.endswith(f"it was not sent: {ways}")
+    assert ways == ("/rewind 1 drops the last exchange; /new starts a new conversation; a larger --ctx at the next "
+                    "start (this model takes up to 2048)")  # one exchange: no /forget

@@ -20,6 +20,7 @@ from colichat.engine.architectures import dsa
 from colichat.engine.architectures.dsa import glm_5_2_types, index_slots
 from colichat.engine.cache import record_bytes
 from colichat.engine.gguf.tensors import Tensors, open_gguf
+from colichat.engine.model import working_bytes
 from colichat.engine.mtp import MTPBlock
 from colichat.errors import ModelError
 
@@ -103,7 +104,7 @@ def test_memory_check_counts_the_ic_rows(models, monkeypatch):
     path = str(TINY / "ds-v32.gguf")
     record = tiny(models, "ds-v32").cache.record_bytes  # 2500 bytes, of which 3 x 64 x 4 = 768 are Ic rows
     assert record == record_bytes(3, 128, 16, 64, 3)
-    dense = engine.dense_f32_bytes(Tensors(open_gguf(path), path))
+    dense = engine.dense_f32_bytes(Tensors(open_gguf(path), path)) + working_bytes(tiny(models, "ds-v32").cfg)
     monkeypatch.setattr(engine, "available_memory", lambda: dense + record * 512 - 1)
     with pytest.raises(ModelError, match="use at most 511 tokens"):
         load(path, n_ctx=512)

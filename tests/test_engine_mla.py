@@ -341,13 +341,13 @@ def test_expert_cache_default_follows_available_memory(tmp_path, monkeypatch):
     assert model_mod.auto_expert_cache_mib(10 << 30, 2 << 30, 1 << 30) == 1024.0  # the file's room
     path = str(write_deepseek2(tmp_path / "m.gguf", DS2Spec(n_expert=16, qtype="Q8_0", n_embd=64, n_ff_exp=32)))
     monkeypatch.setattr(model_mod, "available_memory", lambda: 8 << 30)
-    m = load(path, n_ctx=128)
+    m = load(path, n_ctx=128, kernels="numpy")  # (the kernel path has no expert cache: the page cache is it)
     assert model_mod.gguf_bytes(m.tensors) < m.weight_bytes  # Q8_0 file below its f32 weights: no room
     assert m.experts.capacity == model_mod.EXPERT_CACHE_MIN_MIB << 20
-    assert load(path, n_ctx=128, expert_cache=1).experts.capacity == 1 << 20  # an explicit size wins
+    assert load(path, n_ctx=128, expert_cache=1, kernels="numpy").experts.capacity == 1 << 20  # explicit wins
     monkeypatch.setattr(model_mod, "available_memory", lambda: None)
     monkeypatch.setattr(model_mod, "EXPERT_CACHE_MIN_MIB", 0)
-    assert load(path, n_ctx=128).experts.capacity == 0  # the file's room (none) still bounds the fixed default
+    assert load(path, n_ctx=128, kernels="numpy").experts.capacity == 0  # the file's room (none) still bounds
 
 
 @pytest.mark.parametrize("mib, shown", [(0.5, "1 MiB"), (0.05, "1 MiB"), (0, "0 MiB"), (2, "2 MiB"), (2.1, "3 MiB")])
@@ -361,7 +361,7 @@ def test_memory_estimate_dense_model(models):
     m = tiny(models, "ds-dense")
     est = m.memory_estimate()
     assert m.experts is None and est.experts == 0 and est.experts_f32 == 0
-    assert est.total == m.weight_bytes + m.cache.record_bytes * m.n_ctx
+    assert est.total == m.weight_bytes + m.cache.record_bytes * m.n_ctx + model_mod.working_bytes(m.cfg)
 
 
 # --- refusals and bad files -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,8 +45,9 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
                                                    "type; that becomes a TemplateError (a ModelError)",
     ("persist/kvfile.py", "read_records.second_half"): "the reading thread's exception, raised again in the "
                                                        "caller's thread",
-    ("engine/gguf/prepared.py", "read_usage"): "np.load of a file's bytes: a damaged .npy is numpy's ValueError; "
-                                               "the hint it held is dropped",
+    ("hints.py", "read_hint"): "the parsing of a hint file's bytes (json.loads, np.load: any error of what they "
+                               "hold, a 5,001-digit integer's ValueError, deep nesting's RecursionError); the hint "
+                               "is ignored and rebuilt, the problem said",
     ("persist/listing.py", "_timestamp"): "datetime.fromisoformat() of a sidecar's text: not a time, the "
                                         "file's own",
 }
@@ -133,7 +135,7 @@ def _app(ask):
     from colichat.terminal import StatusLine
 
     class Conv:
-        stop_requested = False
+        model = SimpleNamespace(warming=lambda: None)  # (a model without experts warming)
 
     conv = Conv()
     conv.ask = ask
@@ -175,7 +177,7 @@ def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
         def __init__(self, error):
             self.error = error
 
-        def append(self, cache, turns, sampler=None):
+        def append(self, cache, turns, sampler=None, keep=None):
             raise self.error
 
     saving = Saving(store=object(), ident={}, layout=CacheLayout("gqa", 1, 2, 2, 10), name="s")

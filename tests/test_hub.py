@@ -6,6 +6,7 @@ get HF_ENDPOINT and HF_HOME, as a user would set them."""
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import gguf
@@ -14,7 +15,7 @@ import pytest
 from cli_helpers import GREEDY, TINY_LLAMA, chat, copy_gguf
 from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
-from hub_server import HubServer
+from hub_server import HubServer, SilentServer
 
 from colichat import hub
 from colichat.engine import ModelError, load
@@ -131,7 +132,8 @@ def test_a_cached_model_starts_with_no_request(tmp_path):
         again = []
         assert fetch(server, cache, f"hf:{REPO}:Q4_K_M", again) == first
         assert fetch(server, cache, f"hf:{REPO}", again) == first  # the one downloaded is the only one cached
-        assert server.requests == [] and again == []
+        assert server.requests == [] and again == [
+            f"hf:{REPO}: taking llama-Q4_K_M.gguf, the one downloaded (hf:{REPO}:QUANT takes another)"]
 
 
 def test_a_split_model_downloads_as_a_set_and_loads(tmp_path):
@@ -198,7 +200,75 @@ def test_hub_failures_are_one_line_each(tmp_path, monkeypatch):
     assert blobs(cache) == []
 
 
+def test_a_file_list_that_is_not_json_is_refused_in_one_line(tmp_path):
+    with HubServer({REPO: {"llama-Q4_K_M.gguf": LLAMA}}) as server:
+        server.portal = True  # a captive portal answers every request with its sign-in page
+        with pytest.raises(ModelError, match=rf"^hf:{REPO}: the Hugging Face Hub at {server.url} answered the list "
+                                             rf"of files of {REPO} with something that is not JSON \(a network's "
+                                             r"login page\?\); check the network connection, or HF_ENDPOINT$"):
+            fetch(server, tmp_path / "hf", f"hf:{REPO}")
+    assert blobs(tmp_path / "hf") == []
+
+
+@pytest.mark.parametrize("sent", [100_000, len(LLAMA)], ids=["in-the-header", "in-the-download"])
+def test_a_file_whose_body_stops_before_the_size_announced_is_refused_in_one_line(sent, tmp_path, monkeypatch):
+    """10^15 bytes announced, `sent` of them sent, then the connection closed: while its header is read (the
+    hub's retry inside its stream gave `RuntimeError: generator didn't stop after throw()`), or while it
+    downloads (after the hub's own retries)."""
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda s: None)  # (the hub's retries, at once)
+    with HubServer({REPO: {"llama-Q4_K_M.gguf": LLAMA[:sent]}}) as server:
+        server.announce[f"{REPO}/llama-Q4_K_M.gguf"] = 10**15
+        with pytest.raises(ModelError) as refused:
+            fetch(server, tmp_path / "hf", f"hf:{REPO}")
+    line = str(refused.value)
+    assert "\n" not in line
+    if sent < len(LLAMA):
+        assert line == (f"hf:{REPO}/llama-Q4_K_M.gguf: the Hugging Face Hub announced 1000000000000000 bytes but the "
+                        f"connection ended after {sent:,}; try again (nothing was downloaded)")
+    else:
+        assert line.startswith(f"hf:{REPO}: the Hugging Face Hub at {server.url} sent less than it announced (")
+        assert line.endswith("expected 1000000000000000)); try again")
+
+
+def test_every_request_gets_a_timeout_where_the_hub_sets_none():
+    import httpx2
+
+    from colichat.hints import Said
+    from colichat.hub_requests import TIMEOUT, Watch
+
+    watch = Watch(Said())
+    none = httpx2.Request("GET", "http://127.0.0.1:9/api/models/a/b/tree/main",
+                          extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"))})
+    given = httpx2.Request("HEAD", "http://127.0.0.1:9/a/b/resolve/main/x.gguf",
+                           extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), 5.0)})
+    for request in (none, given):
+        watch.request(request)
+    watch.stop()
+    assert none.extensions["timeout"] == dict.fromkeys(("connect", "read", "write", "pool"), TIMEOUT)
+    assert given.extensions["timeout"] == dict.fromkeys(("connect", "read", "write", "pool"), 5.0)
+
+
 # ---- the program (processes: HF_ENDPOINT and HF_HOME as a user sets them) -----------------------------------
+
+
+@pytest.mark.process
+def test_a_hub_that_never_answers_says_what_it_waits_for_then_ends_in_one_line(tmp_path):
+    """A server that accepts and never answers (it was silent for over 300 s, whatever HF_HUB_ETAG_TIMEOUT):
+    after COLICHAT_HUB_WAIT s a line says what colichat waits for, after COLICHAT_HUB_TIMEOUT s one line ends
+    it (the run itself is bounded by the test's timeout)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "hf").mkdir()  # (the hub's agent registry, kept fresh: it is not fetched first)
+    (tmp_path / "hf" / ".agent_harnesses.json").write_text('{"standardEnvVars": [], "harnesses": {}}')
+    with SilentServer() as url:
+        run = chat(home, ["--model", f"hf:{REPO}", "-p", "hi"], timeout=60,
+                   env_extra=hub_env(url, tmp_path / "hf", COLICHAT_HUB_TIMEOUT="2", COLICHAT_HUB_WAIT="1")).failed()
+    assert run.out == b""
+    assert run.err.splitlines() == [
+        f"waiting for the Hugging Face Hub at 127.0.0.1 to answer: the list of files of {REPO} ...",
+        f"colichat: hf:{REPO}: the Hugging Face Hub at {url} did not answer in 2 s (the list of files of {REPO}); "
+        "check the network connection (a model already downloaded starts without one)"]
+
 
 
 def hub_env(server_url: str, hf_home: Path, **more) -> dict:
@@ -258,13 +328,51 @@ def test_models_lists_used_and_cached_models_one_line_each(tmp_path):
         hf_hub_download("test/split", next(iter(parts)), cache_dir=hf_home / "hub", endpoint=s.url)
     r = chat(home, ["--models"], env_extra={"HF_HOME": str(hf_home)}).ok()
     lines = r.out.decode().splitlines()
-    assert lines[0] == f"{TINY_LLAMA}: llama, 9.0 MiB, runs (9.0 MiB of weights as f32)"  # used first
-    assert lines[1].endswith("SmolLM2-135M-Instruct.Q4_1.gguf (default): llama, 93.8 MiB, runs (513.1 MiB of "
-                             "weights as f32)")
+    assert lines[0] == f"{TINY_LLAMA}: llama F32, 9.0 MiB, runs (9.0 MiB of weights as f32); colichat's cache: " \
+                       "9.0 MiB"  # used first; its quant from its header (its name has none)
+    assert lines[1].endswith("SmolLM2-135M-Instruct.Q4_1.gguf (default): llama Q4_1, 93.8 MiB, runs (513.1 MiB of "
+                             "weights as f32); colichat's cache: none yet (the first start fills it)")
     assert lines[2:] == [
-        "hf:test/other/o.gguf: qwen3, 9.0 MiB, does not run: architecture 'qwen3' is not supported; colichat runs: "
-        "llama, deepseek2, plm, minicpm3, deepseek32, glm-dsa",
+        "hf:test/other/o.gguf: qwen3 F32, 9.0 MiB, does not run: architecture 'qwen3' is not supported; colichat "
+        "runs: llama, deepseek2, plm, minicpm3, deepseek32, glm-dsa",
         f"hf:test/split/tiny-Q8_0-00001-of-00003.gguf: {format_size(len(next(iter(parts.values()))))}, "
         "incomplete: 1 of 3 parts downloaded (colichat --model hf:test/split/tiny-Q8_0-00001-of-00003.gguf downloads "
         "the rest)",
-        f"hf:{REPO}/llama-Q4_K_M.gguf: llama, 9.0 MiB, runs (9.0 MiB of weights as f32)"]
+        f"hf:{REPO}/llama-Q4_K_M.gguf: llama Q4_K_M, 9.0 MiB, runs (9.0 MiB of weights as f32); colichat's cache: "
+        "none yet (the first start fills it)"]
+
+
+@pytest.mark.process
+def test_models_lists_a_file_of_the_hub_cache_once_however_its_conversations_reached_it(tmp_path):
+    """A conversation made with a file of the hub's cache through another revision's snapshot (or another
+    path to that cache): one row, by its hf: name, not its path and its name."""
+    home, hf_home = tmp_path / "home", tmp_path / "hf"
+    home.mkdir()
+    with HubServer({REPO: {"llama-Q4_K_M.gguf": LLAMA}}) as s:
+        path = Path(hub.model_file(f"hf:{REPO}", print, endpoint=s.url, cache_dir=hf_home / "hub"))
+    older = path.parents[1] / ("0" * 40) / path.name  # another revision's snapshot of the same file
+    older.parent.mkdir()
+    older.write_bytes(path.read_bytes())
+    chat(home, ["--model", str(older), *GREEDY, "--max-tokens", "2", "--session", "used", "-p", "hi"]).ok()
+    lines = chat(home, ["--models"], env_extra={"HF_HOME": str(hf_home)}).ok().out.decode().splitlines()
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in lines if "llama-Q4_K_M" in line] == [
+        f"hf:{REPO}/llama-Q4_K_M.gguf"]
+
+
+def test_the_download_bar_counts_in_binary_units_and_leaves_the_name_to_the_line_above(tmp_path, capsys):
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    from colichat.hub import _bar
+
+    was = are_progress_bars_disabled()  # (off after a download in a test: stderr is no terminal)
+    enable_progress_bars()
+    try:
+        bar = _bar()(total=3 << 30, desc="(…)a-very-long-name-of-a-model-cut-by-the-hub-Q4_K_M.gguf", disable=False,
+                     file=sys.stderr, mininterval=0)
+        bar.update(1 << 30)
+        bar.close()
+    finally:
+        if was:
+            disable_progress_bars()
+    shown = capsys.readouterr().err
+    assert "1.00GiB/3.00GiB" in shown and "(…)" not in shown and "MB" not in shown and "GB" not in shown

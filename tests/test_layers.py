@@ -1,7 +1,7 @@
 """The layers import one way: no module of colichat imports itself back through others (imports inside
-functions count too: they run as soon as the function does), errors.py and paths.py sit at the
-bottom, and the engine reaches outside itself only for those leaves (its own errors, where its files
-go, the size format). Every module stays under 500 lines and is named in docs/design.md.
+functions count too: they run as soon as the function does), errors.py, paths.py and hints.py sit at
+the bottom, and the engine reaches outside itself only for those leaves (its own errors, where its files
+go, how a hint file is read, the size format). Every module stays under 500 lines and is named in docs/design.md.
 """
 
 from __future__ import annotations
@@ -83,13 +83,14 @@ def test_errors_and_paths_are_at_the_bottom():
     graph = import_graph()
     assert graph["colichat.errors"] == set()
     assert graph["colichat.paths"] == {"colichat.errors"}
+    assert graph["colichat.hints"] == set()
 
 
 def test_the_engine_imports_only_the_leaves_of_the_app():
     graph = import_graph()
     outside = {m for name, found in graph.items() if name.startswith("colichat.engine")
                for m in found if not m.startswith("colichat.engine")}
-    assert outside <= {"colichat.errors", "colichat.paths", "colichat.units"}
+    assert outside <= {"colichat.errors", "colichat.paths", "colichat.units", "colichat.hints"}
 
 
 def test_no_module_is_over_500_lines():

@@ -23,10 +23,11 @@ import colichat.engine as engine
 from colichat.chat import Conversation
 from colichat.engine import ModelError, Sampler, SamplerSettings
 from colichat.engine.generate import Generation
+from colichat.engine.model import working_bytes
 from colichat.engine.mtp import MTPBlock, bytes_per_token
 from colichat.engine.speculative import DraftSource
 from colichat.persist import Store
-from colichat.report import footer
+from colichat.report import footer, stats_lines
 from colichat.settings import Settings
 
 
@@ -217,7 +218,8 @@ def test_memory_check_counts_the_mtp_rows(monkeypatch):
     assert est.total - plain.memory_estimate().total == 64 * est.mtp_per_token
     assert "MTP drafts" in str(est)
     n_ctx = 1024
-    have = engine.dense_f32_bytes(plain.tensors) + plain.cache.record_bytes * n_ctx + est.mtp_per_token * n_ctx // 2
+    have = (engine.dense_f32_bytes(plain.tensors) + working_bytes(cfg) + plain.cache.record_bytes * n_ctx
+            + est.mtp_per_token * n_ctx // 2)
     monkeypatch.setattr(engine, "available_memory", lambda: have)
     assert load(path, n_ctx=n_ctx, mtp=False).n_ctx == n_ctx  # fits without the MTP rows
     with pytest.raises(ModelError, match="use at most"):
@@ -231,12 +233,12 @@ def test_no_mtp_drafts_where_passes_are_not_exact():
     assert load(str(TINY / "glm-dsa.gguf"), n_ctx=64).mtp is not None
 
 
-def test_footer_counts_mtp_drafts(copying_path):
+def test_stats_count_mtp_drafts(copying_path):
     m = copying_model(copying_path)
     conv = Conversation(m, Settings(temperature=0, max_tokens=30, draft=4), save=False)
     _, stats = conv.ask("copy this: one two three four five six")
     checked, kept = stats.by_source["MTP"]
-    assert f"MTP {kept}/{checked}" in footer(conv, stats)
+    assert f"MTP {kept} of {checked}" in stats_lines(conv)[-1] and "MTP" not in footer(conv, stats)
     assert stats.drafted == sum(c for c, _ in stats.by_source.values())
 
 

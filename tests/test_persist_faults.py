@@ -10,6 +10,7 @@ listed to be read again from their text. Write errors come from RLIMIT_FSIZE in 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import signal
@@ -253,7 +254,8 @@ def test_write_error_at_each_step(colichat_home, monkeypatch, name, nth, retry):
 def test_write_error_during_truncate(colichat_home, monkeypatch):
     """The sidecar is a rewind's commit: an error writing it leaves the disk at the previous save; an
     error after it (the nrec write, the cut of the file) is reported too, but leaves the rewound state,
-    which is what the sidecar lists, and the next append writes over the records it no longer covers."""
+    which is what the sidecar lists: it loads as a finished rewind (no warning), and opening it for
+    writing finishes the cut (nrec and the file's size: the removed records do not linger)."""
     cache = make_cache("mla")
     turns = build(cache, 3)
     store = Store()
@@ -273,7 +275,11 @@ def test_write_error_during_truncate(colichat_home, monkeypatch):
         assert sess.turns == turns[:1]
     with store.open(IDENT, "tr", layout_of(cache)) as sess:
         res = sess.load(make_cache("mla"))
-        assert res.turns == turns[:1] and not res.unread and "an interrupted save" in res.warnings[0]
+        assert res.turns == turns[:1] and not res.unread and res.warnings == []
+        with open(sess.kv_path, "rb") as f:
+            data = f.read()
+        assert int.from_bytes(data[32:36], "little") == turns[0].last
+        assert len(data) == HEADER_SIZE + turns[0].last * cache.record_bytes
         sess.append(cache, turns[:2])
     with store.open(IDENT, "tr", layout_of(cache)) as sess:
         assert sess.load(make_cache("mla")).turns == turns[:2]
@@ -345,3 +351,81 @@ def test_a_rename_killed_between_its_links_and_unlinks_is_finished_by_the_next_l
     with Store().open(IDENT, "b", layout_of(cache)) as sess:
         res = sess.load(cache)
     assert len(res.turns) == 2 and res.warnings == []
+
+
+REPLACE_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from persist_helpers import IDENT, fill_turn, layout_of, make_cache, plan
+from colichat.persist import Store, Turn
+
+kill_at, longer = int(sys.argv[1]), sys.argv[2] == "longer"
+cache = make_cache("mla", 8192)
+old = plan(4)
+for i, t in enumerate(old):
+    fill_turn(cache, i, t)
+sess = Store().create(IDENT, layout_of(cache), name="rp")
+sess.append(cache, old)
+first = old[2].first  # the second exchange is answered again: its message, a new answer
+n = old[3].last - old[3].first + (9 if longer else -3)
+new = old[:3] + [Turn("assistant", "another answer", old[3].first, old[3].first + n)]
+fill_turn(cache, 99, new[3])
+calls = [0]
+def deadly(fn):
+    def call(*args):
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*args)
+    return call
+for name in ("pwrite", "fsync", "write", "replace", "ftruncate", "rename", "unlink"):
+    setattr(os, name, deadly(getattr(os, name)))
+sess.append(cache, new, keep=2)
+"""
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("longer", ["longer", "shorter"])
+def test_a_regen_s_save_killed_before_each_io_call_leaves_the_old_exchange_or_the_new(colichat_home, longer):
+    """/regen's save (Session.append with `keep`: the last exchange replaced) is one commit: SIGKILL before
+    each of its I/O calls leaves the old exchange or the new one, bit for bit and without a warning, read
+    without the lock as with it; opening the new one for writing puts its staged records in place (nrec,
+    size)."""
+    from colichat.persist.sidecar import turn_crc
+
+    old, done, outcomes = plan(4), False, set()
+    for k in range(1, 60):
+        subprocess.run([sys.executable, "-c", REPLACE_CHILD.format(tests=str(TESTS)), str(k), longer],
+                       capture_output=True, timeout=60)
+        ref = make_cache("mla", 8192)
+        for i, t in enumerate(old):
+            fill_turn(ref, i, t)
+        n_old = old[3].last
+        crc_old = turn_crc(ref, old[3])
+        for read_only in (True, False):
+            with Store().open(IDENT, "rp", layout_of(ref), read_only=read_only) as sess:
+                res = sess.load(loaded := make_cache("mla", 8192))
+            assert res.warnings == [] and not res.unread, (k, res.warnings)
+            assert res.turns[:3] == old[:3] and len(res.turns) == 4, (k, res.turns)
+            assert loaded.raw(0, old[2].last).tobytes() == ref.raw(0, old[2].last).tobytes()
+            is_new = res.turns[3].text == "another answer"
+            if not is_new:
+                assert res.turns[3] == old[3] and turn_crc(loaded, old[3]) == crc_old
+            outcomes.add(is_new)
+        kv = Store().model_dir(IDENT) / "rp.coli_kv"
+        data = kv.read_bytes()
+        end = res.turns[3].last
+        assert int.from_bytes(data[32:36], "little") == end  # (the old one: dead space past nrec may stay)
+        assert len(data) == HEADER_SIZE + end * ref.record_bytes if is_new else len(data) >= HEADER_SIZE + end
+        assert "staged" not in json.loads(kv.with_suffix(".json").read_text())
+        if is_new and end != n_old:
+            ref.truncate(old[3].first)
+            fill_turn(ref, 99, res.turns[3])
+            assert loaded.raw(0, end).tobytes() == ref.raw(0, end).tobytes()
+        for p in Store().model_dir(IDENT).iterdir():
+            p.unlink()
+        if is_new and k > 1 and not done:
+            done = k >= 3 and outcomes == {True, False}
+        if done and is_new:
+            break
+    assert outcomes == {True, False}, outcomes

@@ -581,14 +581,14 @@ def test_a_sidecar_whose_kv_file_was_deleted_is_a_conversation_whose_text_is_rea
     with store.open(IDENT, "z", layout_of(cache)) as sess:
         res = sess.load(make_cache())
         assert res.turns == [] and res.unread == turns and res.tokens == 0
-        assert res.warnings == ["the KV file z.coli_kv is not there: none of the 4 turns listed has its records"]
+        assert res.warnings == [] and res.kv_gone == "is not there"  # nothing lost: nothing to warn of
         assert sorted(os.listdir(d)) == ["z.json", "z.lock"]  # opening wrote nothing
         sess.append(cache, turns)  # (the chat program read them again into the cache)
     with store.open(IDENT, "z", layout_of(cache)) as sess:
         res = sess.load(make_cache())
     assert res.turns == turns and res.warnings == [] and res.unread == []
     store.delete(IDENT, "z")
-    assert sorted(os.listdir(d)) == ["z.lock"] and store.list(IDENT) == []
+    assert sorted(os.listdir(d)) == [] and store.list(IDENT) == []  # its lock file too
 
 
 def test_an_empty_kv_file_is_read_again_from_its_sidecar_and_replaced_by_the_next_save(colichat_home):
@@ -628,7 +628,7 @@ def test_an_empty_kv_file_is_read_again_from_its_sidecar_and_replaced_by_the_nex
             attempt()
         assert str(e.value) == "session " + line
     store.delete(IDENT, "z")
-    assert sorted(os.listdir(d)) == ["z.lock"] and store.list(IDENT) == []
+    assert sorted(os.listdir(d)) == [] and store.list(IDENT) == []  # its lock file too
     store.create(IDENT, layout_of(cache), name="z").close()
 
 
@@ -647,3 +647,61 @@ def test_paths_follow_colichat_home(colichat_home, monkeypatch):
     assert p.data == Path(platformdirs.user_data_dir("colichat"))
     assert p.state == Path(platformdirs.user_state_dir("colichat"))
     assert p.cache == Path(platformdirs.user_cache_dir("colichat"))
+
+
+def test_lock_files_go_with_their_conversation(colichat_home):
+    """/delete, /rename (the old name), a conversation never saved and one emptied leave no NAME.lock; a
+    lock taken on a lock file removed meanwhile is taken again on the file at that name, so that the
+    name's next writers exclude each other."""
+    from colichat.persist.locks import _flock, _names, release_lock, remove_lock, take_lock
+
+    cache = make_cache()
+    store = Store()
+    turns = build(cache, 2)
+    d = store.model_dir(IDENT)
+    with store.create(IDENT, layout_of(cache), name="a") as sess:
+        sess.append(cache, turns)
+        store.rename(sess, "b")
+        assert sorted(os.listdir(d)) == ["b.coli_kv", "b.json", "b.lock"]
+    assert sorted(os.listdir(d)) == ["b.coli_kv", "b.json", "b.lock"]  # (kept beside its conversation)
+    store.delete(IDENT, "b")
+    store.claim(IDENT, "never", layout_of(cache)).close()
+    with store.create(IDENT, layout_of(cache), name="emptied") as sess:
+        sess.append(cache, turns)
+        sess.truncate(0)
+    assert os.listdir(d) == []
+    path = str(d / "x.lock")
+    early = _flock(path, "x")  # a colichat that opened the file and locked it ...
+    release_lock(early)
+    held = take_lock(path, "x")
+    late = os.open(path, os.O_RDWR)  # ... and one that opens it now, to lock it once it is free
+    remove_lock(held, path)
+    assert not _names(path, late)  # what take_lock sees after locking it: the lock guards no name, taken again
+    again = take_lock(path, "x")  # a new file: not the one `late` holds open
+    assert os.fstat(again).st_ino != os.fstat(late).st_ino
+    os.close(late)
+    with pytest.raises(SessionError, match="open in another colichat"):
+        take_lock(path, "x")
+    release_lock(again)
+
+
+def test_the_session_folder_is_named_as_the_screen_names_the_model_and_an_older_one_is_still_found(colichat_home):
+    """The folder is named after the model as the banner names it (a long general.name such as SmolLM2's
+    'Smollm2 135M 8k Lc100K Mix1 Ep2' gives way to the file's name), and the folder an older colichat
+    named from general.name alone is still this model's: found by its weights' suffix, not orphaned."""
+    from colichat.models import model_title
+    from colichat.persist.identity import model_dirname
+
+    ident = {**IDENT, "name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    assert model_title(ident["name"], ident["file"]) == "SmolLM2-135M-Instruct.Q4_1"
+    assert model_dirname(ident) == "SmolLM2-135M-Instruct.Q4_1-0123456789ab"
+    assert model_dirname({**ident, "name": "DeepSeek-V2-Lite-Chat"}) == "DeepSeek-V2-Lite-Chat-0123456789ab"
+    cache = make_cache()
+    store = Store()
+    old = store.root / "Smollm2-135M-8k-Lc100K-Mix1-Ep2-0123456789ab"  # as an older colichat named it
+    old.mkdir(parents=True)
+    assert store.model_dir(ident) == old
+    with store.create(ident, layout_of(cache), name="kept") as sess:
+        sess.append(cache, build(cache, 2))
+    assert [i.name for i in store.list(ident)] == ["kept"] and (old / "kept.json").exists()
+    assert not (store.root / model_dirname(ident)).exists()

@@ -203,3 +203,49 @@ def test_a_kill_at_the_rewind_s_sidecar_rename_never_brings_the_rewound_text_bac
         assert "again from" not in shown and "warning" not in shown, (k, shown)  # (no record dropped, no text read)
         if users == ["one"]:
             assert "secret" not in shown, (k, shown)
+
+
+def test_a_regen_killed_at_any_write_keeps_the_message_and_one_of_its_answers(colichat_home):
+    """The third attack's N1: `/regen`'s save killed (SIGKILL, by strace) at each pwrite64, fsync, rename and
+    ftruncate on the session's files. Afterwards the conversation (as --export reads it) holds the message
+    and the old answer or the new one, never less, with no warning; the old code lost the message."""
+    problem = strace_problem()
+    if problem:
+        pytest.skip(f"{problem}: killing a /regen at its k-th write needs strace (make test installs it)")
+    from cli_helpers import CHAT, TINY_LLAMA, chat, env_for, lines, saved_turns
+
+    from colichat.persist.loading import read_saved
+
+    args = ["--model", TINY_LLAMA, "--temperature", "1", "--seed", "5", "--max-tokens", "8", "--session", "a"]
+    chat(colichat_home, args, lines("Hello there", "And again")).ok()
+    [kv] = colichat_home.glob("data/sessions/*/a.coli_kv")
+    side, directory = kv.with_suffix(".json"), kv.parent
+    saved = {p: p.read_bytes() for p in (kv, side)}
+    old = saved_turns(colichat_home, "a")
+    chat(colichat_home, args, lines("/regen")).ok()  # seeded: every /regen from `saved` answers this
+    new = saved_turns(colichat_home, "a")
+    assert new[:3] == old[:3] and new[3] != old[3]
+    seen = set()
+    for call in ("pwrite64", "fsync", "rename", "ftruncate"):
+        for k in range(1, 30):
+            for p in directory.iterdir():
+                if p.suffix != ".lock":
+                    p.unlink()
+            for p, data in saved.items():
+                p.write_bytes(data)
+            paths = ["-P", str(kv), "-P", str(side), "-P", f"{side}.tmp"]  # (only the calls on its files count)
+            run = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", *paths, "-e", f"trace={call}",
+                                  "-e", f"inject={call}:signal=KILL:when={k}", *CHAT, *args],
+                                 input=lines("/regen").encode(), capture_output=True,
+                                 env=env_for(colichat_home), cwd=str(colichat_home), timeout=300)
+            res = read_saved(directory, "a")
+            got = [(t.role, t.text) for t in res.turns]
+            assert got in (old, new) and res.warnings == [] and not res.unread, (call, k, got, res.warnings)
+            seen.add(got == new)
+            if run.returncode == 0:  # the save was done before the k-th call
+                break
+            assert run.returncode in (-9, 137), run.stderr.decode()
+        else:
+            raise AssertionError(f"/regen never finished under {call} kills")
+    assert seen == {False, True}
+    assert "And again" in chat(colichat_home, ["--export", "a"]).ok().out.decode()

@@ -14,7 +14,7 @@ from colichat.start import Plan
 
 # The options that are not a chat's (they print or tidy, then exit: shell.py), argparse's own, and
 # those the Plan holds as a decision made from them rather than as given.
-NOT_A_CHAT = {"sessions", "export", "models", "prune_kv"}
+NOT_A_CHAT = {"sessions", "export", "models", "prune_kv", "yes", "all"}  # (--yes, --all: --prune-kv's)
 DECIDED = {"plain": "interactive", "no_reuse": "reuse"}
 
 

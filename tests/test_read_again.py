@@ -14,6 +14,7 @@ from persist_helpers import snapshot
 
 from colichat.chat import Conversation, Settings
 from colichat.engine import load
+from colichat.engine.cancel import Cancel
 from colichat.persist import Store
 from colichat.persist.kvfile import HEADER_SIZE
 
@@ -104,12 +105,13 @@ def test_damaged_records_are_read_again_from_the_saved_text_and_saved_anew_with_
 def test_a_stop_while_reading_again_keeps_the_exchanges_read_and_writes_nothing(model, tmp_path):
     store = Store(tmp_path / "s")
     said, before = saved_then_damaged(model, store, QUESTIONS, 0)
-    conv = conversation(model, store)
+    conv, cancel = conversation(model, store), Cancel()
 
-    def stop_at_once(done, total):  # Ctrl-C while the first message is read
-        conv.stop_requested = True
+    def stop_in_the_second(done, total):  # Ctrl-C while the second exchange is read: it is not kept
+        if len(conv.turns) >= 2:
+            cancel.set()
 
-    report = conv.resume("d", on_progress=stop_at_once)
+    report = conv.resume("d", on_progress=stop_in_the_second, cancel=cancel)
     assert "warning: read 1 exchange again from its saved text" in report
     assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in report
     assert [(t.role, t.text) for t in conv.turns] == said[:2]
@@ -180,8 +182,7 @@ def test_a_conversation_whose_kv_file_was_deleted_goes_on_from_its_text(model, t
     kv.unlink()
     conv = conversation(model, store)
     report = conv.resume("k")
-    assert "warning: the KV file k.coli_kv is not there: none of the 6 turns listed has its records" in report
-    assert "note: read 3 exchanges again from their saved text" in report
+    assert report == "k: its KV file is not there; reading its 3 exchanges again (51 tokens) ..."  # nothing lost
     assert [(t.role, t.text) for t in conv.turns] == said
     conv.set_option("temperature", 0.5)
     doc, _ = saved(store, "k")
@@ -191,7 +192,7 @@ def test_a_conversation_whose_kv_file_was_deleted_goes_on_from_its_text(model, t
     assert [(t["role"], t["text"]) for t in doc["turns"]] == said[:4] and not kv.exists()
     conv.close()
     conv = conversation(model, store)
-    assert "note: read 2 exchanges again" in conv.resume("k") and conv.settings.temperature == 0.5
+    assert "reading its 2 exchanges again" in conv.resume("k") and conv.settings.temperature == 0.5
     conv.ask("Go on")
     conv.close()
     assert kv.exists()
@@ -222,13 +223,13 @@ def test_a_rewind_after_a_stopped_reading_leaves_the_saved_conversation_whole_un
     quitting after it loses none of them; the next answer saves the conversation as it is then."""
     store = Store(tmp_path / "s")
     said, before = saved_then_damaged(model, store, QUESTIONS, 0)
-    conv = conversation(model, store)
+    conv, cancel = conversation(model, store), Cancel()
 
-    def stop_after_the_first(done, total):  # Ctrl-C once the first exchange is read
-        if len(conv.turns) >= 2:
-            conv.stop_requested = True
+    def stop_after_the_second(done, total):  # Ctrl-C once two exchanges are read
+        if len(conv.turns) >= 4:
+            cancel.set()
 
-    assert "then stopped: 1 more exchange not read" in conv.resume("d", on_progress=stop_after_the_first)
+    assert "then stopped: 1 more exchange not read" in conv.resume("d", stop_after_the_second, cancel)
     assert [(t.role, t.text) for t in conv.turns] == said[:4]
     conv.rewind(1)
     assert [(t.role, t.text) for t in conv.turns] == said[:2]
@@ -238,8 +239,8 @@ def test_a_rewind_after_a_stopped_reading_leaves_the_saved_conversation_whole_un
     assert "note: read 3 exchanges again" in conv.resume("d")
     assert [(t.role, t.text) for t in conv.turns] == said
     conv.close()
-    conv = conversation(model, store)
-    conv.resume("d", on_progress=stop_after_the_first)
+    conv, cancel = conversation(model, store), Cancel()
+    conv.resume("d", stop_after_the_second, cancel)
     conv.rewind(1)
     conv.ask("Go on")  # the answer saves the conversation as it is now
     conv.close()
@@ -256,13 +257,15 @@ def test_ctrl_c_while_reading_again_at_start_keeps_what_was_read_and_says_so(mod
 
     store = Store()
     _, before = saved_then_damaged(model, store, QUESTIONS, 0)
-    read_turn = chat.Conversation._read_turn
+    read_turn, reads = chat.Conversation._read_turn, []
 
-    def ctrl_c_after_the_first_turn(self, *args, **kwargs):
+    def ctrl_c_after_the_first_exchange(self, *args, **kwargs):  # (a stop inside one drops it: not kept)
         read_turn(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)
+        reads.append(1)
+        if len(reads) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(chat.Conversation, "_read_turn", ctrl_c_after_the_first_turn)
+    monkeypatch.setattr(chat.Conversation, "_read_turn", ctrl_c_after_the_first_exchange)
     assert cli.main([*TINY_ARGS, "--ctx", "512", "--session", "d", "-p", "Go on"]) == 130
     err = capsys.readouterr().err
     assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in err
@@ -291,12 +294,17 @@ def test_a_kv_file_gone_or_broken_beside_its_sidecar_costs_no_exchange(broken, c
         kv.write_bytes(next(p for p in session_files(colichat_home) if p.name == "other.coli_kv").read_bytes())
     why = {"deleted": "is not there", "emptied": "is damaged (empty KV file)",
            "another model's": "is damaged (its header disagrees with the sidecar"}[broken]
-    assert f"warning: the KV file t.coli_kv {why}" in chat_here(colichat_home, ["--export", "t"]).ok().err
+    exported = chat_here(colichat_home, ["--export", "t"]).ok()
+    assert f"warning: the KV file t.coli_kv {why}" in exported.err if broken != "deleted" else exported.err == ""
+    assert exported.out.decode().count("## User") == 2
     small = chat_here(colichat_home, [*TINY_ARGS, "--ctx", "16", "--session", "t"], lines("Hi")).failed()
     assert small.errors() == [small.errors()[0]] and "more than the context of 16: start colichat with --ctx" \
         in small.errors()[0] and "loaded" not in small.err
     run = chat_here(colichat_home, [*TINY_ARGS, "--session", "t"], lines(QUESTIONS[2])).ok()
-    assert f"warning: the KV file t.coli_kv {why}" in run.err and "note: read 2 exchanges again" in run.err
+    if broken == "deleted":  # nothing damaged: one plain line
+        assert "t: its KV file is not there; reading its 2 exchanges again (" in run.err and "warning" not in run.err
+    else:
+        assert f"warning: the KV file t.coli_kv {why}" in run.err and "note: read 2 exchanges again" in run.err
     assert saved_users(colichat_home, "t") == QUESTIONS
     again = chat_here(colichat_home, [*TINY_ARGS, "--session", "t"], lines("/history")).ok()
     assert "warning" not in again.err and "read" not in again.err.split("\n", 3)[-1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
@@ -11,7 +12,7 @@ from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 pytestmark = [pytest.mark.process, pytest.mark.default_model]  # a terminal, on the default model
 
 # a footer, also where the terminal's width broke it into rows (at spaces)
-FOOTER = re.compile(r"\[\d+ tokens?, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+".replace(" ", r"\s+"))
+FOOTER = re.compile(r"\[\d+ tokens?, [\d.]+ tok/s, (?:[^\]]*, )?\d+ of \d+ context left".replace(" ", r"\s+"))
 
 # Limits on waiting for a screen state. They are only reached when something is wrong, so they are
 # generous: a busy machine (another process on every core) makes the model many times slower.
@@ -168,7 +169,8 @@ def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home,
         # a long message shows its progress; Ctrl-C drops it, and the error line starts clean
         t.type("Please summarize the following notes. " + "The river flows past the old mill. " * 160)
         t.keys("Enter")
-        t.wait_for(lambda s: "reading your message: 256/" in s, MODEL_WAIT, "the progress of a long message")
+        screen = t.wait_for(lambda s: re.search(r"reading your message: [\d,]+/[\d,]+ tokens, [\d.,]+ tok/s", s),
+                            MODEL_WAIT, "the progress of a long message, with its rate")
         t.keys("C-c")
         screen = t.wait_for(lambda s: "interrupted while reading the message" in s and s.rstrip().endswith(">"),
                             300, "the interrupted message")
@@ -358,8 +360,8 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
         first = next(i for i, row in enumerate(rows) if row.startswith("[") and "tokens, " in row)
         last = next(i for i in range(first, len(rows)) if rows[i].endswith("saved to w]"))
         assert last > first and all(len(row) <= 50 for row in rows[first:last + 1])
-        assert re.fullmatch(r"\[\d+ tokens, [\d.]+ tok/s, prefill \d+ at \d+ tok/s, context \d+/\d+, \d+ left"
-                            r"(, drafts \d+/\d+ accepted \(\d+%\))?(, max_tokens reached)?; saved to w\]",
+        assert re.fullmatch(r"\[\d+ tokens, [\d.]+ tok/s, \d+ of \d+ context left"
+                            r"(, max_tokens reached)?; saved to w\]",
                             " ".join(rows[first:last + 1])), rows[first:last + 1]
 
         # after a resize, new text wraps to the new width
@@ -585,5 +587,31 @@ def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
         assert " ".join(shown[2:-1]).split() == ["assistant>", *answer.split()]
         t.keys("C-d")
         t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+    finally:
+        t.close()
+
+
+def test_ctrl_c_acts_at_the_next_layer_of_a_slow_model_and_a_ctrl_d_typed_after_it_quits(colichat_home, tmp_path):
+    """A model whose every layer takes a second (an injected slow layer: tests/slow_layers.py) reading a
+    message: its progress moves at every layer (tokens, rate); Ctrl-C drops the message once the layer
+    under way ends (no other begins), and a Ctrl-D typed right after it quits at once, at the next prompt."""
+    from cli_helpers import TINY_ARGS
+
+    log = tmp_path / "layers.log"
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} {Path(__file__).parent / 'slow_layers.py'} 1.0 {log} "
+             f"-- {' '.join(TINY_ARGS)}; echo EXITED $?; sleep 600")
+    try:
+        t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
+        t.type("Tell me about rivers and the sea.")
+        t.keys("Enter")
+        t.wait_for(lambda s: re.search(r"reading your message: [\d,]+/[\d,]+ tokens, [\d.,]+ tok/s", s),
+                   SCREEN_WAIT, "the progress line, moving within the first layers")
+        begun = len(log.read_text().split())  # layers begun when the key is sent
+        t.keys("C-c")
+        t.keys("C-d")
+        screen = t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
+        assert "colichat: interrupted while reading the message; it was not sent" in screen
+        assert re.search(r"^EXITED 0$", screen, re.M), screen
+        assert len(log.read_text().split()) <= begun + 1  # at most the layer that began as the key was sent
     finally:
         t.close()

@@ -290,12 +290,12 @@ def test_cli_reopens_with_the_context_it_was_saved_with(colichat_home):
         assert sidecar(colichat_home, name)[1]["model"]["n_ctx"] == ctx
         again = chat_here(colichat_home, [*ARGS, "--session", name], lines("and again")).ok()
         assert again.resumed()[1:] == (2, name)
-        assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in again.footers()] == [str(ctx)]
+        assert [n for _, n in again.contexts()] == [ctx]
     chat_here(colichat_home, [*ARGS, "--ctx", 200, "--resume", "--session", "short"], lines("more")).ok()
     assert sidecar(colichat_home, "short")[1]["model"]["n_ctx"] == 200
     latest = chat_here(colichat_home, [*ARGS, "--resume"], lines("more")).ok()
     assert latest.resumed()[1:] == (6, "short")
-    assert [f.split("context ")[1].split(",")[0].split("/")[1] for f in latest.footers()] == ["200"]
+    assert [n for _, n in latest.contexts()] == [200]
 
 
 def test_cli_resume_command_refused_leaves_the_conversation_going_on(colichat_home):

@@ -350,7 +350,7 @@ def test_a_ctrl_c_while_a_piece_of_the_answer_is_written_shows_its_mark_after_th
     from colichat.terminal import StatusLine
 
     class Conv:
-        stop_requested = False
+        pass
 
     status = StatusLine()
     status.tty = False

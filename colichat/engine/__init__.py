@@ -22,19 +22,24 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+
 from ..errors import ContextError, ModelError
 from .architectures import architecture, check_architecture, load_config
 from .cache import record_bytes
 from .config import MIN_CTX, ModelConfig
 from .gguf.tensors import Tensors, file_headers, open_gguf, trained_context
-from .model import Model, available_memory, has_mtp, prepare_weights, rope_factors_problem
+from .model import Model, available_memory, has_mtp, prepare_weights, rope_factors_problem, working_bytes
 from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
 
 __all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "check_headers",
-           "default_context", "f32_bytes_but_experts", "file_headers", "load", "load_tokenizer", "resume_problem",
+           "default_context", "f32_bytes_but_experts", "file_headers", "load", "load_tokenizer", "prepare_kernels",
+           "resume_problem",
            "trained_context"]
 
 
@@ -45,7 +50,7 @@ def load_tokenizer(path_or_reader):
 
 
 def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, expert_cache: float | None = None,
-         on_note=None, numerics: str = "fast", mtp: bool = True, check=None) -> Model:
+         on_note=None, numerics: str = "fast", mtp: bool = True, check=None, kernels: str = "numba") -> Model:
     """Open a GGUF, check it, dequantize its weights, and return a Model with an empty cache.
 
     n_ctx: the cache size in tokens (default: the training context, at most DEFAULT_CTX).
@@ -58,6 +63,10 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     memory); False leaves it out. Decided at load, for the model's life (Model.mtp, Model.mtp_left_out).
     check: optional callback(cfg, tokenizer, n_ctx) run before the weights are prepared (which can take
     minutes): what the caller will ask of them (its system prompt), refused now (ModelError).
+    kernels: "numba" keeps the large matrices as the GGUF holds them, multiplied by the compiled kernels
+    (gguf/kernels.py, gguf/qmatrix.py); "numpy" dequantizes every weight to f32 (the reference path, taken
+    also where the kernels cannot run, on_note told why, and for llama.cpp numerics). Model.kernels says
+    which it is.
     """
     from .gguf.prepared import entry_of, load_prepared, read_usage, save_prepared
     from .text.load import load_tokenizer as _load_tokenizer
@@ -65,7 +74,8 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     from .text.template import check_chat_template
 
     path = str(path)
-    prepared = load_prepared(path, cache_dir, on_note) if cache_dir is not None else None
+    kernels = kernel_path(kernels, numerics, on_note)
+    prepared = load_prepared(path, cache_dir, on_note, kernels) if cache_dir is not None else None
     if prepared is not None:
         cfg, tensors, weights = prepared.config, prepared.tensors, prepared.weights
         tokenizer = tokenizer_from_metadata(prepared.tokenizer_meta, path)
@@ -79,7 +89,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     n_ctx = context_size(cfg, n_ctx)
     if n_ctx < MIN_CTX:
         raise ContextError(f"context size {n_ctx} is too small (at least {MIN_CTX} tokens)")
-    dense = dense_f32_bytes(tensors)
+    dense = dense_f32_bytes(tensors, kernels) + working_bytes(cfg)  # what must fit (a mapped file need not)
     check_memory(path, dense)
     a, b = architecture(cfg).cache_widths(cfg)
     record = record_bytes(cfg.n_layer, a, b, cfg.index_head_dim, cfg.n_index_layers)  # Model's KVCache record
@@ -88,21 +98,65 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     check_context(n_ctx, cfg.n_ctx_train, record, dense)
     if check is not None:
         check(cfg, tokenizer, n_ctx)
+    tensors.kernels = kernels == "numba"
     if weights is None:
         weights = prepare_weights(cfg, tensors, progress)
         if cache_dir is not None:
-            problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors)
+            problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors, kernels)
             if on_note:
-                size = sum(a.nbytes for a in weights.values()) >> 20
+                size = sum(a.nbytes for a in weights.values() if isinstance(a, np.ndarray)) >> 20
                 on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
                         "later starts map them instead of dequantizing")
-    model = Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp)
+    model = Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp,
+                  kernels=kernels)
     if cache_dir is not None and model.experts is not None:
-        model.usage_entry = entry_of(path, cache_dir)
-        counts = read_usage(model.usage_entry) if model.usage_entry is not None else None
+        model.usage_entry = entry_of(path, cache_dir, kernels)
+        counts = read_usage(model.usage_entry, on_note) if model.usage_entry is not None else None
         if counts is not None:
             model.experts.warm(counts)  # (in the background: the model is usable now)
     return model
+
+
+def prepare_kernels(path: str, cache_dir, on_compile=None) -> float | None:
+    """Compile the kernels, or load them from numba's cache under cache_dir/kernels (kernels.prepare), for
+    the GGUF `path` (its header read: milliseconds): the seconds it took, or None where there is nothing
+    to prepare (the file holds no type the kernels take) or they cannot run (load() then takes the numpy
+    path and says why). on_compile() is called first when that cache holds none yet (a first start:
+    seconds, worth saying)."""
+    import struct
+
+    import gguf
+
+    from .gguf import kernels as compiled
+    from .gguf.header import HeaderError
+
+    names = {int(q): q.name for q in gguf.GGMLQuantizationType}
+    try:
+        types = {names.get(t.ggml_type) for h in file_headers(path) for t in h.tensors}
+    except (OSError, HeaderError, struct.error, ModelError):  # (load() says what is wrong with the file)
+        return None
+    if not any(q != "F32" and compiled.supported(q) for q in types if q) or compiled.problem() is not None:
+        return None
+    if on_compile is not None and not any(Path(cache_dir, "kernels").rglob("*.nbi")):  # (numba's index files)
+        on_compile()
+    return compiled.prepare(str(cache_dir))
+
+
+def kernel_path(kernels: str, numerics: str, on_note=None) -> str:
+    """The path load() takes: "numba" where asked for and the kernels run here (else "numpy", on_note
+    told why in one line), "numpy" for llama.cpp numerics (their reference works on f32 weights)."""
+    from .gguf import kernels as compiled
+
+    if kernels not in ("numba", "numpy"):
+        raise ValueError(f"kernels must be 'numba' or 'numpy', not {kernels!r}")
+    if kernels == "numpy" or numerics != "fast":
+        return "numpy"
+    problem = compiled.problem()
+    if problem is not None:
+        if on_note:
+            on_note(f"compiled kernels cannot run here ({problem}): weights dequantized to f32 (--kernels numpy)")
+        return "numpy"
+    return "numba"
 
 
 def context_size(cfg: ModelConfig, n_ctx: int | None) -> int:
@@ -126,13 +180,31 @@ def resume_problem(path: str, n_ctx: int | None, rope_factors: str | None) -> st
     return rope_factors_problem(cfg, context_size(cfg, n_ctx), rope_factors)
 
 
-def dense_f32_bytes(tensors: Tensors) -> int:
-    """What dequantizing every tensor but the routed experts (which stay quantized) takes as f32."""
-    return f32_bytes_but_experts((name, tensors.shape(name)) for name in tensors.by_name)
+# matrices the kernel path keeps as f32: MLA's k_b/v_b (absorbed into the attention), routers, the indexer's
+KEPT_F32 = ("attn_k_b.", "attn_v_b.", "attn_kv_b.", "ffn_gate_inp.", ".indexer.")
+
+
+def dense_f32_bytes(tensors: Tensors, kernels: str = "numba") -> int:
+    """What the weights but the routed experts take in memory as f32 on the kernel path `kernels`."""
+    return held_f32_bytes(((n, tensors.shape(n), tensors.qtype(n).name) for n in tensors.by_name), kernels)
+
+
+def held_f32_bytes(infos, kernels: str) -> int:
+    """dense_f32_bytes of (name, shape, type name) triples (a loaded model's, or a GGUF header's): on the
+    numpy path every tensor but the routed experts (f32_bytes_but_experts); on the kernel path only what
+    stays f32: norms, biases, KEPT_F32, tensors the file keeps in F32 and types the kernels do not take
+    (the other matrices are read from the map, and need not all fit in memory)."""
+    from .gguf import kernels as compiled
+
+    infos = list(infos)
+    if kernels == "numba":
+        infos = [(n, s, q) for n, s, q in infos
+                 if len(s) < 2 or q == "F32" or not compiled.supported(q) or any(k in n for k in KEPT_F32)]
+    return f32_bytes_but_experts((n, s) for n, s, _ in infos)
 
 
 def f32_bytes_but_experts(shapes) -> int:
-    """dense_f32_bytes of (name, shape) pairs (a loaded model's, or a GGUF header's tensor infos)."""
+    """What (name, shape) pairs take as f32, the routed experts (which stay quantized) left out."""
     total = 0
     for name, shape in shapes:
         if "_exps." not in name:
@@ -143,17 +215,23 @@ def f32_bytes_but_experts(shapes) -> int:
     return total
 
 
-def check_headers(path: str, headers: list) -> None:
+def check_headers(path: str, headers: list, kernels: str = "numba") -> None:
     """Refuse from a GGUF's headers alone (gguf.header.Header of every part of a split model, the first
     holding the metadata), before anything is downloaded or loaded, what load() refuses before any work:
-    an architecture colichat does not run, dense weights that would not fit in memory as f32."""
+    an architecture colichat does not run, weights that would not fit in memory as f32 on the path
+    load(kernels=...) would take (a mapped file need not fit)."""
+    import gguf
+
     check_architecture(path, headers[0].kv.get("general.architecture"))
-    check_memory(path, f32_bytes_but_experts((t.name, t.shape) for h in headers for t in h.tensors))
+    names = {int(q): q.name for q in gguf.GGMLQuantizationType}  # (a type it does not know: counted as f32)
+    infos = [(t.name, t.shape, names.get(t.ggml_type, "?")) for h in headers for t in h.tensors]
+    check_memory(path, held_f32_bytes(infos, kernel_path(kernels, "fast")))
 
 
 def check_context(n_ctx: int, n_ctx_train: int, record_bytes: int, weight_bytes: int) -> None:
     """Refuse a context longer than the model was trained for, or whose KV cache (record_bytes per
-    token) cannot fit in the memory available beside the weights."""
+    token) cannot fit in the memory available beside the weights and buffers (weight_bytes: what of
+    them must fit, a mapped file not)."""
     if n_ctx > n_ctx_train:
         raise ContextError(f"context size {n_ctx:,} is above the {n_ctx_train:,} tokens this model was "
                          f"trained for; use at most {n_ctx_train:,}")
@@ -162,7 +240,7 @@ def check_context(n_ctx: int, n_ctx_train: int, record_bytes: int, weight_bytes:
     if have is not None and need + weight_bytes > have:
         fits = max(0, (have - weight_bytes) // record_bytes)
         raise ContextError(f"context size {n_ctx:,} needs {_size(need)} for its KV cache, but only "
-                         f"{_size(have)} of memory is available and the weights take "
+                         f"{_size(have)} of memory is available and the weights and buffers take "
                          f"{_size(weight_bytes)}; use at most {fits:,} tokens")
 
 
@@ -171,7 +249,8 @@ def _size(n: int) -> str:
 
 
 def check_memory(path: str, need: int) -> None:
-    """Refuse, before dequantizing, a model whose f32 weights cannot fit in the memory available."""
+    """Refuse, before preparing them, weights whose f32 part (`need`: all of them on the numpy path) cannot
+    fit in the memory available."""
     have = available_memory()
     if have is not None and need > have:
         raise ModelError(f"{path}: its weights need {need / 2**30:.1f} GiB as f32 but only "

@@ -10,6 +10,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..errors import ModelError
 from .gguf import dequant
-from .ops import linear, silu_mul
+from .ops import SAFE_POINT, linear, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
 FILL_THREADS = 2  # threads dequantizing an expert cache's misses at once (at most the cores there are)
@@ -131,6 +132,11 @@ class ExpertCache:
     with the most used experts, one at a time, while the prompt is usable. It never evicts, and a fetch
     that needs the expert it is filling waits for that one fill (at most a miss's time). `lock` guards the
     slots' bookkeeping between it and fetch/prefetch (held through a fetch: the warmer pauses meanwhile).
+    While colichat answers (`paused()`, Model.quiet) the warmer waits before its next fill.
+
+    Safe points: the pass's ops.SAFE_POINT is called before each miss's fill on the calling thread (it may
+    raise: a stop; the fills under way end first, and their slots stay free), and before each expert's
+    product (moe).
     """
 
     def __init__(self, tensors, layers: list[int], capacity_bytes: int, prefetch: bool = False):
@@ -179,8 +185,10 @@ class ExpertCache:
         self.stopping = threading.Event()  # set when the cache is dropped: the warmer stops after its fill
         self.warmer: threading.Thread | None = None
         self.warming = self.warmed = 0  # experts the warm start takes on, and has filled
+        self.unpaused = threading.Event()  # cleared while colichat answers: the warmer waits (paused())
+        self.unpaused.set()
         self.fds: dict[str, int] = {}
-        weakref.finalize(self, _close_all, self.fds, self.pool, self.prefetcher, self.stopping)
+        weakref.finalize(self, _close_all, self.fds, self.pool, self.prefetcher, self.stopping, self.unpaused)
 
     def _parts(self, l: int) -> list[Part]:
         t, b, x = self.tensors, f"blk.{l}.", self.n_expert
@@ -298,10 +306,21 @@ class ExpertCache:
         self.warmer = threading.Thread(target=self._warm, args=(order,), name="colichat-warm", daemon=True)
         self.warmer.start()
 
+    @contextmanager
+    def paused(self):
+        """The warm start waits meanwhile (after the fill under way, if any)."""
+        self.unpaused.clear()
+        try:
+            yield
+        finally:
+            self.unpaused.set()
+
     def _warm(self, order: list[int]) -> None:
-        """Fill free slots with experts `order` (most used first), one at a time, until none is free."""
+        """Fill free slots with experts `order` (most used first), one at a time, until none is free;
+        each waits while the cache is paused()."""
         x = self.n_expert
         for k in order:
+            self.unpaused.wait()
             with self.lock:
                 if self.stopping.is_set():
                     return
@@ -352,14 +371,17 @@ class ExpertCache:
     def _fill_all(self, jobs: list[tuple[int, int, int]]) -> None:
         """Fill slots (slot, layer, e): the calling thread and the helper take the next job when free; it
         returns once every fill has ended (an error or Ctrl-C too: no fill goes on into a slot after it)."""
+        between = SAFE_POINT.get() or (lambda: None)
         if self.pool is None or len(jobs) < 2:
             for s, layer, e in jobs:
+                between()
                 self._fill(self.flat[s], layer, e)
             return
         lock, todo = threading.Lock(), iter(jobs)
 
-        def work() -> None:
+        def work(point=lambda: None) -> None:
             while True:
+                point()
                 with lock:
                     job = next(todo, None)
                 if job is None:
@@ -369,7 +391,7 @@ class ExpertCache:
 
         helper = self.pool.submit(work)
         try:
-            work()
+            work(between)
         except BaseException:
             with lock:  # nothing more is handed out; the helper's fill under way ends before this returns
                 for _ in todo:
@@ -423,8 +445,9 @@ def _aligned_empty(rows: int, cols: int) -> np.ndarray:
     return base[skip : skip + rows * cols].reshape(rows, cols)
 
 
-def _close_all(fds: dict, pool, prefetcher, stopping: threading.Event) -> None:
+def _close_all(fds: dict, pool, prefetcher, stopping: threading.Event, unpaused: threading.Event) -> None:
     stopping.set()
+    unpaused.set()  # (a paused warmer wakes to see it stop)
     for each in (pool, prefetcher):  # (a prefetch fill under way ends before its file is closed)
         if each is not None:
             each.shutdown(wait=True)
@@ -444,6 +467,8 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: Expe
         ahead: tuple[int, list[int]] | None = None) -> np.ndarray:
     """sum_u w[t, u] * expert_{ids[t, u]}(x[t]); tokens grouped by expert (a loop over experts hit only).
     `ahead`: (next layer, its predicted experts), prefetched once this layer's first group is resident.
+    The pass's safe point (ops.SAFE_POINT) is called before each expert's product: a long prefill's layer
+    of resident experts is many of them.
 
     x: (T, D); ids, w: (T, U). Returns (T, D).
     """
@@ -455,12 +480,14 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: Expe
     out = np.zeros_like(x)  # (T, D)
     wf = w.reshape(-1)
     spans = list(zip(hit.tolist(), starts.tolist(), ends.tolist(), strict=True))
+    between = SAFE_POINT.get() or (lambda: None)
     for g in range(0, len(spans), experts.batch):  # a group of experts resident at once (ExpertCache.fetch)
         group = spans[g : g + experts.batch]
         resident = experts.fetch(layer, [e for e, _, _ in group])
         if ahead is not None and g == 0:
             experts.prefetch(*ahead)
         for (_, a, b), (gate_up, down) in zip(group, resident, strict=True):
+            between()
             sel = order[a:b]  # (M,) assignment indices of expert e
             rows = sel // k  # (M,) token of each assignment; each token picks an expert at most once
             y = swiglu(x[rows], gate_up, down)  # (M, D)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cancel import Cancel
 from .speculative import EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_SIZE, MAX_DRAFT, AcceptanceRate, accept, draft_size, gain
 
 
@@ -36,15 +37,16 @@ class Generation:
     """Iterating runs the model; the counters and `stopped` are read after (or during) the loop."""
 
     def __init__(self, model, logits: np.ndarray, sampler, stop_ids, max_tokens: int,
-                 drafts=None, draft: int = 0, recent: int | None = None):
+                 drafts=None, draft: int = 0, recent: int | None = None, cancel: Cancel | None = None):
         """logits: (V,) after the last cached token; stop_ids: tokens that end the answer (never fed);
         drafts: a speculative.DraftSource, a list of them (asked in order: free ones first), or None;
         draft: at most this many drafts per pass, up to speculative.MAX_DRAFT (fewer while drafts are
         being rejected: speculative.draft_size); recent: how many cached tokens the sampler's repeat
-        penalty sees (default: the sampler's repeat_last_n)."""
+        penalty sees (default: the sampler's repeat_last_n); cancel: checked inside every pass (Model.prefill),
+        a stop raises cancel.Cancelled from the loop with only the tokens yielded in the cache."""
         if not 0 <= draft <= MAX_DRAFT:  # a longer pass would not give decode's rows: the answer would change
             raise ValueError(f"draft must be 0..{MAX_DRAFT}, not {draft}")
-        self.model, self.logits, self.sampler = model, logits, sampler
+        self.model, self.logits, self.sampler, self.cancel = model, logits, sampler, cancel
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.max_tokens, self.draft = max_tokens, draft
         self.recent = sampler.settings.repeat_last_n if recent is None else recent
@@ -86,12 +88,12 @@ class Generation:
                     else:
                         self.idle[i] = 0
                 if not guess:
-                    logits = model.decode(tid)
+                    logits = model.decode(tid, self.cancel)
                     self.generated += 1
                     shown = cache.length
                     yield Token(tid)
                     continue
-                rows = model.prefill([tid] + guess, all_logits=True)  # (1+k, V)
+                rows = model.prefill([tid] + guess, all_logits=True, cancel=self.cancel)  # (1+k, V)
                 kept = 0
                 for i, d in enumerate(guess):
                     ok, tok = accept(sampler, rows[i], self._window(n + 1 + i), d)

@@ -9,6 +9,7 @@ Axis letters: engine/__init__.py.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,13 +18,17 @@ from ..errors import ModelError
 from ..units import format_size
 from .architectures import architecture, forward_class
 from .cache import KVCache
+from .cancel import Cancel
 from .config import ModelConfig
+from .ffn import ExpertCache
 from .gguf.prepared import write_usage
+from .gguf.qmatrix import QMatrix
 from .gguf.tensors import Tensors
+from .mapped_experts import MappedExperts
 from .mtp import MTPDrafts
 from .mtp import bytes_per_token as mtp_bytes_per_token
-from .ops import rms_norm
-from .threads import ThreadPolicy
+from .ops import SAFE_POINT, SMALL_BATCH, TILE_BYTES, rms_norm
+from .threads import ThreadPolicy, cores
 
 PREFILL_CHUNK = 512  # tokens per forward chunk: bounds the (H, T, N) score array of long prompts
 DEFAULT_EXPERT_CACHE_MIB = 4096  # routed-expert cache bound where the available memory is unknown
@@ -101,31 +106,51 @@ def gguf_bytes(tensors: Tensors) -> int:
     return sum(os.path.getsize(p) for p in set(tensors.files.values()))
 
 
+def working_bytes(cfg: ModelConfig) -> int:
+    """A rough bound of what a pass's buffers take: each thread's tile of a quantized matrix (ops.TILE_BYTES)
+    and a prefill chunk's activations (PREFILL_CHUNK rows of the widest products, a few at once), and
+    the logits of a verify pass (SMALL_BATCH rows of the vocabulary)."""
+    widest = max(cfg.n_embd, 2 * cfg.n_ff, 2 * cfg.n_ff_exp * max(1, cfg.n_expert_shared),
+                 cfg.n_head * max(cfg.head_dim, cfg.qk_head))
+    return cores() * TILE_BYTES + 4 * (4 * PREFILL_CHUNK * widest + SMALL_BATCH * cfg.n_vocab)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """What a loaded model needs in memory (bytes), for the load message."""
+    """What a loaded model needs in memory (bytes), for the load message and the checks before loading."""
 
-    dense: int          # dequantized f32 weights held by the model
-    experts: int        # bound of the routed-expert cache (0 without MoE)
+    dense: int          # f32 weights held by the model (the numpy path: every dense weight)
+    experts: int        # bound of the routed-expert cache (0 without MoE, or with experts read in place)
     experts_f32: int    # what all routed experts would take as f32 (not held)
     kv_per_token: int   # cache bytes per token (record: token id + every layer's rows)
     n_ctx: int
     mtp_per_token: int = 0  # MTP drafting: the block's cache record and a hidden state per token
+    mapped: int = 0     # the kernel path: the GGUF bytes multiplied in place (page cache: need not all fit)
+    working: int = 0    # a pass's buffers (working_bytes)
+
+    @property
+    def held(self) -> int:
+        """What must fit in memory: everything but the mapped weights."""
+        return self.dense + self.experts + (self.kv_per_token + self.mtp_per_token) * self.n_ctx + self.working
 
     @property
     def total(self) -> int:
-        return self.dense + self.experts + (self.kv_per_token + self.mtp_per_token) * self.n_ctx
+        return self.held + self.mapped
 
     def __str__(self) -> str:
         def mib(n: int) -> str:
             return f"{n / (1 << 20):,.0f} MiB"
 
         s = f"weights {mib(self.dense)}"
+        if self.mapped:
+            s = f"weights {mib(self.mapped)} mapped from the file + {mib(self.dense)} as f32"
         if self.experts_f32:  # a bound rounds up: --expert-cache 0.5 is "<= 1 MiB", never "<= 0 MiB"
             s += f" + expert cache <= {-(-self.experts >> 20):,} MiB (all experts as f32: {mib(self.experts_f32)})"
         s += f" + KV {format_size(self.kv_per_token)}/token x {self.n_ctx:,} = {mib(self.kv_per_token * self.n_ctx)}"
         if self.mtp_per_token:
             s += f" + MTP drafts {format_size(self.mtp_per_token)}/token = {mib(self.mtp_per_token * self.n_ctx)}"
+        if self.working:
+            s += f" + buffers {mib(self.working)}"
         return s + f"; total <= {mib(self.total)}"
 
 
@@ -142,13 +167,15 @@ class Model:
         expert_cache: float | None = None,
         numerics: str = "fast",
         mtp: bool = True,
+        kernels: str = "numpy",
     ):
         """expert_cache: MiB of dequantized routed experts to keep (MoE models; default:
         auto_expert_cache_mib of what the weights and the cache leave). Routed experts are read
         from `tensors` (the GGUF memory map). numerics: see architectures.forward_class. mtp: keep
         the file's MTP block's draft state (`self.mtp`, fed by every forward; its rows cost memory)
         where it has one and passes are exact (has_mtp). Decided here, once: a draft setting only
-        chooses whether Generation asks self.mtp for drafts."""
+        chooses whether Generation asks self.mtp for drafts. kernels: the path the weights were prepared
+        for ("numba": the large matrices are QMatrix; "numpy": all f32), as engine.load chose it."""
         self.cfg = cfg
         self.w = weights
         self.tokenizer = tokenizer
@@ -169,6 +196,7 @@ class Model:
         self.fwd = forward(cfg, weights, tensors, n_ctx, expert_cache)
         self.experts = self.fwd.experts
         self.numerics = numerics
+        self.kernels = kernels
         # speculative decoding needs a pass of a few tokens to give decode's exact rows
         self.exact_passes = exact_passes(cfg, numerics)
         self.threads = ThreadPolicy()
@@ -178,10 +206,17 @@ class Model:
 
     # --- public API -------------------------------------------------------------------------------
 
-    def prefill(self, ids, all_logits: bool = True, hidden: bool = False):
+    def prefill(self, ids, all_logits: bool = True, hidden: bool = False, cancel: Cancel | None = None,
+                progress=None):
         """Run new tokens after the cache; logits (T, V) for every new token, or (1, V) for the last.
         hidden=True: (logits, h) with h (T, D) the output_norm'd hidden states of every new token
-        (what an MTP block takes, mtp.py; self.mtp is given them of every forward)."""
+        (what an MTP block takes, mtp.py; self.mtp is given them of every forward).
+
+        cancel: checked before every layer, and inside one before each block of its matrix products and
+        each routed expert's fill and product (the safe points); a stop raises cancel.Cancelled there, and
+        the cache keeps none of this call's rows. progress(done): at the same points, `done` the tokens of
+        this call read so far (a chunk's layers done count as a fraction of it), so that a long pass shows
+        it moves."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -191,29 +226,52 @@ class Model:
             )
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
-        out, hs = [], []
-        with self.threads.limit(ids.size):
-            for start in range(0, ids.size, PREFILL_CHUNK):
-                chunk = ids[start : start + PREFILL_CHUNK]
-                last = start + chunk.size == ids.size
-                pos0 = self.cache.length
-                x = self._forward(chunk)  # (T, D)
-                if hidden or self.mtp is not None:
-                    h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
-                    if self.mtp is not None:
-                        self.mtp.observe(pos0, h)
-                    if hidden:
-                        hs.append(h)
-                if all_logits:
-                    out.append(self.fwd.logits(x))
-                elif last:
-                    out.append(self.fwd.logits(x[-1:]))
+        out, hs, first, n_layer = [], [], self.cache.length, self.cfg.n_layer
+        with self.threads.limit(ids.size), self._safe_points(cancel, progress) as point:
+            try:
+                for start in range(0, ids.size, PREFILL_CHUNK):
+                    chunk = ids[start : start + PREFILL_CHUNK]
+                    last = start + chunk.size == ids.size
+                    pos0 = self.cache.length
+                    x = self._forward(chunk, lambda l, a=start, t=chunk.size: point(a + t * l / n_layer))  # (T, D)
+                    if hidden or self.mtp is not None:
+                        h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
+                        if self.mtp is not None:
+                            self.mtp.observe(pos0, h)
+                        if hidden:
+                            hs.append(h)
+                    if all_logits:
+                        out.append(self.fwd.logits(x))
+                    elif last:
+                        out.append(self.fwd.logits(x[-1:]))
+            except BaseException:  # (a stop, or a failure midway: the chunks before go too)
+                self.cache.truncate(first)
+                raise
         logits = np.concatenate(out) if len(out) > 1 else out[0]
+        if progress:
+            progress(ids.size)
         return (logits, np.concatenate(hs)) if hidden else logits
 
-    def decode(self, token_id: int) -> np.ndarray:
-        """One token after the cache: logits (V,)."""
-        return self.prefill([token_id], all_logits=False)[0]
+    def decode(self, token_id: int, cancel: Cancel | None = None) -> np.ndarray:
+        """One token after the cache: logits (V,). cancel: as prefill's."""
+        return self.prefill([token_id], all_logits=False, cancel=cancel)[0]
+
+    @contextmanager
+    def quiet(self):
+        """While colichat answers (a prompt read, an answer generated): the background work (the routed
+        experts' warm start, ExpertCache.warm) waits, so that it takes no core from the answer."""
+        if self.experts is None:
+            yield
+            return
+        with self.experts.paused():
+            yield
+
+    def warming(self) -> tuple[int, int] | None:
+        """(experts filled, experts to fill) while the experts' warm start is still under way, else None."""
+        e = self.experts
+        if e is None or e.warmer is None or not e.warmer.is_alive() or e.warmed >= e.warming:
+            return None
+        return e.warmed, e.warming
 
     def keep_expert_usage(self) -> None:
         """Write the routed experts' use counts beside the weights cache, for the next start's warm
@@ -252,28 +310,59 @@ class Model:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(a.nbytes for a in self.w.values())
+        """Bytes of the f32 weights the model holds (on the kernel path, what is not multiplied in place)."""
+        return sum(a.nbytes for a in self.w.values() if isinstance(a, np.ndarray))
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the GGUF the kernel path multiplies in place: its QMatrix weights and routed experts."""
+        n = sum(a.nbytes for a in self.w.values() if isinstance(a, QMatrix))
+        if isinstance(self.experts, MappedExperts):
+            n += sum(self.tensors.nbytes(name) for name in self.tensors.by_name if "_exps." in name)
+        return n
 
     def memory_estimate(self) -> MemoryEstimate:
-        """Dense f32 weights + the expert-cache bound + KV bytes per token x context."""
-        cfg, all_f32 = self.cfg, 0
-        if self.experts is not None:
-            per_expert = 3 * cfg.n_ff_exp * cfg.n_embd * 4  # gate, up, down as f32
-            all_f32 = per_expert * cfg.n_expert * len(self.experts.layers)
-        bound = 0
-        if self.experts is not None:  # the slab never holds more than all experts, nor less than one (scratch)
+        """f32 weights + the expert-cache bound + KV bytes per token x context + what is mapped + buffers."""
+        cfg, all_f32, bound = self.cfg, 0, 0
+        if isinstance(self.experts, ExpertCache):  # never more than all experts, nor less than one (scratch)
+            all_f32 = 3 * cfg.n_ff_exp * cfg.n_embd * 4 * cfg.n_expert * len(self.experts.layers)  # gate, up, down
             bound = max(min(self.experts.capacity, all_f32), self.experts.slab.nbytes)
         return MemoryEstimate(self.weight_bytes, bound, all_f32, self.cache.record_bytes, self.n_ctx,
-                              mtp_bytes_per_token(cfg) if self.mtp is not None else 0)
+                              mtp_bytes_per_token(cfg) if self.mtp is not None else 0, self.mapped_bytes,
+                              working_bytes(cfg))
 
     # --- internals --------------------------------------------------------------------------------
 
-    def _forward(self, ids: np.ndarray) -> np.ndarray:
+    @contextmanager
+    def _safe_points(self, cancel: Cancel | None, progress):
+        """A pass's safe points: yields point(done), which checks `cancel` and tells `progress` the tokens
+        done; inside a layer, the products' blocks and the routed experts call it again (ops.SAFE_POINT)."""
+        if cancel is None and progress is None:
+            yield lambda done: None
+            return
+        at = [0.0]
+
+        def point(done: float | None = None) -> None:
+            if cancel is not None:
+                cancel.check()
+            at[0] = at[0] if done is None else done
+            if progress:
+                progress(at[0])
+
+        token = SAFE_POINT.set(point)
+        try:
+            yield point
+        finally:
+            SAFE_POINT.reset(token)
+
+    def _forward(self, ids: np.ndarray, point=lambda l: None) -> np.ndarray:
+        """The layers over ids (T,) after the cache; point(l) before layer l (a safe point: it may raise)."""
         pos0 = self.cache.length
         t = ids.size
         self.cache.tokens[pos0 : pos0 + t] = ids
         x = self.w["token_embd"][ids]  # (T, D)
         for l in range(self.cfg.n_layer):
+            point(l)
             x = self.fwd.layer(l, x, pos0, self.cache)
         self.cache.length = pos0 + t
         return x

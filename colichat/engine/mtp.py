@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import ModelError
 from .cache import KVCache, record_bytes
-from .ops import rms_norm
+from .ops import linear, rms_norm
 from .speculative import DraftSource
 
 NEXTN_REQUIRED = ("eh_proj", "enorm", "hnorm")
@@ -51,7 +51,7 @@ def prepare_block(cfg, t, l: int, get, w: dict) -> None:
               "embed_tokens": (v, d), "shared_head_norm": (d,), "shared_head_head": (v, d)}
     for name in NEXTN_REQUIRED + NEXTN_OPTIONAL:
         if name in NEXTN_REQUIRED or t.has(b + name + ".weight"):
-            w[b + name] = get(b + name + ".weight", shapes[name])
+            w[b + name] = get(b + name + ".weight", shapes[name], len(shapes[name]) == 2)  # matrices: t.matrix's
 
 
 class MTPBlock:
@@ -84,14 +84,14 @@ class MTPBlock:
         e = w.get(b + "nextn.embed_tokens", w["token_embd"])[ids]  # (T, D)
         eh = np.concatenate([rms_norm(e, w[b + "nextn.enorm"], cfg.rms_eps),
                              rms_norm(h_prev.astype(np.float32), w[b + "nextn.hnorm"], cfg.rms_eps)], axis=1)
-        u = eh @ w[b + "nextn.eh_proj"].T  # (T, D)
+        u = linear(eh, w[b + "nextn.eh_proj"])  # (T, D)
         self.cache.tokens[pos0 : pos0 + ids.size] = ids
         u = model.fwd.layer(self.l, u, pos0, self.cache, slot=0)  # (T, D), dense attention (no indexer)
         self.cache.length = pos0 + ids.size
         if last_only:
             u = u[-1:]  # (1, D)
         hn = rms_norm(u, w.get(b + "nextn.shared_head_norm", w["output_norm"]), cfg.rms_eps)
-        return hn @ w.get(b + "nextn.shared_head_head", model.output).T  # (T, V)
+        return linear(hn, w.get(b + "nextn.shared_head_head", model.output))  # (T, V)
 
     def truncate(self, n: int) -> None:
         """Drop rows past n (after a rejected draft, or a /rewind of the trunk)."""

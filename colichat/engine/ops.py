@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar
 
 import numpy as np
+
+from .gguf.qmatrix import QMatrix
 
 SMALL_BATCH = 16  # up to this many tokens, a pass computes every row exactly as a one-token pass would
 MATVEC_BLOCK = 256 << 10  # bytes of a weight block kept in L2 while every row of a small batch reads it
@@ -12,6 +15,7 @@ ROW_BLOCKS = 8  # a product's outputs split into this many blocks (fewer for mat
 ROW_ALIGN = 16  # block edges on multiples of this many outputs (whole BLAS kernel tiles)
 MATVEC_SPLIT = 8 << 20  # bytes of weights from which a matrix-vector product is shared among threads
 SHARED_BLOCK = 4 << 20  # bytes of a weight block every row of a small batch reads on OpenBLAS's threads (L2 + L3)
+TILE_BYTES = 2 << 20  # f32 bytes of a quantized matrix's tile dequantized for a matrix product (prefill)
 
 # Who computes the row blocks of the current pass's products: a threads.Workers (set per pass by
 # threads.ThreadPolicy.limit), or None for this thread alone. Either way the blocks are the same.
@@ -20,6 +24,15 @@ WORKERS: ContextVar = ContextVar("workers", default=None)
 # (OpenBLAS's threads, set per pass by threads.ThreadPolicy.limit), or None for BLAS calls on this
 # thread (or the WORKERS). The bits are the same.
 MATVEC: ContextVar = ContextVar("matvec", default=None)
+# The current pass's safe point (set per pass by Model.prefill: it checks the pass's stop request, and may
+# raise, and tells its progress), called on the pass's thread between the blocks of a product, and by the
+# routed experts (ffn.py) between theirs; None outside a pass.
+SAFE_POINT: ContextVar = ContextVar("safe_point", default=None)
+# Who computes the row blocks of a small pass's products with a QMatrix (the kernels release the GIL): a
+# threads.Workers of the thread count the pass's timing picked (threads.ThreadPolicy.limit), or None.
+KERNEL_WORKERS: ContextVar = ContextVar("kernel_workers", default=None)
+# Each thread's f32 buffer for the tiles of quantized matrices it dequantizes (reused, never shared).
+_TILES = threading.local()
 
 
 def row_blocks(o: int) -> list[int]:
@@ -34,12 +47,15 @@ def row_blocks(o: int) -> list[int]:
 
 
 def run_blocks(compute, store, n: int, workers) -> None:
-    """store(i, compute(i)) for i in range(n): by `workers` (threads.Workers) if any, else here."""
+    """store(i, compute(i)) for i in range(n): by `workers` (threads.Workers) if any, else here; the
+    pass's SAFE_POINT before each block this thread computes."""
+    point = SAFE_POINT.get() or (lambda: None)
     if workers is None or n == 1:
         for i in range(n):
+            point()
             store(i, compute(i))
     else:
-        workers.run(compute, store, n)
+        workers.run(compute, store, n, point)
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -58,6 +74,8 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     serves all T rows from the CPU cache. OpenBLAS's small-T matrix product is both slower here (it
     repacks the weights, 3-5x a matrix-vector product) and rounds differently.
     """
+    if isinstance(w, QMatrix):
+        return _qlinear(x, w)
     t = x.shape[0]
     workers = WORKERS.get()
     if t <= SMALL_BATCH:
@@ -77,6 +95,41 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         out[:, edges[i] : edges[i + 1]] = y
 
     run_blocks(lambda i: x @ w[edges[i] : edges[i + 1]].T, store, len(edges) - 1, workers)  # (T, block)
+    return out
+
+
+def _qlinear(x: np.ndarray, w: QMatrix) -> np.ndarray:
+    """linear with a QMatrix w (O, Z): its blocks read in place, never the whole matrix as f32.
+
+    T <= SMALL_BATCH: the kernels' matrix-vector products (every output's bits independent of T, of
+    the blocks and of the threads), over the parts, split into ROW_BLOCKS blocks per part among the
+    pass's KERNEL_WORKERS when the matrix is large (MATVEC_SPLIT, counted as f32 bytes: the work).
+    T > SMALL_BATCH (prefill): tiles of rows fixed by the shape (TILE_BYTES of f32 each) are
+    dequantized into the computing thread's buffer and multiplied with one single-threaded sgemm each,
+    the tiles shared by the pass's WORKERS: the bits depend on the tile edges alone, as row_blocks'."""
+    t, (o, z) = x.shape[0], w.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)  # (T, Z)
+    out = np.empty((t, o), dtype=np.float32)  # (T, O)
+    if t <= SMALL_BATCH:
+        workers = KERNEL_WORKERS.get() if 4 * o * z >= MATVEC_SPLIT else None
+        edges = w.edges(None if workers is None else o // ROW_BLOCKS)
+
+        def compute(i: int) -> None:
+            a, b = edges[i], edges[i + 1]
+            w.matvec(x, a, b, out[:, a:b])  # (T, b-a)
+    else:
+        workers = WORKERS.get()
+        edges = w.edges(TILE_BYTES // (4 * z))
+
+        def compute(i: int) -> None:
+            a, b = edges[i], edges[i + 1]
+            buf = getattr(_TILES, "buf", None)
+            if buf is None or buf.size < (b - a) * z:
+                buf = _TILES.buf = np.empty(max(TILE_BYTES // 4, (b - a) * z), dtype=np.float32)
+            out[:, a:b] = x @ w.dequantize(a, b, buf).T  # (T, b-a)
+
+    # each block is written where it goes (a late block computed twice by Workers.run: the same bits)
+    run_blocks(compute, lambda i, _: None, len(edges) - 1, workers)
     return out
 
 

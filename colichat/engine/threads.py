@@ -21,6 +21,12 @@ threads do pay on an idle machine (a matrix-vector product split among them give
 tests/test_threads.py) and cost several times over when another process holds a core: so the OpenBLAS
 thread count of their matrix-vector products follows their measured times (Faster), and on one thread
 a verify pass's products use DECODE_THREADS.
+
+Quantized weights (the kernel path: ops.linear on a gguf.qmatrix.QMatrix) use the same scheme with the
+engine's own threads only: the compiled kernels release the GIL, so a small pass's products with them
+run on the Workers of the count Faster picked (ops.KERNEL_WORKERS), each thread taking the next block of
+rows, and prefill's dequantized tiles are shared by the prefill Workers as row blocks are. numba's own
+thread pool (prange) is not used: one scheme, and the kernels' bits do not depend on the split.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from contextlib import contextmanager
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from .ops import MATVEC, ROW_ALIGN, ROW_BLOCKS, SHARED_BLOCK, SMALL_BATCH, WORKERS
+from .ops import KERNEL_WORKERS, MATVEC, ROW_ALIGN, ROW_BLOCKS, SHARED_BLOCK, SMALL_BATCH, WORKERS
 
 # verify passes (2..SMALL_BATCH tokens) on one OpenBLAS thread: a second Python thread sharing row blocks
 # did not pay on a shared machine (BENCHMARKS.md "Threads"); products under ops.MATVEC_SPLIT bytes stay one
@@ -70,8 +76,9 @@ class Workers:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="colichat-blas")
 
-    def run(self, compute, store, n: int) -> None:
-        """store(i, compute(i)) once for every i in range(n); returns when all are stored.
+    def run(self, compute, store, n: int, point=lambda: None) -> None:
+        """store(i, compute(i)) once for every i in range(n); returns when all are stored. point(): called
+        on the calling thread before each block it takes (a safe point: if it raises, no block is stored).
 
         Each thread takes the next block when it is free. When none is left, the calling thread waits
         for the helpers' blocks about as long as one block took it, then computes a late one itself
@@ -105,7 +112,10 @@ class Workers:
             self.pool.submit(work)
         block_s = None  # how long a block took here
         try:
-            while (i := next_block()) is not None:
+            while True:
+                point()
+                if (i := next_block()) is None:
+                    break
                 t0 = time.perf_counter()
                 keep(i, compute(i))
                 block_s = time.perf_counter() - t0
@@ -236,7 +246,8 @@ class BlasMatvec:
 
 
 class ThreadPolicy:
-    """Per pass: the OpenBLAS threads, and the workers for the pass's products (None: this thread).
+    """Per pass: the OpenBLAS threads, and the workers for the pass's products (None: this thread); a
+    small pass's products with quantized weights run on Workers of the OpenBLAS thread count it picks.
 
     decode: Python threads sharing the row blocks of verify passes' large products (ops.MATVEC_SPLIT)
     when small passes run on one OpenBLAS thread.
@@ -267,8 +278,9 @@ class ThreadPolicy:
 
     def workers(self, tokens: int) -> Workers | None:
         n = self.threads(tokens)
-        if n <= 1:
-            return None
+        return self._pool(n) if n > 1 else None
+
+    def _pool(self, n: int) -> Workers:
         if n not in self._workers:  # threads start on first use
             self._workers[n] = Workers(n)
         return self._workers[n]
@@ -291,10 +303,12 @@ class ThreadPolicy:
         with self.controller.limit(limits=1, user_api="blas"):
             token = WORKERS.set(self.workers(tokens) if n == 1 and tokens > 1 else None)
             matvec = MATVEC.set(self._matvec.get(n))
+            kernel = KERNEL_WORKERS.set(self._pool(n) if n > 1 else None)  # (quantized products: our threads)
             t0 = time.perf_counter()
             try:
                 yield
             finally:
+                KERNEL_WORKERS.reset(kernel)
                 MATVEC.reset(matvec)
                 WORKERS.reset(token)
             if timed:

@@ -4,8 +4,8 @@ of one base model apart.
     ident = model_identity(gguf_path, arch, name, rope_factors=None)   # reads ~2 MB: {"arch", "name",
                                         # "fingerprint", "file", "path", "real_path"} (+ "rope_factors")
     weights_fingerprint(gguf_path) -> 32 hex digits
-    model_dirname(ident)                # its session directory's name: the sanitized model name, then
-                                        # 12 hex digits of the fingerprint (dir_suffix)
+    model_dirname(ident)                # its session directory's name: the model as the screen names it
+                                        # (`title`), sanitized, then 12 hex digits of the fingerprint
 """
 
 from __future__ import annotations
@@ -100,7 +100,19 @@ def dir_suffix(fingerprint: str) -> str:
     return "-" + fingerprint[:12]
 
 
+def title(name: str, path: str) -> str:
+    """The model in a few words, as every screen names it (models.model_title shows it): its general.name
+    when that is short, else the file's name without .gguf (`path` may be the name alone; empty when not
+    known: the name then)."""
+    file = os.path.basename(path)
+    stem = file[:-5] if file.lower().endswith(".gguf") else file
+    return name if not stem or (name and name != file and len(name.split()) <= 4 and len(name) <= 40) else stem
+
+
 def model_dirname(ident: dict) -> str:
-    """The model's session directory's name: its sanitized name (else its architecture), then `dir_suffix`."""
-    base = re.sub(r"[^A-Za-z0-9._-]+", "-", str(ident.get("name") or "")).strip("-.")[:40]
+    """The model's session directory's name: the model as the screen names it (`title`; else its
+    architecture), sanitized, then `dir_suffix`. Directories named otherwise by an older colichat (from
+    general.name alone) are found by their suffix (Store.model_dir)."""
+    named = title(str(ident.get("name") or ""), str(ident.get("file") or ""))
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", named).strip("-.")[:40]
     return f"{base or ident.get('arch') or 'model'}{dir_suffix(ident['fingerprint'])}"

@@ -23,6 +23,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..engine.cache import stored_record_bytes
 from ..engine.kvcodec import width_problem
 from ..errors import SessionError
@@ -285,28 +287,29 @@ def read_header(fd: int, path: str) -> tuple[Header, int]:
     return h, size
 
 
-def read_records(fd: int, dest: memoryview, record_bytes: int) -> None:
-    """Fill `dest` (whole records, a byte view of the cache) from record 0 on, in large reads.
+def read_records(fd: int, dest: memoryview, record_bytes: int, at: int = 0) -> None:
+    """Fill `dest` (whole records, a byte view of the cache) from record `at` on, in large reads.
 
     Past PARALLEL_READ bytes two threads each read one half: the cost of a resume is copying the
     file out of the page cache, and os.preadv releases the GIL, so both cores copy at once.
     """
+    start = at * record_bytes
     if len(dest) < PARALLEL_READ:
-        _pread_all(fd, dest, 0, record_bytes)
+        _pread_all(fd, dest, start, record_bytes)
         return
     half = len(dest) // 2 // record_bytes * record_bytes
     failed: list[BaseException] = []
 
     def second_half() -> None:
         try:
-            _pread_all(fd, dest[half:], half, record_bytes)
+            _pread_all(fd, dest[half:], start + half, record_bytes)
         except BaseException as e:  # re-raised in the caller's thread
             failed.append(e)
 
     worker = threading.Thread(target=second_half)
     worker.start()
     try:
-        _pread_all(fd, dest[:half], 0, record_bytes)
+        _pread_all(fd, dest[:half], start, record_bytes)
     finally:
         worker.join()
     if failed:
@@ -449,3 +452,28 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class SavedRecords:
+    """A KV file's records in memory, as `load` reads them into a cache: enough for its checks (the
+    CRCs and token ids are over the file's bytes), so a session's turns are checked without its model."""
+
+    def __init__(self, layout: CacheLayout, capacity: int):
+        self.kind, self.n_layer, self.codec = layout.kind, layout.n_layer, layout.codec
+        self.a_width, self.b_width = layout.a_width, layout.b_width
+        self.record_bytes, self.capacity, self.length = layout.record_bytes, capacity, 0
+        self.stored_bytes = self.record_bytes
+        self._buf = bytearray(capacity * self.record_bytes)
+        self.tokens = np.ndarray((capacity,), "<i4", self._buf, strides=(self.record_bytes,))  # (N,) token ids
+
+    def raw(self, start: int, stop: int) -> memoryview:
+        return memoryview(self._buf)[start * self.record_bytes : stop * self.record_bytes]
+
+    def set_length(self, n: int) -> None:
+        self.length = n
+
+    def set_codec(self, codec: str) -> None:
+        assert codec == self.codec, "a saved-records buffer is made in its file's codec"
+
+    def loaded(self, n: int) -> None:
+        """(The checks are over the file's bytes: nothing to decode.)"""

@@ -12,8 +12,10 @@ more tokens than the context. Dropped, with a warning each, from the first bad o
 the records present, a turn whose checksum or token ids are wrong, records no turn covers, a last
 message without its answer (`exchanges`). A KV file that is not this conversation's (its header
 disagrees with its own sidecar) or is not there: no records, the text of the intact exchanges read
-again (LoadResult.unread). Nothing here writes a file: what a load drops stays on disk until the
-writer's (session.py) next save rewrites nrec and the sidecar to the kept prefix (FORMAT.md).
+again (LoadResult.unread). What the sidecar committed and the file does not show yet (a staged
+exchange, an unfinished cut: pending.py) is read as done. Nothing here writes a file: what a load
+drops stays on disk until the writer's (session.py) next save rewrites nrec and the sidecar to the
+kept prefix (FORMAT.md).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .kvfile import (
     HEADER_SIZE,
     KIND_OF_MAGIC,
     CacheLayout,
+    SavedRecords,
     SessionError,
     lstat_regular,
     open_file,
@@ -42,6 +45,7 @@ from .kvfile import (
 )
 from .locks import reading
 from .names import KV_EXT, SIDECAR_EXT, interrupted_create
+from .pending import Pending, pending_of
 from .sidecar import (
     FORMAT_VERSION,
     MAX_SIDECAR_BYTES,
@@ -49,6 +53,7 @@ from .sidecar import (
     doc_check,
     document,
     drop_unanswered,
+    kv_gone,
     lineage,
     parse_turns,
     readable_again,
@@ -82,6 +87,8 @@ class LoadResult:
     unread_entries: list[dict] = field(default_factory=list)  # the sidecar's entries of `unread`
     text_only: bool = False  # no records read: no KV file, or none this load can use (`kv_damage`)
     kv_damage: str | None = None
+    pending: Pending | None = None  # what the sidecar committed that the file does not show yet (pending.py)
+    kv_gone: str | None = None  # "was pruned" (--prune-kv) or "is not there": no KV file, all the text read again
 
     def summary(self) -> str:
         """The line the chat program prints to stderr after a resume."""
@@ -160,8 +167,8 @@ def read_saved(directory, name: str) -> LoadResult:
             if why:
                 return load_text_only(src, why)
             layout = CacheLayout.from_header(header)
-            records = min(header.nrec, (size - HEADER_SIZE) // max(1, layout.record_bytes))
-            return load(replace(src, layout=layout), fd, _SavedRecords(layout, records), exchanges=True)
+            records = (size - HEADER_SIZE) // max(1, layout.record_bytes)  # (a staged exchange lies past nrec)
+            return load(replace(src, layout=layout), fd, SavedRecords(layout, records), exchanges=True)
     finally:
         with contextlib.suppress(OSError):  # (a descriptor only read from: closing it loses nothing)
             os.close(fd)
@@ -250,14 +257,15 @@ def load(src: Source, fd: int, cache, ctx_limit: int | None = None, detokenize=N
                         "checksum (the next save adds them)")
     # a conversation keeps the codec it was saved in: the cache takes the file's
     layout = src.layout.with_codec(CODEC_OF_MAGIC[header.magic], getattr(cache, "row_width", 0))
-    turns, crcs, n = listed_prefix(doc, header.nrec, size, warnings, layout.record_bytes)
+    turns, crcs, n, pend = listed_prefix(doc, header.nrec, size, warnings, layout.record_bytes)
     ctx = cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
     if n > ctx:
         raise SessionError(more_context(src.name, n, ctx, ctx_most))
     codec = cache.codec
     try:
         cache.set_codec(layout.codec)
-        read_records(fd, cache.raw(0, n), layout.record_bytes)
+        for first, last, at in (pend or Pending()).spans(n):  # (a staged exchange: from where it lies)
+            read_records(fd, cache.raw(first, last), layout.record_bytes, at)
         cache.loaded(n)
     except (OSError, SessionError) as e:
         cache.set_length(0)
@@ -282,7 +290,7 @@ def load(src: Source, fd: int, cache, ctx_limit: int | None = None, detokenize=N
     unread = readable_again(doc, turns)
     return LoadResult(src.name, n, list(turns), ms, warnings, unread=unread, crcs=crcs, layout=layout,
                       unread_entries=doc["turns"][len(turns): len(turns) + len(unread)] if unread else [],
-                      **_kept(doc))
+                      pending=pend, **_kept(doc))
 
 
 def load_text_only(src: Source, damage: str | None, cache=None, ctx_limit: int | None = None,
@@ -300,10 +308,11 @@ def load_text_only(src: Source, damage: str | None, cache=None, ctx_limit: int |
     if doc is None:
         raise SessionError(f"no session named {src.name} for this model (/sessions lists them)")
     listed, _, warn = parse_turns(doc)
-    state = f"is damaged ({damage})" if damage else "is not there"
-    warnings = [f"the KV file {src.name}{KV_EXT} {state}: none of the {count(len(listed), 'turn')} "
-                "listed has its records"] + ([warn] if warn else [])
     unread = readable_again(doc, [])
+    gone = None if damage or warn else kv_gone(doc, listed, unread)  # nothing is lost: no warning
+    state = f"is damaged ({damage})" if damage else "is not there"
+    warnings = [] if gone else [f"the KV file {src.name}{KV_EXT} {state}: none of the {count(len(listed), 'turn')} "
+                                "listed has its records"] + ([warn] if warn else [])
     n = unread[-1].last if unread else 0
     ctx = None if cache is None else cache.capacity if ctx_limit is None else min(ctx_limit, cache.capacity)
     if ctx is not None and n > ctx:
@@ -312,7 +321,7 @@ def load_text_only(src: Source, damage: str | None, cache=None, ctx_limit: int |
         cache.set_length(0)
     return LoadResult(src.name, 0, [], (time.perf_counter() - t0) * 1000, warnings, unread=unread,
                       layout=src.layout, unread_entries=doc["turns"][: len(unread)], text_only=True,
-                      kv_damage=damage, **_kept(doc))
+                      kv_damage=damage, kv_gone=gone, **_kept(doc))
 
 
 # ---- the rules ---------------------------------------------------------------------------------
@@ -357,8 +366,7 @@ def read_sidecar(src: Source) -> dict | None:
 
 
 def header_disagreement(doc: dict, header) -> str | None:
-    """How a header disagrees with the layout its own sidecar recorded (damage, or another
-    session's KV file put in its place), or None."""
+    """How a header disagrees with the layout its own sidecar recorded (damage, another session's KV file), or None."""
     saved = doc.get("layout") if isinstance(doc.get("layout"), dict) else {}
     saved = {"codec": "f32", "head_dim": 0, **saved}  # (an f32 sidecar names no codec)
     got = CacheLayout.from_header(header).__dict__
@@ -367,24 +375,26 @@ def header_disagreement(doc: dict, header) -> str | None:
 
 
 def listed_prefix(doc, nrec: int, size: int, warnings: list[str], record_bytes: int):
-    """(turns, crcs, records to read): the sidecar's turns that lie within the whole records
-    present (all records present when there is no sidecar), of `record_bytes`."""
+    """(turns, crcs, records to read, pending): the sidecar's turns within the whole records (of `record_bytes`)
+    present (all records present when there is no sidecar), where the sidecar's marks say they lie (pending.py:
+    `pending`, what the file does not show yet, or None)."""
     whole = (size - HEADER_SIZE) // record_bytes
     avail = min(nrec, whole)
+    pend = pending_of(doc, nrec)
     if whole < nrec:
         warnings.append(f"the KV file is cut short: its header lists {nrec} records, it holds {whole} whole ones")
     if doc is None:
-        return [], [], avail
+        return [], [], avail, None
     turns, crcs, warn = parse_turns(doc)
     warnings += [warn] if warn else []
-    kept = sum(1 for t in turns if t.last <= avail)
+    kept = next((i for i, t in enumerate(turns) if not (pend or Pending()).holds(t, nrec, whole)), len(turns))
     if kept < len(turns):
         warnings.append(f"dropped {span(turns, kept)}: past the {avail} records in the KV file")
         del turns[kept:], crcs[kept:]
     n = turns[-1].last if turns else 0
-    if avail > n and not warn:  # (after a dropped sidecar turn the records are that turn's)
+    if avail > n and not warn and pend is None:  # (after a dropped sidecar turn the records are that turn's)
         warnings.append(f"dropped {avail - n} records after the last turn (an interrupted save)")
-    return turns, crcs, n
+    return turns, crcs, n, pend
 
 
 def _verify(cache, turns: list[Turn], crcs: list[int], warnings: list[str], vocab: int) -> int:
@@ -449,8 +459,7 @@ def _kept(doc: dict) -> dict:
 
 
 def _sidecar_as_it_is(path: str) -> dict | None:
-    """The sidecar document as `listed_prefix` takes it, unchecked (None: no sidecar, or one that is
-    not a document; SessionError if it cannot be read)."""
+    """The sidecar document as `listed_prefix` takes it, unchecked (None: none there; SessionError: no document)."""
     if lstat_regular(path, "sidecar") is None:
         return None
     fd = open_file(path, "sidecar", os.O_RDONLY)
@@ -473,28 +482,3 @@ def _saved_model(path: str) -> dict:
     except OSError:
         return {}
     return doc["model"] if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else {}
-
-
-class _SavedRecords:
-    """A KV file's records in memory, as `load` reads them into a cache: enough for its checks (the
-    CRCs and token ids are over the file's bytes), so a session's turns are checked without its model."""
-
-    def __init__(self, layout: CacheLayout, capacity: int):
-        self.kind, self.n_layer, self.codec = layout.kind, layout.n_layer, layout.codec
-        self.a_width, self.b_width = layout.a_width, layout.b_width
-        self.record_bytes, self.capacity, self.length = layout.record_bytes, capacity, 0
-        self.stored_bytes = self.record_bytes
-        self._buf = bytearray(capacity * self.record_bytes)
-        self.tokens = np.ndarray((capacity,), "<i4", self._buf, strides=(self.record_bytes,))  # (N,) token ids
-
-    def raw(self, start: int, stop: int) -> memoryview:
-        return memoryview(self._buf)[start * self.record_bytes : stop * self.record_bytes]
-
-    def set_length(self, n: int) -> None:
-        self.length = n
-
-    def set_codec(self, codec: str) -> None:
-        assert codec == self.codec, "a saved-records buffer is made in its file's codec"
-
-    def loaded(self, n: int) -> None:
-        """(The checks are over the file's bytes: nothing to decode.)"""

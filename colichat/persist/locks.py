@@ -1,10 +1,11 @@
 """The locks of a session's files.
 
 NAME.lock is the writer's lock: one colichat has a session open for writing (`take_lock`, flock
-LOCK_EX on the file, which holds its pid for the refusal another colichat prints; `release_lock`),
-and `lock_holder` looks, before a long start, whether another has it. The KV file's own flock
-orders a save (LOCK_EX, `flock_for_save`) and a read without the session's lock (LOCK_SH,
-`reading`): such a read sees the session whole.
+LOCK_EX on the file, which holds its pid for the refusal another colichat prints; `release_lock`;
+`remove_lock` when its conversation goes, so that no empty NAME.lock stays), and `lock_holder`
+looks, before a long start, whether another has it. The KV file's own flock orders a save
+(LOCK_EX, `flock_for_save`) and a read without the session's lock (LOCK_SH, `reading`): such a
+read sees the session whole.
 """
 
 from __future__ import annotations
@@ -19,10 +20,54 @@ from .kvfile import SessionBusy, SessionError, check_writable, open_file, oserro
 
 
 def take_lock(path: str, name: str) -> int:
-    """flock NAME.lock (kept on disk; never unlinked, which would race) and write our pid in it.
+    """flock NAME.lock (made if missing) and write our pid in it.
 
-    The descriptor is closed on every failure. The pid is informational (it names the holder in the
-    refusal another colichat prints), so failing to write it, on a full disk say, keeps the lock."""
+    The holder removes the file when its conversation goes (`remove_lock`); a lock taken on a file
+    removed meanwhile (opened before the removal, flocked after it) guards nothing, so it is taken
+    again on the file now at that name. The descriptor is closed on every failure. The pid is
+    informational (it names the holder in the refusal another colichat prints), so failing to write
+    it, on a full disk say, keeps the lock."""
+    for _ in range(8):
+        fd = _flock(path, name)
+        try:
+            if _names(path, fd):
+                break
+        except OSError as e:
+            os.close(fd)
+            raise SessionError(f"cannot lock session {name}: {oserror_text(e)}") from None
+        os.close(fd)
+    else:
+        raise SessionError(f"cannot lock session {name}: its lock file {path} is removed again and again")
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+    return fd
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        cur, st = os.lstat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)
+
+
+def remove_lock(fd: int, path: str) -> None:
+    """Release the writer's lock held as `fd` and remove its file NAME.lock (`path`): the conversation
+    is gone (deleted, renamed, never saved or emptied). Removed while held, so a colichat waiting for
+    it finds the name free (take_lock takes a lock on a new file); a file not this lock's is left."""
+    with contextlib.suppress(OSError):
+        if _names(path, fd):
+            os.unlink(path)
+    release_lock(fd)
+
+
+def _flock(path: str, name: str) -> int:
+    """NAME.lock (`path`) open and flocked, exclusive, without waiting; SessionBusy where another holds it."""
     fd = open_file(path, "lock file", os.O_RDWR | os.O_CREAT)
     check_writable(fd, path, "lock file", f"remove it (rm '{path}'); colichat makes a new one")
     try:
@@ -39,12 +84,6 @@ def take_lock(path: str, name: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-    try:
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass
     return fd
 
 

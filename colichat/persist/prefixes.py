@@ -10,7 +10,8 @@ opens the best of them as /resume does (header, fingerprint, checksums) and keep
 tokens are the prompt's own. So a stale, lost or damaged index costs a prefill, never a wrong cache:
 it is written whole (a temporary file renamed over it) after each save, never fsynced, and rebuilt
 from the sessions' own files (their sidecars' turns and their KV files' tokens) when it cannot be
-read.
+read. It is read as every hint is (hints.py: without blocking, at most LIMIT bytes, any damage one line),
+and one that cannot be used is said once (`said`), then written anew by the next save.
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
+from ..hints import Said, read_hint
 from .kvfile import CODEC_OF_MAGIC, HEADER, HEADER_SIZE, CacheLayout, Header, header_damage, mode_damage
 from .names import KV_EXT, SIDECAR_EXT
 from .sidecar import MAX_SIDECAR_BYTES, document, parse_turns
 
 STEP = 64  # tokens between two points inside a turn
 FORMAT = 1
+LIMIT = 1 << 26  # bytes of an index read at most (some 2,000 conversations of 32k tokens)
 
 
 def points(tokens: np.ndarray, ends: list[int]) -> list[list]:
@@ -42,20 +46,29 @@ def points(tokens: np.ndarray, ends: list[int]) -> list[list]:
     return out
 
 
+def _sessions(data: bytes) -> dict:
+    """An index file's {NAME: entry} (ValueError: not an index of this format)."""
+    doc = json.loads(data)
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT and isinstance(doc.get("sessions"), dict)):
+        raise ValueError(f"not a prefix index of format {FORMAT}")
+    return doc["sessions"]
+
+
 class PrefixIndex:
-    def __init__(self, path: Path, sessions: Path):
+    def __init__(self, path: Path, sessions: Path, said: Said | None = None):
         self.path = Path(path)  # this model's index file
         self.sessions = Path(sessions)  # this model's sessions directory (what a rebuild reads)
+        self.said = said or Said()  # an index that cannot be used, said once a run
 
     def read(self) -> dict:
-        """{NAME: {"codec", "points"}}: the file's, or rebuilt from the sessions when it cannot be read
-        (written by the next `record`: looking up writes nothing)."""
-        try:
-            doc = json.loads(self.path.read_bytes())
-            if isinstance(doc, dict) and doc.get("format") == FORMAT and isinstance(doc.get("sessions"), dict):
-                return doc["sessions"]
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            pass
+        """{NAME: {"codec", "points"}}: the file's, or rebuilt from the sessions when there is none or it
+        cannot be used (written by the next `record`: looking up writes nothing)."""
+        found, problem = read_hint(self.path, _sessions, LIMIT)
+        if found is not None:
+            return found
+        if problem:
+            self.said(self.path, f"the prefix index {self.path} cannot be used ({problem}): it is rebuilt from "
+                                 "the saved conversations")
         return self.rebuild()
 
     def record(self, name: str, codec: str, tokens: np.ndarray, ends: list[int]) -> None:
@@ -99,7 +112,7 @@ class PrefixIndex:
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
             try:
                 os.write(fd, json.dumps({"format": FORMAT, "sessions": entries}, separators=(",", ":")).encode())
             finally:
@@ -114,26 +127,34 @@ class PrefixIndex:
 
 def _entry_of(kv: Path, side: Path) -> dict | None:
     """A session's index entry from its files (the token ids of the records its turns cover), or None
-    where they cannot give one."""
+    where they cannot give one (read as hints are: a FIFO or a device there is not waited on)."""
+    doc = read_hint(side, document, MAX_SIDECAR_BYTES).value
+    turns = parse_turns(doc)[0] if isinstance(doc, dict) else []
+    if not turns:
+        return None
     try:
-        with open(side, "rb") as f:
-            doc = document(f.read(MAX_SIDECAR_BYTES))
-        turns = parse_turns(doc)[0] if isinstance(doc, dict) else []
-        with open(kv, "rb") as f:
-            raw, size = f.read(HEADER_SIZE), os.fstat(f.fileno()).st_size
-        if not turns or header_damage(size, raw):
-            return None
-        header = Header(*HEADER.unpack(raw))
-        layout = CacheLayout.from_header(header)
-        if mode_damage(header.magic, header.mode) or layout.codec_problem():
-            return None
-        rb = layout.record_bytes
-        n = min(header.nrec, turns[-1].last, (size - HEADER_SIZE) // rb)
-        if n <= 0:
-            return None
-        records = np.memmap(kv, dtype=np.uint8, mode="r", offset=HEADER_SIZE, shape=(n, rb))  # (N, record)
-        tokens = np.array(records[:, :4]).view("<i4")[:, 0]  # (reads one page a record)
-        del records
+        fd = os.open(kv, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            raw, size = f.read(HEADER_SIZE), st.st_size
+            if header_damage(size, raw):
+                return None
+            header = Header(*HEADER.unpack(raw))
+            layout = CacheLayout.from_header(header)
+            if mode_damage(header.magic, header.mode) or layout.codec_problem():
+                return None
+            rb = layout.record_bytes
+            n = min(header.nrec, turns[-1].last, (size - HEADER_SIZE) // rb)
+            if n <= 0:
+                return None
+            records = np.memmap(f, dtype=np.uint8, mode="r", offset=HEADER_SIZE, shape=(n, rb))  # (N, record)
+            tokens = np.array(records[:, :4]).view("<i4")[:, 0]  # (reads one page a record)
+            del records
+        except OSError:
+            return None
     return {"codec": CODEC_OF_MAGIC[header.magic], "points": points(tokens, [t.last for t in turns if t.last <= n])}

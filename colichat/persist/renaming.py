@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from ..hints import read_hint
 from .kvfile import SessionError, fsync_dir
 from .locks import release_lock, take_lock
 
@@ -56,11 +57,7 @@ def finish_renames(directory: str) -> None:
     except OSError:
         return
     for new in marks:
-        try:
-            with open(os.path.join(directory, new + MARK_EXT), "rb") as f:
-                old = f.read(256).decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
+        old = read_hint(os.path.join(directory, new + MARK_EXT), lambda data: data.decode("utf-8"), 256).value
         if not old or "/" in old or old.startswith(".") or old == new:  # (not a name a rename writes)
             continue
         locks = []

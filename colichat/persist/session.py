@@ -5,17 +5,16 @@ writer's lock, locks.py), open for writing.
     sess = Session.open(directory, name, ident, layout)                   # existing, locked
     res = sess.load(cache, ctx_limit=None, detokenize=None)               # -> LoadResult (loading.py)
     sess.append(cache, turns)     # save the turns not yet on disk (see `append`)
+    sess.append(cache, turns, keep=k)   # ... in place of the saved turns after the first k: one commit
     sess.truncate(n_turns)        # keep the first n_turns turns (rewind)
     sess.fork(new, cache, turns, branch)   # its first exchanges into `new` (claimed), copied from its file
     sess.close()                  # or use the session as a context manager
 
-Turns tile the records: turn 0 starts at record 0 and each turn starts where the previous one ends.
-A turn handed in may be any object with role, text, first, last; the session keeps its own copies.
-Saving follows design.md section 3: new records in one write + fsync, then nrec + fsync, then an
-atomic sidecar replace. `load` reads only (loading.py holds what a damaged session keeps); what it
-drops stays on disk until the next `append` or `truncate`, which rewrite nrec and the sidecar to the
-kept prefix (FORMAT.md). Every user-facing failure is a SessionError with a one-line message;
-ValueError means a caller bug.
+Turns tile the records (turn 0 from record 0, each from the previous one's end); a turn handed in is
+any object with role, text, first, last. Saving follows FORMAT.md: records, nrec, then an atomic
+sidecar replace (a replace stages its records first: pending.py). `load` writes only what a commit
+promised (pending.py); what it drops stays on disk until the next `append` or `truncate` (loading.py
+holds those rules). A user-facing failure is a SessionError of one line; ValueError is a caller bug.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from .kvfile import (
     write_records,
 )
 from .loading import LoadResult, Source, load, load_text_only, saved_rope_factors, what_opens
-from .locks import flock_for_save, flock_quietly, reading, release_lock, relock, take_lock
+from .locks import flock_for_save, flock_quietly, reading, release_lock, relock, remove_lock, take_lock
 from .names import (
     KV_EXT,
     SIDECAR_EXT,
@@ -56,7 +55,8 @@ from .names import (
     remove_leftovers,
     unlink_quietly,
 )
-from .sidecar import FORMAT_VERSION, Turn, doc_check, iso_time, turn_check, turn_crc, write_document
+from .pending import Pending
+from .sidecar import Turn, iso_time, session_document, turn_crc, write_document
 
 
 class Session:
@@ -86,6 +86,7 @@ class Session:
         # the sidecar's entries of the turns a load dropped whose text is intact (LoadResult.unread): listed
         # on in every sidecar written until an append saves the conversation that read them again
         self._unread_entries: list[dict] = []
+        self._pending: Pending | None = None  # what the sidecar committed and the file does not show yet
         self._text_only = False  # opened from its sidecar alone: no KV file, or none it can read
         self._kv_damage: str | None = None  # why not, when there is one
         self.notes: list[str] = []  # things a save did that the user should hear of (caller drains)
@@ -161,8 +162,11 @@ class Session:
             with contextlib.suppress(OSError):  # everything was fsynced: an error closing loses nothing
                 os.close(fd)
         if self._lock_fd is not None:
-            release_lock(self._lock_fd)
-            self._lock_fd = None
+            fd, self._lock_fd = self._lock_fd, None
+            if any(os.path.lexists(p) for p in (self.kv_path, self.json_path)):
+                release_lock(fd)
+            else:  # no conversation on disk (never saved, emptied): no lock file either
+                remove_lock(fd, os.path.join(self.directory, self.name + ".lock"))
 
     def __enter__(self) -> Session:
         return self
@@ -198,6 +202,10 @@ class Session:
             self._text_only, self._kv_damage = True, res.kv_damage
         self._unread_entries = list(res.unread_entries)
         self._loaded = True
+        self._pending = res.pending if self._lock_fd is not None else None  # ours to finish (pending.py)
+        if self._pending and not (res.warnings or res.unread):  # now (damage waits for the next save)
+            with contextlib.suppress(OSError, SessionError), self._saving():  # (else before the next write)
+                self._check_files(self.turns, self._crcs)
         return res
 
     def saved_rope_factors(self) -> str | None:
@@ -206,7 +214,7 @@ class Session:
 
     # ---- saving ----------------------------------------------------------------------------
 
-    def append(self, cache, turns: list[Turn], sampler: dict | None = None) -> None:
+    def append(self, cache, turns: list[Turn], sampler: dict | None = None, keep: int | None = None) -> None:
         """Save the turns not yet on disk: writes records [self.nrec, turns[-1].last) and the sidecar
         (with `sampler`, the settings from now on, when given).
 
@@ -214,19 +222,27 @@ class Session:
         `self.turns`) or just the new turns (starting at `self.nrec`). Passing the whole list is
         simplest: after a failed save (SessionError: disk full, I/O error) the next call retries the
         unsaved turns. A failed save leaves the cache untouched and the disk at the previous save.
+
+        `keep` (with the whole conversation): the session keeps only its first `keep` saved turns, and
+        the turns after them take the place of the others (/regen) in one commit (pending.py: a crash
+        leaves the one or the other, never less). With no turn after them it is `truncate(keep)`.
         """
         self._require_loaded()
         self.layout.check_cache(cache)
         if sampler is not None:
             self.sampler = dict(sampler)
         turns = [Turn(t.role, t.text, t.first, t.last) for t in turns]  # any object with these fields
-        if self.turns and turns and turns[0].first == 0:
-            if turns[: len(self.turns)] != self.turns:
-                raise ValueError("the turn list does not start with the saved turns; truncate first")
-            turns = turns[len(self.turns):]
+        keep = len(self.turns) if keep is None else min(keep, len(self.turns))
+        replacing = keep < len(self.turns)
+        if replacing or self.turns and turns and turns[0].first == 0:
+            if turns[:keep] != self.turns[:keep] or turns and turns[0].first != 0:
+                raise ValueError("the turn list does not start with the saved turns it keeps")
+            if len(turns) <= keep:
+                return self.truncate(keep) if replacing else None
+            turns = turns[keep:]
         if not turns:
             return
-        prev = self.nrec
+        prev = start = (self.turns[keep - 1].last if keep else 0) if replacing else self.nrec
         for t in turns:
             if t.first != prev or not t.first <= t.last:
                 raise ValueError(f"turn {t.role!r} [{t.first}, {t.last}) does not start at record {prev}")
@@ -235,9 +251,8 @@ class Session:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
         self._cache = cache
-        if self._text_only:  # a new KV file first (the sidecar, listing the text, stays until it is replaced:
-            # a crash or an error after the rename leaves it listing turns past the file's records, which
-            # reopening reads again; the next save retries)
+        if self._text_only:  # a new KV file first; the sidecar stays until replaced (a crash after the rename
+            # leaves it listing turns past the file's records, which reopening reads again)
             try:
                 remake_directory(self.directory, self.name)
                 self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
@@ -251,27 +266,35 @@ class Session:
                     os.close(self._kv_fd)
             self._kv_fd, self._text_only, self._kv_damage = fd, False, None
         if not self.on_disk:  # the first save: the session appears whole or not at all
-            remake_directory(self.directory, self.name)
-            # (a directory removed took the lock file with it)
+            remake_directory(self.directory, self.name)  # (a directory removed took the lock file with it)
             self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
             self._create_files(cache, turns, crcs)
             return
+        staged = None
         try:
             with self._saving():
-                self._check_files(self.turns, self._crcs)
+                self._check_files(self.turns[:keep], self._crcs[:keep])  # (written again: it holds those)
                 if not self._has_sidecar:  # an imported cache: record its state before touching the file
                     self._write_sidecar(self.turns, self._crcs)
-                write_records(self._kv_fd, self.nrec, cache.raw(self.nrec, prev), self.layout.record_bytes)
-                write_nrec(self._kv_fd, prev)
-                self._write_sidecar(self.turns + turns, self._crcs + crcs)
+                if keep == len(self.turns):  # after the saved turns: records, nrec (the commit), sidecar
+                    write_records(self._kv_fd, self.nrec, cache.raw(self.nrec, prev), self.layout.record_bytes)
+                    write_nrec(self._kv_fd, prev)
+                    self._write_sidecar(self.turns + turns, self._crcs + crcs)
+                else:  # in place of saved turns: staged past both conversations, then the sidecar (the commit)
+                    staged = Pending(max(self.nrec, prev), start)
+                    write_records(self._kv_fd, staged.staged_at, cache.raw(start, prev), self.layout.record_bytes)
+                    self._write_sidecar(self.turns[:keep] + turns, self._crcs[:keep] + crcs,
+                                        staged=[staged.staged_at, start])
         except OSError as e:
             raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
                              "the conversation is still in memory but its last turn may not be on disk "
                              "(free some space; the next save retries)") from None
-        self.turns += turns
-        self._crcs += crcs
-        self.nrec = prev
-        self._unread_entries = []  # the conversation that read them again is saved now
+        self.turns, self._crcs = self.turns[:keep] + turns, self._crcs[:keep] + crcs
+        self.nrec, self._unread_entries = prev, []  # (the conversation that read them again is saved now)
+        if staged:  # saved: the records go in place now, or (after an error) before the next write
+            self._pending = staged
+            with contextlib.suppress(OSError, SessionError), self._saving():
+                self._check_files(self.turns, self._crcs)
 
     def fork(self, new: Session, cache, turns: list[Turn], branch: int) -> bool:
         """Save `turns`, this conversation's first `branch` exchanges, into `new` (claimed, no files yet):
@@ -282,7 +305,7 @@ class Session:
         turns = [Turn(t.role, t.text, t.first, t.last) for t in turns]
         n, k = turns[-1].last, len(turns)
         try:
-            saved = self.on_disk and not self._text_only and self.turns[:k] == turns \
+            saved = self.on_disk and not self._text_only and self._pending is None and self.turns[:k] == turns \
                 and os.fstat(self._kv_fd).st_size >= HEADER_SIZE + n * self.layout.record_bytes
         except OSError:
             saved = False
@@ -294,13 +317,11 @@ class Session:
         return True
 
     def truncate(self, n_turns: int, sampler: dict | None = None, keep_files: bool = False) -> None:
-        """Keep the first n_turns saved turns: rewrite the sidecar (with `sampler`, the settings from
-        now on, when given), then nrec, then cut the KV file to its records. The sidecar goes first:
-        once it is replaced, the turns it no longer lists are gone for good (a crash before nrec is
-        written leaves records no turn covers, dropped at the next load, never text read again).
-        Keeping more turns than are saved (after a failed save) keeps them all. Cut to no turn, the
-        files are removed (no exchange is no saved conversation), unless `keep_files` (/reset: the
-        conversation emptied in place, its KV file cut to its header and its sidecar listing no turn)."""
+        """Keep the first n_turns saved turns: the sidecar (with `sampler`, the settings from now on), then
+        nrec, then the KV file cut to its records. The sidecar first: once replaced, the turns it no longer
+        lists are gone for good (a crash before nrec leaves records no turn covers, dropped at the next
+        load). More turns than are saved (after a failed save) keeps them all. Cut to no turn, the files go
+        (no exchange is no saved conversation), unless `keep_files` (/reset: emptied in place)."""
         self._require_loaded()
         if sampler is not None:
             self.sampler = dict(sampler)
@@ -329,7 +350,7 @@ class Session:
         with self._saving():
             try:
                 rewritten = self._check_files(turns, crcs)
-                self._write_sidecar(turns, crcs, unread)
+                self._write_sidecar(turns, crcs, unread, **({"cut": self.nrec} if self.nrec > n else {}))
                 # committed: an error now leaves records no turn covers (dropped by a load), and a retry
                 # or the next append writes nrec again
                 self.turns, self._crcs, self.nrec, self._unread_entries = turns, crcs, n, unread
@@ -428,12 +449,17 @@ class Session:
         """Before a save: if another program removed, replaced, hard-linked or cut short this session's
         files since they were opened, write the KV file again, holding `turns`, from the cache (and take
         the lock again if its file went, and the directory if it went). True if it did (with a note
-        saying so)."""
+        saying so). Else what a commit promised the file and did not do yet is done first (pending.py)."""
         gone = remake_directory(self.directory, self.name)
         self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
         what = changed_since_open(self._kv_fd, self.kv_path, self.nrec * self.layout.record_bytes)
         if what is None:
+            if self._pending is not None:
+                self._pending.finish(self._kv_fd, self.nrec, self.layout.record_bytes,
+                                     lambda: self._write_sidecar(self.turns, self._crcs, self._unread_entries))
+                self._pending = None
             return False
+        self._pending = None  # (the file is written again whole)
         what = "removed with its directory" if gone and what == "removed" else what
         n = turns[-1].last if turns else 0
         if n and (self._cache is None or self._cache.length < n
@@ -467,24 +493,13 @@ class Session:
                           f"wrote the session again from memory ({count(n, 'token')})")
         return True
 
-    def _write_sidecar(self, turns: list[Turn], crcs: list[int], unread: list[dict] = ()) -> None:
+    def _write_sidecar(self, turns: list[Turn], crcs: list[int], unread: list[dict] = (), **marks) -> None:
         """Atomically replace NAME.json (sidecar.write_document). `unread`: entries of turns whose
-        records are lost, listed as they were after `turns`."""
-        doc = {
-            "format": FORMAT_VERSION,
-            "model": self.ident,
-            "layout": self.layout.to_json(),
-            "created": self.created,
-            "updated": iso_time(self.clock()),
-            "sampler": self.sampler,
-            "nrec": turns[-1].last if turns else 0,
-        }
-        if self.parent:  # a fork: where it came from (covered by the check, as the settings are)
-            doc["parent"], doc["branch"] = self.parent, self.branch
-        doc["check"] = doc_check(doc)
-        doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
-                         "check": turn_check(t.role, t.text, t.first, t.last, c)}
-                        for t, c in zip(turns, crcs, strict=True)] + list(unread)
-        write_document(self.json_path, doc)
+        records are lost, listed as they were after `turns`; `marks`: what the file does not show yet
+        (pending.py: staged=[P, C], cut=R)."""
+        fork = {"parent": self.parent, "branch": self.branch} if self.parent else {}  # (where it came from)
+        write_document(self.json_path, session_document(
+            {"model": self.ident, "layout": self.layout.to_json(), "created": self.created, "sampler": self.sampler,
+             **fork, **marks}, iso_time(self.clock()), turns, crcs, unread))
         self._has_sidecar = True
 

@@ -46,6 +46,18 @@ def document(data: bytes):
         return None
 
 
+def session_document(head: dict, updated: str, turns: list[Turn], crcs: list[int], unread: list[dict] = ()) -> dict:
+    """The sidecar of a session: `head` (model, layout, created, sampler, a fork's parent and branch,
+    pending.py's marks) and the time `updated` (iso_time), under the top-level check; the turns, each
+    with its check, then `unread` (entries of turns whose records are lost, listed as they were)."""
+    doc = {"format": FORMAT_VERSION, **head, "updated": updated, "nrec": turns[-1].last if turns else 0}
+    doc["check"] = doc_check(doc)
+    doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
+                     "check": turn_check(t.role, t.text, t.first, t.last, c)}
+                    for t, c in zip(turns, crcs, strict=True)] + list(unread)
+    return doc
+
+
 def iso_time(t: float) -> str:
     """The sidecar's times ("created", "updated"), from epoch seconds (the store's clock): UTC, to the
     millisecond."""
@@ -166,3 +178,26 @@ def readable_again(doc: dict, kept: list[Turn]) -> list[Turn]:
     if roles[0::2] != ["user"] * len(roles[0::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]):
         return []
     return rest
+
+
+# --prune-kv's mark: the time a sidecar's KV file was removed to free its space (all its turns can be read again)
+PRUNED = "pruned"
+
+
+def kv_gone(doc: dict, listed: list[Turn], unread: list[Turn]) -> str | None:
+    """How a sidecar's KV file went, where it is not there and every turn listed is read again from its
+    text, so nothing is lost: "was pruned" (marked so by --prune-kv), else "is not there"; None otherwise."""
+    if not unread or len(unread) < len(listed):
+        return None
+    return "was pruned" if doc.get(PRUNED) else "is not there"
+
+
+def mark_pruned(path: str, doc: dict, when: float) -> None:
+    """Write the sidecar `doc` at `path` again with the mark of --prune-kv (before its KV file goes, at
+    `when`: the store's clock); its "check" is computed anew only if it held (a damaged one is not made
+    to look sound)."""
+    intact = doc.get("check") == doc_check(doc)
+    doc = {**doc, PRUNED: iso_time(when)}
+    if intact:
+        doc["check"] = doc_check(doc)
+    write_document(path, doc)

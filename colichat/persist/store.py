@@ -27,18 +27,27 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..hints import Said, read_hint
 from ..paths import paths, private_dir
 from . import renaming
 from .identity import dir_suffix, model_dirname
 from .kvfile import CacheLayout, SessionBusy, SessionError, SessionExists, fsync_dir, oserror_text
 from .listing import SessionInfo, damaged_text, dir_layout, holds_or_damaged, model_file_now, session_info
-from .locks import flock_for_save, release_lock, take_lock
+from .locks import flock_for_save, release_lock, remove_lock, take_lock
 from .names import KV_EXT, NAME_RE, SIDECAR_EXT, auto_name, check_name, holds_conversation, remove_leftovers
 from .prefixes import PrefixIndex
 from .session import Session
 
 PREFIXES = "prefixes"  # beside the sessions directory: per model, the prefix index (prefixes.py)
 LAST_USED = "last-used"  # beside the sessions directory: per model, the conversation last reopened (Store.used)
+
+
+def _marked(data: bytes) -> str:
+    """The name a last-used mark holds (ValueError: not a conversation's name)."""
+    name = data.decode("utf-8").strip()
+    if not NAME_RE.fullmatch(name):
+        raise ValueError("not a conversation's name")
+    return name
 
 
 def _open_to_remove(path: str) -> int | None:
@@ -56,8 +65,9 @@ def _open_to_remove(path: str) -> int | None:
 
 
 class Store:
-    def __init__(self, root: str | os.PathLike | None = None, clock: Callable[[], float] = time.time):
+    def __init__(self, root: str | os.PathLike | None = None, on_note=None, clock: Callable[[], float] = time.time):
         self.root = Path(root) if root is not None else paths().data / "sessions"
+        self.said = Said(on_note)  # the hints beside the sessions (prefix index, last-used mark) found unusable
         self.clock = clock  # epoch seconds: when a conversation was saved or reopened (tests inject one)
 
     def model_dir(self, ident: dict) -> Path:
@@ -177,7 +187,7 @@ class Store:
                 raise SessionError(f"cannot delete session {name}: {path} is a directory, which colichat did not "
                                    f"make; nothing was deleted (remove it yourself: rm -r '{path}')")
         fd = take_lock(base + ".lock", name)
-        freed = 0
+        freed, gone = 0, False
         kv = _open_to_remove(base + KV_EXT)  # a reader without the lock (--export) ends its read first
         try:  # links are removed, never followed; the temporary files of an interrupted save go too
             for path in paths:
@@ -189,10 +199,14 @@ class Store:
                 except OSError as e:
                     raise SessionError(f"cannot delete session {name}: {oserror_text(e)}") from None
             fsync_dir(str(directory))
+            gone = True
         finally:
             if kv is not None:
                 os.close(kv)
-            release_lock(fd)
+            if gone:  # its lock file too
+                remove_lock(fd, base + ".lock")
+            else:
+                release_lock(fd)
         self.prefix_index(ident).drop(name)
         return freed
 
@@ -244,7 +258,10 @@ class Store:
         except BaseException:
             release_lock(fd)
             raise
-        release_lock(sess._lock_fd)
+        if copy:  # the old name keeps its files: its lock file may serve them
+            release_lock(sess._lock_fd)
+        else:
+            remove_lock(sess._lock_fd, old + ".lock")
         sess._lock_fd, sess.name = fd, new
         sess.kv_path, sess.json_path = base + KV_EXT, base + SIDECAR_EXT
         if copy and sess.on_disk:  # a copy, not a second link to the files this session writes
@@ -292,10 +309,16 @@ class Store:
         """The conversation of this model last used: the one last reopened (`used`) if that was after
         the newest save, else the newest saved."""
         found = [i for i in self.list(ident) if not i.damage]
+        mark = self.root.parent / LAST_USED / self.model_dir(ident).name
+        name, problem = read_hint(mark, _marked, 4096)
+        if problem:
+            self.said(mark, f"the last-used mark {mark} cannot be used ({problem}): ignored until a conversation "
+                            "is reopened")
         try:
-            mark = self.root.parent / LAST_USED / self.model_dir(ident).name
-            name, when = mark.read_text("utf-8").strip(), mark.stat().st_mtime
-        except (OSError, UnicodeDecodeError):
+            when = mark.stat().st_mtime  # (when it was reopened)
+        except OSError:
+            name = None
+        if name is None:
             return found[0] if found else None
         used = next((i for i in found if i.name == name), None)
         return used if used is not None and when > found[0].last_used else (found[0] if found else None)
@@ -303,7 +326,7 @@ class Store:
     def prefix_index(self, ident: dict) -> PrefixIndex:
         """This model's prefix index (prefixes.py): a small file in PREFIXES beside the sessions directory."""
         directory = self.model_dir(ident)
-        return PrefixIndex(self.root.parent / PREFIXES / (directory.name + ".json"), directory)
+        return PrefixIndex(self.root.parent / PREFIXES / (directory.name + ".json"), directory, self.said)
 
     def used(self, ident: dict, name: str) -> None:
         """Conversation NAME was reopened now: `latest` names it until another is saved or reopened. A
@@ -314,7 +337,7 @@ class Store:
         tmp = mark.with_name(mark.name + ".tmp")
         try:
             private_dir(mark.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
             try:
                 os.write(fd, name.encode("utf-8"))
             finally:

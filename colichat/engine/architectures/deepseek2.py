@@ -19,7 +19,9 @@ from ..attention import mla_absorbed, mla_naive, prefer_naive
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..ffn import PREFETCH_TOKENS, ExpertCache, Routing, moe, route, swiglu
+from ..gguf.qmatrix import stack
 from ..gguf.tensors import Tensors
+from ..mapped_experts import MappedExperts, in_place
 from ..mtp import prepare_block
 from ..ops import linear, rms_norm
 from ..rope import RopeParams, rope_norm, rope_rotations
@@ -86,18 +88,16 @@ def cache_widths(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.kv_lora_rank, cfg.rope_dim
 
 
-def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
-    """Dequantize the dense deepseek2 weights (see prepare_layer). Routed experts are only checked:
-    they stay quantized in the memory map (ExpertCache dequantizes them when routed to)."""
-
-    def get(name: str, shape: tuple) -> np.ndarray:
-        return t.f32(t.check(name, shape))
-
+def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict:
+    """The dense deepseek2 weights (see prepare_layer): the matrices as t.matrix gives them (quantized
+    where the kernels run, else f32), the rest f32. Routed experts are only checked: they stay in the
+    memory map (MappedExperts multiplies by them there, ExpertCache dequantizes them when routed to)."""
+    get = t.get
     d = cfg.n_embd
-    w: dict[str, np.ndarray] = {"token_embd": get("token_embd.weight", (cfg.n_vocab, d))}  # (V, D)
+    w: dict = {"token_embd": get("token_embd.weight", (cfg.n_vocab, d), matrix=True)}  # (V, D)
     w["output_norm"] = get("output_norm.weight", (d,))
     if not cfg.tied_output:
-        w["output"] = get("output.weight", (cfg.n_vocab, d))  # (V, D)
+        w["output"] = get("output.weight", (cfg.n_vocab, d), matrix=True)  # (V, D)
     for l in range(cfg.n_layer + cfg.n_nextn):  # the trunk, then the MTP blocks (blk.{n_layer}..)
         prepare_layer(cfg, t, l, w, get)
         if l >= cfg.n_layer:
@@ -108,35 +108,36 @@ def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray
 
 
 def prepare_layer(cfg: ModelConfig, t: Tensors, l: int, w: dict, get) -> None:
-    """One block's dense weights into w: the attention's (prepare_attention), gate|up fused for a
+    """One block's dense weights into w: the attention's (prepare_attention), gate|up stacked for a
     dense layer; the routed experts of MoE layers are checked."""
     d, b = cfg.n_embd, f"blk.{l}."
     prepare_attention(cfg, l, w, get)
     w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
     if l < cfg.n_dense:
         f = cfg.n_ff
-        gate, up = get(b + "ffn_gate.weight", (f, d)), get(b + "ffn_up.weight", (f, d))
-        w[b + "ffn_gate_up"] = np.concatenate([gate, up])  # (2F, D)
-        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f))  # (D, F)
+        gate, up = get(b + "ffn_gate.weight", (f, d), True), get(b + "ffn_up.weight", (f, d), True)
+        w[b + "ffn_gate_up"] = stack([gate, up])  # (2F, D)
+        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f), True)  # (D, F)
     else:
         _prepare_moe(cfg, t, b, w, get)
 
 
 def prepare_attention(cfg: ModelConfig, l: int, w: dict, get) -> None:
-    """One block's attention weights into w: fuse q_a|kv_a_mqa (or q|kv_a_mqa) into attn_in, split
-    legacy attn_kv_b into attn_k_b/attn_v_b. get(name, shape) returns the checked f32 tensor."""
+    """One block's attention weights into w: stack q_a|kv_a_mqa (or q|kv_a_mqa) into attn_in, split
+    legacy attn_kv_b into attn_k_b/attn_v_b (f32: absorbed into the attention). get(name, shape,
+    matrix=False) returns the checked tensor (Tensors.get)."""
     d, h, c, r = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.rope_dim
     dn, dv, k, rq = cfg.qk_nope, cfg.v_head_dim, cfg.qk_head, cfg.q_lora_rank
     b = f"blk.{l}."
     w[b + "attn_norm"] = get(b + "attn_norm.weight", (d,))
-    kv_a = get(b + "attn_kv_a_mqa.weight", (c + r, d))  # (C+R, D)
+    kv_a = get(b + "attn_kv_a_mqa.weight", (c + r, d), True)  # (C+R, D)
     if rq:
-        q_in = get(b + "attn_q_a.weight", (rq, d))  # (Q, D)
+        q_in = get(b + "attn_q_a.weight", (rq, d), True)  # (Q, D)
         w[b + "attn_q_a_norm"] = get(b + "attn_q_a_norm.weight", (rq,))
-        w[b + "attn_q_b"] = get(b + "attn_q_b.weight", (h * k, rq))  # (H*K, Q)
+        w[b + "attn_q_b"] = get(b + "attn_q_b.weight", (h * k, rq), True)  # (H*K, Q)
     else:
-        q_in = get(b + "attn_q.weight", (h * k, d))  # (H*K, D)
-    w[b + "attn_in"] = np.concatenate([q_in, kv_a])  # (Q+C+R, D) or (H*K+C+R, D): one matmul
+        q_in = get(b + "attn_q.weight", (h * k, d), True)  # (H*K, D)
+    w[b + "attn_in"] = stack([q_in, kv_a])  # (Q+C+R, D) or (H*K+C+R, D): one product
     del q_in, kv_a
     w[b + "attn_kv_a_norm"] = get(b + "attn_kv_a_norm.weight", (c,))
     if cfg.mla_split:
@@ -146,7 +147,7 @@ def prepare_attention(cfg: ModelConfig, l: int, w: dict, get) -> None:
         w3 = get(b + "attn_kv_b.weight", (h * (dn + dv), c)).reshape(h, dn + dv, c)
         w[b + "attn_k_b"] = np.ascontiguousarray(w3[:, :dn].transpose(0, 2, 1))  # (H, C, Dn)
         w[b + "attn_v_b"] = np.ascontiguousarray(w3[:, dn:])  # (H, Dv, C)
-    w[b + "attn_output"] = get(b + "attn_output.weight", (d, h * dv))  # (D, H*Dv)
+    w[b + "attn_output"] = get(b + "attn_output.weight", (d, h * dv), True)  # (D, H*Dv)
 
 
 def _prepare_moe(cfg: ModelConfig, t: Tensors, b: str, w: dict, get) -> None:
@@ -166,9 +167,9 @@ def _prepare_moe(cfg: ModelConfig, t: Tensors, b: str, w: dict, get) -> None:
     t.check(b + "ffn_down_exps.weight", (x, d, fe))  # (X, D, F)
     if cfg.n_expert_shared:
         fs = fe * cfg.n_expert_shared
-        gate, up = get(b + "ffn_gate_shexp.weight", (fs, d)), get(b + "ffn_up_shexp.weight", (fs, d))
-        w[b + "ffn_gate_up_shexp"] = np.concatenate([gate, up])  # (2F, D)
-        w[b + "ffn_down_shexp"] = get(b + "ffn_down_shexp.weight", (d, fs))  # (D, F)
+        gate, up = get(b + "ffn_gate_shexp.weight", (fs, d), True), get(b + "ffn_up_shexp.weight", (fs, d), True)
+        w[b + "ffn_gate_up_shexp"] = stack([gate, up])  # (2F, D)
+        w[b + "ffn_down_shexp"] = get(b + "ffn_down_shexp.weight", (d, fs), True)  # (D, F)
 
 
 def mla_rope(cfg: ModelConfig) -> tuple[RopeParams, float]:
@@ -228,14 +229,17 @@ class Forward:
         self.cfg, self.w = cfg, weights
         rope, self.kq_scale = mla_rope(cfg)
         self.routing = routing(cfg)
-        self.experts: ExpertCache | None = None
+        self.experts: ExpertCache | MappedExperts | None = None
         layers = moe_layers(cfg)
         if layers:
             if tensors is None:
                 raise ValueError("a MoE model needs its Tensors: routed experts are read on demand")
             if expert_cache_mib is None:
                 raise ValueError("a MoE model needs the size of its expert cache")
-            self.experts = ExpertCache(tensors, layers, int(expert_cache_mib * (1 << 20)))
+            if in_place(tensors, layers):  # the kernel path: experts multiplied where the map holds them
+                self.experts = MappedExperts(tensors, layers)
+            else:
+                self.experts = ExpertCache(tensors, layers, int(expert_cache_mib * (1 << 20)))
         if cfg.attn_temp_scale and cfg.attn_temp_length <= 0:
             raise ModelError(f"{cfg.path}: attention.temperature_scale set without temperature_length")
         self.rot = rope_rotations(rope, n_ctx, weights.get("rope_freqs"))  # (P, I) complex64

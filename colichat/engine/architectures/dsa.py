@@ -87,9 +87,7 @@ def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray
     """deepseek2's weights (MTP blocks included) plus each full layer's indexer weights."""
     w = deepseek2.prepare(cfg, t, progress)
 
-    def get(name: str, shape: tuple) -> np.ndarray:
-        return t.f32(t.check(name, shape))
-
+    get = t.get
     for l in range(cfg.n_layer):
         prepare_indexer(cfg, l, get, w)
     return w

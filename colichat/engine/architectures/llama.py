@@ -12,6 +12,7 @@ from ..attention import gqa_attention
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..ffn import swiglu
+from ..gguf.qmatrix import QMatrix, stack
 from ..gguf.tensors import Tensors
 from ..ops import linear, rms_norm
 from ..rope import RopeParams, rope_norm, rope_rotations
@@ -32,40 +33,35 @@ def cache_widths(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
 
 
-def _expect(w: np.ndarray, shape: tuple, name: str, path: str) -> np.ndarray:
-    if tuple(w.shape) != tuple(shape):
-        raise ModelError(f"{path}: tensor '{name}' has shape {tuple(w.shape)}, expected {tuple(shape)}")
-    return w
-
-
-def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
-    """Dequantize and fuse the llama weights: q|k|v into attn_qkv, gate|up into ffn_gate_up."""
+def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray | QMatrix]:
+    """The llama weights: q|k|v stacked into attn_qkv, gate|up into ffn_gate_up. The matrices are
+    t.matrix's (quantized where the kernels run, else f32); norms and biases f32."""
     d, h, g, e, f = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff
-    p = cfg.path
-    w: dict[str, np.ndarray] = {}
-    w["token_embd"] = _expect(t.f32("token_embd.weight"), (cfg.n_vocab, d), "token_embd.weight", p)  # (V, D)
-    w["output_norm"] = t.f32("output_norm.weight")
+    get = t.get
+    w: dict = {}
+    w["token_embd"] = get("token_embd.weight", (cfg.n_vocab, d), matrix=True)  # (V, D)
+    w["output_norm"] = get("output_norm.weight", (d,))
     if not cfg.tied_output:
-        w["output"] = _expect(t.f32("output.weight"), (cfg.n_vocab, d), "output.weight", p)  # (V, D)
+        w["output"] = get("output.weight", (cfg.n_vocab, d), matrix=True)  # (V, D)
     if t.has("rope_freqs.weight"):
         w["rope_freqs"] = t.f32("rope_freqs.weight")  # (I,)
     for l in range(cfg.n_layer):
         b = f"blk.{l}."
-        q = _expect(t.f32(b + "attn_q.weight"), (h * e, d), b + "attn_q.weight", p)
-        k = _expect(t.f32(b + "attn_k.weight"), (g * e, d), b + "attn_k.weight", p)
-        v = _expect(t.f32(b + "attn_v.weight"), (g * e, d), b + "attn_v.weight", p)
-        w[b + "attn_qkv"] = np.concatenate([q, k, v])  # ((H+2G)E, D)
+        q = get(b + "attn_q.weight", (h * e, d), matrix=True)
+        k = get(b + "attn_k.weight", (g * e, d), matrix=True)
+        v = get(b + "attn_v.weight", (g * e, d), matrix=True)
+        w[b + "attn_qkv"] = stack([q, k, v])  # ((H+2G)E, D)
         if t.has(b + "attn_q.bias"):
             w[b + "attn_qkv.bias"] = np.concatenate(
                 [t.f32(b + "attn_q.bias"), t.f32(b + "attn_k.bias"), t.f32(b + "attn_v.bias")]
             )
-        w[b + "attn_output"] = _expect(t.f32(b + "attn_output.weight"), (d, h * e), b + "attn_output", p)
-        w[b + "attn_norm"] = t.f32(b + "attn_norm.weight")
-        w[b + "ffn_norm"] = t.f32(b + "ffn_norm.weight")
-        gate = _expect(t.f32(b + "ffn_gate.weight"), (f, d), b + "ffn_gate.weight", p)
-        up = _expect(t.f32(b + "ffn_up.weight"), (f, d), b + "ffn_up.weight", p)
-        w[b + "ffn_gate_up"] = np.concatenate([gate, up])  # (2F, D)
-        w[b + "ffn_down"] = _expect(t.f32(b + "ffn_down.weight"), (d, f), b + "ffn_down.weight", p)
+        w[b + "attn_output"] = get(b + "attn_output.weight", (d, h * e), matrix=True)  # (D, H*E)
+        w[b + "attn_norm"] = get(b + "attn_norm.weight", (d,))
+        w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
+        gate = get(b + "ffn_gate.weight", (f, d), matrix=True)
+        up = get(b + "ffn_up.weight", (f, d), matrix=True)
+        w[b + "ffn_gate_up"] = stack([gate, up])  # (2F, D)
+        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f), matrix=True)  # (D, F)
         if progress:
             progress(l + 1, cfg.n_layer)
     return w

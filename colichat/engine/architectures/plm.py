@@ -40,19 +40,17 @@ def rope_params(cfg: ModelConfig) -> RopeParams:
 def prepare(cfg: ModelConfig, t: Tensors, progress=None) -> dict[str, np.ndarray]:
     """deepseek2's attention weights (legacy attn_kv_b split at load) and ffn_up/ffn_down."""
 
-    def get(name: str, shape: tuple) -> np.ndarray:
-        return t.f32(t.check(name, shape))
-
+    get = t.get
     d, f = cfg.n_embd, cfg.n_ff
-    w = {"token_embd": get("token_embd.weight", (cfg.n_vocab, d)), "output_norm": get("output_norm.weight", (d,))}
+    w = {"token_embd": get("token_embd.weight", (cfg.n_vocab, d), True), "output_norm": get("output_norm.weight", (d,))}
     if not cfg.tied_output:
-        w["output"] = get("output.weight", (cfg.n_vocab, d))  # (V, D)
+        w["output"] = get("output.weight", (cfg.n_vocab, d), True)  # (V, D)
     for l in range(cfg.n_layer):
         b = f"blk.{l}."
         deepseek2.prepare_attention(cfg, l, w, get)
         w[b + "ffn_norm"] = get(b + "ffn_norm.weight", (d,))
-        w[b + "ffn_up"] = get(b + "ffn_up.weight", (f, d))  # (F, D)
-        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f))  # (D, F)
+        w[b + "ffn_up"] = get(b + "ffn_up.weight", (f, d), True)  # (F, D)
+        w[b + "ffn_down"] = get(b + "ffn_down.weight", (d, f), True)  # (D, F)
         if progress:
             progress(l + 1, cfg.n_layer)
     return w

@@ -1,19 +1,31 @@
-"""Prepared models: the dequantized weights of a GGUF cached on disk and memory-mapped on later starts.
+"""Prepared models: the f32 weights of a GGUF cached on disk and memory-mapped on later starts.
 
-The first start of a model parses its metadata (file.py) and dequantizes its dense weights
-(seconds). Both results are kept in the cache directory:
+The first start of a model parses its metadata (file.py) and prepares its dense weights (seconds).
+Both results are kept in the cache directory:
 
     <cache_dir>/<key>/meta.json     a SHA-256 line of the JSON below it, then the JSON: config,
-                                    tokenizer keys, array index (offset, shape, CRC-32s), GGUF tensor locations
-    <cache_dir>/<key>/weights.f32   the dense float32 arrays back to back, 64-byte aligned
+                                    tokenizer keys, array index (offset, shape, CRC-32s), the quantized
+                                    matrices (their tensors and experts), GGUF tensor locations
+    <cache_dir>/<key>/weights.f32   the f32 arrays back to back, 64-byte aligned
     <cache_dir>/<key>/usage.npy     MoE models: how much each routed expert was used lately (float32,
                                     (L X,)), rewritten after every answer; a start warms the most used
                                     (ffn.ExpertCache.warm). A hint only: one that is unreadable is ignored
 
-key = a hash of the GGUF's real path, size, mtime and inode, and PREPARED_FORMAT: a GGUF that
-changes gets a new key (and the old entries of that path are removed). A later start maps
-weights.f32 read-only (no copy, no dequantizing) and the GGUF tensors it still needs (routed experts)
-straight from the GGUF at their recorded offsets. An entry is written to a temporary directory
+meta.json and usage.npy are read as hints are (hints.py): without blocking, size-capped, any damage one
+line. A meta.json that cannot be used makes its entry damaged; usage.npy's counts are then only ignored.
+
+What weights.f32 holds depends on the path (engine.load's `kernels`), and each path has its own entry:
+- "numpy": every dense weight dequantized to f32 (the numpy engine multiplies only f32);
+- "numba": only what stays f32 there: norms, biases, routers, MLA's k_b/v_b (absorbed into the
+  attention), the tensors the file keeps in F32, and matrices of a type the kernels do not take. The
+  quantized matrices (QMatrix) are not copied: meta.json names their tensors, and a later start takes
+  them from the GGUF's map again (a few KiB per model where the old format held gigabytes).
+
+key = a hash of the GGUF's real path, size, mtime and inode, the path, and PREPARED_FORMAT: a GGUF
+that changes gets new keys (and the old entries of that GGUF path, the old format's among them, are
+removed when the new one is written; each path's current entry is kept). A later start maps
+weights.f32 read-only (no copy, no dequantizing) and the GGUF tensors it still needs (routed experts,
+quantized matrices) straight from the GGUF at their recorded offsets. An entry is written to a temporary directory
 (.tmp-<pid>-*), fsynced, and renamed into place, so a crash or a full disk never leaves a half entry
 that would be trusted; temporary directories of processes that died are removed by the next start.
 Starts of one model at once each write an entry: the first renamed into place is kept, and the
@@ -30,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import io
 import json
 import mmap
 import os
@@ -39,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...errors import ModelError
+from ...hints import read_hint
 from ...paths import private_dir, private_file
 
 try:  # the same CRC-32 as zlib.crc32, several times faster
@@ -47,14 +62,18 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives ident
     from zlib import crc32
 
 from ..config import ModelConfig
+from .qmatrix import QMatrix, stack
 from .tensors import TensorRecord, Tensors
 
-PREPARED_FORMAT = 3  # 3: the config has the model's sampling defaults
+PREPARED_FORMAT = 4  # 3: the config has the model's sampling defaults; 4: an entry per kernel path, QMatrix by name
+KERNEL_PATHS = ("numba", "numpy")
 ALIGN = 64
 FREE_MARGIN = 1 << 30  # bytes the weights cache leaves free on its disk
 FULL_CHECK_BYTES = 1 << 30  # entries up to this size are checked in full at every start (~0.3 s)
 SAMPLE = 1 << 16  # larger ones: three pieces of this size per array (start, middle, end)
 USAGE = "usage.npy"
+META_LIMIT = 1 << 28  # bytes of a meta.json read at most (the tokenizer's vocabulary and merges are in it)
+USAGE_LIMIT = 1 << 24  # bytes of a usage.npy read at most (a count per layer and expert)
 
 
 class DamagedEntry(Exception):
@@ -103,11 +122,13 @@ def _remove_dead_tmp(root: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _identity(path: str) -> tuple[str, str]:
-    """(key, real path) of a GGUF file as it is now."""
+def _identity(path: str, kernels: str) -> tuple[str, str]:
+    """(key, real path) of a GGUF file as it is now, prepared for the kernel path `kernels`."""
     real = os.path.realpath(path)
     st = os.stat(real)
     raw = f"{PREPARED_FORMAT}\0{real}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+    if kernels != "numpy":  # (the numpy path's key is the one it always had)
+        raw += f"\0{kernels}"
     return hashlib.sha256(raw.encode("utf-8", "surrogateescape")).hexdigest()[:24], real
 
 
@@ -123,12 +144,10 @@ class Prepared:
     def __init__(self, path: str, entry: Path, given: str | None = None):
         """`path`: the GGUF file (links resolved), whose tensors are mapped; `given`: the path the
         model was given by, which the config names (a link stays the link: sessions record it)."""
-        raw = (entry / "meta.json").read_bytes()
-        digest, _, body = raw.partition(b"\n")
-        if digest.decode("ascii", "replace") != hashlib.sha256(body).hexdigest():
-            raise DamagedEntry("meta.json does not match its checksum")
-        meta = json.loads(body)  # its checksum holds: what save_prepared wrote, in some format
-        if meta.get("format") != PREPARED_FORMAT:
+        meta, problem = read_hint(entry / "meta.json", _meta, META_LIMIT)
+        if meta is None:
+            raise DamagedEntry(f"meta.json: {problem or 'missing'}")
+        if meta.get("format") != PREPARED_FORMAT or meta.get("kernels") not in KERNEL_PATHS:
             raise DamagedEntry("meta.json is not what this colichat wrote")
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = {k: v for k, v in meta["config"].items() if k in fields}
@@ -164,16 +183,33 @@ class Prepared:
             records.append(TensorRecord(name, gguf.GGMLQuantizationType(qtype), tuple(ne), n_bytes, data))
             files[name], offsets[name] = file, off
         self.tensors = Tensors.from_records(path, records, files, offsets)
+        self.tensors.kernels = meta["kernels"] == "numba"
+        for name, sources in meta["matrices"].items():  # views of the GGUF's map, as prepare made them
+            try:
+                self.weights[name] = stack([self.tensors.qmatrix(t, e) for t, e in sources])
+            except (ModelError, ValueError, IndexError) as e:
+                raise DamagedEntry(f"matrix {name} does not match the GGUF ({e})") from None
 
 
-def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
-    """The cache entry of this GGUF as it is now, or None (missing, stale, unreadable or damaged:
-    prepare anew). A damaged entry is removed and `on_note(line)` told why."""
+def _meta(raw: bytes) -> dict:
+    """meta.json's JSON (ValueError: it does not match its checksum, or is not a JSON object)."""
+    digest, _, body = raw.partition(b"\n")
+    if digest.decode("ascii", "replace") != hashlib.sha256(body).hexdigest():
+        raise ValueError("does not match its checksum")
+    meta = json.loads(body)  # its checksum holds: what save_prepared wrote, in some format
+    if not isinstance(meta, dict):
+        raise ValueError("not what this colichat wrote")
+    return meta
+
+
+def load_prepared(path: str, cache_dir, on_note=None, kernels: str = "numba") -> Prepared | None:
+    """The cache entry of this GGUF as it is now, for the kernel path `kernels`, or None (missing, stale,
+    unreadable or damaged: prepare anew). A damaged entry is removed and `on_note(line)` told why."""
     _remove_dead_tmp(Path(cache_dir))
     try:
-        key, real = _identity(path)
+        key, real = _identity(path, kernels)
         entry = Path(cache_dir) / key
-        if not (entry / "meta.json").is_file():
+        if not os.path.lexists(entry):  # (nor where the cache directory cannot be read: it is not used)
             return None
         return Prepared(real, entry, given=path)
     except DamagedEntry as e:
@@ -186,11 +222,14 @@ def load_prepared(path: str, cache_dir, on_note=None) -> Prepared | None:
 
 
 def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, weights: dict,
-                  tensors: Tensors) -> str | None:
-    """Write a cache entry; returns None, or a one-line reason it could not be written (never raises)."""
+                  tensors: Tensors, kernels: str = "numba") -> str | None:
+    """Write a cache entry of the weights prepared for the kernel path `kernels`: the f32 arrays, and the
+    tensors of each QMatrix; returns None, or a one-line reason it could not be written (never raises)."""
     root = Path(cache_dir)
+    matrices = {name: [list(p.source) for p in w.parts] for name, w in weights.items() if isinstance(w, QMatrix)}
+    weights = {name: w for name, w in weights.items() if name not in matrices}
     try:
-        key, real = _identity(path)
+        key, real = _identity(path, kernels)
         private_dir(root)
         need = sum(a.nbytes for a in weights.values())
         if shutil.disk_usage(root).free < need + FREE_MARGIN:  # never crowd out the sessions' disk
@@ -221,11 +260,13 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
         meta = {
             "format": PREPARED_FORMAT,
             "gguf": real,
+            "kernels": kernels,
             "config": dataclasses.asdict(cfg),
             "tokenizer": {k: v for k, v in tokenizer_meta.items()
                           if k.startswith("tokenizer.") or k == "general.name"},
             "weights_bytes": off,
             "arrays": arrays,
+            "matrices": matrices,
             "tensors": records,
         }
         body = json.dumps(meta).encode()
@@ -234,31 +275,40 @@ def save_prepared(path: str, cache_dir, cfg: ModelConfig, tokenizer_meta: dict, 
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        _put_in_place(tmp, root / key, real)
+        _put_in_place(tmp, root / key, real, kernels)
         _fsync_dir(root)
-        _remove_stale(root, real, key)
+        _remove_stale(root, real, {_identity(path, k)[0] for k in KERNEL_PATHS})
         return None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return _unwritable(root, e)
 
 
-def entry_of(path: str, cache_dir) -> Path | None:
-    """The cache entry directory of this GGUF as it is now, if there is one."""
+def entry_of(path: str, cache_dir, kernels: str = "numba") -> Path | None:
+    """The cache entry directory of this GGUF as it is now, for the kernel path `kernels`, if there is one."""
     try:
-        entry = Path(cache_dir) / _identity(path)[0]
-    except OSError:
+        entry = Path(cache_dir) / _identity(path, kernels)[0]
+        return entry if os.path.isfile(entry / "meta.json") else None
+    except OSError:  # (a cache directory that cannot be read: PermissionError)
         return None
-    return entry if (entry / "meta.json").is_file() else None
 
 
-def read_usage(entry: Path) -> np.ndarray | None:
-    """The expert use counts kept in `entry` (write_usage), or None (none kept, or unreadable)."""
-    try:
-        counts = np.load(entry / USAGE, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    return counts if counts.dtype == np.float32 and counts.ndim == 1 else None
+def read_usage(entry: Path, on_note=None) -> np.ndarray | None:
+    """The expert use counts kept in `entry` (write_usage), or None (none kept, or unusable: `on_note`
+    told why; the next answer writes them anew)."""
+    counts, problem = read_hint(entry / USAGE, _counts, USAGE_LIMIT)
+    if problem and on_note:
+        on_note(f"the experts' use counts {entry / USAGE} cannot be used ({problem}): ignored, and written anew "
+                "after the next answer")
+    return counts
+
+
+def _counts(raw: bytes) -> np.ndarray:
+    """usage.npy's counts (L X,) (ValueError: not a float32 vector in .npy format)."""
+    counts = np.load(io.BytesIO(raw), allow_pickle=False)
+    if not (isinstance(counts, np.ndarray) and counts.dtype == np.float32 and counts.ndim == 1):
+        raise ValueError("not a float32 vector")
+    return counts
 
 
 def write_usage(entry: Path, counts: np.ndarray) -> None:
@@ -276,7 +326,7 @@ def write_usage(entry: Path, counts: np.ndarray) -> None:
             pass
 
 
-def _put_in_place(tmp: Path, entry: Path, real: str) -> None:
+def _put_in_place(tmp: Path, entry: Path, real: str, kernels: str) -> None:
     """Rename the written entry `tmp` to `entry`. One already there is either another start's, of
     the same GGUF, renamed while this one dequantized (as good as ours: ours is dropped), or one
     load_prepared could not use (replaced)."""
@@ -287,17 +337,18 @@ def _put_in_place(tmp: Path, entry: Path, real: str) -> None:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-        if _sound(entry, real):
+        if _sound(entry, real, kernels):
             shutil.rmtree(tmp, ignore_errors=True)
             return
         shutil.rmtree(entry, ignore_errors=True)
     raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), str(entry))
 
 
-def _sound(entry: Path, real: str) -> bool:
-    """Whether the entry passes the checks a start makes before using it."""
+def _sound(entry: Path, real: str, kernels: str) -> bool:
+    """Whether the entry passes the checks a start makes before using it (for the kernel path `kernels`)."""
     try:
-        Prepared(real, entry)
+        if Prepared(real, entry).tensors.kernels != (kernels == "numba"):
+            return False
     except (DamagedEntry, OSError):
         return False
     return True
@@ -308,14 +359,12 @@ def _unwritable(root: Path, e: OSError) -> str:
             "each start dequantizes instead")
 
 
-def _remove_stale(root: Path, real: str, keep: str) -> None:
-    """Entries made from an earlier version of the same GGUF path are dead weight: remove them."""
+def _remove_stale(root: Path, real: str, keep: set[str]) -> None:
+    """Entries of the same GGUF path but those `keep` (each kernel path's, of the GGUF as it is now) are
+    dead weight (an earlier version of the file, an older format): remove them."""
     for entry in root.iterdir():
-        if entry.name == keep or entry.name.startswith(".tmp-"):
+        if entry.name in keep or entry.name.startswith(".tmp-"):
             continue
-        try:
-            head = (entry / "meta.json").read_text()[:4096]
-            if json.dumps(real) in head:
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            continue
+        head = read_hint(entry / "meta.json", lambda raw: raw[:4096].decode("utf-8", "replace"), META_LIMIT).value
+        if head is not None and json.dumps(real) in head:
+            shutil.rmtree(entry, ignore_errors=True)

@@ -17,9 +17,10 @@ import numpy as np
 
 from ...errors import ModelError
 from ..config import MIN_CTX
-from . import dequant
+from . import dequant, kernels
 from .file import GGUFFile, Truncated
 from .header import HeaderError, read_header
+from .qmatrix import QMatrix
 
 
 def open_gguf(path: str):
@@ -78,7 +79,8 @@ def _file_header(path: str):
         if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
             raise HeaderError("an empty file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return read_header(buf, lambda key: key in ("general.architecture", "split.count", "split.no"))
+            return read_header(buf, lambda key: key in ("general.architecture", "general.file_type", "split.count",
+                                                        "split.no"))
 
 
 def shard_paths(path: str, reader) -> list[str]:
@@ -160,11 +162,18 @@ class TensorRecord(NamedTuple):
 
 
 class Tensors:
-    """GGUF tensors by name; `f32(name)` dequantizes one tensor (or one expert) on request.
+    """GGUF tensors by name; `f32(name)` dequantizes one tensor (or one expert) on request, `qmatrix(name)`
+    gives it as the file holds it (a QMatrix over the map: nothing read or copied).
 
     `files[name]` and `offsets[name]` say where each tensor's data lies (its file may be one part
     of a split model), so a prepared model can map it again without parsing the GGUF.
+
+    `kernels`: whether `matrix(name)`, what an architecture's prepare asks for a weight only `linear`
+    multiplies by, stays quantized (a QMatrix, where the compiled kernels take its type) or is f32 (the
+    numpy path). Set by engine.load.
     """
+
+    kernels = False
 
     def __init__(self, reader, path: str):
         tensors = list(reader.tensors)
@@ -230,6 +239,26 @@ class Tensors:
             out = gguf.quants.dequantize(data, t.tensor_type)
         shape = self.shape(name) if expert is None else self.shape(name)[1:]
         return np.ascontiguousarray(out.reshape(shape), dtype=np.float32)
+
+    def qmatrix(self, name: str, expert: int | None = None) -> QMatrix:
+        """Tensor `name` (2-D, or one expert of a 3-D *_exps tensor) as the QMatrix (O, Z) of its blocks."""
+        t = self.require(name)
+        data = t.data if expert is None else t.data[expert]
+        o, z = self.shape(name)[-2:]
+        return QMatrix([(t.tensor_type.name, data.reshape(o, -1), (name, expert))], z)
+
+    def matrix(self, name: str, expert: int | None = None) -> QMatrix | np.ndarray:
+        """A weight only ops.linear multiplies by: a QMatrix where `kernels` is set and they take its type
+        (F32 stays the f32 array it is), else f32."""
+        kind = self.qtype(name).name
+        if self.kernels and kind != "F32" and kernels.supported(kind):
+            return self.qmatrix(name, expert)
+        return self.f32(name, expert)
+
+    def get(self, name: str, shape: tuple, matrix: bool = False) -> QMatrix | np.ndarray:
+        """Tensor `name`, checked to have numpy shape `shape`: f32, or `matrix(name)` if `matrix`."""
+        self.check(name, shape)
+        return self.matrix(name) if matrix else self.f32(name)
 
     def nbytes(self, name: str) -> int:
         return int(self.require(name).n_bytes)

@@ -1,0 +1,155 @@
+"""The compiled kernels (engine/gguf/kernels.py) measured: matvec Gparam/s per type on a matrix of a real
+size, on 1 thread and on 2 (two Python threads on the row halves), against numpy's f32 matvec on the
+dequantized matrix and against the memory bandwidth (the quantized bytes read per second against a
+measured memcpy and sum); the compile and the cached start; and the variants tried (int8 activations,
+no fastmath) on Q4_K and Q8_0.
+
+    python benchmarks/kernels.py                          # every type, 14336 x 4096 (Llama-3.1-8B's FFN)
+    python benchmarks/kernels.py --types Q4_K Q8_0 --variants
+    python benchmarks/kernels.py --start                  # first compile and cached start, in fresh processes
+
+Each figure is the best of --repeat runs (other load on the machine only slows a run down). Also: CPU
+seconds of one thread (thread_time), which other processes on the cores disturb less than the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from colichat.engine.gguf import kernels
+
+FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+           "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def random_rows(name: str, rows: int, z: int, rng) -> np.ndarray:
+    """(rows, row_bytes) uint8: random codes and scale bytes under small valid fp16 scales."""
+    if name in ("F32", "F16", "BF16"):
+        v = rng.standard_normal((rows, z), dtype=np.float32)
+        return (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8) if name == "BF16" else \
+            v.astype(np.float16 if name == "F16" else np.float32).view(np.uint8)
+    values, size = kernels.block(name)
+    raw = rng.integers(0, 256, (rows, z // values, size), dtype=np.uint8)
+    for at in FP16_AT[name]:
+        raw[:, :, at : at + 2] = np.float16(0.01).reshape(1).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def best(fn, repeat: int) -> tuple[float, float]:
+    """(best wall seconds, best thread CPU seconds) of fn() over `repeat` runs."""
+    wall = cpu = float("inf")
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        fn()
+        wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.thread_time() - c0)
+    return wall, cpu
+
+
+def on_two_threads(fn, n: int):
+    """A function running fn(0, n // 2) and fn(n // 2, n) on two Python threads at once."""
+    def run():
+        half = n // 2
+        threads = [threading.Thread(target=fn, args=ab) for ab in ((0, half), (half, n))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return run
+
+
+def bandwidth(repeat: int) -> tuple[float, float]:
+    """(memcpy GB/s counting bytes read and written, sum GB/s of bytes read), one thread, 512 MiB."""
+    a = np.ones(1 << 26, dtype=np.float64)
+    b = np.empty_like(a)
+    copy, _ = best(lambda: np.copyto(b, a), repeat)
+    total, _ = best(lambda: a.sum(), repeat)
+    return 2 * a.nbytes / copy / 1e9, a.nbytes / total / 1e9
+
+
+def numpy_f32(w32: np.ndarray, x: np.ndarray, repeat: int) -> tuple[float, float]:
+    """(1 thread, 2 threads) Gparam/s of numpy's x @ W.T on the f32 matrix (OpenBLAS's own threads)."""
+    from threadpoolctl import threadpool_limits
+
+    n = w32.size
+    with threadpool_limits(1, user_api="blas"):
+        one, _ = best(lambda: x @ w32.T, repeat)
+    with threadpool_limits(2, user_api="blas"):
+        two, _ = best(lambda: x @ w32.T, repeat)
+    return n / one / 1e9, n / two / 1e9
+
+
+def measure_types(args) -> None:
+    rng = np.random.default_rng(0)
+    R, Z = args.rows, args.cols
+    copy_bw, sum_bw = bandwidth(args.repeat)
+    say(f"memory: memcpy {copy_bw:.1f} GB/s (read + written), sum {sum_bw:.1f} GB/s read; one thread")
+    x = rng.standard_normal((args.t, Z), dtype=np.float32)
+    say(f"matrix {R} x {Z}, T = {args.t}; Gparam/s = R Z T / s; GB/s = the quantized bytes / s")
+    say(f"{'type':7} {'B/param':>7} {'1 thread':>9} {'(cpu)':>7} {'2 threads':>9} {'GB/s 2t':>8} "
+        f"{'of sum bw':>9} {'numpy f32 1t/2t':>16}")
+    for name in args.types:
+        measure_type(name, random_rows(name, R, Z, rng), x, args, sum_bw)
+
+
+def measure_type(name: str, w: np.ndarray, x: np.ndarray, args, sum_bw: float) -> None:
+    R, Z = w.shape[0], x.shape[1]
+    out = np.empty((x.shape[0], R), dtype=np.float32)
+    kernels.matvec(name, w[:8], x, out[:, :8])  # compiled before the clock starts
+    one, cpu = best(lambda: kernels.matvec(name, w, x, out), args.repeat)
+    two, _ = best(on_two_threads(lambda a, b: kernels.matvec(name, w[a:b], x, out[:, a:b]), R), args.repeat)
+    ref = ""
+    if args.numpy:
+        w32 = np.empty((R, Z), dtype=np.float32)
+        kernels.dequantize(name, w, w32)
+        n1, n2 = numpy_f32(w32, x, args.repeat)
+        ref = f"{n1:7.2f} /{n2:6.2f}"
+    p = R * Z * x.shape[0]
+    say(f"{name:7} {w.nbytes / (R * Z):7.4f} {p / one / 1e9:9.2f} {p / cpu / 1e9:7.2f} {p / two / 1e9:9.2f} "
+        f"{w.nbytes / two / 1e9:8.2f} {w.nbytes / two / 1e9 / sum_bw:9.2f} {ref:>16}")
+
+
+def measure_start(args) -> None:
+    """The first start (compile every type) and a later one (numba's cache), each in a fresh process."""
+    code = ("import time; t = time.perf_counter(); c = time.process_time(); "
+            "from colichat.engine.gguf import kernels; s = kernels.prepare({d!r}); "
+            "print(f'{{time.perf_counter() - t:.2f}} s ({{time.process_time() - c:.2f}} s CPU), '"
+            "f'prepare() {{s:.2f}} s; import numba alone: ', end=''); "
+            "import subprocess, sys; print(subprocess.run([sys.executable, '-c', "
+            "'import time; t = time.perf_counter(); import numba; print(f\"{{time.perf_counter() - t:.2f}} s\")'], "
+            "capture_output=True, text=True).stdout.strip())")
+    with tempfile.TemporaryDirectory() as d:
+        for label in ("first start (compiles)", "later start (cached)", "later start (cached)"):
+            got = subprocess.run([sys.executable, "-c", code.format(d=d)], capture_output=True, text=True)
+            say(f"{label}: {got.stdout.strip() or got.stderr.strip()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", nargs="+", default=list(kernels.TYPES))
+    ap.add_argument("--rows", type=int, default=14336)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--t", type=int, default=1, help="rows of x (1: decode; up to 16)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--numpy", action="store_true", help="also numpy's f32 matvec on the dequantized matrix")
+    ap.add_argument("--start", action="store_true", help="measure the first compile and a cached start")
+    args = ap.parse_args()
+    if args.start:
+        measure_start(args)
+        return
+    kernels.prepare(None)
+    measure_types(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Compiled kernels on GGUF blocks read in place: y = W x for a few rows of x, and dequantized tiles.
+
+    problem()                       None, or one line: why the kernels cannot run here (the engine then
+                                    uses its numpy path, `--kernels numpy`)
+    prepare(cache_dir, progress)    compile every kernel once (or load it from numba's cache under
+                                    <cache_dir>/kernels); the seconds it took
+    supported("Q4_K"), block("Q4_K") -> (256, 144)   values and bytes per block
+    matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, T 1..16
+    dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
+
+The bodies are in kernel_bodies.py and kernel_kquants.py (numba `njit`, nogil): plain loops over the
+bytes of each block as ggml lays them out (their comments; gguf-py's gguf.quants). A matvec works on
+each block's sub-blocks: the integer codes times x summed in float32 (vectorized), the sub-block's scale
+applied once to that sum, and a minimum (K-quants, Q4_1, Q5_1) through the per-sub-block sums of x,
+computed once per call and shared by every row; blocks add into float64.
+
+Contract:
+- w: C-contiguous rows of whole blocks, uint8 (or the float dtype gguf-py gives F32/F16 tensors: viewed
+  as bytes), a view of the file's memory map: never copied, never written. x: float32 (T, Z), Z the
+  row's values. out: float32 of the stated shape, any strides (a column range of a larger out is fine).
+- Each out[t, r] comes from w[r] and x[t] alone, summed in one fixed order, so its bits do not depend
+  on T, on how the rows are split between calls, or on the thread count.
+- nogil: the engine's own threads call matvec on disjoint row ranges at once (the one threading
+  scheme; numba's prange is not used).
+- Accuracy: |out - x W.T| <= 1e-5 * sum |x| |W| (float64 reference on the dequantized W).
+
+State: one module-level cache, _COMPILED, of the compiled functions by type name (and the reason a
+compile failed); everything else here is constant tables.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+SMALL_BATCH = 16  # the most rows of x a matvec takes (decode and speculative verify passes)
+TYPES = {  # GGUF type name -> (values per block, bytes per block)
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_XS": (256, 136),
+}
+
+
+class _Compiled:
+    """The compiled (matvec, dequantize) of each type name, and why compiling failed, if it did."""
+
+    def __init__(self):
+        self.functions: dict[str, tuple] = {}
+        self.failure: str | None = None
+
+
+_COMPILED = _Compiled()
+
+
+def problem() -> str | None:
+    """None when the compiled kernels can run here; else one line saying why not (numba missing, a compile
+    that failed): the engine then falls back to its numpy path (`--kernels numpy`)."""
+    if _COMPILED.failure:
+        return _COMPILED.failure
+    try:
+        import numba  # noqa: F401
+    except ImportError as e:
+        return f"numba cannot be imported ({e}): the numpy path is used"
+    return None
+
+
+def supported(qtype_name: str) -> bool:
+    return qtype_name in TYPES
+
+
+def block(qtype_name: str) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGUF type name such as "Q4_K"."""
+    return TYPES[qtype_name]
+
+
+def _signatures():
+    from numba import types as nt
+
+    w = nt.Array(nt.uint8, 2, "C", readonly=True)
+    x = nt.Array(nt.float32, 2, "C", readonly=True)
+    out = nt.Array(nt.float32, 2, "A")
+    return nt.void(w, x, out), nt.void(w, out)
+
+
+def _cache_path(cache_dir: str | None) -> str | None:
+    """<cache_dir>/kernels, created, when it can be written; else None (compile without a disk cache)."""
+    if cache_dir is None:
+        return None
+    path = os.path.join(cache_dir, "kernels")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def _compile(names, cache_dir: str | None, progress=None) -> None:
+    """Compile the kernels of `names` into _COMPILED (loading them from numba's disk cache where it has
+    them). numba reads its CACHE_DIR when a function is decorated: it is set around the decoration only."""
+    import numba
+    from numba.core.errors import NumbaError
+
+    from . import kernel_bodies, kernel_kquants
+
+    mv_sig, dq_sig = _signatures()
+    path = _cache_path(cache_dir)
+    saved = numba.config.CACHE_DIR
+    try:
+        numba.config.CACHE_DIR = path or saved
+        for i, name in enumerate(names):
+            key, bodies = name.lower(), kernel_kquants if TYPES[name][0] == 256 else kernel_bodies
+            mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(bodies, f"matvec_{key}"))
+            dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
+            _COMPILED.functions[name] = (mv, dq)
+            if progress is not None:
+                progress(i + 1, len(names))
+    except NumbaError as e:
+        _COMPILED.failure = f"the compiled kernels failed to compile ({str(e).splitlines()[0]}): the numpy path is used"
+    finally:
+        numba.config.CACHE_DIR = saved
+
+
+def prepare(cache_dir: str | None, progress=None) -> float:
+    """Compile (or load from numba's on-disk cache kept under <cache_dir>/kernels; a read-only cache
+    directory compiles without keeping) every kernel once; returns the seconds it took. progress(done,
+    total) is called after each type. After a failure, problem() says what failed."""
+    start = time.perf_counter()
+    if problem() is None:
+        _compile([n for n in TYPES if n not in _COMPILED.functions], cache_dir, progress)
+    return time.perf_counter() - start
+
+
+def _functions(qtype_name: str) -> tuple:
+    f = _COMPILED.functions.get(qtype_name)
+    if f is None:  # not prepared: compiled now, without a disk cache
+        _compile([qtype_name], None)
+        f = _COMPILED.functions[qtype_name]
+    return f
+
+
+def _bytes(qtype_name: str, w: np.ndarray, z: int) -> np.ndarray:
+    """w as its (R, row_bytes) uint8 (a view: gguf-py gives F32 and F16 tensors as float arrays)."""
+    values, size = TYPES[qtype_name]
+    if w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError("w must be C-contiguous rows (R, row_bytes)")
+    w = w.view(np.uint8)
+    if w.shape[1] % size or w.shape[1] // size * values != z:
+        raise ValueError(f"{qtype_name} rows of {w.shape[1]} bytes do not hold {z} values")
+    return w
+
+
+def matvec(qtype_name: str, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out (T, R) float32 = x (T, Z) float32 times dequant(w).T, where w (R, row_bytes) uint8 are R whole
+    rows of a GGUF tensor (a read-only view into the file's memory map: never copied) and T is 1..16
+    (decode and speculative verify passes). Releases the GIL (njit nogil): the engine's own Python
+    threads call it on disjoint row ranges. Each out[t, r] is computed from w[r] and x[t] alone in a
+    fixed order, so the bits do not depend on T, on how the rows are split, or on the thread count."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = _bytes(qtype_name, w, x.shape[1])
+    if not 1 <= x.shape[0] <= SMALL_BATCH or out.dtype != np.float32 or out.shape != (x.shape[0], w.shape[0]):
+        raise ValueError(f"matvec takes x (T, Z), T 1..{SMALL_BATCH}, and out (T, R) float32")
+    _functions(qtype_name)[0](w, x, out)
+
+
+def dequantize(qtype_name: str, w: np.ndarray, out: np.ndarray) -> None:
+    """out (R, Z) float32 = the values of the R rows w (R, row_bytes) uint8: compiled, nogil, for prefill
+    tiles (dequantize a tile into a reused buffer, then numpy's sgemm). Bit for bit what dequant.py /
+    gguf-py give."""
+    w = _bytes(qtype_name, w, out.shape[1])
+    if out.dtype != np.float32 or out.shape[0] != w.shape[0]:
+        raise ValueError("dequantize takes out (R, Z) float32")
+    _functions(qtype_name)[1](w, out)

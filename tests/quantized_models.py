@@ -1,0 +1,48 @@
+"""Quantized copies of the tiny reference models, for the kernel path (the tiny GGUFs hold F32 only).
+
+    path = quantized_copy("llama", "Q4_1", tmp_dir)   # tests/data/tiny/llama.gguf, matrices in Q4_1
+
+Every tensor of two or more axes whose rows blocks of the type tile (and that the engine multiplies
+as a matrix: not a norm, router or bias) is quantized with gguf-py's quantizer; the rest is copied.
+The copy is the same model with rounded weights: both kernel paths run it, and their logits agree
+closely (the values multiplied are the same; only the order of the sums differs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+TINY = Path(__file__).resolve().parent / "data" / "tiny"
+KEEP_F32 = ("norm", "gate_inp", "exp_probs_b", "rope_", ".bias")  # small or derived tensors converters keep F32
+
+
+def quantized_copy(name: str, qtype: str, directory) -> str:
+    """tests/data/tiny/NAME.gguf with its matrices in `qtype` (a gguf-py quantizable type), written to
+    directory/NAME.QTYPE.gguf once (again only if it is missing)."""
+    dst = Path(directory) / f"{name}.{qtype}.gguf"
+    if dst.exists():
+        return str(dst)
+    kind = gguf.GGMLQuantizationType[qtype]
+    per = gguf.GGML_QUANT_SIZES[kind][0]
+    reader = gguf.GGUFReader(str(TINY / f"{name}.gguf"))
+    writer = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        writer.add_key_value(key, f.contents(), vtype, f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        data = np.array(t.data, dtype=np.float32)  # numpy shape
+        if data.ndim >= 2 and data.shape[-1] % per == 0 and not any(k in t.name for k in KEEP_F32):
+            raw = gguf.quants.quantize(data, kind)
+            writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(dst)

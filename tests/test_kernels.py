@@ -1,0 +1,168 @@
+"""engine/gguf/kernels.py: the compiled kernels against gguf-py's dequantizer and a float64 product.
+
+For each type: random blocks (gguf-py's quantize of random data where it has one, else random codes and
+scale bytes under valid fp16 scales), then
+- dequantize gives gguf-py's values bit for bit (every bit pattern too, NaN and inf scales included);
+- matvec is within the contract's bound of x @ dequant(W).T taken in float64: 1e-5 * sum |x| |W|;
+- the bits of out[t, r] do not depend on T, on how the rows are split, or on the thread count.
+The kernels are compiled once per session, kept in pytest's cache directory between sessions.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import gguf
+import numpy as np
+import pytest
+
+from colichat.engine.gguf import kernels
+
+TYPES = sorted(kernels.TYPES)
+BOUND = 1e-5  # |matvec - float64 reference| <= BOUND * sum |x| |W| (the module's contract)
+FP16_AT = {  # byte offsets of a block's fp16 scales (d, dmin), set to valid values in random blocks
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled(request):
+    seconds = kernels.prepare(str(request.config.cache.mkdir("colichat-kernels")))
+    assert kernels.problem() is None
+    return seconds
+
+
+def qtype(name: str):
+    return gguf.GGMLQuantizationType[name]
+
+
+def random_rows(name: str, rows: int, z: int, seed: int = 0) -> np.ndarray:
+    """(rows, row_bytes) uint8 of `z` values a row: random codes and scale bytes, valid fp16 scales
+    (the float types: random values)."""
+    rng = np.random.default_rng(seed)
+    if name in ("F32", "F16", "BF16"):
+        values = rng.standard_normal((rows, z)).astype(np.float32)
+        return gguf.quants.quantize(values, qtype(name)).view(np.uint8) if name == "BF16" else \
+            values.astype(np.float16 if name == "F16" else np.float32).view(np.uint8)
+    values, size = kernels.block(name)
+    raw = rng.integers(0, 256, (rows, z // values, size), dtype=np.uint8)
+    for at in FP16_AT[name]:
+        scales = (rng.uniform(-1, 1, (rows, z // values)) * 2.0 ** rng.integers(-12, -2, (rows, z // values)))
+        raw[:, :, at : at + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def quantized_rows(name: str, rows: int, z: int, seed: int = 0) -> np.ndarray:
+    """gguf-py's quantize of random data where it has one, else random_rows."""
+    if name in ("F32", "F16", "BF16"):
+        return random_rows(name, rows, z, seed)
+    try:
+        data = np.random.default_rng(seed).standard_normal((rows, z)).astype(np.float32)
+        return gguf.quants.quantize(data, qtype(name))
+    except NotImplementedError:
+        return random_rows(name, rows, z, seed)
+
+
+def reference(name: str, w: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return gguf.quants.dequantize(w, qtype(name)).reshape(w.shape[0], -1)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_gguf_py_bit_for_bit(name):
+    for w in (quantized_rows(name, 5, 512), random_rows(name, 5, 512, seed=1)):
+        out = np.empty((5, 512), dtype=np.float32)
+        kernels.dequantize(name, w, out)
+        assert np.array_equal(out.view(np.uint32), reference(name, w).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_every_bit_pattern(name):
+    """Raw random bytes: NaN and inf scales too, compared as equal."""
+    values, size = kernels.block(name)
+    w = np.random.default_rng(3).integers(0, 256, (7, 4 * size), dtype=np.uint8)
+    out = np.empty((7, 4 * values), dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        kernels.dequantize(name, w, out)
+    assert np.array_equal(out, reference(name, w), equal_nan=True)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("make", [quantized_rows, random_rows])
+def test_matvec_within_the_bound_of_float64(name, make):
+    z = 1024
+    w = make(name, 48, z, seed=4)
+    x = np.random.default_rng(5).standard_normal((3, z)).astype(np.float32)
+    out = np.empty((3, 48), dtype=np.float32)
+    kernels.matvec(name, w, x, out)
+    W = reference(name, w).astype(np.float64)
+    want = x.astype(np.float64) @ W.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(W).T
+    assert np.all(np.abs(out - want) <= BOUND * scale)
+    assert np.abs(out - want).max() > 0 or name == "F32"  # not a float64 product in disguise
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_same_bits_for_any_t_and_any_row_split(name):
+    z = 512
+    w = random_rows(name, 40, z, seed=6)
+    x = np.random.default_rng(7).standard_normal((16, z)).astype(np.float32)
+    whole = np.empty((16, 40), dtype=np.float32)
+    kernels.matvec(name, w, x, whole)
+    for t in (0, 5, 15):
+        one = np.empty((1, 40), dtype=np.float32)
+        kernels.matvec(name, w, x[t : t + 1], one)
+        assert np.array_equal(one[0].view(np.uint32), whole[t].view(np.uint32))
+    split = np.full((16, 40), np.nan, dtype=np.float32)
+    for a, b in ((0, 1), (1, 17), (17, 40)):
+        kernels.matvec(name, w[a:b], x, split[:, a:b])  # a column range of a larger out
+    assert np.array_equal(split.view(np.uint32), whole.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_same_bits_from_two_threads(name):
+    z = 2048
+    w = random_rows(name, 256, z, seed=8)
+    x = np.random.default_rng(9).standard_normal((2, z)).astype(np.float32)
+    one = np.empty((2, 256), dtype=np.float32)
+    kernels.matvec(name, w, x, one)
+    two = np.full((2, 256), np.nan, dtype=np.float32)
+    threads = [threading.Thread(target=kernels.matvec, args=(name, w[a:b], x, two[:, a:b]))
+               for a, b in ((0, 128), (128, 256))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
+
+
+def test_reads_the_map_in_place():
+    """A read-only view (as a memory map gives) is taken as it is, written nowhere."""
+    w = random_rows("Q4_K", 8, 256)
+    w.setflags(write=False)
+    out = np.empty((1, 8), dtype=np.float32)
+    kernels.matvec("Q4_K", w, np.ones((1, 256), dtype=np.float32), out)
+    assert np.all(np.isfinite(out))
+
+
+def test_block_sizes_are_gguf_s():
+    for name in TYPES:
+        assert kernels.block(name) == gguf.GGML_QUANT_SIZES[qtype(name)]
+        assert kernels.supported(name)
+    assert not kernels.supported("IQ1_S")
+
+
+def test_problem_says_why_without_numba(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    why = kernels.problem()
+    assert why is not None and "numba" in why and "\n" not in why
+
+
+def test_bad_shapes_are_caller_bugs():
+    w = random_rows("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="T 1..16"):
+        kernels.matvec("Q8_0", w, np.ones((17, 64), dtype=np.float32), np.empty((17, 4), dtype=np.float32))
+    with pytest.raises(ValueError, match="do not hold"):
+        kernels.matvec("Q8_0", w, np.ones((1, 96), dtype=np.float32), np.empty((1, 4), dtype=np.float32))
