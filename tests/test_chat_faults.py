@@ -8,10 +8,10 @@ import contextlib
 import errno
 import json
 import os
-import time
 
 import pytest
 from cli_helpers import TINY_LLAMA
+from persist_helpers import Ticks
 
 from colichat.chat import Conversation, Settings
 from colichat.engine import load
@@ -285,12 +285,11 @@ def test_an_answer_cut_by_the_context_says_what_lets_it_go_on(tmp_path):
 
 
 def test_the_latest_conversation_is_the_one_last_used_not_only_the_last_saved(model, tmp_path):
-    store = Store(tmp_path / "s")
+    store = Store(tmp_path / "s", clock=Ticks())
     for name in ("older", "newer"):
         conv = conversation(model, store, name)
         conv.ask(Q[0])
         conv.close()
-        time.sleep(0.02)
     ident = conversation(model, store, None).saving.ident
     assert store.latest(ident).name == "newer"
     conv = conversation(model, store, None)

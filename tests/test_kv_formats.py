@@ -205,6 +205,7 @@ def test_compact_files_are_smaller_by_their_codecs_ratio(models, tmp_path):
     assert sizes == {"f32": 4 + 3 * (128 + 16) * 4, "fp8": 4 + 3 * (128 + 16 + 8), "int4": 4 + 3 * (64 + 8 + 8)}
 
 
+@pytest.mark.process
 def test_kv_from_the_command_line_a_whole_run_and_a_refusal(colichat_home):
     """--kv fp8 from the shell: the session file is COLIGQ2, and resumed in a second process it ends as
     the one process that had both messages; --kv int4 on a model whose rows it cannot take is one

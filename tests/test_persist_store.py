@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY
-from persist_helpers import IDENT, OTHER_IDENT, TESTS, build, layout_of, make_cache
+from persist_helpers import IDENT, OTHER_IDENT, TESTS, Ticks, build, layout_of, make_cache
 
 import colichat.persist.identity as identity_mod
 from colichat.persist import SessionError, Store, model_identity, weights_fingerprint
@@ -118,12 +118,11 @@ def test_auto_names_are_unique(colichat_home):
 
 
 def test_listing_newest_first_per_model(colichat_home):
-    store = Store()
+    store = Store(clock=Ticks())
     cache = make_cache()
     for name, ident, n in [("old", IDENT, 1), ("other", OTHER_IDENT, 2), ("new", IDENT, 3)]:
         with store.create(ident, layout_of(cache), name=name) as sess:
             sess.append(cache, build(cache, n))
-        time.sleep(0.01)
     junk = store.model_dir(IDENT) / "junk.coli_kv"
     junk.write_bytes(b"not a session")
     [bad] = [i for i in store.list(IDENT) if i.damage]  # listed, with the command that clears it
@@ -154,6 +153,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.process
 def test_second_writer_is_refused(colichat_home):
     cache = make_cache()
     store = Store()
@@ -193,6 +193,7 @@ def _waits_for_a_lock(pid: int) -> bool:
                for line in Path("/proc/locks").read_text().splitlines())
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not Path("/proc/locks").exists(),
                     reason="needs Linux's /proc/locks to see a process wait on a lock (the read's wait is seen "
                     "nowhere else)")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 
-pytestmark = pytest.mark.default_model
+pytestmark = [pytest.mark.process, pytest.mark.default_model]  # a terminal, on the default model
 
 # a footer, also where the terminal's width broke it into rows (at spaces)
 FOOTER = re.compile(r"\[\d+ tokens?, [\d.]+ tok/s, (?:[^\]]*, )?\d+ of \d+ context left".replace(" ", r"\s+"))

@@ -23,6 +23,8 @@ import contextlib
 import errno
 import fcntl
 import os
+import time
+from typing import Callable
 
 from ..units import count
 from .kvfile import (
@@ -54,13 +56,15 @@ from .names import (
     unlink_quietly,
 )
 from .pending import Pending
-from .sidecar import Turn, now_iso, session_document, turn_crc, write_document
+from .sidecar import Turn, iso_time, session_document, turn_crc, write_document
 
 
 class Session:
     """One open session, holding its writer lock until `close`."""
 
-    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None):
+    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None,
+                 clock: Callable[[], float] = time.time):
+        self.clock = clock  # epoch seconds: the sidecar's times (the store's, injectable)
         self.directory = str(directory)
         self.name = name
         self.ident = dict(ident)
@@ -73,7 +77,7 @@ class Session:
         self._crcs: list[int] = []
         self.nrec = 0  # records covered by self.turns
         self.sampler: dict = {}  # saved with every sidecar write
-        self.created = now_iso()
+        self.created = iso_time(clock())
         self.parent: str | None = None  # a fork's: the conversation it was forked from (saved in the sidecar)
         self.branch: int | None = None  # and the exchanges of it it began with
         self.emptied = False  # /reset emptied it in place: a conversation still, with no exchange (FORMAT.md)
@@ -92,7 +96,7 @@ class Session:
 
     @classmethod
     def claim(cls, directory, name: str, ident: dict, layout: CacheLayout,
-              sampler: dict | None = None) -> Session:
+              sampler: dict | None = None, clock: Callable[[], float] = time.time) -> Session:
         """A new empty session that holds its lock but has no files yet: the first save creates them
         (so a name given at start is ours before the first answer, and quitting leaves no session).
 
@@ -101,7 +105,7 @@ class Session:
         base = os.path.join(str(directory), name)
         if holds_conversation(base):  # before locking: the holder of an existing session may have the lock
             raise FileExistsError(errno.EEXIST, "session exists", name)
-        s = cls(directory, name, ident, layout, take_lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, take_lock(base + ".lock", name), clock)
         try:
             if holds_conversation(base):  # again, under the lock
                 raise FileExistsError(errno.EEXIST, "session exists", name)
@@ -116,9 +120,9 @@ class Session:
 
     @classmethod
     def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
-               sampler: dict | None = None) -> Session:
+               sampler: dict | None = None, clock: Callable[[], float] = time.time) -> Session:
         """A new empty session: all its files, or (on any error) none of them and the lock released."""
-        s = cls.claim(directory, name, ident, layout, sampler)
+        s = cls.claim(directory, name, ident, layout, sampler, clock)
         try:
             s._create_files()
         except BaseException:
@@ -127,14 +131,15 @@ class Session:
         return s
 
     @classmethod
-    def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
+    def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False,
+             clock: Callable[[], float] = time.time) -> Session:
         """An existing session, locked for writing; `load` it before saving to it. `read_only`
         (--no-save, a read-only file system): not locked (another colichat may have it open), the
         file opened for reading, and `load` reads it between two saves of that colichat
         (locks.reading); saving to it fails."""
         base = os.path.join(str(directory), name)
         text_only, damage = what_opens(base, f"no session named {name} for this model (/sessions lists them)")
-        s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name), clock)
         try:
             if text_only or damage:  # its KV file deleted (it is the large one), or broken: the text is read again
                 s._text_only, s._kv_damage = True, damage
@@ -192,7 +197,7 @@ class Session:
         self.turns, self._crcs, self.nrec = list(res.turns), list(res.crcs), res.tokens
         self._cache, self.layout, self._has_sidecar = cache, res.layout, res.sidecar
         if res.sidecar:
-            self.sampler, self.created = dict(res.sampler), res.created or now_iso()
+            self.sampler, self.created = dict(res.sampler), res.created or iso_time(self.clock())
             self.parent, self.branch, self.emptied = res.parent, res.branch, res.emptied
         else:
             res.sampler = dict(self.sampler)
@@ -363,7 +368,7 @@ class Session:
                 fd, self._kv_fd = self._kv_fd, None
                 with contextlib.suppress(OSError):
                     os.close(fd)
-                self._has_sidecar, self.created = False, now_iso()
+                self._has_sidecar, self.created = False, iso_time(self.clock())
 
     def save_sampler(self, sampler: dict) -> None:
         """Record new sampler settings now (they are also saved with every append)."""
@@ -494,6 +499,6 @@ class Session:
         emptied = {"emptied": True} if self.emptied and not (turns or unread) else {}
         write_document(self.json_path, session_document(
             {"model": self.ident, "layout": self.layout.to_json(), "created": self.created, "sampler": self.sampler,
-             **fork, **emptied, **marks}, turns, crcs, unread))
+             **fork, **emptied, **marks}, iso_time(self.clock()), turns, crcs, unread))
         self._has_sidecar = True
 
