@@ -65,14 +65,10 @@ class Session:
     def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None,
                  clock: Callable[[], float] = time.time):
         self.clock = clock  # epoch seconds: the sidecar's times (the store's, injectable)
-        self.directory = str(directory)
-        self.name = name
-        self.ident = dict(ident)
-        self.layout = layout
+        self.directory, self.name, self.ident, self.layout = str(directory), name, dict(ident), layout
         self.kv_path = os.path.join(self.directory, name + KV_EXT)
         self.json_path = os.path.join(self.directory, name + SIDECAR_EXT)
-        self._lock_fd = lock_fd
-        self._kv_fd: int | None = None
+        self._lock_fd, self._kv_fd = lock_fd, None  # (the KV file's, once open: int)
         self.turns: list[Turn] = []  # what is on disk and valid
         self._crcs: list[int] = []
         self.nrec = 0  # records covered by self.turns
