@@ -48,6 +48,8 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("hints.py", "read_hint"): "the parsing of a hint file's bytes (json.loads, np.load: any error of what they "
                                "hold, a 5,001-digit integer's ValueError, deep nesting's RecursionError); the hint "
                                "is ignored and rebuilt, the problem said",
+    ("engine/gguf/prepared.py", "Prepared.__init__"): "a cache entry's record of a quantized matrix checked against "
+                                                     "the GGUF (Tensors.qmatrix's shape checks): the entry is damaged",
     ("persist/listing.py", "_timestamp"): "datetime.fromisoformat() of a sidecar's text: not a time, the "
                                         "file's own",
 }
