@@ -9,10 +9,13 @@
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
 
 The bodies are in kernel_bodies.py and kernel_kquants.py (numba `njit`, nogil): plain loops over the
-bytes of each block as ggml lays them out (their comments; gguf-py's gguf.quants). A matvec works on
-each block's sub-blocks: the integer codes times x summed in float32 (vectorized), the sub-block's scale
-applied once to that sum, and a minimum (K-quants, Q4_1, Q5_1) through the per-sub-block sums of x,
-computed once per call and shared by every row; blocks add into float64.
+bytes of each block as ggml lays them out (their comments; gguf-py's gguf.quants). A K-quant matvec works
+on each block's sub-blocks: the integer codes times x summed in float32 (vectorized), the sub-block's
+scale applied once to that sum, and a minimum through the per-sub-block sums of x, computed once per
+call and shared by every row; blocks add into float64. The 32-value types (Q8_0, Q4_0, ...) sum in 32
+float32 lanes across the row's blocks instead (what LLVM vectorizes for them: 3x faster on Q8_0).
+Activations stay float32: int8 activations (llama.cpp's Q8_0/Q8_K way, integer dot products) were no
+faster with LLVM's code on AVX2 and 50,000x less exact (benchmarks/kernels.py --variants).
 
 Contract:
 - w: C-contiguous rows of whole blocks, uint8 (or the float dtype gguf-py gives F32/F16 tensors: viewed
