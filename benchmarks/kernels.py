@@ -237,18 +237,27 @@ def timed(fn, w, x, out, repeat: int) -> tuple[float, float]:
     return best(lambda: fn(w, x, out), repeat)
 
 
+START = """
+import resource, sys, time
+c0 = time.process_time()
+import numba
+c1 = time.process_time()
+from colichat.engine.gguf import kernels
+c2, t = time.process_time(), time.perf_counter()
+kernels.prepare(sys.argv[1])
+c3, wall = time.process_time(), time.perf_counter() - t
+kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(f"prepare() {wall:.2f} s wall, {c3 - c2:.2f} s CPU here + {kids.ru_utime + kids.ru_stime:.2f} s CPU in its "
+      f"helper process; import numba {c1 - c0:.2f} s CPU, colichat's engine {c2 - c1:.2f} s CPU")
+"""
+
+
 def measure_start(args) -> None:
-    """The first start (compile every type) and a later one (numba's cache), each in a fresh process."""
-    code = ("import time; t = time.perf_counter(); c = time.process_time(); "
-            "from colichat.engine.gguf import kernels; s = kernels.prepare({d!r}); "
-            "print(f'{{time.perf_counter() - t:.2f}} s ({{time.process_time() - c:.2f}} s CPU), '"
-            "f'prepare() {{s:.2f}} s; import numba alone: ', end=''); "
-            "import subprocess, sys; print(subprocess.run([sys.executable, '-c', "
-            "'import time; t = time.perf_counter(); import numba; print(f\"{{time.perf_counter() - t:.2f}} s\")'], "
-            "capture_output=True, text=True).stdout.strip())")
+    """The first start (compile every type) and later ones (numba's cache), each in a fresh process. On a
+    quiet machine the first start's wall time is about the larger of its two CPU times."""
     with tempfile.TemporaryDirectory() as d:
         for label in ("first start (compiles)", "later start (cached)", "later start (cached)"):
-            got = subprocess.run([sys.executable, "-c", code.format(d=d)], capture_output=True, text=True)
+            got = subprocess.run([sys.executable, "-c", START, d], capture_output=True, text=True)
             say(f"{label}: {got.stdout.strip() or got.stderr.strip()}")
 
 

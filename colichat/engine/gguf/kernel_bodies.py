@@ -11,12 +11,15 @@ the kernels, each with its helpers inside).
 Shapes: w (R, row_bytes) uint8, whole blocks; x (T, Z) float32; xs (T, Z / width) float32 the sums of x
 over each sub-block of `width` values (sub_sums); out (T, R) or (R, Z) float32.
 
-The order of the sums, fixed: a sub-block's codes times x in float32 (numba's fastmath "reassoc" lets
-LLVM vectorize that sum: its lanes are fixed by the compiled code, the same for every row, T and
-thread), its scale applied once to that sum and its minimum through xs; blocks add into float64. Each
-out[t, r] is a function of w[r], x[t] (and xs[t], a function of x[t]) alone. The dequantizers take no
-fastmath: their float32 operations are gguf-py's, in its order (d * sc first, then times q, then the
-minimum), so their bits are its bits.
+The order of the sums, fixed by the code: the 32-value types (Q8_0 and the rest of this module) keep 32
+float32 lanes, lane i the sum of value i of every block (its scale applied to each product), added in
+order at the end: no fastmath, and LLVM vectorizes the lanes (a per-block sum it unrolls and vectorizes
+across blocks, with gathers, 3x slower). The K-quants and floats sum a sub-block's codes times x in
+float32 with fastmath "reassoc" (LLVM's vectorized reduction: its lanes are fixed by the compiled code,
+the same for every row, T and thread), apply its scale once to that sum and its minimum through xs, and
+add blocks into float64. Each out[t, r] is a function of w[r], x[t] (and xs[t], a function of x[t])
+alone. The dequantizers take no fastmath: their float32 operations are gguf-py's, in its order (d * sc
+first, then times q, then the minimum), so their bits are its bits.
 """
 
 from __future__ import annotations
@@ -120,15 +123,18 @@ def _block_bf16(wr, o, y, yo):
 # IQ4_NL (18): fp16 d, nibbles as Q4_0 indexing KVALUES; value d KVALUES[q].
 
 
-@fast
+@njit
 def _row_q8_0(wr, xt, xs):
-    acc = 0.0
+    """In 32 float32 lanes (the module's docstring)."""
+    lanes = np.zeros(32, dtype=F32)
     for b in range(xt.shape[0] // 32):
         o, xo = 34 * b, 32 * b
-        a = F32(0)
+        d = _f16(wr[o], wr[o + 1])
         for i in range(32):
-            a += F32(np.int32(np.int8(wr[o + 2 + i]))) * xt[xo + i]
-        acc += F64(_f16(wr[o], wr[o + 1])) * F64(a)
+            lanes[i] += d * F32(np.int8(wr[o + 2 + i])) * xt[xo + i]
+    acc = 0.0
+    for i in range(32):
+        acc += F64(lanes[i])
     return acc
 
 
@@ -147,13 +153,14 @@ def _q4(wr, o, i, k):
     return KVALUES[q] if k else q
 
 
-@fast
+@njit
 def _row_4bit(wr, xt, xs, size, offset, kvalues):
-    """Q4_0 (size 18, offset 8), Q4_1 (20, -1: a minimum), IQ4_NL (18, kvalues)."""
+    """Q4_0 (size 18, offset 8), Q4_1 (20, -1: a minimum), IQ4_NL (18, kvalues); in lanes as Q8_0."""
+    lanes = np.zeros(32, dtype=F32)
     acc = 0.0
     for b in range(xt.shape[0] // 32):
         o, xo = size * b, 32 * b
-        a = F32(0)
+        d = _f16(wr[o], wr[o + 1])
         for i in range(16):
             v = np.int32(wr[o + size - 16 + i])
             lo, hi = v & 15, v >> 4
@@ -161,24 +168,26 @@ def _row_4bit(wr, xt, xs, size, offset, kvalues):
                 lo, hi = KVALUES[lo], KVALUES[hi]
             elif offset > 0:
                 lo, hi = lo - offset, hi - offset
-            a += F32(lo) * xt[xo + i] + F32(hi) * xt[xo + 16 + i]
-        acc += F64(_f16(wr[o], wr[o + 1])) * F64(a)
+            lanes[i] += d * F32(lo) * xt[xo + i]
+            lanes[16 + i] += d * F32(hi) * xt[xo + 16 + i]
         if offset < 0:
             acc += F64(_f16(wr[o + 2], wr[o + 3])) * F64(xs[b])
+    for i in range(32):
+        acc += F64(lanes[i])
     return acc
 
 
-@fast
+@njit
 def _row_q4_0(wr, xt, xs):
     return _row_4bit(wr, xt, xs, 18, 8, False)
 
 
-@fast
+@njit
 def _row_q4_1(wr, xt, xs):
     return _row_4bit(wr, xt, xs, 20, -1, False)
 
 
-@fast
+@njit
 def _row_iq4_nl(wr, xt, xs):
     return _row_4bit(wr, xt, xs, 18, 0, True)
 
@@ -204,33 +213,35 @@ def _block_iq4_nl(wr, o, y, yo):
         y[yo + i] = d * F32(_q4(wr, o + 2, i, True))
 
 
-@fast
+@njit
 def _row_5bit(wr, xt, xs, size, offset):
-    """Q5_0 (size 22, offset 16), Q5_1 (24, -1: a minimum)."""
+    """Q5_0 (size 22, offset 16), Q5_1 (24, -1: a minimum); in lanes as Q8_0."""
+    lanes = np.zeros(32, dtype=F32)
     acc = 0.0
     for b in range(xt.shape[0] // 32):
         o, xo = size * b, 32 * b
-        qh = _u32(wr, o + size - 20)
-        a = F32(0)
+        d, qh = _f16(wr[o], wr[o + 1]), _u32(wr, o + size - 20)
         for i in range(16):
             v = np.int32(wr[o + size - 16 + i])
             lo = (v & 15) | np.int32((qh >> i) & 1) << 4
             hi = (v >> 4) | np.int32((qh >> (i + 16)) & 1) << 4
             if offset > 0:
                 lo, hi = lo - offset, hi - offset
-            a += F32(lo) * xt[xo + i] + F32(hi) * xt[xo + 16 + i]
-        acc += F64(_f16(wr[o], wr[o + 1])) * F64(a)
+            lanes[i] += d * F32(lo) * xt[xo + i]
+            lanes[16 + i] += d * F32(hi) * xt[xo + 16 + i]
         if offset < 0:
             acc += F64(_f16(wr[o + 2], wr[o + 3])) * F64(xs[b])
+    for i in range(32):
+        acc += F64(lanes[i])
     return acc
 
 
-@fast
+@njit
 def _row_q5_0(wr, xt, xs):
     return _row_5bit(wr, xt, xs, 22, 16)
 
 
-@fast
+@njit
 def _row_q5_1(wr, xt, xs):
     return _row_5bit(wr, xt, xs, 24, -1)
 
