@@ -5,7 +5,7 @@ measured memcpy and sum); the compile and the cached start; and the variants tri
 no fastmath) on Q4_K and Q8_0.
 
     python benchmarks/kernels.py                          # every type, 14336 x 4096 (Llama-3.1-8B's FFN)
-    python benchmarks/kernels.py --types Q4_K Q8_0 --variants
+    python benchmarks/kernels.py --variants               # Q4_K and Q8_0: no fastmath, int8 activations
     python benchmarks/kernels.py --start                  # first compile and cached start, in fresh processes
 
 Each figure is the best of --repeat runs (other load on the machine only slows a run down). Also: CPU
@@ -119,6 +119,124 @@ def measure_type(name: str, w: np.ndarray, x: np.ndarray, args, sum_bw: float) -
         f"{w.nbytes / two / 1e9:8.2f} {w.nbytes / two / 1e9 / sum_bw:9.2f} {ref:>16}")
 
 
+def int8_kernels():
+    """The variants with int8 activations (llama.cpp's Q8_0 way: x quantized once per call in blocks of 32,
+    integer dot products, the scales applied per sub-block): (quantize, Q8_0 matvec, Q4_K matvec)."""
+    from numba import njit
+
+    from colichat.engine.gguf.kernel_bodies import F32, F64, _f16
+    from colichat.engine.gguf.kernel_kquants import _scale_min_k4
+
+    @njit(nogil=True)
+    def quantize(x):
+        T, n = x.shape[0], x.shape[1] // 32
+        q, dx = np.empty(x.shape, np.int8), np.empty((T, n), F32)
+        for t in range(T):
+            for j in range(n):
+                amax = F32(0)
+                for i in range(32):
+                    amax = max(amax, abs(x[t, 32 * j + i]))
+                dx[t, j] = amax / F32(127)
+                inv = F32(127) / amax if amax > 0 else F32(0)
+                for i in range(32):
+                    q[t, 32 * j + i] = np.int8(np.rint(x[t, 32 * j + i] * inv))
+        return q, dx
+
+    @njit(nogil=True)
+    def q8_0(w, xq, dx, out):
+        for r in range(w.shape[0]):
+            for t in range(xq.shape[0]):
+                acc = 0.0
+                for b in range(xq.shape[1] // 32):
+                    o, s = 34 * b, np.int32(0)
+                    for i in range(32):
+                        s = np.int32(s + np.int32(np.int8(w[r, o + 2 + i])) * np.int32(xq[t, 32 * b + i]))
+                    acc += F64(_f16(w[r, o], w[r, o + 1])) * F64(dx[t, b]) * s
+                out[t, r] = acc
+
+    @njit(nogil=True)
+    def q4_k(w, xq, dx, xs, out):
+        for r in range(w.shape[0]):
+            wr = w[r]
+            for t in range(xq.shape[0]):
+                acc = 0.0
+                for b in range(xq.shape[1] // 256):
+                    o = 144 * b
+                    d, dmin = F64(_f16(wr[o], wr[o + 1])), F64(_f16(wr[o + 2], wr[o + 3]))
+                    for c in range(4):
+                        q, v, s0, s1 = o + 16 + 32 * c, 256 * b + 64 * c, np.int32(0), np.int32(0)
+                        for k in range(32):
+                            byte = np.int32(wr[q + k])
+                            s0 = np.int32(s0 + (byte & 15) * np.int32(xq[t, v + k]))
+                            s1 = np.int32(s1 + (byte >> 4) * np.int32(xq[t, v + 32 + k]))
+                        j = 8 * b + 2 * c
+                        sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
+                        sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
+                        acc += d * sc0 * F64(dx[t, j]) * s0 - dmin * m0 * F64(xs[t, j])
+                        acc += d * sc1 * F64(dx[t, j + 1]) * s1 - dmin * m1 * F64(xs[t, j + 1])
+                out[t, r] = acc
+
+    return quantize, q8_0, q4_k
+
+
+def plain_kernel(name: str):
+    """The kernel of `name` with its row compiled without fastmath (no reassociation: sums not vectorized)."""
+    from numba import njit
+
+    from colichat.engine.gguf import kernel_bodies, kernel_kquants
+
+    bodies = kernel_kquants if kernels.block(name)[0] == 256 else kernel_bodies
+    row = njit(getattr(bodies, f"_row_{name.lower()}").py_func)
+
+    @njit(nogil=True)
+    def matvec(w, x, xs, out):
+        for r in range(w.shape[0]):
+            for t in range(x.shape[0]):
+                out[t, r] = row(w[r], x[t], xs[t])
+
+    return matvec
+
+
+def measure_variants(args) -> None:
+    """Q4_K and Q8_0: the kernel as it is, without fastmath, and with int8 activations; Gparam/s on one
+    thread and the worst error against float64 over sum |x| |W| (256 rows)."""
+    rng = np.random.default_rng(1)
+    R, Z = args.rows, args.cols
+    x = rng.standard_normal((args.t, Z), dtype=np.float32)
+    say(f"variants, {R} x {Z}, T = {args.t}, one thread: Gparam/s (wall, cpu), worst |error| / sum |x| |W|")
+    for name in ("Q4_K", "Q8_0"):
+        compare(name, random_rows(name, R, Z, rng), x, args)
+
+
+def compare(name: str, w: np.ndarray, x: np.ndarray, args) -> None:
+    from colichat.engine.gguf.kernel_bodies import sub_sums
+
+    quantize, int8_q8_0, int8_q4_k = int8_kernels()
+    xs, plain = sub_sums(x, 32 if name == "Q4_K" else 0), plain_kernel(name)
+
+    def with_int8(w, x, out):
+        xq, dx = quantize(x)
+        int8_q4_k(w, xq, dx, sub_sums(x, 32), out) if name == "Q4_K" else int8_q8_0(w, xq, dx, out)
+
+    W = np.empty((256, x.shape[1]), dtype=np.float32)
+    kernels.dequantize(name, w[:256], W)
+    want = x.astype(np.float64) @ W.T.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64)
+    for label, fn in (("float32 sums, fastmath reassoc (kept)", lambda w, x, out: kernels.matvec(name, w, x, out)),
+                      ("float32 sums, no fastmath", lambda w, x, out: plain(w, x, xs, out)),
+                      ("int8 activations, integer sums", with_int8)):
+        out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+        wall, cpu = timed(fn, w, x, out, args.repeat)
+        p = w.shape[0] * x.shape[1] * x.shape[0]
+        err = np.max(np.abs(out[:, :256] - want) / scale)
+        say(f"  {name} {label:40} {p / wall / 1e9:6.2f} {p / cpu / 1e9:6.2f}   error {err:.1e}")
+
+
+def timed(fn, w, x, out, repeat: int) -> tuple[float, float]:
+    fn(w[:8], x, out[:, :8])  # compiled before the clock starts
+    return best(lambda: fn(w, x, out), repeat)
+
+
 def measure_start(args) -> None:
     """The first start (compile every type) and a later one (numba's cache), each in a fresh process."""
     code = ("import time; t = time.perf_counter(); c = time.process_time(); "
@@ -143,12 +261,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--numpy", action="store_true", help="also numpy's f32 matvec on the dequantized matrix")
     ap.add_argument("--start", action="store_true", help="measure the first compile and a cached start")
+    ap.add_argument("--variants", action="store_true", help="Q4_K and Q8_0 without fastmath, with int8 activations")
     args = ap.parse_args()
     if args.start:
         measure_start(args)
         return
-    kernels.prepare(None)
-    measure_types(args)
+    kernels.prepare(None, names=args.types)
+    measure_variants(args) if args.variants else measure_types(args)
 
 
 if __name__ == "__main__":

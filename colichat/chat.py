@@ -52,7 +52,7 @@ class Conversation:
 
     def __init__(self, model: Model, settings: Settings, save: bool = True, session_name: str | None = None,
                  store: Store | None = None, pinned=frozenset(), save_new: bool = True, read_only: bool = False,
-                 no_save: bool = False, kv: str = "f32", reuse: bool = True):
+                 no_save: bool = False, kv: str | None = None, reuse: bool = True):
         self.model = model
         self.reuse = reuse  # a new conversation starts from a saved one's records where its prompt begins alike
         self.reused_from: str | None = None  # what the last /forget's reading again took from a saved conversation
@@ -140,9 +140,9 @@ class Conversation:
         self.prefs.apply_saved(res.sampler, started=bool(self.turns))
         lines = [reopened(res)] + [f"warning: {w}" for w in res.warnings + damaged_settings(res.sampler)]
         lines += self.prefs.check_saved_system(self.tok)
-        codec, kv = self.model.cache.codec, self.history.kv
-        if codec != kv:
-            lines.append(f"note: {name} is kept as {codec}, as it was saved; --kv {kv} is for new conversations")
+        codec, kv, given = self.model.cache.codec, self.history.kv, self.history.kv_from
+        if codec != kv and given:  # (without --kv or /set kv there is no choice to set apart)
+            lines.append(f"note: {name} is kept as {codec}, as it was saved; {given} {kv} is for new conversations")
         if res.unread and on_note:  # what was found is said before the reading, which takes a while
             on_note("\n".join(lines))
             lines = []

@@ -82,7 +82,7 @@ def parser() -> Parser:
     p.add_argument("--expert-cache", type=float, metavar="MIB",
                    help="MiB of dequantized MoE experts kept in memory (default: half of the memory left "
                    "after the weights and the context, at least 512)")
-    p.add_argument("--kv", choices=["f32", "fp8", "int4"], default="f32",
+    p.add_argument("--kv", choices=["f32", "fp8", "int4"],
                    help="how new conversations keep their KV cache on disk and in memory: f32 (exact, the default), "
                    "fp8 (colibri's COLIKV2, about 4x smaller) or int4 (COLIKV3, about 7x smaller); a saved "
                    "conversation keeps the one it was saved in")
@@ -92,6 +92,10 @@ def parser() -> Parser:
     p.add_argument("--numerics", choices=["fast", "llama.cpp"],  # default fast (None: not given)
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp; default fast)")
+    p.add_argument("--kernels", choices=["numba", "numpy"], default="numba",
+                   help="numba (the default): multiply by the weights as the GGUF holds them, with compiled kernels "
+                   "(the first start compiles them); numpy: dequantize every weight to f32 (more memory; the "
+                   "reference, and what runs where numba cannot)")
     p.add_argument("--auto-forget", action="store_true", help="when a message would not fit in the context left "
                    "(or would leave too little room for its answer), go on in a new conversation without the "
                    "oldest exchanges first, as /forget does, instead of refusing it (for scripts)")
@@ -258,7 +262,7 @@ def main(argv=None) -> int:
         settings, note = model_sampling(plan.settings, plan.given, model.cfg)
         if note:
             say(note)
-        problem = model.cache.codec_problem(plan.kv)
+        problem = plan.kv and model.cache.codec_problem(plan.kv)
         if problem:
             raise SettingError(f"--kv {plan.kv}: {problem}")
         conv = Conversation(model, settings, session_name=plan.session, store=store, pinned=plan.given,

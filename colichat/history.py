@@ -63,10 +63,11 @@ class History:
     (`saving`, saving.Saving) with the settings in use (`prefs`, chat_settings.ChatSettings: a new
     start also takes the system prompt that waited for it)."""
 
-    def __init__(self, model, saving: Saving, prefs, kv: str = "f32"):
+    def __init__(self, model, saving: Saving, prefs, kv: str | None = None):
         self.model, self.saving, self.prefs = model, saving, prefs
-        self.kv = kv  # how a new conversation's rows are stored (--kv); a saved one keeps its own
-        model.cache.set_codec(kv)  # (ValueError: a codec this model's rows cannot take)
+        self.kv = kv or "f32"  # how a new conversation's rows are stored (--kv); a saved one keeps its own
+        self.kv_from = "--kv" if kv else None  # who chose it (--kv, /set kv); None: the default, chosen by no one
+        model.cache.set_codec(self.kv)  # (ValueError: a codec this model's rows cannot take)
         self.turns: list[Turn] = []
         self.unsaved_cut: int | None = None
         self.unread_left = 0
@@ -128,7 +129,7 @@ class History:
         problem = self.cache.codec_problem(codec)
         if problem:
             raise ChatError(problem)
-        self.kv = codec
+        self.kv, self.kv_from = codec, "/set kv"
         if not self.turns and not self.saved_name:
             self.cache.set_codec(codec)
         if self.cache.codec == codec:

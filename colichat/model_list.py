@@ -99,10 +99,8 @@ def quant(path: str, kv: dict) -> str:
     named = quant_of(path)
     if named:
         return named
-    known = {t.value: t.name for t in gguf.LlamaFileType}
-    ftype = kv.get("general.file_type")
-    name = known.get(ftype, "?") if type(ftype) is int else "?"  # (a number no llama.cpp names, or none)
-    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    names = {t.value: t.name.removeprefix("MOSTLY_").removeprefix("ALL_") for t in gguf.LlamaFileType}
+    return names.get(kv.get("general.file_type"), "?")
 
 
 def cache_bytes(path: str) -> int:

@@ -58,7 +58,7 @@ def choose(store: Store, days: float, now: float | None = None, everything: bool
     """The conversations (of every model) last used more than `days` ago, each with its KV file's size, or
     why it is kept. DAYS 0 keeps the last hour's (`RECENT_S`: a conversation just used is likely to be used
     again) unless `everything` (--all)."""
-    now = time.time() if now is None else now
+    now = store.clock() if now is None else now
     cutoff = now - max(days * 86400, 0 if everything or days else RECENT_S)
     found = []
     for info in store.list():
@@ -96,7 +96,7 @@ def prune_kv(choices: list[Choice], days: float) -> list[str]:
             continue
         try:
             with open(sidecar, "rb") as f:
-                mark_pruned(sidecar, document(f.read()))
+                mark_pruned(sidecar, document(f.read()), time.time())
             os.unlink(kv)
             fsync_dir(os.path.dirname(kv))
         except OSError as e:

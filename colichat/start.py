@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from . import hub, system_prompt
-from .engine import ContextError, ModelError, default_context, load, resume_problem, trained_context
+from .engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
 from .models import DefaultModelMissing, default_model_path, model_title
 from .paths import paths
 from .persist import SessionError, Store, check_name
@@ -43,7 +43,7 @@ class Plan:
     settings: Settings  # the chat settings the options give (TABLE's rows), the defaults for the others
     given: frozenset  # the names of the settings an option gave: pinned, not replaced by a reopened one's
     prompt: str | None  # -p's message: answered, then colichat exits
-    kv: str  # --kv: how a new conversation keeps its KV cache ("f32", "fp8", "int4")
+    kv: str | None  # --kv: how a new conversation keeps its KV cache ("f32", "fp8", "int4"); None: not given
     reuse: bool  # not --no-reuse: a new prompt takes the records of a saved one it begins like
     no_save: bool  # --no-save: nothing of the user's is written
     auto_forget: bool  # --auto-forget: a message that does not fit goes on without the oldest exchanges
@@ -58,6 +58,7 @@ class Plan:
     read_only: bool  # the reopened conversation's directory cannot be written: nothing is saved
     save_new: bool  # a new conversation is saved (a person types its messages, or --session, --resume)
     interactive: bool  # the terminal REPL; else pipe mode (line mode, a pipe, -p)
+    kernels: str  # "numba" (the compiled kernels on the GGUF's blocks) or "numpy" (f32 weights): --kernels
 
 
 def plan(args, settings: Settings, given: frozenset, store: Store, model: str | None, say) -> Plan:
@@ -93,6 +94,7 @@ def plan(args, settings: Settings, given: frozenset, store: Store, model: str | 
         expert_cache=args.expert_cache,
         verbose=args.verbose,
         numerics=args.numerics or "fast",
+        kernels=args.kernels,
         model=model,
         session=args.session,
         resume=resume,
@@ -299,11 +301,21 @@ def load_model(plan: Plan, say, status):
         status.show(f"loading {name}: layer {done}/{total}{more}")
 
     notes: list[str] = []
+    compiled = []  # the first start compiles the kernels (seconds, said); later starts load them quietly
+
+    def compiling():
+        status.show("compiling kernels (first start) ...")
+        compiled.append(time.perf_counter())
+
+    if plan.kernels == "numba" and plan.numerics == "fast":
+        prepare_kernels(path, paths().cache, compiling)
+        compiled = [time.perf_counter() - t for t in compiled]
     try:
         model = load(path, n_ctx=plan.ctx, progress=progress, cache_dir=paths().cache / "weights",
                      expert_cache=expert_cache, on_note=notes.append, numerics=plan.numerics,
                      mtp=plan.settings.draft > 0,
-                     check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system))
+                     check=lambda cfg, tokenizer, n_ctx: system_prompt.check_at_start(cfg, tokenizer, n_ctx, system),
+                     kernels=plan.kernels)
     except ContextError as e:  # (a --system's too)
         if plan.ctx_of:  # not a --ctx given: say where it came from
             raise ContextError(f"{e} (the context size session {plan.ctx_of} was saved with: "
@@ -314,6 +326,8 @@ def load_model(plan: Plan, say, status):
     where = f" from {path}" if plan.verbose else ""
     say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
         f"loaded in {time.perf_counter() - t0:.1f} s")
+    if compiled:
+        say(f"kernels: compiled in {compiled[0]:.1f} s (the first start; later starts load them)")
     say(f"memory: {model.memory_estimate()}")
     if model.experts is not None and model.experts.warming:
         say(f"experts: reading the {model.experts.warming:,} used most in earlier runs into the cache, in the "

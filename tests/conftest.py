@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
-import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-REF = Path(__file__).resolve().parent / "data"  # llama.cpp reference data (data/README.md)
+TESTS = Path(__file__).resolve().parent
+REF = TESTS / "data"  # llama.cpp reference data (data/README.md)
 TINY = REF / "tiny"
 VOCAB = REF / "vocab"
 TEMPLATES = REF / "templates"
@@ -44,44 +45,23 @@ def default_model(default_model_path):
 
 # ---- the tiers: `make test-fast` runs what does not start a process ----------------------------------------
 
-SPAWNS = re.compile(r"\b(chat|start|finish|interrupt_after_first_output|run_child|unprivileged|Tmux|tmux|"
-                    r"subprocess\.\w+|Popen)\(")
 
+@pytest.fixture(autouse=True)
+def processes_only_in_the_process_tier(request, monkeypatch):
+    """The end-to-end tier is explicit: a test that starts colichat (or another program) in a process or
+    a terminal carries `@pytest.mark.process` (a module of such tests, `pytestmark`), and `make test-fast`
+    leaves it out. A test without the mark that starts one fails here, saying so."""
+    if request.node.get_closest_marker("process"):
+        return
+    popen = subprocess.Popen.__init__
 
-def _spawners(module) -> set[str]:
-    """Names of the functions a test module holds (its helpers and fixtures, and those it imports) that
-    start a process, directly or through another of them."""
-    sources = {}
-    for name, fn in vars(module).items():
-        fn = getattr(fn, "__wrapped__", fn)
-        if inspect.isfunction(fn) and not name.startswith("test_"):
-            try:
-                sources[name] = inspect.getsource(fn)
-            except (OSError, TypeError):
-                pass
-    names: set[str] = set()
-    while True:
-        more = {n for n, src in sources.items() if n not in names and
-                (SPAWNS.search(src) or set(re.findall(r"\b(\w+)\(", src)) & names)}
-        if not more:
-            return names
-        names |= more
+    def unmarked(self, args, *more, **options):
+        caller = sys._getframe(1)  # the first caller outside subprocess.py: run(), call() and the like go by
+        while caller.f_code.co_filename == subprocess.__file__:
+            caller = caller.f_back
+        # the test's own or a helper's (a library's may start one: ctypes.util.find_library runs ldconfig)
+        if Path(caller.f_code.co_filename).resolve().parent == TESTS:
+            raise AssertionError(f"this test starts {args!r}: mark it @pytest.mark.process (the end-to-end tier)")
+        popen(self, args, *more, **options)
 
-
-def pytest_collection_modifyitems(config, items):
-    """Mark `process` the tests that start colichat (or another program) in a process or a terminal: the
-    end-to-end tier. The rest (engine, persistence, commands through the in-process harness) is
-    `make test-fast`."""
-    spawners: dict = {}
-    for item in items:
-        module = item.module
-        if module not in spawners:
-            spawners[module] = _spawners(module)
-        names = spawners[module]
-        try:
-            src = inspect.getsource(item.function)
-        except (OSError, TypeError):
-            continue
-        uses = set(re.findall(r"\b(\w+)\(", src)) | set(item.fixturenames)
-        if SPAWNS.search(src) or uses & names:
-            item.add_marker(pytest.mark.process)
+    monkeypatch.setattr(subprocess.Popen, "__init__", unmarked)

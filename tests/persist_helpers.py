@@ -23,6 +23,22 @@ OTHER_IDENT = {"arch": "deepseek2", "name": "Tiny Test/Model", "fingerprint": "f
 ROLES = ("user", "assistant")
 
 
+class Ticks:
+    """A clock to inject (Store(clock=...)): each reading a second after the one before, from a fixed
+    start, so saves and reopenings are ordered in time without a test sleeping between them; `wait`
+    moves it on further."""
+
+    def __init__(self, start: float = 1_800_000_000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def parse_colikv1(data: bytes) -> tuple[tuple, list, int]:
     """The tests' one COLIKV1 parser, written with struct from the format's text (independent of colichat's
     record dtype): (magic, n_layers, a_w, b_w, index_hd, n_idx, vocab, nrec, zero), then per record

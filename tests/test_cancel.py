@@ -310,3 +310,24 @@ def test_the_first_answer_says_the_warm_start_still_runs_and_the_next_does_not(c
     err = capsys.readouterr().err
     assert err.count("note: the expert cache is still being filled from earlier runs (3 of 40 experts read)") == 1
     assert err.index("note: the expert cache") < err.index("colichat: no answer here")
+
+
+def test_a_moe_model_on_the_kernel_path_answers_can_be_stopped_and_has_no_warm_start(tmp_path):
+    """The routed experts multiplied in the map (mapped_experts.MappedExperts) have nothing to warm or
+    pause: an answer runs (Model.quiet), says no warm start, and a stop acts between experts there too."""
+    from quantized_models import quantized_copy
+
+    model = load(quantized_copy("ds-v2-lite", "Q8_0", tmp_path), n_ctx=128, kernels="numba")
+    assert model.kernels == "numba" and model.warming() is None
+    conv = Conversation(model, Settings(temperature=0, max_tokens=3, draft=0), save=False)
+    assert conv.ask("hello")[1].generated
+    cancel, told = Cancel(), []
+
+    def progress(done):
+        told.append(done)
+        if len(told) == 40:
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        model.prefill(PROMPT, cancel=cancel, progress=progress)
+    assert len(told) == 40 and max(told) <= 2 * len(PROMPT) / model.cfg.n_layer  # 40 safe points in 2 layers

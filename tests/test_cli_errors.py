@@ -197,6 +197,7 @@ def test_a_bad_command_line_is_one_line_and_exits_2(kind, colichat_home):
     assert session_files(colichat_home) == []
 
 
+@pytest.mark.process
 def test_refusals_end_the_command_with_their_exit_status(tmp_path, colichat_home):
     """The tables above run colichat's main() in this process; the command itself, once per kind of
     refusal: argparse's (exit 2 through SystemExit), a bad value (2), a bad model file (1), a saved
@@ -437,6 +438,7 @@ def test_bad_saved_setting_is_reported_as_damage_and_not_used(key, colichat_home
     assert run.out == first.out.split(b"\n", 1)[1]  # greedy (from the command line): the same answer
 
 
+@pytest.mark.process
 def test_second_colichat_on_the_same_session_is_refused(colichat_home):
     chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     first = start(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"])  # waits on stdin
@@ -458,6 +460,7 @@ def test_second_colichat_on_the_same_session_is_refused(colichat_home):
     chat(colichat_home, [*TINY_ARGS, "--resume", "--session", "s"]).ok()  # free again
 
 
+@pytest.mark.process
 def test_a_conversation_open_in_another_colichat_is_refused_before_the_model_loads(colichat_home):
     """A second colichat on a conversation another one has open (saved and reopened, or a new name
     taken at start) is refused from the lock file alone, before the model loads (which can take
@@ -486,6 +489,7 @@ def test_a_conversation_open_in_another_colichat_is_refused_before_the_model_loa
 # ---- saving fails -------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_write_failure_reports_not_saved_and_goes_on(tmp_path, colichat_home):
     (tmp_path / "clean").mkdir()
     clean = chat(tmp_path / "clean", [*TINY_ARGS, "--session", "c"], lines(*Q)).ok()
@@ -537,6 +541,7 @@ def test_listing_a_sessions_directory_blocked_by_a_file_says_so(args, colichat_h
         "or set COLICHAT_HOME to the directory that holds them"]
 
 
+@pytest.mark.process
 def test_colichat_home_that_is_a_file_is_refused_at_start(tmp_path):
     home = tmp_path / "home"
     home.write_text("not a directory\n")
@@ -548,6 +553,7 @@ def test_colichat_home_that_is_a_file_is_refused_at_start(tmp_path):
     assert home.read_text() == "not a directory\n"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", [0o500, 0o000], ids=["unwritable", "unreadable"])
 def test_sessions_directory_without_permission_is_refused_at_start(mode, colichat_home):
     prefix = unprivileged()
@@ -570,6 +576,7 @@ def test_sessions_directory_without_permission_is_refused_at_start(mode, colicha
     assert saved_users(colichat_home, "s") == [Q[0]]
 
 
+@pytest.mark.process
 def test_a_model_sessions_directory_without_permission_is_refused_at_start(colichat_home):
     """The model's own directory under sessions/ (chmod 500): refused before the model loads, naming
     that directory, as for the sessions directory itself (it was found only by the first answer's save,
@@ -591,6 +598,7 @@ def test_a_model_sessions_directory_without_permission_is_refused_at_start(colic
     assert saved_users(colichat_home, "s") == [Q[0]]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", [0o000, 0o500], ids=["unreadable", "unwritable"])
 def test_a_cache_directory_without_permission_is_a_note_and_a_start_without_it(mode, colichat_home):
     """chmod 000 cache (as after one `sudo colichat`), or an unwritable one: a MoE model (whose experts' use
@@ -614,6 +622,7 @@ def test_a_cache_directory_without_permission_is_a_note_and_a_start_without_it(m
         "instead"]
 
 
+@pytest.mark.process
 def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_home):
     first = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     before = {p: p.read_bytes() for p in session_files(colichat_home)}
@@ -646,6 +655,7 @@ def test_saved_conversation_on_a_read_only_file_system_opens_read_only(colichat_
 # ---- the output side ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_closed_stdout_stops_quietly_and_keeps_the_answer(colichat_home):
     p = start(colichat_home, ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000",
                               "--session", "s"])
@@ -661,6 +671,7 @@ def test_closed_stdout_stops_quietly_and_keeps_the_answer(colichat_home):
     assert saved_users(colichat_home, "s") == ["hello"] and saved_answers(colichat_home, "s")[0]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_shutdown_or_a_closed_terminal_keeps_the_answer_so_far(sig, colichat_home):
     """SIGTERM (a shutdown, `kill`) or SIGHUP (the terminal closed) during an answer: it ends after the
@@ -685,6 +696,7 @@ def _answer_seconds(err: str) -> float:
     return int(tokens) / float(tps)
 
 
+@pytest.mark.process
 def test_the_time_colichat_was_stopped_does_not_count_in_the_answer_speed(colichat_home):
     """Stopped mid-answer (Ctrl-Z) and continued later (`fg`: SIGCONT): the footer's tok/s is the
     model's speed, not one that counts the pause."""
@@ -720,6 +732,7 @@ def _run(home, args, shell: str = "", program=CHAT, **popen) -> Run:
     return Run(p.returncode, p.stdout or b"", (p.stderr or b"").decode("utf-8", "replace"))
 
 
+@pytest.mark.process
 def test_an_answer_that_cannot_be_written_stops_in_one_line_and_is_kept(colichat_home):
     """stdout a file on a full disk (/dev/full): one line, exit 1, and what was generated is saved."""
     with open("/dev/full", "wb") as full:
@@ -730,6 +743,7 @@ def test_an_answer_that_cannot_be_written_stops_in_one_line_and_is_kept(colichat
     assert saved_users(colichat_home, "s") == [Q[0]] and len(saved_answers(colichat_home, "s")) == 1
 
 
+@pytest.mark.process
 def test_listing_and_export_that_cannot_be_written_say_so_in_one_line(colichat_home):
     chat_here(colichat_home, [*TINY_ARGS, "--session", "s"], lines(Q[0])).ok()
     for args in (["--sessions"], ["--export", "s"]):
@@ -747,6 +761,7 @@ def test_listing_and_export_that_cannot_be_written_say_so_in_one_line(colichat_h
         assert run.err == ""
 
 
+@pytest.mark.process
 def test_closed_or_full_standard_streams_lose_only_what_went_to_them(colichat_home):
     """A closed stream is as if it were /dev/null, never a file colichat opens: the answers and the
     saved session are those of an ordinary run. A full stderr loses the status lines, not the answer."""
@@ -768,6 +783,7 @@ def test_closed_or_full_standard_streams_lose_only_what_went_to_them(colichat_ho
     assert launched.out == plain.out  # the command itself (its "starting" line), not only colichat.cli
 
 
+@pytest.mark.process
 def test_unencodable_answer_text_is_replaced_not_fatal(colichat_home):
     run = chat(colichat_home, [*TINY_ARGS, "--session", "s"], lines(*Q[:2]),
                env_extra={"PYTHONIOENCODING": "ascii"}).ok()

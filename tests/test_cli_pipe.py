@@ -109,6 +109,7 @@ def test_set_show_regen_stats(tiny_ref, colichat_home):
 # ---- resume -------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_resume_by_name_continues_byte_for_byte(tiny_ref, colichat_home):
     ref = tiny_ref[2]
     b = chat(colichat_home, [*TINY_ARGS, "--session", "b"], lines(Q[0], Q[1])).ok()
@@ -121,6 +122,7 @@ def test_resume_by_name_continues_byte_for_byte(tiny_ref, colichat_home):
     assert saved_answers(colichat_home, "b") == ref
 
 
+@pytest.mark.process
 def test_a_seeded_sampled_conversation_resumed_goes_on_as_if_it_never_stopped(colichat_home):
     """With --seed, sampled answers after a resume are those the conversation gives in one run: the
     session keeps where its random numbers stand (a /set of another setting does not restart them)."""
@@ -203,6 +205,7 @@ def test_multiline_blocks(colichat_home):
     assert run.errors() == []
 
 
+@pytest.mark.process
 def test_windows_line_ends_a_byte_order_mark_and_bytes_that_are_not_utf8(colichat_home):
     """A file written on Windows (\\r\\n, a BOM) reads as the same lines; a byte that is not UTF-8 is
     U+FFFD in the conversation, its history and its export alike, with one note."""
@@ -219,6 +222,7 @@ def test_windows_line_ends_a_byte_order_mark_and_bytes_that_are_not_utf8(colicha
     assert "user> caf\ufffd ok?" in shown.err.splitlines()
 
 
+@pytest.mark.process
 def test_one_shot(tiny_ref, colichat_home):
     ref = tiny_ref[2]
     run = chat(colichat_home, [*TINY_ARGS, "--session", "one", "-p", Q[0]], "stdin is not read\n").ok()
@@ -283,6 +287,7 @@ def test_forget_out_of_range_says_how_many_there_are(colichat_home):
     assert run.errors() == ["colichat: /forget takes 1: the conversation has 1 exchange"] * 2
 
 
+@pytest.mark.process
 def test_version_and_help_options(colichat_home):
     run = chat(colichat_home, ["--version"]).ok()
     assert run.out == f"colichat {__version__}\n".encode()
@@ -307,6 +312,7 @@ def interrupt_after_first_output(home, args, stdin: str = ""):
     return finish(p, head)
 
 
+@pytest.mark.process
 def test_interrupt_while_waiting_for_input_ends_at_once(colichat_home):
     """Ctrl-C while colichat waits for the next line (an answer given, the pipe still open) ends it then
     (130), not after another line comes; the answer before it stays saved."""
@@ -337,6 +343,7 @@ def check_interrupted(home, run, name: str, question: str):
 LONG = ["--model", TINY_LLAMA, *GREEDY, "--ctx", "2048", "--max-tokens", "2000"]  # "hello": thousands of tokens
 
 
+@pytest.mark.process
 def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
     run = interrupt_after_first_output(colichat_home, [*LONG, "--session", "s"], lines("hello", "not answered"))
     answer = check_interrupted(colichat_home, run, "s", "hello")
@@ -345,11 +352,13 @@ def test_interrupt_stops_the_answer_and_saves_it(colichat_home):
     assert f"assistant> {displayable(answer)}" in again.err
 
 
+@pytest.mark.process
 def test_interrupt_in_one_shot_mode(colichat_home):
     run = interrupt_after_first_output(colichat_home, [*LONG, "--session", "p", "-p", "hello"])
     check_interrupted(colichat_home, run, "p", "hello")
 
 
+@pytest.mark.process
 def test_double_interrupt_during_an_answer_exits_130(colichat_home):
     p = start(colichat_home, [*LONG, "--session", "s"])
     p.stdin.write(lines("hello", "not answered").encode())
@@ -361,6 +370,7 @@ def test_double_interrupt_during_an_answer_exits_130(colichat_home):
     assert run.errors() == []
 
 
+@pytest.mark.process
 def test_double_interrupt_while_starting_exits_130(colichat_home):
     """Ctrl-C twice during the imports (most of a start): exit 130, no traceback. `-X importtime`
     reports each import as it ends, so the signals arrive while numpy is being imported."""
@@ -386,6 +396,7 @@ def default_home(tmp_path_factory):
     return tmp_path_factory.mktemp("default-home")
 
 
+@pytest.mark.process
 @pytest.mark.default_model
 def test_default_model_conversation_and_resume(default_home):
     home = default_home
@@ -429,6 +440,7 @@ def test_draft_option_and_set_draft_change_the_speed_not_the_answer(default_home
                      on.err, re.M), on.err
 
 
+@pytest.mark.process
 @pytest.mark.default_model
 def test_default_model_interrupt(default_home):
     question = "Write a long story about a dragon."
@@ -520,6 +532,7 @@ def test_expert_cache_on_a_model_without_experts_says_it_has_no_effect(colichat_
     assert "--expert-cache has no effect" not in moe.err
 
 
+@pytest.mark.process
 def test_a_moe_models_next_start_warms_the_experts_its_last_run_used_and_answers_the_same(colichat_home):
     """Each answer keeps the routed experts' use counts beside the weights cache; the next start says it
     reads the most used into the expert cache in the background, and the answer is the same."""

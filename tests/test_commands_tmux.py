@@ -14,6 +14,8 @@ from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 
 from colichat.wrap import displayable
 
+pytestmark = pytest.mark.process  # every test here starts a process or a terminal
+
 # only reached when something is wrong: generous, as a busy machine is many times slower
 WAIT = 300.0
 LONG = ("--ctx", "2048", "--max-tokens", "2000")  # an answer that streams long enough to act on

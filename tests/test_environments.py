@@ -28,6 +28,7 @@ from cli_helpers import (
 C_LOCALE = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}  # a C locale with Python's UTF-8 mode off
 
 
+@pytest.mark.process
 def test_messages_and_answers_are_utf8_through_pipes_whatever_the_locale(colichat_home):
     """Piped messages are read as UTF-8 (no 'not UTF-8' note for text that is), and the answers,
     /history and the saved conversation hold the same text as in a UTF-8 locale."""
@@ -41,6 +42,7 @@ def test_messages_and_answers_are_utf8_through_pipes_whatever_the_locale(colicha
     assert f"user> {message}" in run.err.splitlines()
 
 
+@pytest.mark.process
 def test_piped_messages_are_utf8_whatever_pythonioencoding_says(colichat_home):
     """PYTHONIOENCODING=ascii: the UTF-8 messages are read as they are (no traceback), and the
     answers are written in ASCII as asked, a character it cannot hold replaced."""
@@ -52,6 +54,7 @@ def test_piped_messages_are_utf8_whatever_pythonioencoding_says(colichat_home):
     assert run.out == b"".join(a.encode("ascii", "replace") + b"\n" for a in saved_answers(colichat_home, "io"))
 
 
+@pytest.mark.process
 def test_a_message_and_system_prompt_on_the_command_line_are_utf8_whatever_the_locale(colichat_home):
     """-p and --system typed in a C locale (Python decodes their non-ASCII bytes as surrogates) are
     the UTF-8 text that was typed."""
@@ -64,6 +67,7 @@ def test_a_message_and_system_prompt_on_the_command_line_are_utf8_whatever_the_l
     assert "not UTF-8" not in run.err
 
 
+@pytest.mark.process
 def test_a_message_on_the_command_line_that_is_not_utf8_says_so(colichat_home):
     """-p with a byte that is not UTF-8 (Latin-1 text, say): read as U+FFFD, with one note, as a piped
     line is (it was replaced in silence)."""
@@ -72,6 +76,7 @@ def test_a_message_on_the_command_line_that_is_not_utf8_says_so(colichat_home):
     assert run.err.splitlines().count("note: the text of -p is not UTF-8: its invalid bytes are read as U+FFFD") == 1
 
 
+@pytest.mark.process
 def test_a_model_path_with_a_tilde_the_shell_left_is_the_home_directory(colichat_home, tmp_path):
     """`--model=~/m.gguf` (bash expands no ~ there) and a quoted '~/m.gguf' name a file in $HOME."""
     home = tmp_path / "user"
@@ -112,6 +117,7 @@ def _run_on_a_terminal(home, args, steps, env_extra) -> bytes:
     return got
 
 
+@pytest.mark.process
 def test_a_dumb_terminal_gets_no_escape_sequences(colichat_home):
     """TERM=dumb (an editor's shell buffer, which edits the line itself): colichat chats in line mode
     without --plain, and the start line, the loading progress and the footer are plain text: carriage
@@ -144,6 +150,7 @@ def test_no_home_directory_is_one_line_that_says_what_to_set(monkeypatch):
         paths()
 
 
+@pytest.mark.process
 def test_no_home_directory_refuses_the_start_in_one_line(tmp_path):
     """The same, end to end: a user with no passwd entry and no HOME."""
     prefix = _usable(["unshare", "--user", "--map-user=12345", "--map-group=12345"],
@@ -224,6 +231,7 @@ def test_a_relative_colichat_home_is_taken_from_the_directory_colichat_starts_in
     assert where.data.is_absolute()
 
 
+@pytest.mark.process
 def test_model_with_a_tilde_and_no_home_directory_is_one_line(tmp_path):
     """--model '~/m.gguf' (quoted, or after `=`) as a user with no home directory: one line saying
     ~ cannot be expanded (it said "no such file" of the literal path), exit 2."""

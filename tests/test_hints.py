@@ -155,6 +155,7 @@ def prepared_homes(tmp_path_factory):
     return homes
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("damage", DAMAGES)
 @pytest.mark.parametrize("hint", HINTS, ids=[h.name for h in HINTS])
 def test_every_hint_file_survives_every_damage_and_says_so_once(hint, damage, prepared_homes, tmp_path):
@@ -240,6 +241,7 @@ def test_a_usage_file_of_a_huge_shape_is_refused_without_allocating(tmp_path):
 # ---- files read beside the hints: a rename's mark, the input history ---------------------------------------
 
 
+@pytest.mark.process
 def test_a_rename_mark_that_is_a_fifo_is_not_waited_on(prepared_homes, tmp_path):
     """NAME.renaming (what an interrupted /rename leaves) is read as hints are: a FIFO there is passed by."""
     home = tmp_path / "home"
@@ -251,6 +253,7 @@ def test_a_rename_mark_that_is_a_fifo_is_not_waited_on(prepared_homes, tmp_path)
     assert run.footers()[0].endswith("saved to t]")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("no_save", [False, True], ids=["saving", "no-save"])
 def test_an_input_history_that_is_not_a_regular_file_is_kept_in_memory(no_save, tmp_path):
     import subprocess

@@ -251,6 +251,7 @@ def test_every_request_gets_a_timeout_where_the_hub_sets_none():
 # ---- the program (processes: HF_ENDPOINT and HF_HOME as a user sets them) -----------------------------------
 
 
+@pytest.mark.process
 def test_a_hub_that_never_answers_says_what_it_waits_for_then_ends_in_one_line(tmp_path):
     """A server that accepts and never answers (it was silent for over 300 s, whatever HF_HUB_ETAG_TIMEOUT):
     after COLICHAT_HUB_WAIT s a line says what colichat waits for, after COLICHAT_HUB_TIMEOUT s one line ends
@@ -274,6 +275,7 @@ def hub_env(server_url: str, hf_home: Path, **more) -> dict:
     return {"HF_ENDPOINT": server_url, "HF_HOME": str(hf_home), **more}
 
 
+@pytest.mark.process
 def test_hf_model_downloads_loads_and_answers_then_starts_offline(tmp_path):
     home, hf_home = tmp_path / "home", tmp_path / "hf"
     home.mkdir()
@@ -298,6 +300,7 @@ def test_hf_model_downloads_loads_and_answers_then_starts_offline(tmp_path):
                                 "HF_HUB_OFFLINE is set: unset it to download the model"]
 
 
+@pytest.mark.process
 def test_a_missing_repository_is_one_line(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -311,6 +314,7 @@ def test_a_missing_repository_is_one_line(tmp_path):
     assert bad.errors()[0].startswith("colichat: --model hf:nothing: a model of the Hugging Face Hub is hf:OWNER/REPO")
 
 
+@pytest.mark.process
 def test_models_lists_used_and_cached_models_one_line_each(tmp_path):
     home, hf_home = tmp_path / "home", tmp_path / "hf"
     home.mkdir()
@@ -338,6 +342,7 @@ def test_models_lists_used_and_cached_models_one_line_each(tmp_path):
         "none yet (the first start fills it)"]
 
 
+@pytest.mark.process
 def test_models_lists_a_file_of_the_hub_cache_once_however_its_conversations_reached_it(tmp_path):
     """A conversation made with a file of the hub's cache through another revision's snapshot (or another
     path to that cache): one row, by its hf: name, not its path and its name."""

@@ -10,6 +10,7 @@ The kernels are compiled once per session, kept in pytest's cache directory betw
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 
@@ -166,3 +167,21 @@ def test_bad_shapes_are_caller_bugs():
         kernels.matvec("Q8_0", w, np.ones((17, 64), dtype=np.float32), np.empty((17, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="do not hold"):
         kernels.matvec("Q8_0", w, np.ones((1, 96), dtype=np.float32), np.empty((1, 4), dtype=np.float32))
+
+
+def test_a_later_start_loads_every_kernel_from_the_cache(request, compiled):
+    """A fresh process on the cache the session's kernels were compiled into compiles nothing."""
+    cache = str(request.config.cache.mkdir("colichat-kernels"))
+    code = ("import sys; from colichat.engine.gguf import kernels; kernels.prepare(sys.argv[1]); "
+            "print(sum(sum(f.stats.cache_misses.values()) for fs in kernels._COMPILED.functions.values() for f in fs),"
+            " len(kernels._COMPILED.functions), kernels.problem())")
+    got = subprocess.run([sys.executable, "-c", code, cache], capture_output=True, text=True, timeout=600)
+    assert got.stdout.split() == ["0", str(len(kernels.TYPES)), "None"], got.stderr
+
+
+def test_an_unwritable_cache_directory_keeps_nothing(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"")
+    assert kernels._cache_path(str(not_a_dir)) is None  # prepare() then compiles without numba's cache
+    assert kernels._cache_path(None) is None
+    assert kernels._cache_path(str(tmp_path)) == str(tmp_path / "kernels")

@@ -205,6 +205,7 @@ def test_compact_files_are_smaller_by_their_codecs_ratio(models, tmp_path):
     assert sizes == {"f32": 4 + 3 * (128 + 16) * 4, "fp8": 4 + 3 * (128 + 16 + 8), "int4": 4 + 3 * (64 + 8 + 8)}
 
 
+@pytest.mark.process
 def test_kv_from_the_command_line_a_whole_run_and_a_refusal(colichat_home):
     """--kv fp8 from the shell: the session file is COLIGQ2, and resumed in a second process it ends as
     the one process that had both messages; --kv int4 on a model whose rows it cannot take is one
@@ -221,3 +222,29 @@ def test_kv_from_the_command_line_a_whole_run_and_a_refusal(colichat_home):
     r = chat(colichat_home, ["--model", str(TINY / "ds-dense.gguf"), "--kv", "int4", "-p", "Hi"]).failed()
     assert r.errors() == ["colichat: --kv int4: the int4 KV format needs rows whose width is a power of two "
                           "(2 to 2048); this model has rows of 160: use fp8 or f32"]
+
+
+def test_a_reset_conversation_keeps_its_format_and_the_reopen_note_names_kv_only_when_given(models, tmp_path):
+    """The third attack's N7: an fp8 conversation emptied by /reset and reopened without --kv stays fp8 (its
+    next answer is saved as COLIGQ2, not in f32); reopening it without --kv says nothing of --kv, and with
+    --kv f32 the note names that --kv."""
+    model = model_of(models, "llama")
+    store = Store(tmp_path / "s")
+    conv = conversation(model, store, "e", kv="fp8")
+    conv.ask(Q[0])
+    conv.reset()
+    conv.close()
+    model.reset()
+    again = Conversation(model, Settings(temperature=0, max_tokens=5, draft=0), store=store)  # no --kv
+    said = again.resume("e")
+    assert "--kv" not in said and "kv" not in said.split("resumed", 1)[0] and model.cache.codec == "fp8"
+    again.ask(Q[1])
+    again.close()
+    assert header(kv_file(store, "e").read_bytes())[0] == b"COLIGQ2\0"
+    model.reset()
+    plain = Conversation(model, Settings(temperature=0, max_tokens=5, draft=0), store=store)
+    assert "kv" not in plain.resume("e")
+    plain.close()
+    given = conversation(model, store, None, kv="f32")
+    assert "note: e is kept as fp8, as it was saved; --kv f32 is for new conversations" in given.resume("e")
+    given.close()

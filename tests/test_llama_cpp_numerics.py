@@ -152,6 +152,7 @@ def test_refusals(tmp_path):
         load(Q8, n_ctx=64, numerics="exact")
 
 
+@pytest.mark.process
 def test_cli_option(colichat_home, tmp_path):
     """--numerics llama.cpp answers in pipe mode, the same on a second start (prepared weights); a file
     with other weight types is refused in one line."""
@@ -176,6 +177,7 @@ def test_merged_gate_up_experts_equal_separate(tmp_path):
     assert np.array_equal(a.prefill(ids), b.prefill(ids))
 
 
+@pytest.mark.process
 @pytest.mark.default_model
 def test_cli_answers_as_llama_cpp(colichat_home):
     """End to end through the chat program: the first prompt of the reference (default system prompt,

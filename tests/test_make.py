@@ -5,7 +5,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.process  # every test here starts a process or a terminal
 
 
 def dry_run(tmp_path, target: str) -> list[str]:

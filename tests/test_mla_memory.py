@@ -12,7 +12,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from gguf_factory import DS2Spec, write_deepseek2
+
+pytestmark = pytest.mark.process  # every test here starts a process or a terminal
 
 SPEC = DS2Spec(
     n_layer=3, n_dense=0, n_embd=2048, n_head=2, q_lora_rank=0, kv_lora_rank=64, qk_nope=32, qk_rope=32,

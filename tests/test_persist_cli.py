@@ -9,6 +9,7 @@ import resource
 import struct
 import time
 
+import pytest
 from cli_helpers import (
     TINY_ARGS,
     chat,
@@ -30,6 +31,7 @@ def session_dir(home):
     return directory
 
 
+@pytest.mark.process
 def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
     """D1 through the program: a file size limit too small for a KV header (the disk is full), then
     space again: `--session s` starts and saves, and `--resume` finds it."""
@@ -46,6 +48,7 @@ def test_a_full_disk_at_the_first_start_leaves_the_name_usable(colichat_home):
     assert again.resumed()[1:] == (2, "s")
 
 
+@pytest.mark.process
 def test_concurrent_starts_on_one_new_name(colichat_home):
     """Six colichats started at once with the same new --session: one has the name from its start;
     the five others say so and exit before any answer (they never read their input)."""
@@ -134,6 +137,7 @@ def test_options_given_when_reopening_are_saved_with_the_next_answer_only(colich
     assert saved_temperature() == 0.25
 
 
+@pytest.mark.process
 def test_a_session_file_removed_between_answers_is_written_again(colichat_home):
     run = start(colichat_home, [*TINY_ARGS, "--session", "s"])
     try:
@@ -153,6 +157,7 @@ def test_a_session_file_removed_between_answers_is_written_again(colichat_home):
     assert again.resumed()[1:] == (4, "s") and "warning" not in again.err
 
 
+@pytest.mark.process
 def test_everything_colichat_creates_is_private_under_umask_000(tmp_path, monkeypatch):
     """COLICHAT_HOME (made by colichat), its data, state and cache directories, the weights cache,
     the sessions and the input history: directories 0700, files 0600, though the umask is 000."""
@@ -226,7 +231,6 @@ def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_lates
     """A sidecar that is not colichat's, a symlinked sidecar, a bare KV file of another model: listed
     as damaged by /sessions and --sessions, never offered at start as the conversation to resume."""
     chat_here(colichat_home, [*TINY_ARGS, "--session", "good"], lines("Hello there")).ok()
-    time.sleep(0.05)
     for name in ("foreign", "linked", "bare"):
         chat_here(colichat_home, [*TINY_ARGS, "--session", name], lines("Hi")).ok()
     directory = next(p.parent for p in session_files(colichat_home) if p.name == "good.coli_kv")
@@ -239,6 +243,9 @@ def test_sessions_that_opening_refuses_are_listed_as_damaged_and_never_the_lates
     with open(directory / "bare.coli_kv", "r+b") as f:  # a cache of a model with 3 layers, not 4
         f.seek(8)
         f.write(struct.pack("<i", 3))
+    later = time.time() + 3600  # the damaged ones used after "good": newer, yet never the latest
+    for path in directory.glob("[flb]*"):
+        os.utime(path, (later, later), follow_symlinks=False)
     damaged = ["foreign: damaged (the sidecar is not a colichat sidecar); /delete foreign removes it",
                "linked: damaged (the sidecar is a symbolic link); /delete linked removes it",
                "bare: damaged (a cache of another model: n_layers 3 (model: 4)); /delete bare removes it"]

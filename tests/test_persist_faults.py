@@ -126,6 +126,7 @@ def check_session(possible: set[int]) -> int:
     return m
 
 
+@pytest.mark.process
 def test_sigkill_at_every_step_and_at_random_times(colichat_home):
     trials = [("before", k) for k in range(1, 27)] + [("half", k) for k in (1, 3, 9, 11)]
     trials += [("free", 0)] * 30
@@ -184,6 +185,7 @@ assert sess.turns == turns[:2]
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["records", "sidecar"])
 def test_file_size_limit_is_reported_and_nothing_is_lost(colichat_home, where):
     out = subprocess.run([sys.executable, "-c", FSIZE_CHILD.format(tests=str(TESTS)), where],
@@ -332,6 +334,7 @@ store.rename(sess, "b")
 """
 
 
+@pytest.mark.process
 def test_a_rename_killed_between_its_links_and_unlinks_is_finished_by_the_next_listing(colichat_home):
     """SIGKILL after both files are linked under the new name, while the old names are unlinked: the
     next listing finishes the rename (the conversation under the new name only, intact), where both
@@ -381,6 +384,7 @@ sess.append(cache, new, keep=2)
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("longer", ["longer", "shorter"])
 def test_a_regen_s_save_killed_before_each_io_call_leaves_the_old_exchange_or_the_new(colichat_home, longer):
     """/regen's save (Session.append with `keep`: the last exchange replaced) is one commit: SIGKILL before

@@ -18,6 +18,8 @@ from conftest import TINY
 
 from colichat.persist.kvfile import read_header
 
+pytestmark = pytest.mark.process  # every test here starts a process or a terminal
+
 N_CTX = 256
 N_GEN = 4
 

@@ -21,6 +21,8 @@ from persist_helpers import IDENT, TESTS, build, layout_of, make_cache
 
 from colichat.persist import Store
 
+pytestmark = pytest.mark.process  # every test here starts a process or a terminal
+
 SYSCALLS = {"openat": "EACCES", "write": "ENOSPC", "pwrite64": "ENOSPC", "fsync": "EIO", "fchmod": "EPERM",
             "ftruncate": "EIO", "rename": "ENOSPC", "unlink": "EIO", "flock": "ENOLCK"}
 MAX_K = 4  # the first MAX_K calls of each kind (all of them for most kinds)

@@ -111,6 +111,7 @@ def test_only_a_conversation_kept_in_the_same_codec_is_reused(model, tmp_path):
     assert stats.reused > 250  # from `second`, the fp8 one
 
 
+@pytest.mark.process
 def test_a_p_run_reuses_a_saved_conversation_and_says_so(colichat_home):
     args = ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "4"]
     chat(colichat_home, [*args, "--session", "doc", "-p", Q1]).ok()

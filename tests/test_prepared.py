@@ -247,6 +247,7 @@ load({gguf!r}, n_ctx=64, cache_dir={cache!r})
 """
 
 
+@pytest.mark.process
 def test_a_first_start_killed_while_writing_leaves_no_temporary_directory(tmp_path):
     import signal
     import subprocess

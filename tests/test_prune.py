@@ -9,6 +9,7 @@ import time
 
 import pytest
 from cli_helpers import TINY_LLAMA
+from persist_helpers import Ticks
 
 from colichat import cli
 from colichat.chat import Conversation, Settings
@@ -33,9 +34,10 @@ def talk(model, store: Store, name: str, questions) -> list[str]:
 
 
 def test_old_conversations_lose_their_kv_file_and_reopen_whole_from_their_text(model, colichat_home):
-    store = Store()
+    clock = Ticks()
+    store = Store(clock=clock)
     old = talk(model, store, "old", ["Hello there", "And again"])
-    time.sleep(1.1)
+    clock.wait(3600)
     talk(model, store, "new", ["Something else"])
     infos = {i.name: i for i in store.list()}
     now = infos["new"].last_used

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
 
-pytestmark = pytest.mark.default_model
+pytestmark = [pytest.mark.process, pytest.mark.default_model]  # a terminal, on the default model
 
 # a footer, also where the terminal's width broke it into rows (at spaces)
 FOOTER = re.compile(r"\[\d+ tokens?, [\d.]+ tok/s, (?:[^\]]*, )?\d+ of \d+ context left".replace(" ", r"\s+"))
@@ -55,7 +55,7 @@ def test_interactive_session(tmux_chat):
     t.wait_for(lambda s: "max_tokens = 300" in s, SCREEN_WAIT, "/set max_tokens")
     t.type("Write a long story about a dragon who lived in a castle.")
     t.keys("Enter")
-    t.wait_for(lambda s: "a castle." in s and len(s.split("a castle.", 1)[1].split()) > 8, MODEL_WAIT,
+    t.wait_for(lambda s: streaming("Write a long story about a dragon who lived in a castle.", 8)(s), MODEL_WAIT,
                "the long answer to stream")
     t.keys("C-c")
     screen = t.wait_for(lambda s: re.search(r", interrupted[,;]", s), SCREEN_WAIT, "the interrupted footer")
@@ -545,7 +545,7 @@ def test_line_mode_at_a_terminal_takes_ctrl_c_as_the_repl_does(colichat_home):
                    "the line dropped, a new prompt")
         t.type("Write a long story about a lighthouse keeper.")
         t.keys("Enter")
-        t.wait_for(lambda s: len(s.split("lighthouse keeper.", 1)[-1].split()) > 8, MODEL_WAIT, "the answer to stream")
+        t.wait_for(streaming("Write a long story about a lighthouse keeper.", 8), MODEL_WAIT, "the answer to stream")
         t.keys("C-c")
         t.wait_for(lambda s: re.search(r",\s+interrupted;\s+saved\s+to\s+c\]\s*\n>\s*$", s), SCREEN_WAIT,
                    "the answer stopped, its footer, a new prompt")

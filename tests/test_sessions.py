@@ -87,6 +87,7 @@ def test_rename_or_save_to_its_own_name_says_it_is_this_conversation(colichat_ho
     assert names_on_disk(colichat_home) == ["rn"] and saved_users(colichat_home, "rn") == [Q[0]]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("limit", [20, 8000], ids=["header", "records"])
 def test_a_save_that_cannot_be_written_says_to_give_it_again(limit, colichat_home):
     """/save NAME on a full disk (a file size limit: no room for the copy's header, or for its
@@ -186,6 +187,7 @@ def test_a_conversation_reopens_with_the_model_that_saved_it(ref, colichat_home,
     assert run.err.splitlines()[0] == f"session trip was saved with llama: loading {moved / 'llama.gguf'}"
 
 
+@pytest.mark.process
 def test_a_model_whose_path_is_not_utf8_loads_and_reopens(colichat_home, tmp_path):
     # A directory name in another encoding (bytes that are not UTF-8): loaded, saved, found again.
     directory = os.path.join(os.fsencode(tmp_path), b"mod\xe9les")

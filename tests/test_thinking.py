@@ -349,6 +349,7 @@ def test_shown_thinking_is_dim_and_the_answer_starts_on_a_row_of_its_own():
 
 
 
+@pytest.mark.process
 def test_on_a_terminal_folded_thinking_is_one_dim_line_and_shown_thinking_dim_text(colichat_home, tmp_path):
     """The real terminal (tmux): the status line that counts the thinking gives way to one dim line, the
     thinking's own text shows nowhere; with /set think show it streams dim, and the same line ends it.

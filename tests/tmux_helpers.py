@@ -78,16 +78,16 @@ class Tmux:
         subprocess.run([*TMUX, "kill-session", "-t", self.name], capture_output=True)
 
 
-def streaming(question: str):
-    """A screen predicate: the answer to `question` has begun to show (a few words of it). The status
-    line shown while the message is read ("reading your message ...") is not the answer: a signal
-    sent then finds no answer begun, and the message is not sent."""
+def streaming(question: str, words: int = 3):
+    """A screen predicate: the answer to `question` has begun to show (more than `words` words of it). The
+    status line shown while the message is read ("reading your message ...", with its progress) is not
+    the answer: a signal sent then finds no answer begun, and the message is not sent."""
 
     def begun(screen: str) -> bool:
         if f"> {question}\n" not in screen:
             return False
         after = screen.split(f"> {question}\n", 1)[1].splitlines()
-        return len(" ".join(line for line in after if "reading your message" not in line).split()) > 3
+        return len(" ".join(line for line in after if "reading your message" not in line).split()) > words
 
     return begun
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ContextError, ModelError
+from ..units import format_size
 from .architectures import architecture, check_architecture, load_config
 from .cache import record_bytes
 from .config import MIN_CTX, ModelConfig
@@ -74,7 +75,7 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
     from .text.template import check_chat_template
 
     path = str(path)
-    kernels = kernel_path(kernels, numerics, on_note)
+    kernels = kernel_path(kernels, numerics, on_note, path)
     prepared = load_prepared(path, cache_dir, on_note, kernels) if cache_dir is not None else None
     if prepared is not None:
         cfg, tensors, weights = prepared.config, prepared.tensors, prepared.weights
@@ -104,9 +105,13 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
         if cache_dir is not None:
             problem = save_prepared(path, cache_dir, cfg, tokenizer.meta, weights, tensors, kernels)
             if on_note:
-                size = sum(a.nbytes for a in weights.values() if isinstance(a, np.ndarray)) >> 20
-                on_note(problem or f"kept the dequantized weights ({size:,} MiB) in {cache_dir}; "
-                        "later starts map them instead of dequantizing")
+                size = sum(a.nbytes for a in weights.values() if isinstance(a, np.ndarray))
+                if len(weights) > sum(isinstance(a, np.ndarray) for a in weights.values()):  # QMatrix: not kept
+                    kept = f"kept the weights read as f32 ({format_size(size)}) in {cache_dir}; later starts map them"
+                else:
+                    kept = (f"kept the dequantized weights ({size >> 20:,} MiB) in {cache_dir}; "
+                            "later starts map them instead of dequantizing")
+                on_note(problem or kept)
     model = Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp,
                   kernels=kernels)
     if cache_dir is not None and model.experts is not None:
@@ -119,10 +124,21 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
 
 def prepare_kernels(path: str, cache_dir, on_compile=None) -> float | None:
     """Compile the kernels, or load them from numba's cache under cache_dir/kernels (kernels.prepare), for
-    the GGUF `path` (its header read: milliseconds): the seconds it took, or None where there is nothing
-    to prepare (the file holds no type the kernels take) or they cannot run (load() then takes the numpy
-    path and says why). on_compile() is called first when that cache holds none yet (a first start:
-    seconds, worth saying)."""
+    the GGUF `path`: the seconds it took, or None where there is nothing to prepare (the file holds no type
+    the kernels take) or they cannot run (load() then takes the numpy path and says why). on_compile() is
+    called first when that cache holds none yet (a first start: seconds, worth saying)."""
+    from .gguf import kernels as compiled
+
+    if not takes_kernels(path) or compiled.problem() is not None:
+        return None
+    if on_compile is not None and not any(Path(cache_dir, "kernels").rglob("*.nbi")):  # (numba's index files)
+        on_compile()
+    return compiled.prepare(str(cache_dir))
+
+
+def takes_kernels(path: str) -> bool:
+    """Whether GGUF `path` holds a tensor of a type the kernels take (not F32), from its header alone
+    (milliseconds): where it does not, the kernel path needs neither numba nor a compile."""
     import struct
 
     import gguf
@@ -133,25 +149,22 @@ def prepare_kernels(path: str, cache_dir, on_compile=None) -> float | None:
     names = {int(q): q.name for q in gguf.GGMLQuantizationType}
     try:
         types = {names.get(t.ggml_type) for h in file_headers(path) for t in h.tensors}
-    except (OSError, HeaderError, struct.error, ModelError):  # (load() says what is wrong with the file)
-        return None
-    if not any(q != "F32" and compiled.supported(q) for q in types if q) or compiled.problem() is not None:
-        return None
-    if on_compile is not None and not any(Path(cache_dir, "kernels").rglob("*.nbi")):  # (numba's index files)
-        on_compile()
-    return compiled.prepare(str(cache_dir))
+    except (OSError, HeaderError, struct.error, ModelError):  # (loading says what is wrong with the file)
+        return False
+    return any(q is not None and q != "F32" and compiled.supported(q) for q in types)
 
 
-def kernel_path(kernels: str, numerics: str, on_note=None) -> str:
+def kernel_path(kernels: str, numerics: str, on_note=None, path: str | None = None) -> str:
     """The path load() takes: "numba" where asked for and the kernels run here (else "numpy", on_note
-    told why in one line), "numpy" for llama.cpp numerics (their reference works on f32 weights)."""
+    told why in one line; not asked of numba for a GGUF `path` with no type they take), "numpy" for
+    llama.cpp numerics (their reference works on f32 weights)."""
     from .gguf import kernels as compiled
 
     if kernels not in ("numba", "numpy"):
         raise ValueError(f"kernels must be 'numba' or 'numpy', not {kernels!r}")
     if kernels == "numpy" or numerics != "fast":
         return "numpy"
-    problem = compiled.problem()
+    problem = compiled.problem() if path is None or takes_kernels(path) else None
     if problem is not None:
         if on_note:
             on_note(f"compiled kernels cannot run here ({problem}): weights dequantized to f32 (--kernels numpy)")
@@ -225,7 +238,11 @@ def check_headers(path: str, headers: list, kernels: str = "numba") -> None:
     check_architecture(path, headers[0].kv.get("general.architecture"))
     names = {int(q): q.name for q in gguf.GGMLQuantizationType}  # (a type it does not know: counted as f32)
     infos = [(t.name, t.shape, names.get(t.ggml_type, "?")) for h in headers for t in h.tensors]
-    check_memory(path, held_f32_bytes(infos, kernel_path(kernels, "fast")))
+    from .gguf import kernels as compiled
+
+    if any(q != "F32" and compiled.supported(q) for _, _, q in infos):  # (else numba need not be asked)
+        kernels = kernel_path(kernels, "fast")
+    check_memory(path, held_f32_bytes(infos, kernels))
 
 
 def check_context(n_ctx: int, n_ctx_train: int, record_bytes: int, weight_bytes: int) -> None:

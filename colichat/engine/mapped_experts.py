@@ -4,6 +4,8 @@ with the interface of ffn.ExpertCache that ffn.moe() and Model use. Axis letters
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .gguf import kernels
@@ -19,7 +21,8 @@ class MappedExperts:
     the use counts are kept the same way (usage()), for a later start on the numpy path."""
 
     prefetcher = None  # nothing to prefetch: a product reads the pages it needs
-    warming = 0
+    warming = warmed = 0
+    warmer = None  # nothing to warm (Model.warming)
 
     def __init__(self, tensors, layers: list[int]):
         self.tensors, self.layers = tensors, set(layers)
@@ -57,6 +60,10 @@ class MappedExperts:
 
     def warm(self, counts: np.ndarray) -> None:
         """Nothing to fill (the page cache keeps what earlier runs read)."""
+
+    def paused(self):
+        """While colichat answers (Model.quiet): nothing runs in the background to pause."""
+        return contextlib.nullcontext()
 
 
 def in_place(tensors, layers: list[int]) -> bool:

@@ -143,7 +143,7 @@ class MemoryEstimate:
 
         s = f"weights {mib(self.dense)}"
         if self.mapped:
-            s = f"weights {mib(self.mapped)} mapped from the file + {mib(self.dense)} as f32"
+            s = f"weights {mib(self.mapped)} mapped from the file + {format_size(self.dense)} as f32"
         if self.experts_f32:  # a bound rounds up: --expert-cache 0.5 is "<= 1 MiB", never "<= 0 MiB"
             s += f" + expert cache <= {-(-self.experts >> 20):,} MiB (all experts as f32: {mib(self.experts_f32)})"
         s += f" + KV {format_size(self.kv_per_token)}/token x {self.n_ctx:,} = {mib(self.kv_per_token * self.n_ctx)}"

@@ -30,8 +30,9 @@ from .kvfile import (
     mode_damage,
     oserror_text,
 )
+from .loading import opening_keeps
 from .names import KV_EXT, SIDECAR_EXT, holds_conversation, interrupted_create
-from .sidecar import MAX_SIDECAR_BYTES, doc_check, document, lineage, parse_turns
+from .sidecar import MAX_SIDECAR_BYTES, doc_check, document, lineage
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class SessionInfo:
                 break
         first = self.first if len(self.first) <= 50 else self.first[:47] + "..."
         fork = f" (fork of {self.parent} at exchange {self.branch})" if self.parent else ""
-        return (f"{self.name}: {count(self.turns, 'turn')}, {count(self.tokens, 'token')}, {format_size(self.size)}, "
+        held = f"{count(self.turns, 'turn')}, {count(self.tokens, 'token')}" if self.turns or self.tokens else "empty"
+        return (f"{self.name}: {held}, {format_size(self.size)}, "
                 f"{int(age // secs)} {unit} ago" + (f', "{first}"' if first else "") + fork)
 
 
@@ -129,7 +131,7 @@ def session_info(directory: Path, name: str, layout: CacheLayout | None = None) 
     """Read-only summary of one session (with `damage` set if opening would refuse it); None if
     nothing is there under that name. `layout`: the model's, where it is known (see `dir_layout`)."""
     kv, side = directory / (name + KV_EXT), directory / (name + SIDECAR_EXT)
-    tokens, model = 0, directory.name
+    model = directory.name
     try:
         st = kv.lstat()
     except FileNotFoundError:
@@ -145,7 +147,7 @@ def session_info(directory: Path, name: str, layout: CacheLayout | None = None) 
         except OSError:
             return None
         doc, _, damage = _listed_sidecar(side, directory)
-        if damage is None and _lists_turns(doc):
+        if damage is None and (_lists_turns(doc) or doc.get("emptied") is True):  # (an emptied one's KV file went)
             return SessionInfo(name, model_dir=directory.name, size=sst.st_size, path=kv,
                                **_sidecar_summary(doc, None, model, sst.st_mtime))
         return SessionInfo(name, model, directory.name, 0, 0, sst.st_size, sst.st_mtime, kv,
@@ -168,8 +170,9 @@ def session_info(directory: Path, name: str, layout: CacheLayout | None = None) 
             if foreign:  # a codec colichat does not read: opening refuses it (its text is not read again)
                 damage = foreign
             elif damage is None:
-                tokens = HEADER.unpack(raw)[7]
-                if tokens == 0 and not holds_or_damaged(directory / name):  # emptied (every exchange rewound)
+                header = Header(*HEADER.unpack(raw))
+                records = header.nrec, st.st_size, CacheLayout.from_header(header).record_bytes
+                if header.nrec == 0 and not holds_or_damaged(directory / name):  # (no records and no sidecar)
                     return None
             else:  # no records to read: a sidecar that lists the text makes it a conversation read again
                 doc, side_size, side_damage = _listed_sidecar(side, directory)
@@ -184,9 +187,12 @@ def session_info(directory: Path, name: str, layout: CacheLayout | None = None) 
     size += side_size
     if damage:
         return SessionInfo(name, model, directory.name, 0, 0, size, last_used, kv, damage=damage)
+    if isinstance(doc, dict) and doc.get("turns") == [] and doc.get("emptied") is not True:
+        return None  # every exchange rewound: no conversation (names.holds_conversation), cut or not
     if isinstance(doc, dict) and isinstance(doc.get("turns"), list) and all(isinstance(t, dict) for t in doc["turns"]):
         return SessionInfo(name, model_dir=directory.name, size=size, path=kv,
-                           **_sidecar_summary(doc, tokens, model, last_used))
+                           **_sidecar_summary(doc, records, model, last_used))
+    tokens = records[0] if doc is None else 0  # (no sidecar: one imported turn; no turn list: nothing opens)
     return SessionInfo(name, model, directory.name, 0, tokens, size, last_used, kv)
 
 
@@ -266,21 +272,20 @@ def dir_layout(directory: Path) -> CacheLayout | None:
     return None
 
 
-def _sidecar_summary(doc: dict, tokens: int | None, model: str, last_used: float) -> dict:
+def _sidecar_summary(doc: dict, records: tuple[int, int, int] | None, model: str, last_used: float) -> dict:
     """SessionInfo's turns, tokens, model (name, file name, path), first (line of the first message),
     last_used and a fork's parent and branch (sidecar.lineage) from a sidecar whose turns are a list
     of objects; a damaged value gives way to the header's (model, last_used), a missing or damaged
-    file name or path to "". The token count is the end of the turns whose checks hold, at most the
-    records the KV file has (`tokens`; None: no KV file); with no such turn, the KV file's."""
-    turns = doc["turns"]
-    sound = parse_turns(doc)[0]  # (a damaged count, say 10**12, is not believed)
-    checked = sound[-1].last if sound else 0
+    file name or path to "". The turns and tokens counted are those opening keeps (their checks hold,
+    the KV file holds their records or their text is read again: loading.opening_keeps), with `records`
+    the KV file's (nrec, size, record bytes), None where there is no KV file it can read."""
+    kept = opening_keeps(doc, *records) if records else opening_keeps(doc, None, 0, 1)
     saved = doc["model"] if isinstance(doc.get("model"), dict) else {}
-    text = next((t.get("text") for t in turns if t.get("role") == "user"), "")
+    text = next((t.text for t in kept if t.role == "user"), "")
     parent, branch = lineage(doc)
     return {
-        "turns": len(turns),
-        "tokens": checked if tokens is None else min(checked, tokens) if sound else tokens,
+        "turns": len(kept),
+        "tokens": kept[-1].last if kept else 0,
         "model": str(saved.get("name") or model),
         "model_file": saved.get("file") if isinstance(saved.get("file"), str) else "",
         "model_path": saved.get("path") if isinstance(saved.get("path"), str) else "",

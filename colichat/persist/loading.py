@@ -89,6 +89,7 @@ class LoadResult:
     kv_damage: str | None = None
     pending: Pending | None = None  # what the sidecar committed that the file does not show yet (pending.py)
     kv_gone: str | None = None  # "was pruned" (--prune-kv) or "is not there": no KV file, all the text read again
+    emptied: bool = False  # emptied in place by /reset (the sidecar's "emptied"): a conversation with no exchange
 
     def summary(self) -> str:
         """The line the chat program prints to stderr after a resume."""
@@ -392,9 +393,19 @@ def listed_prefix(doc, nrec: int, size: int, warnings: list[str], record_bytes: 
         warnings.append(f"dropped {span(turns, kept)}: past the {avail} records in the KV file")
         del turns[kept:], crcs[kept:]
     n = turns[-1].last if turns else 0
+    pend = pend or pending_of(doc, nrec, n, whole)
     if avail > n and not warn and pend is None:  # (after a dropped sidecar turn the records are that turn's)
         warnings.append(f"dropped {avail - n} records after the last turn (an interrupted save)")
     return turns, crcs, n, pend
+
+
+def opening_keeps(doc: dict, nrec: int | None, size: int, record_bytes: int) -> list[Turn]:
+    """The turns opening keeps of a sidecar's, from the files alone (what a listing counts; the records are
+    not checksummed): the checked turns whose records the KV file holds (`nrec` in its header, `size`
+    bytes; None: no KV file it can read), whole exchanges, then those whose text it reads again."""
+    kept, crcs = listed_prefix(doc, nrec, size, [], record_bytes)[:2] if nrec is not None else ([], [])
+    drop_unanswered(kept, crcs, [])
+    return kept + readable_again(doc, kept)
 
 
 def _verify(cache, turns: list[Turn], crcs: list[int], warnings: list[str], vocab: int) -> int:
@@ -455,7 +466,7 @@ def _kept(doc: dict) -> dict:
     parent, branch = lineage(doc)
     return dict(sampler=dict(doc["sampler"]) if isinstance(doc.get("sampler"), dict) else {}, sidecar=True,
                 created=doc["created"] if isinstance(doc.get("created"), str) else None, parent=parent,
-                branch=branch)
+                branch=branch, emptied=doc.get("emptied") is True)
 
 
 def _sidecar_as_it_is(path: str) -> dict | None:

@@ -74,26 +74,25 @@ def remove_leftovers(base: str) -> None:
 
 def holds_conversation(base: str) -> bool:
     """Whether NAME.coli_kv or NAME.json exists as anything but the leftover of an interrupted
-    create (see `interrupted_create`) or an empty session: a KV file with no records, and no sidecar
-    or one that lists no turns (what a rewind of every exchange leaves when its files cannot be
-    removed, and older versions left). Such a name is no conversation: not listed, not reopened, and
-    the next claim of it replaces the files. SessionError for a file that is a link or not regular."""
+    create (see `interrupted_create`) or an empty session: a KV file with no records and no sidecar,
+    or a sidecar that lists no turns and was not emptied by /reset (what a rewind of every exchange
+    leaves when a crash or an error kept its files, and older versions left). Such a name is no
+    conversation: not listed, not reopened, and the next claim of it removes the files. A conversation
+    /reset emptied ("emptied" in its sidecar) is one. SessionError for a link or a special file."""
     if interrupted_create(base):
         return False
     kv = lstat_regular(base + ".coli_kv", "session file")
     side = lstat_regular(base + ".json", "sidecar")
     if kv is None:
         return side is not None
-    if not read_nrec_if_empty(base + ".coli_kv"):
-        return True
     if side is None:
-        return False
+        return not read_nrec_if_empty(base + ".coli_kv")
     try:
         with open(base + ".json", "rb") as f:
             doc = document(f.read(MAX_SIDECAR_BYTES))
     except OSError:
         return True
-    return not (isinstance(doc, dict) and doc.get("turns") == [])
+    return not (isinstance(doc, dict) and doc.get("turns") == [] and doc.get("emptied") is not True)
 
 
 def remove_files(directory: str, json_path: str, kv_path: str) -> bool:

@@ -56,25 +56,26 @@ class Pending:
 
     def finish(self, fd: int, n: int, record_bytes: int, rewrite) -> None:
         """Make the file what the sidecar says (its turns end at record n): the staged records moved
-        in place (then `rewrite()` writes the sidecar without the mark), nrec n, the file cut to them.
-        OSError as any write's; each step can be done again."""
+        in place (then `rewrite(cut)` writes the sidecar without the mark, with a "cut" from the file's
+        end), nrec n, the file cut to them. OSError as any write's; each step can be done again."""
         if self.staged_at is not None and n > self.staged_from:
             move_records(fd, self.staged_at, self.staged_from, n - self.staged_from, record_bytes)
         write_nrec(fd, n)
         if self.staged_at is not None:
-            rewrite()
+            rewrite(self.staged_at + max(0, n - self.staged_from))
         cut_to(fd, n, record_bytes)
 
 
-def pending_of(doc: dict | None, nrec: int) -> Pending | None:
+def pending_of(doc: dict | None, nrec: int, end: int | None = None, whole: int = 0) -> Pending | None:
     """The marks of a sidecar whose top-level check holds that the file (`nrec` in its header) does not
-    show yet; None when there is none to finish."""
+    show yet; None when there is none to finish. With the turns' `end` and the `whole` records the file
+    holds: also a cut whose nrec was written and not the file's size (its records past nrec)."""
     if not isinstance(doc, dict) or doc.get("check") != doc_check(doc):
         return None
     staged, cut = doc.get("staged"), doc.get("cut")
     if isinstance(staged, list) and len(staged) == 2 and all(type(v) is int and 0 <= v <= INT32_MAX for v in staged):
         return Pending(staged[0], staged[1], cut if cut == nrec else None)
-    if type(cut) is int and cut == nrec and isinstance(doc.get("turns"), list):
+    if type(cut) is int and (cut == nrec or end is not None and nrec == end < whole):
         return Pending(cut_from=cut)
     return None
 

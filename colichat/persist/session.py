@@ -23,6 +23,8 @@ import contextlib
 import errno
 import fcntl
 import os
+import time
+from typing import Callable
 
 from ..units import count
 from .kvfile import (
@@ -54,28 +56,27 @@ from .names import (
     unlink_quietly,
 )
 from .pending import Pending
-from .sidecar import Turn, now_iso, session_document, turn_crc, write_document
+from .sidecar import Turn, iso_time, session_document, turn_crc, write_document
 
 
 class Session:
     """One open session, holding its writer lock until `close`."""
 
-    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None):
-        self.directory = str(directory)
-        self.name = name
-        self.ident = dict(ident)
-        self.layout = layout
+    def __init__(self, directory: str, name: str, ident: dict, layout: CacheLayout, lock_fd: int | None,
+                 clock: Callable[[], float] = time.time):
+        self.clock = clock  # epoch seconds: the sidecar's times (the store's, injectable)
+        self.directory, self.name, self.ident, self.layout = str(directory), name, dict(ident), layout
         self.kv_path = os.path.join(self.directory, name + KV_EXT)
         self.json_path = os.path.join(self.directory, name + SIDECAR_EXT)
-        self._lock_fd = lock_fd
-        self._kv_fd: int | None = None
+        self._lock_fd, self._kv_fd = lock_fd, None  # (the KV file's, once open: int)
         self.turns: list[Turn] = []  # what is on disk and valid
         self._crcs: list[int] = []
         self.nrec = 0  # records covered by self.turns
         self.sampler: dict = {}  # saved with every sidecar write
-        self.created = now_iso()
+        self.created = iso_time(clock())
         self.parent: str | None = None  # a fork's: the conversation it was forked from (saved in the sidecar)
         self.branch: int | None = None  # and the exchanges of it it began with
+        self.emptied = False  # /reset emptied it in place: a conversation still, with no exchange (FORMAT.md)
         self._has_sidecar = False
         self._loaded = False  # state known (created, or loaded): needed before saving
         self._cache = None  # the cache last loaded or saved from: what a rewrite copies
@@ -91,7 +92,7 @@ class Session:
 
     @classmethod
     def claim(cls, directory, name: str, ident: dict, layout: CacheLayout,
-              sampler: dict | None = None) -> Session:
+              sampler: dict | None = None, clock: Callable[[], float] = time.time) -> Session:
         """A new empty session that holds its lock but has no files yet: the first save creates them
         (so a name given at start is ours before the first answer, and quitting leaves no session).
 
@@ -100,10 +101,12 @@ class Session:
         base = os.path.join(str(directory), name)
         if holds_conversation(base):  # before locking: the holder of an existing session may have the lock
             raise FileExistsError(errno.EEXIST, "session exists", name)
-        s = cls(directory, name, ident, layout, take_lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, take_lock(base + ".lock", name), clock)
         try:
             if holds_conversation(base):  # again, under the lock
                 raise FileExistsError(errno.EEXIST, "session exists", name)
+            with contextlib.suppress(OSError):  # (what no conversation leaves: no token id of it lingers)
+                remove_leftovers(base)
         except BaseException:
             s.close()
             raise
@@ -113,9 +116,9 @@ class Session:
 
     @classmethod
     def create(cls, directory, name: str, ident: dict, layout: CacheLayout,
-               sampler: dict | None = None) -> Session:
+               sampler: dict | None = None, clock: Callable[[], float] = time.time) -> Session:
         """A new empty session: all its files, or (on any error) none of them and the lock released."""
-        s = cls.claim(directory, name, ident, layout, sampler)
+        s = cls.claim(directory, name, ident, layout, sampler, clock)
         try:
             s._create_files()
         except BaseException:
@@ -124,14 +127,15 @@ class Session:
         return s
 
     @classmethod
-    def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False) -> Session:
+    def open(cls, directory, name: str, ident: dict, layout: CacheLayout, read_only: bool = False,
+             clock: Callable[[], float] = time.time) -> Session:
         """An existing session, locked for writing; `load` it before saving to it. `read_only`
         (--no-save, a read-only file system): not locked (another colichat may have it open), the
         file opened for reading, and `load` reads it between two saves of that colichat
         (locks.reading); saving to it fails."""
         base = os.path.join(str(directory), name)
         text_only, damage = what_opens(base, f"no session named {name} for this model (/sessions lists them)")
-        s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name))
+        s = cls(directory, name, ident, layout, None if read_only else take_lock(base + ".lock", name), clock)
         try:
             if text_only or damage:  # its KV file deleted (it is the large one), or broken: the text is read again
                 s._text_only, s._kv_damage = True, damage
@@ -189,8 +193,8 @@ class Session:
         self.turns, self._crcs, self.nrec = list(res.turns), list(res.crcs), res.tokens
         self._cache, self.layout, self._has_sidecar = cache, res.layout, res.sidecar
         if res.sidecar:
-            self.sampler, self.created = dict(res.sampler), res.created or now_iso()
-            self.parent, self.branch = res.parent, res.branch
+            self.sampler, self.created = dict(res.sampler), res.created or iso_time(self.clock())
+            self.parent, self.branch, self.emptied = res.parent, res.branch, res.emptied
         else:
             res.sampler = dict(self.sampler)
         if res.text_only:
@@ -246,11 +250,12 @@ class Session:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
         self._cache = cache
+        if self._text_only or not self.on_disk:  # (a directory removed took the lock file with it)
+            remake_directory(self.directory, self.name)
+            self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
         if self._text_only:  # a new KV file first; the sidecar stays until replaced (a crash after the rename
             # leaves it listing turns past the file's records, which reopening reads again)
             try:
-                remake_directory(self.directory, self.name)
-                self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
                 fd = create_kv_in_place(self.directory, self.kv_path, self.layout)
             except OSError as e:
                 raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
@@ -261,8 +266,6 @@ class Session:
                     os.close(self._kv_fd)
             self._kv_fd, self._text_only, self._kv_damage = fd, False, None
         if not self.on_disk:  # the first save: the session appears whole or not at all
-            remake_directory(self.directory, self.name)  # (a directory removed took the lock file with it)
-            self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
             self._create_files(cache, turns, crcs)
             return
         staged = None
@@ -312,11 +315,11 @@ class Session:
         return True
 
     def truncate(self, n_turns: int, sampler: dict | None = None, keep_files: bool = False) -> None:
-        """Keep the first n_turns saved turns: the sidecar (with `sampler`, the settings from now on), then
-        nrec, then the KV file cut to its records. The sidecar first: once replaced, the turns it no longer
-        lists are gone for good (a crash before nrec leaves records no turn covers, dropped at the next
-        load). More turns than are saved (after a failed save) keeps them all. Cut to no turn, the files go
-        (no exchange is no saved conversation), unless `keep_files` (/reset: emptied in place)."""
+        """Keep the first n_turns saved turns: the sidecar (with `sampler`, the settings from now on; its
+        "cut" mark, pending.py), then nrec, then the KV file cut to its records. Once the sidecar is
+        replaced the turns it no longer lists are gone for good. More turns than are saved (after a failed
+        save) keeps them all. Cut to no turn, the files go (no exchange is no saved conversation), unless
+        `keep_files` (/reset: emptied in place, its sidecar "emptied": listed, reopened with its codec)."""
         self._require_loaded()
         if sampler is not None:
             self.sampler = dict(sampler)
@@ -326,6 +329,7 @@ class Session:
         n_turns = min(n_turns, len(self.turns))
         turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
         n = turns[-1].last if turns else 0
+        self.emptied = keep_files and not (turns or unread)
         if self.branch:  # a fork cut below its branch point begins with fewer exchanges; cut to none, it is no fork
             self.branch = min(self.branch, sum(t.role == "user" for t in turns)
                               + sum(isinstance(e, dict) and e.get("role") == "user" for e in unread)) or None
@@ -360,24 +364,18 @@ class Session:
                 fd, self._kv_fd = self._kv_fd, None
                 with contextlib.suppress(OSError):
                     os.close(fd)
-                self._has_sidecar, self.created = False, now_iso()
+                self._has_sidecar, self.created = False, iso_time(self.clock())
 
     def save_sampler(self, sampler: dict) -> None:
         """Record new sampler settings now (they are also saved with every append)."""
         self._require_loaded()
         old, self.sampler = self.sampler, dict(sampler)
-        if self._text_only:
-            try:
-                self._write_sidecar([], [], self._unread_entries)
-            except OSError as e:
-                self.sampler = old
-                raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
-            return
-        if self._kv_fd is None:  # claimed, nothing saved yet: the first save writes them
+        if self._kv_fd is None and not self._text_only:  # claimed, nothing saved yet: the first save writes them
             return
         try:
             with self._saving():
-                self._check_files(self.turns, self._crcs)
+                if not self._text_only:  # (else no records: the sidecar alone)
+                    self._check_files(self.turns, self._crcs)
                 self._write_sidecar(self.turns, self._crcs, self._unread_entries)
         except OSError as e:
             self.sampler = old
@@ -451,7 +449,8 @@ class Session:
         if what is None:
             if self._pending is not None:
                 self._pending.finish(self._kv_fd, self.nrec, self.layout.record_bytes,
-                                     lambda: self._write_sidecar(self.turns, self._crcs, self._unread_entries))
+                                     lambda cut: self._write_sidecar(self.turns, self._crcs, self._unread_entries,
+                                                                     cut=cut))
                 self._pending = None
             return False
         self._pending = None  # (the file is written again whole)
@@ -493,8 +492,9 @@ class Session:
         records are lost, listed as they were after `turns`; `marks`: what the file does not show yet
         (pending.py: staged=[P, C], cut=R)."""
         fork = {"parent": self.parent, "branch": self.branch} if self.parent else {}  # (where it came from)
+        emptied = {"emptied": True} if self.emptied and not (turns or unread) else {}
         write_document(self.json_path, session_document(
             {"model": self.ident, "layout": self.layout.to_json(), "created": self.created, "sampler": self.sampler,
-             **fork, **marks}, turns, crcs, unread))
+             **fork, **emptied, **marks}, iso_time(self.clock()), turns, crcs, unread))
         self._has_sidecar = True
 

@@ -46,11 +46,11 @@ def document(data: bytes):
         return None
 
 
-def session_document(head: dict, turns: list[Turn], crcs: list[int], unread: list[dict] = ()) -> dict:
+def session_document(head: dict, updated: str, turns: list[Turn], crcs: list[int], unread: list[dict] = ()) -> dict:
     """The sidecar of a session: `head` (model, layout, created, sampler, a fork's parent and branch,
-    pending.py's marks) and the time, under the top-level check; the turns, each with its check, then
-    `unread` (entries of turns whose records are lost, listed as they were)."""
-    doc = {"format": FORMAT_VERSION, **head, "updated": now_iso(), "nrec": turns[-1].last if turns else 0}
+    pending.py's marks) and the time `updated` (iso_time), under the top-level check; the turns, each
+    with its check, then `unread` (entries of turns whose records are lost, listed as they were)."""
+    doc = {"format": FORMAT_VERSION, **head, "updated": updated, "nrec": turns[-1].last if turns else 0}
     doc["check"] = doc_check(doc)
     doc["turns"] = [{"role": t.role, "text": t.text, "first": t.first, "last": t.last, "crc32": c,
                      "check": turn_check(t.role, t.text, t.first, t.last, c)}
@@ -58,9 +58,10 @@ def session_document(head: dict, turns: list[Turn], crcs: list[int], unread: lis
     return doc
 
 
-def now_iso() -> str:
-    """The sidecar's times ("created", "updated"): UTC, to the millisecond."""
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+def iso_time(t: float) -> str:
+    """The sidecar's times ("created", "updated"), from epoch seconds (the store's clock): UTC, to the
+    millisecond."""
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
 
 def write_document(path: str, doc: dict) -> None:
@@ -191,11 +192,12 @@ def kv_gone(doc: dict, listed: list[Turn], unread: list[Turn]) -> str | None:
     return "was pruned" if doc.get(PRUNED) else "is not there"
 
 
-def mark_pruned(path: str, doc: dict) -> None:
-    """Write the sidecar `doc` at `path` again with the mark of --prune-kv (before its KV file goes); its
-    "check" is computed anew only if it held (a damaged one is not made to look sound)."""
+def mark_pruned(path: str, doc: dict, when: float) -> None:
+    """Write the sidecar `doc` at `path` again with the mark of --prune-kv (before its KV file goes, at
+    `when`: the store's clock); its "check" is computed anew only if it held (a damaged one is not made
+    to look sound)."""
     intact = doc.get("check") == doc_check(doc)
-    doc = {**doc, PRUNED: now_iso()}
+    doc = {**doc, PRUNED: iso_time(when)}
     if intact:
         doc["check"] = doc_check(doc)
     write_document(path, doc)

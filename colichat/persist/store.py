@@ -23,7 +23,9 @@ import contextlib
 import os
 import shlex
 import stat
+import time
 from pathlib import Path
+from typing import Callable
 
 from ..hints import Said, read_hint
 from ..paths import paths, private_dir
@@ -63,10 +65,10 @@ def _open_to_remove(path: str) -> int | None:
 
 
 class Store:
-    def __init__(self, root: str | os.PathLike | None = None, on_note=None):
+    def __init__(self, root: str | os.PathLike | None = None, on_note=None, clock: Callable[[], float] = time.time):
         self.root = Path(root) if root is not None else paths().data / "sessions"
         self.said = Said(on_note)  # the hints beside the sessions (prefix index, last-used mark) found unusable
-
+        self.clock = clock  # epoch seconds: when a conversation was saved or reopened (tests inject one)
 
     def model_dir(self, ident: dict) -> Path:
         """The model's session directory: the one named after it, else the one its weights already have
@@ -86,7 +88,7 @@ class Store:
         make = Session.create if files else Session.claim
         if name is not None:
             try:
-                return make(directory, check_name(name), ident, layout, sampler)
+                return make(directory, check_name(name), ident, layout, sampler, self.clock)
             except FileExistsError:
                 raise self._exists(directory, name) from None
         busy: set[str] = set()
@@ -94,7 +96,7 @@ class Store:
             taken = {p.stem for p in directory.iterdir() if p.suffix in (KV_EXT, SIDECAR_EXT)} | busy
             name = auto_name(taken, stem)
             try:
-                return make(directory, name, ident, layout, sampler)
+                return make(directory, name, ident, layout, sampler, self.clock)
             except (FileExistsError, SessionBusy):
                 busy.add(name)  # another colichat took the same name just now
 
@@ -109,7 +111,7 @@ class Store:
             return None
         renaming.finish_renames(str(directory))
         try:
-            return Session.claim(directory, check_name(name), ident, layout, sampler)
+            return Session.claim(directory, check_name(name), ident, layout, sampler, self.clock)
         except FileExistsError:
             raise self._exists(directory, name) from None
 
@@ -127,7 +129,7 @@ class Store:
         if not any(os.path.lexists(directory / (name + ext)) for ext in (KV_EXT, SIDECAR_EXT)):
             self.refuse_elsewhere(name)
         self._refuse_damaged(directory, name, layout)
-        return Session.open(directory, name, ident, layout, read_only)
+        return Session.open(directory, name, ident, layout, read_only, self.clock)
 
     def is_empty(self, ident: dict, name: str) -> bool:
         """Whether NAME of this model is an empty session left on disk (no records, no turns): no
@@ -340,6 +342,8 @@ class Store:
                 os.write(fd, name.encode("utf-8"))
             finally:
                 os.close(fd)
+            now = self.clock()
+            os.utime(tmp, (now, now))  # (its time is when, compared with the saves' times)
             os.replace(tmp, mark)
         except OSError:
             with contextlib.suppress(OSError):

@@ -30,11 +30,16 @@ compile failed); everything else here is constant tables.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+HELPER_WAIT = 300  # seconds prepare() waits for its compiling helper process before doing its share itself
 SMALL_BATCH = 16  # the most rows of x a matvec takes (decode and speculative verify passes)
 TYPES = {  # GGUF type name -> (values per block, bytes per block)
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
@@ -97,39 +102,85 @@ def _cache_path(cache_dir: str | None) -> str | None:
     return path if os.access(path, os.W_OK | os.X_OK) else None
 
 
-def _compile(names, cache_dir: str | None, progress=None) -> None:
-    """Compile the kernels of `names` into _COMPILED (loading them from numba's disk cache where it has
-    them). numba reads its CACHE_DIR when a function is decorated: it is set around the decoration only."""
+def _compile(names, path: str | None, progress=None, done: int = 0, total: int = 0) -> None:
+    """Compile the kernels of `names` into _COMPILED, kept in (or loaded from) numba's cache at `path`
+    (None: not kept). numba reads its CACHE_DIR when a function is decorated: it is set around that only."""
     import numba
     from numba.core.errors import NumbaError
 
     from . import kernel_bodies, kernel_kquants
 
     mv_sig, dq_sig = _signatures()
-    path = _cache_path(cache_dir)
     saved = numba.config.CACHE_DIR
     try:
         numba.config.CACHE_DIR = path or saved
-        for i, name in enumerate(names):
+        for name in names:
             key, bodies = name.lower(), kernel_kquants if TYPES[name][0] == 256 else kernel_bodies
             mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(bodies, f"matvec_{key}"))
             dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
             _COMPILED.functions[name] = (mv, dq)
+            done += 1
             if progress is not None:
-                progress(i + 1, len(names))
+                progress(done, total or len(names))
     except NumbaError as e:
         _COMPILED.failure = f"the compiled kernels failed to compile ({str(e).splitlines()[0]}): the numpy path is used"
     finally:
         numba.config.CACHE_DIR = saved
 
 
-def prepare(cache_dir: str | None, progress=None) -> float:
+def _stamp(path: str, name: str) -> str:
+    """The file that says type `name`'s kernels of this source, numba and Python are in the cache at
+    `path` (so that a later start needs no helper process)."""
+    import numba
+
+    h = hashlib.sha256(f"{numba.__version__} {sys.version}".encode())
+    for module in ("kernel_bodies.py", "kernel_kquants.py"):
+        h.update(Path(__file__).with_name(module).read_bytes())
+    return os.path.join(path, f"{name}-{h.hexdigest()[:16]}.done")
+
+
+def _compile_beside(path: str, names: list[str]):
+    """A process compiling `names` into numba's cache at `path` while this one compiles the others: the
+    first start takes about half as long on two cores. None if it cannot be started."""
+    root = str(Path(__file__).resolve().parents[3])  # the directory colichat is imported from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    code = "import sys; from colichat.engine.gguf import kernels; kernels._compile(sys.argv[2:], sys.argv[1])"
+    try:
+        return subprocess.Popen([sys.executable, "-c", code, path, *names], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
+
+
+def prepare(cache_dir: str | None, progress=None, names=None) -> float:
     """Compile (or load from numba's on-disk cache kept under <cache_dir>/kernels; a read-only cache
-    directory compiles without keeping) every kernel once; returns the seconds it took. progress(done,
-    total) is called after each type. After a failure, problem() says what failed."""
+    directory compiles without keeping) every kernel once, or those of the type `names` given (a file's);
+    returns the seconds it took. progress(done, total) is called after each type. After a failure,
+    problem() says what failed. A first start with a cache compiles half the types in a second process
+    (into the cache, then loaded here); a stamp file per type says it is in the cache."""
     start = time.perf_counter()
     if problem() is None:
-        _compile([n for n in TYPES if n not in _COMPILED.functions], cache_dir, progress)
+        todo = [n for n in (names or TYPES) if n not in _COMPILED.functions]
+        path = _cache_path(cache_dir)
+        helper = None
+        cached = path is not None and all(os.path.exists(_stamp(path, n)) for n in todo)
+        if path is not None and len(todo) > 1 and (os.cpu_count() or 1) > 1 and not cached:
+            helper = _compile_beside(path, todo[1::2])
+        mine = todo if helper is None else todo[0::2]
+        try:
+            _compile(mine, path, progress, 0, len(todo))
+            if helper is not None:
+                helper.wait(timeout=HELPER_WAIT)
+        except subprocess.TimeoutExpired:
+            pass  # its share is compiled here
+        finally:
+            if helper is not None and helper.poll() is None:
+                helper.kill()
+                helper.wait()
+        if helper is not None:
+            _compile(todo[1::2], path, progress, len(mine), len(todo))
+        for n in todo if path is not None and not cached and problem() is None else ():
+            Path(_stamp(path, n)).touch()
     return time.perf_counter() - start
 
 
