@@ -18,8 +18,12 @@ a fresh KV cache and prefill 512; decode 48 tokens after those (1-24, then 25-48
 colichat: its default threads and expert cache (--expert-cache overrides); the 512 tokens get a new Model
 over the same weights (a cold expert cache). llama.cpp (llama-cpp-python, imported only in the child this
 script starts with that python): n_threads=2, n_threads_batch=2. Each phase records the share of the CPUs
-other processes used meanwhile (a shared machine: figures with a high share are disturbed). Markdown
-tables on stdout, then a one-line JSON summary.
+other processes used meanwhile (a shared machine: figures with a high share are disturbed). Each figure is
+also a fraction of the machine's limit (machine.py: decode against the read bandwidth over the quantized bytes
+a token reads, in Gparam/s against llama.cpp's; prefill against sgemm), and of the numpy path's own bound.
+Ratios: speeds colichat's over llama.cpp's (a time's: llama.cpp's over colichat's), memory colichat's over
+llama.cpp's. On an engine that multiplies the experts in the map there is no expert cache to report.
+Markdown tables on stdout, then a one-line JSON summary.
 """
 
 from __future__ import annotations
