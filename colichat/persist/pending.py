@@ -16,9 +16,11 @@ Two marks, at the sidecar's top level (covered by its check, so a damaged one is
                     Then the records are written in place, nrec, the sidecar without the mark, and
                     the file is cut to its records.
   "cut": R          the sidecar cut the conversation from R records to its turns' end (a rewind,
-                    /reset). While the header's nrec is still R (a crash came before nrec or the
-                    cut of the file), the records past the turns are the cut's: a load drops them
-                    without a warning (an interrupted cut looks like a finished one).
+                    /reset; after staged records were put in place, R is where they ended). While
+                    the header's nrec is still R (a crash came before nrec), the records past the
+                    turns are the cut's: a load drops them without a warning (an interrupted cut
+                    looks like a finished one); while nrec is the turns' end and the file is longer
+                    (a crash came before the file's cut), the writer cuts it.
 A load reads through both; the writer finishes them when it opens the conversation (Session.load),
 and before any other write, so that no removed token id lingers in the file.
 """
