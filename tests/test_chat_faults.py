@@ -479,3 +479,15 @@ def test_listings_count_only_what_opening_keeps(model, tmp_path):
         assert info.describe().split(", ")[0] == row and info.turns == len(opened.turns), (bad, info.describe())
         assert info.tokens == model.cache.length
         opened.close()
+
+
+def test_a_reset_whose_cut_failed_is_made_by_quitting_and_keeps_the_conversation_listed(model, tmp_path, monkeypatch):
+    """/reset on a full disk: said, and quitting makes it as /reset does (the conversation listed as empty, not
+    gone as after a /rewind of every exchange)."""
+    store = Store(tmp_path / "s")
+    conv = talked(model, store, 2)
+    with failing(monkeypatch, "replace", err=errno.EIO):
+        said = conv.reset()
+    assert "Input/output error" in said and saved_texts(store)[0::2] == Q[:2]
+    conv.close()
+    assert saved_texts(store) == [] and [i.describe().split(", ")[0] for i in store.list()] == ["s: empty"]
