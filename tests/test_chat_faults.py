@@ -300,3 +300,195 @@ def test_the_latest_conversation_is_the_one_last_used_not_only_the_last_saved(mo
     conv.ask(Q[1])  # a save after that reopening: the newest again
     conv.close()
     assert store.latest(ident).name == "third"
+
+
+class Crash(BaseException):
+    """A kill, in process: the save stops at this call, and nothing of it runs after."""
+
+
+@contextlib.contextmanager
+def crash_at(monkeypatch, k: int):
+    """The k-th of the os calls that write (pwrite, write, fsync, replace, ftruncate, unlink) raises Crash;
+    yields the count of calls made."""
+    calls = [0]
+
+    def deadly(real):
+        def call(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k:
+                raise Crash
+            return real(*a, **kw)
+        return call
+    with monkeypatch.context() as mp:
+        for name in ("pwrite", "write", "fsync", "replace", "ftruncate", "unlink"):
+            mp.setattr(os, name, deadly(getattr(os, name)))
+        yield calls
+
+
+@pytest.mark.parametrize("edit", ["/regen", "an answer after a failed /rewind"])
+def test_an_edit_s_save_cut_short_at_any_call_keeps_the_old_conversation_or_the_new(model, tmp_path, monkeypatch,
+                                                                                     edit):
+    """The save after an edit that defers its cut (a /regen, a /rewind whose cut failed) is one commit: stopped
+    at any of its calls, the conversation on disk (as --export reads it) is the one before the edit or the one
+    after it, never the cut without the new exchange (which lost a message)."""
+    from colichat.persist.loading import read_saved
+
+    finished = False
+    for k in range(1, 60):
+        store = Store(tmp_path / str(k))
+        conv = talked(model, store, 2)
+        old = [t.text for t in conv.turns]
+        if edit == "/regen":
+            conv.set_option("temperature", 1.0)  # (another answer)
+        else:
+            with failing(monkeypatch, "replace", err=errno.EIO):
+                conv.rewind(1)
+            assert conv.cut_failed
+        with crash_at(monkeypatch, k) as calls:
+            try:
+                conv.regen() if edit == "/regen" else conv.ask(Q[2])
+                finished = True
+            except Crash:
+                pass
+        new = [t.text for t in conv.turns]
+        conv.saving.close()  # (killed: nothing more is written)
+        res = read_saved(next(store.root.iterdir()), "s")
+        got = [t.text for t in res.turns]
+        assert res.warnings == [] and not res.unread, (k, res.warnings)
+        if edit == "/regen":  # (its answer is drawn anew each time: the old one or another)
+            assert got[:3] == old[:3] and len(got) == 4, (k, got)
+        else:
+            assert got in (old, [Q[0], old[1], Q[2], got[3]]), (k, got)
+        if finished:
+            assert got == new and new[2] == (Q[1] if edit == "/regen" else Q[2])
+            assert calls[0] < k
+            break
+    assert finished
+
+
+@pytest.mark.parametrize("edit", ["an answer after reading again", "/forget"])
+def test_reading_again_then_a_save_cut_short_at_any_call_loses_no_exchange(model, tmp_path, monkeypatch, edit):
+    """A resume that read a damaged exchange again from its text, then an answer; /forget, which reads what it
+    keeps into a new conversation: stopped at any call of their save, the conversation on disk keeps every
+    exchange (the damaged one's text, read again at the next opening) or is the new one whole, and /forget's
+    new conversation is there whole or not at all, the old one as it was."""
+    from colichat.persist.loading import read_saved
+
+    finished = False
+    for k in range(1, 60):
+        store = Store(tmp_path / str(k))
+        conv = talked(model, store, 2)
+        old = [t.text for t in conv.turns]
+        if edit != "/forget":
+            conv.close()
+            kv = kv_file(store)
+            data = bytearray(kv.read_bytes())
+            data[-5] ^= 0xFF  # the last answer's records: it is read again from its text
+            kv.write_bytes(bytes(data))
+            conv = conversation(model, store, None)
+            assert "read 1 exchange again" in conv.resume("s")
+        with crash_at(monkeypatch, k) as calls:
+            try:
+                conv.forget(1) if edit == "/forget" else conv.ask(Q[2])
+                finished = True
+            except Crash:
+                pass
+        conv.saving.close()  # (killed: nothing more is written)
+        directory = next(store.root.iterdir())
+        res = read_saved(directory, "s")
+        got = [t.text for t in res.turns + res.unread]
+        if edit == "/forget":
+            assert got == old and res.warnings == [], (k, got)
+            cont = read_saved(directory, "s-cont") if (directory / "s-cont.coli_kv").exists() else None
+            assert cont is None or [t.text for t in cont.turns] == old[2:] and cont.warnings == [], k
+            done = cont is not None
+        else:
+            assert got[:4] == old and len(got) in (4, 6), (k, got)
+            done = len(got) == 6
+            assert not done or got[4] == Q[2] and res.warnings == [] and not res.unread
+        if finished:
+            assert done and calls[0] < k
+            break
+    assert finished
+
+
+@pytest.mark.parametrize("edit", ["/reset", "/rewind of every exchange"])
+def test_an_interrupted_reset_or_rewind_to_nothing_shows_as_a_finished_one(model, tmp_path, monkeypatch, edit):
+    """The third attack's N6: /reset (or /rewind of every exchange) stopped at each of its calls is, once its
+    sidecar is written, what a finished one is: /reset's conversation listed as `s: empty` (a reset keeps it
+    listed, as a newcomer expects), exported with no warning, and reopened for writing its cut is finished
+    (nrec 0, the file cut to its header: no removed token id lingers); a rewind of everything is no
+    conversation (not listed), and the next claim of its name removes its files. Before, it is as it was."""
+    from colichat.persist.loading import read_saved
+
+    clean = Store(tmp_path / "clean")
+    conv = talked(model, clean, 2)
+    conv.reset() if edit == "/reset" else conv.rewind(2)
+    conv.close()
+    rows = [i.describe().split(", ")[0] for i in clean.list()]
+    assert rows == (["s: empty"] if edit == "/reset" else [])
+    finished = False
+    for k in range(1, 30):
+        store = Store(tmp_path / str(k))
+        conv = talked(model, store, 2)
+        old, ident, layout = [t.text for t in conv.turns], conv.saving.ident, conv.saving.layout
+        with crash_at(monkeypatch, k) as calls:
+            try:
+                conv.reset() if edit == "/reset" else conv.rewind(2)
+                finished = True
+            except Crash:
+                pass
+        conv.saving.close()  # (killed: nothing more is written)
+        directory = next(store.root.iterdir())
+        listed = [i.describe().split(", ")[0] for i in store.list()]
+        if listed == ["s: 4 turns"]:  # not committed: as it was
+            assert [t.text for t in read_saved(directory, "s").turns] == old
+        elif edit == "/reset":
+            assert listed == rows
+            res = read_saved(directory, "s")
+            assert res.turns == [] and res.warnings == [], (k, res.warnings)
+            again = conversation(model, store, None)
+            again.resume("s")
+            again.close()
+            data = kv_file(store).read_bytes()
+            assert len(data) == HEADER_SIZE and data[32:36] == bytes(4), k
+        else:
+            assert listed == rows, k
+            store.claim(ident, "s", layout).close()
+            assert sorted(p.name for p in directory.iterdir()) == ["s.lock"], k
+        if finished:
+            assert calls[0] < k
+            break
+    assert finished
+
+
+def test_listings_count_only_what_opening_keeps(model, tmp_path):
+    """K6: --sessions and /sessions count the turns opening keeps: a sidecar whose second turn is malformed
+    is `empty` (its first message has no answer left), not `2 turns` that then open as none; one whose
+    fourth turn is malformed is 2 turns."""
+    store = Store(tmp_path / "s")
+    talked(model, store, 2).close()
+    [sidecar] = store.root.glob("*/s.json")
+    doc = json.loads(sidecar.read_text("utf-8"))
+    for bad, row in ((3, "s: 2 turns"), (1, "s: empty")):
+        damaged = json.loads(json.dumps(doc))
+        damaged["turns"][bad]["first"] = "x"
+        sidecar.write_text(json.dumps(damaged))
+        [info] = store.list()
+        opened = conversation(model, store, None)
+        opened.resume("s")
+        assert info.describe().split(", ")[0] == row and info.turns == len(opened.turns), (bad, info.describe())
+        assert info.tokens == model.cache.length
+        opened.close()
+
+
+def test_a_reset_whose_cut_failed_is_made_by_quitting_and_keeps_the_conversation_listed(model, tmp_path, monkeypatch):
+    """/reset on a full disk: said, and quitting makes it as /reset does (the conversation listed as empty, not
+    gone as after a /rewind of every exchange)."""
+    store = Store(tmp_path / "s")
+    conv = talked(model, store, 2)
+    with failing(monkeypatch, "replace", err=errno.EIO):
+        said = conv.reset()
+    assert "Input/output error" in said and saved_texts(store)[0::2] == Q[:2]
+    conv.close()
+    assert saved_texts(store) == [] and [i.describe().split(", ")[0] for i in store.list()] == ["s: empty"]

@@ -289,6 +289,7 @@ class Session:
                              "(free some space; the next save retries)") from None
         self.turns, self._crcs = self.turns[:keep] + turns, self._crcs[:keep] + crcs
         self.nrec, self._unread_entries = prev, []  # (the conversation that read them again is saved now)
+        self.emptied = False  # (it has exchanges again)
         if staged:  # saved: the records go in place now, or (after an error) before the next write
             self._pending = staged
             with contextlib.suppress(OSError, SessionError), self._saving():
@@ -329,7 +330,7 @@ class Session:
         n_turns = min(n_turns, len(self.turns))
         turns, crcs = self.turns[:n_turns], self._crcs[:n_turns]
         n = turns[-1].last if turns else 0
-        self.emptied = keep_files and not (turns or unread)
+        self.emptied = (keep_files or self.emptied) and not (turns or unread)  # (a reset's retry keeps it)
         if self.branch:  # a fork cut below its branch point begins with fewer exchanges; cut to none, it is no fork
             self.branch = min(self.branch, sum(t.role == "user" for t in turns)
                               + sum(isinstance(e, dict) and e.get("role") == "user" for e in unread)) or None
@@ -337,7 +338,7 @@ class Session:
         if self._text_only:  # no records: the sidecar lists what is still in the conversation
             self._unread_entries = unread
             try:
-                if unread or keep_files:
+                if unread or self.emptied:
                     self._write_sidecar([], [], unread)
                 else:
                     os.unlink(self.json_path)  # (a conversation rewound to nothing is no conversation)
@@ -360,7 +361,7 @@ class Session:
                 raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
             # cut to no turn, it is no conversation (holds_conversation): its files go, the lock stays, and
             # the next save creates them again, as after a claim (files that cannot be removed stay, empty)
-            if not (turns or unread or keep_files) and remove_files(self.directory, self.json_path, self.kv_path):
+            if not (turns or unread or self.emptied) and remove_files(self.directory, self.json_path, self.kv_path):
                 fd, self._kv_fd = self._kv_fd, None
                 with contextlib.suppress(OSError):
                     os.close(fd)
