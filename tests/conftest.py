@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,22 @@ TINY = REF / "tiny"
 VOCAB = REF / "vocab"
 TEMPLATES = REF / "templates"
 SMOLLM2_REF = REF / "smollm2" / "chat.ref.npz"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def shared_kernel_cache(tmp_path_factory):
+    """Every colichat the tests start (in process, in a process, in tmux) keeps its compiled kernels in one
+    cache (NUMBA_CACHE_DIR, which colichat honours), shared by the xdist workers: compiled once a run, not
+    once a COLICHAT_HOME. Tests of the cache itself unset it."""
+    shared = tmp_path_factory.getbasetemp().parent / "numba-kernels"
+    shared.mkdir(exist_ok=True)
+    old = os.environ.get("NUMBA_CACHE_DIR")
+    os.environ["NUMBA_CACHE_DIR"] = str(shared)
+    yield shared
+    if old is None:
+        del os.environ["NUMBA_CACHE_DIR"]
+    else:
+        os.environ["NUMBA_CACHE_DIR"] = old
 
 
 @pytest.fixture

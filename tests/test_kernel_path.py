@@ -245,6 +245,7 @@ def test_a_file_larger_than_the_free_memory_runs_from_the_map(qdir, monkeypatch)
         load(path, n_ctx=64, kernels="numpy")
 
 
+@pytest.mark.process
 def test_the_first_start_says_it_compiles_the_kernels_and_later_starts_load_them_quietly(tmp_path):
     """In a process (the compiled kernels live in one): the first start of a file the kernels take compiles
     them into the cache directory and says how long it took; the next start loads them and says nothing;
@@ -252,9 +253,10 @@ def test_the_first_start_says_it_compiles_the_kernels_and_later_starts_load_them
     from cli_helpers import chat
 
     args = ["--model", TINY / "ds-v3.q8_0.gguf", "--temperature", "0", "--max-tokens", "6", "--no-save", "-p", "hi"]
-    first, again = chat(tmp_path, args).ok(), chat(tmp_path, args).ok()
+    own = {"NUMBA_CACHE_DIR": ""}  # (not the tests' shared cache: colichat's own, empty)
+    first, again = chat(tmp_path, args, env_extra=own).ok(), chat(tmp_path, args, env_extra=own).ok()
     assert "kernels: compiled in " in first.err and "(the first start; later starts load them)" in first.err
     assert "kernels" not in again.err and again.out == first.out
     assert list((tmp_path / "cache" / "kernels").rglob("*.nbi"))
-    numpy = chat(tmp_path, [*args, "--kernels", "numpy"]).ok()
+    numpy = chat(tmp_path, [*args, "--kernels", "numpy"], env_extra=own).ok()
     assert numpy.out == first.out and "mapped from the file" in first.err and "mapped" not in numpy.err

@@ -169,6 +169,7 @@ def test_bad_shapes_are_caller_bugs():
         kernels.matvec("Q8_0", w, np.ones((1, 96), dtype=np.float32), np.empty((1, 4), dtype=np.float32))
 
 
+@pytest.mark.process
 def test_a_later_start_loads_every_kernel_from_the_cache(request, compiled):
     """A fresh process on the cache the session's kernels were compiled into compiles nothing."""
     cache = str(request.config.cache.mkdir("colichat-kernels"))
@@ -179,9 +180,12 @@ def test_a_later_start_loads_every_kernel_from_the_cache(request, compiled):
     assert got.stdout.split() == ["0", str(len(kernels.TYPES)), "None"], got.stderr
 
 
-def test_an_unwritable_cache_directory_keeps_nothing(tmp_path):
+def test_an_unwritable_cache_directory_keeps_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("NUMBA_CACHE_DIR")  # (the tests' shared cache: colichat's own place here)
     not_a_dir = tmp_path / "file"
     not_a_dir.write_bytes(b"")
     assert kernels._cache_path(str(not_a_dir)) is None  # prepare() then compiles without numba's cache
     assert kernels._cache_path(None) is None
     assert kernels._cache_path(str(tmp_path)) == str(tmp_path / "kernels")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))  # numba's own variable moves it
+    assert kernels._cache_path(str(tmp_path)) == str(tmp_path / "numba")

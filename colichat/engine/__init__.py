@@ -22,8 +22,6 @@ Axis letters, the same in every engine module's shape comments (`# (T, H, R)`):
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from ..errors import ContextError, ModelError
@@ -123,22 +121,24 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
 
 
 def prepare_kernels(path: str, cache_dir, on_compile=None) -> float | None:
-    """Compile the kernels, or load them from numba's cache under cache_dir/kernels (kernels.prepare), for
-    the GGUF `path`: the seconds it took, or None where there is nothing to prepare (the file holds no type
-    the kernels take) or they cannot run (load() then takes the numpy path and says why). on_compile() is
-    called first when that cache holds none yet (a first start: seconds, worth saying)."""
+    """Compile the kernels of the types GGUF `path` holds, or load them from numba's cache under
+    cache_dir/kernels (kernels.prepare): the seconds it took, or None where there is nothing to prepare (the
+    file holds no type the kernels take) or they cannot run (load() then takes the numpy path and says
+    why). on_compile() is called first when that cache does not hold them yet (a first start: seconds,
+    worth saying)."""
     from .gguf import kernels as compiled
 
-    if not takes_kernels(path) or compiled.problem() is not None:
+    names = kernel_types(path)
+    if not names or compiled.problem() is not None:
         return None
-    if on_compile is not None and not any(Path(cache_dir, "kernels").rglob("*.nbi")):  # (numba's index files)
+    if on_compile is not None and not compiled.cached(str(cache_dir), names):
         on_compile()
-    return compiled.prepare(str(cache_dir))
+    return compiled.prepare(str(cache_dir), names=names)
 
 
-def takes_kernels(path: str) -> bool:
-    """Whether GGUF `path` holds a tensor of a type the kernels take (not F32), from its header alone
-    (milliseconds): where it does not, the kernel path needs neither numba nor a compile."""
+def kernel_types(path: str) -> list[str]:
+    """The types of GGUF `path`'s tensors that the kernels take (not F32, which BLAS multiplies), from its
+    header alone (milliseconds): where there is none, the kernel path needs neither numba nor a compile."""
     import struct
 
     import gguf
@@ -150,8 +150,8 @@ def takes_kernels(path: str) -> bool:
     try:
         types = {names.get(t.ggml_type) for h in file_headers(path) for t in h.tensors}
     except (OSError, HeaderError, struct.error, ModelError):  # (loading says what is wrong with the file)
-        return False
-    return any(q is not None and q != "F32" and compiled.supported(q) for q in types)
+        return []
+    return sorted(q for q in types if q is not None and q != "F32" and compiled.supported(q))
 
 
 def kernel_path(kernels: str, numerics: str, on_note=None, path: str | None = None) -> str:
@@ -164,7 +164,7 @@ def kernel_path(kernels: str, numerics: str, on_note=None, path: str | None = No
         raise ValueError(f"kernels must be 'numba' or 'numpy', not {kernels!r}")
     if kernels == "numpy" or numerics != "fast":
         return "numpy"
-    problem = compiled.problem() if path is None or takes_kernels(path) else None
+    problem = compiled.problem() if path is None or kernel_types(path) else None
     if problem is not None:
         if on_note:
             on_note(f"compiled kernels cannot run here ({problem}): weights dequantized to f32 (--kernels numpy)")

@@ -102,10 +102,11 @@ def _signatures():
 
 
 def _cache_path(cache_dir: str | None) -> str | None:
-    """<cache_dir>/kernels, created, when it can be written; else None (compile without a disk cache)."""
+    """<cache_dir>/kernels (or NUMBA_CACHE_DIR, numba's own variable, where it is set: one cache that several
+    homes share, as the tests do), created, when it can be written; else None (compile without a disk cache)."""
     if cache_dir is None:
         return None
-    path = os.path.join(cache_dir, "kernels")
+    path = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(cache_dir, "kernels")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError:
@@ -137,6 +138,13 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
         _COMPILED.failure = f"the compiled kernels failed to compile ({str(e).splitlines()[0]}): the numpy path is used"
     finally:
         numba.config.CACHE_DIR = saved
+
+
+def cached(cache_dir: str | None, names) -> bool:
+    """Whether numba's cache under <cache_dir>/kernels holds the kernels of every type `names` (prepare()
+    then loads them: well under a second; else it compiles: a first start's seconds, worth saying)."""
+    path = None if problem() is not None else _cache_path(cache_dir)
+    return path is not None and all(os.path.exists(_stamp(path, n)) for n in names)
 
 
 def _stamp(path: str, name: str) -> str:
