@@ -204,6 +204,9 @@ class App:
                      "asks again")
         if stats.stopped == "context":  # cut, not ended: say what lets it go on
             self.say(f"note: the answer was cut: the context is full: {report.ways_out(self.conv)}")
+        if self.conv.model.file_note:  # a model file replaced or deleted: this run goes on with its map
+            self.say(self.conv.model.file_note)
+            self.conv.model.file_note = None
         if stats.saved is False:
             self.errors += 1  # the footer says why; the exit status says so too
 

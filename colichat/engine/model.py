@@ -203,6 +203,7 @@ class Model:
         self.mtp = MTPDrafts(self) if mtp and has_mtp(cfg, numerics) else None
         self.mtp_left_out = not mtp and has_mtp(cfg, numerics)  # the file's block, not loaded (mtp=False)
         self.usage_entry = None  # the weights-cache entry keeping the experts' use counts (engine.load sets it)
+        self.file_note = None  # a model file found replaced or deleted while this ran (Tensors.whole), to say
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -216,7 +217,8 @@ class Model:
         each routed expert's fill and product (the safe points); a stop raises cancel.Cancelled there, and
         the cache keeps none of this call's rows. progress(done): at the same points, `done` the tokens of
         this call read so far (a chunk's layers done count as a fraction of it), so that a long pass shows
-        it moves."""
+        it moves. Every call first checks that the GGUF files mapped are still whole (Tensors.whole:
+        ModelError if one was cut short or rewritten in place; Model.file_note if one was replaced)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -226,6 +228,8 @@ class Model:
             )
         if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
+        if self.tensors is not None:  # a file cut short under its map: refused before a read could kill the run
+            self.file_note = self.tensors.whole() or self.file_note
         out, hs, first, n_layer = [], [], self.cache.length, self.cfg.n_layer
         with self.threads.limit(ids.size), self._safe_points(cancel, progress) as point:
             try:

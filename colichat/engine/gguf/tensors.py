@@ -151,6 +151,15 @@ def scalar(v):
     return v
 
 
+def _identity(path: str) -> tuple | None:
+    """(device, inode, size, mtime) of file `path`, or None where it cannot be found."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class TensorRecord(NamedTuple):
     """One GGUF tensor as Tensors needs it (gguf-py's ReaderTensor has these fields too)."""
 
@@ -199,6 +208,7 @@ class Tensors:
 
         self.path = path
         self.files, self.offsets = files, offsets
+        self.loaded = {file: _identity(file) for file in dict.fromkeys(files.values())}  # as mapped: whole()
         self.by_name = {t.name: t for t in tensors}
         supported = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
         supported |= set(getattr(gguf.quants, "_type_traits", {}))
@@ -208,6 +218,29 @@ class Tensors:
                     f"{path}: tensor {t.name} has quant type {t.tensor_type.name}, "
                     "which colichat cannot dequantize; use a file with another quant type"
                 )
+
+    def whole(self) -> str | None:
+        """Check that the files the tensors are mapped from are still the ones loaded (a stat of each:
+        cheap enough before every pass). A file cut short in place would kill colichat at the next read
+        of a lost page (SIGBUS, which Python cannot catch), and one rewritten in place shows its new bytes
+        through the map: ModelError, before anything is read. A file replaced (another file at its path)
+        or deleted stays mapped as it was: the run goes on with it, and this returns a one-line note the
+        first time it finds that (None otherwise)."""
+        note = None
+        for file, was in self.loaded.items():
+            now = _identity(file)
+            if was is None or now == was:
+                continue
+            if now is not None and now[:2] == was[:2]:  # the same file (device, inode), changed in place
+                if now[2] < was[2]:
+                    raise ModelError(f"the model file {file} was cut short while colichat ran ({now[2]:,} bytes, "
+                                     f"was {was[2]:,}): restart colichat with a whole file")
+                raise ModelError(f"the model file {file} was rewritten while colichat ran: restart colichat "
+                                 "to load it as it is now")
+            self.loaded[file] = None  # (said once)
+            note = (f"note: the model file {file} was {'deleted' if now is None else 'replaced'} while colichat "
+                    "ran; this run goes on with the file as it was loaded")
+        return note
 
     def has(self, name: str) -> bool:
         return name in self.by_name
