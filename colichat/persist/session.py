@@ -4,8 +4,7 @@ writer's lock, locks.py), open for writing.
     sess = Session.create(directory, name, ident, layout, sampler=None)   # new, empty, locked
     sess = Session.open(directory, name, ident, layout)                   # existing, locked
     res = sess.load(cache, ctx_limit=None, detokenize=None)               # -> LoadResult (loading.py)
-    sess.append(cache, turns)     # save the turns not yet on disk (see `append`)
-    sess.append(cache, turns, keep=k)   # ... in place of the saved turns after the first k: one commit
+    sess.append(cache, turns, keep=None)  # save the turns not yet on disk; keep=k: in place of those after k
     sess.truncate(n_turns)        # keep the first n_turns turns (rewind)
     sess.fork(new, cache, turns, branch)   # its first exchanges into `new` (claimed), copied from its file
     sess.close()                  # or use the session as a context manager
