@@ -29,8 +29,8 @@ FP16_AT = {  # byte offsets of a block's fp16 scales (d, dmin), set to valid val
 
 
 @pytest.fixture(scope="session", autouse=True)
-def compiled(request):
-    seconds = kernels.prepare(str(request.config.cache.mkdir("colichat-kernels")))
+def compiled(tmp_path_factory):
+    seconds = kernels.prepare(str(tmp_path_factory.getbasetemp()))  # (into the tests' NUMBA_CACHE_DIR: conftest)
     assert kernels.problem() is None
     return seconds
 
@@ -170,9 +170,9 @@ def test_bad_shapes_are_caller_bugs():
 
 
 @pytest.mark.process
-def test_a_later_start_loads_every_kernel_from_the_cache(request, compiled):
+def test_a_later_start_loads_every_kernel_from_the_cache(tmp_path_factory, compiled):
     """A fresh process on the cache the session's kernels were compiled into compiles nothing."""
-    cache = str(request.config.cache.mkdir("colichat-kernels"))
+    cache = str(tmp_path_factory.getbasetemp())
     code = ("import sys; from colichat.engine.gguf import kernels; kernels.prepare(sys.argv[1]); "
             "print(sum(sum(f.stats.cache_misses.values()) for fs in kernels._COMPILED.functions.values() for f in fs),"
             " len(kernels._COMPILED.functions), kernels.problem())")

@@ -46,7 +46,9 @@ def test_nothing_reads_the_command_line_after_the_plan_is_made(colichat_home, mo
     run = chat_here(colichat_home, [*TINY_ARGS, *options, "--session", "p", "-p", "Hello"]).ok()
     assert "note: --expert-cache has no effect" in run.err and "from " in run.err.splitlines()[0]
     again = chat_here(colichat_home, [*TINY_ARGS, "--session", "p", "--no-save"], lines("/show", "Hi")).ok()
-    assert re.search(r"^seed +3$", again.err, re.M) and "p is kept as fp8, as it was saved" in again.err
+    assert re.search(r"^seed +3$", again.err, re.M) and "kept as" not in again.err  # (no --kv given: no note)
+    kv = next(colichat_home.rglob("p.coli_kv")).read_bytes()
+    assert kv[:8] == b"COLIGQ2\0"  # ... and the conversation kept its fp8 records (a GQA model's magic)
     assert [role for role, _ in saved_turns(colichat_home, "p")] == ["user", "assistant"]  # --no-save kept it
     plans = [p for p in made if isinstance(p, Plan)]
     assert [p.resume for p in plans] == [False, True] and plans[0].kv == "fp8" and not plans[0].reuse

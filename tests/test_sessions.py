@@ -492,7 +492,7 @@ def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkey
     plan = start.Plan(settings=Settings(), given=frozenset(), prompt=None, kv="f32", reuse=True, no_save=False,
                       auto_forget=False, expert_cache=None, verbose=False, numerics="fast", model="m.gguf",
                       session="c", resume=True, ctx=160, ctx_of="c", read_only=False, save_new=True,
-                      interactive=False)
+                      interactive=False, kernels="numba")
     status = terminal.StatusLine()
     for error, suffixed in ((ContextError("context size 160 is too small"), True),
                             (ModelError("m.gguf: chat template: 'context size' is undefined"), False)):

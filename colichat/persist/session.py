@@ -79,12 +79,9 @@ class Session:
         self._has_sidecar = False
         self._loaded = False  # state known (created, or loaded): needed before saving
         self._cache = None  # the cache last loaded or saved from: what a rewrite copies
-        # the sidecar's entries of the turns a load dropped whose text is intact (LoadResult.unread): listed
-        # on in every sidecar written until an append saves the conversation that read them again
-        self._unread_entries: list[dict] = []
+        self._unread_entries: list[dict] = []  # LoadResult.unread's: listed on until an append saves them again
         self._pending: Pending | None = None  # what the sidecar committed and the file does not show yet
-        self._text_only = False  # opened from its sidecar alone: no KV file, or none it can read
-        self._kv_damage: str | None = None  # why not, when there is one
+        self._text_only, self._kv_damage = False, None  # opened from its sidecar alone (no KV file it can read): why
         self.notes: list[str] = []  # things a save did that the user should hear of (caller drains)
 
     # ---- opening ---------------------------------------------------------------------------
@@ -249,12 +246,10 @@ class Session:
             raise ValueError(f"turns end at record {prev}, past the cache length {cache.length}")
         crcs = [turn_crc(cache, t) for t in turns]
         self._cache = cache
-        if self._text_only or not self.on_disk:  # (a directory removed took the lock file with it)
-            remake_directory(self.directory, self.name)
-            self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
         if self._text_only:  # a new KV file first; the sidecar stays until replaced (a crash after the rename
             # leaves it listing turns past the file's records, which reopening reads again)
             try:
+                self._relock()
                 fd = create_kv_in_place(self.directory, self.kv_path, self.layout)
             except OSError as e:
                 raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
@@ -265,6 +260,7 @@ class Session:
                     os.close(self._kv_fd)
             self._kv_fd, self._text_only, self._kv_damage = fd, False, None
         if not self.on_disk:  # the first save: the session appears whole or not at all
+            self._relock()
             self._create_files(cache, turns, crcs)
             return
         staged = None
@@ -381,6 +377,11 @@ class Session:
             self.sampler = old
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
 
+    def _relock(self):  # the directory and lock file made again where they went (a removed directory took both)
+        gone = remake_directory(self.directory, self.name)
+        self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
+        return gone
+
     def _require_loaded(self) -> None:
         if self._lock_fd is None:
             raise ValueError(f"session {self.name} is closed")
@@ -443,8 +444,7 @@ class Session:
         files since they were opened, write the KV file again, holding `turns`, from the cache (and take
         the lock again if its file went, and the directory if it went). True if it did (with a note
         saying so). Else what a commit promised the file and did not do yet is done first (pending.py)."""
-        gone = remake_directory(self.directory, self.name)
-        self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
+        gone = self._relock()
         what = changed_since_open(self._kv_fd, self.kv_path, self.nrec * self.layout.record_bytes)
         if what is None:
             if self._pending is not None:
