@@ -17,6 +17,7 @@ import os
 import time
 
 from .kvfile import SessionBusy, SessionError, check_writable, open_file, oserror_text
+from .names import remake_directory
 
 
 def take_lock(path: str, name: str) -> int:
@@ -191,3 +192,10 @@ def reading(fd: int, path: str, name: str):
         yield
     finally:
         flock_quietly(fd, fcntl.LOCK_UN)
+
+
+def relocked(fd: int, directory: str, name: str) -> tuple[bool, int]:
+    """Session NAME's directory and lock file made again where they went (a removed directory took both):
+    (whether the directory was made again, the lock's descriptor)."""
+    gone = remake_directory(directory, name)
+    return gone, relock(fd, os.path.join(directory, name + ".lock"), name)

@@ -44,12 +44,11 @@ from .kvfile import (
     write_records,
 )
 from .loading import LoadResult, Source, load, load_text_only, saved_rope_factors, what_opens
-from .locks import flock_for_save, flock_quietly, reading, release_lock, relock, remove_lock, take_lock
+from .locks import flock_for_save, flock_quietly, reading, release_lock, relocked, remove_lock, take_lock
 from .names import (
     KV_EXT,
     SIDECAR_EXT,
     holds_conversation,
-    remake_directory,
     remove_files,
     remove_leftovers,
     unlink_quietly,
@@ -249,7 +248,7 @@ class Session:
         if self._text_only:  # a new KV file first; the sidecar stays until replaced (a crash after the rename
             # leaves it listing turns past the file's records, which reopening reads again)
             try:
-                self._relock()
+                _, self._lock_fd = relocked(self._lock_fd, self.directory, self.name)
                 fd = create_kv_in_place(self.directory, self.kv_path, self.layout)
             except OSError as e:
                 raise SaveFailed(f"could not save session {self.name}: {oserror_text(e)}",
@@ -260,7 +259,7 @@ class Session:
                     os.close(self._kv_fd)
             self._kv_fd, self._text_only, self._kv_damage = fd, False, None
         if not self.on_disk:  # the first save: the session appears whole or not at all
-            self._relock()
+            _, self._lock_fd = relocked(self._lock_fd, self.directory, self.name)
             self._create_files(cache, turns, crcs)
             return
         staged = None
@@ -377,11 +376,6 @@ class Session:
             self.sampler = old
             raise SessionError(f"could not save session {self.name}: {oserror_text(e)}") from None
 
-    def _relock(self):  # the directory and lock file made again where they went (a removed directory took both)
-        gone = remake_directory(self.directory, self.name)
-        self._lock_fd = relock(self._lock_fd, os.path.join(self.directory, self.name + ".lock"), self.name)
-        return gone
-
     def _require_loaded(self) -> None:
         if self._lock_fd is None:
             raise ValueError(f"session {self.name} is closed")
@@ -444,7 +438,7 @@ class Session:
         files since they were opened, write the KV file again, holding `turns`, from the cache (and take
         the lock again if its file went, and the directory if it went). True if it did (with a note
         saying so). Else what a commit promised the file and did not do yet is done first (pending.py)."""
-        gone = self._relock()
+        gone, self._lock_fd = relocked(self._lock_fd, self.directory, self.name)
         what = changed_since_open(self._kv_fd, self.kv_path, self.nrec * self.layout.record_bytes)
         if what is None:
             if self._pending is not None:
