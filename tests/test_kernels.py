@@ -10,6 +10,8 @@ The kernels are compiled once per session, kept in pytest's cache directory betw
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -172,14 +174,17 @@ def test_bad_shapes_are_caller_bugs():
 @pytest.mark.process
 def test_a_later_start_loads_every_kernel_from_the_cache(tmp_path_factory, compiled):
     """A later process on the cache the session's kernels were compiled into compiles nothing."""
-    cache = str(tmp_path_factory.getbasetemp())
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    shutil.copytree(os.environ["NUMBA_CACHE_DIR"], cache / "kernels")  # a copy no other process rewrites
     code = ("import sys; from colichat.engine.gguf import kernels; kernels.prepare(sys.argv[1]); "
             "print(sum(sum(f.stats.cache_misses.values()) for fs in kernels._COMPILED.functions.values() for f in fs),"
             " len(kernels._COMPILED.functions), kernels.problem())")
-    # (the first may find an entry another process of the run is rewriting in the shared cache: the second
-    # start, after it, must compile nothing)
+    # (the copy may hold an index another process of the run was rewriting: the first start completes it, the
+    # second must compile nothing)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     for _ in range(2):
-        got = subprocess.run([sys.executable, "-c", code, cache], capture_output=True, text=True, timeout=600)
+        got = subprocess.run([sys.executable, "-c", code, str(cache)], capture_output=True, text=True,
+                             timeout=600, env=env)
     assert got.stdout.split() == ["0", str(len(kernels.TYPES)), "None"], got.stderr
 
 
