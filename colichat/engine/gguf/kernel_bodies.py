@@ -50,6 +50,16 @@ def _f16(lo, hi):
 
 
 @njit
+def nibbles(byte):
+    """(low nibble, high nibble) of a uint8 as float32, in float32 arithmetic: exact, and in the products'
+    own vector lanes (LLVM widens numba's integer operations to int64, two conversions and a narrowing a
+    byte: 1.5x slower)."""
+    f = F32(byte)
+    high = np.floor(f * F32(0.0625))
+    return f - F32(16) * high, high
+
+
+@njit
 def _u32(wr, o):
     return np.int64(wr[o]) | np.int64(wr[o + 1]) << 8 | np.int64(wr[o + 2]) << 16 | np.int64(wr[o + 3]) << 24
 
@@ -162,14 +172,15 @@ def _row_4bit(wr, xt, xs, size, offset, kvalues):
         o, xo = size * b, 32 * b
         d = _f16(wr[o], wr[o + 1])
         for i in range(16):
-            v = np.int32(wr[o + size - 16 + i])
-            lo, hi = v & 15, v >> 4
             if kvalues:
-                lo, hi = KVALUES[lo], KVALUES[hi]
-            elif offset > 0:
-                lo, hi = lo - offset, hi - offset
-            lanes[i] += d * F32(lo) * xt[xo + i]
-            lanes[16 + i] += d * F32(hi) * xt[xo + 16 + i]
+                v = np.int32(wr[o + size - 16 + i])
+                lo, hi = F32(KVALUES[v & 15]), F32(KVALUES[v >> 4])
+            else:
+                lo, hi = nibbles(wr[o + size - 16 + i])
+                if offset > 0:
+                    lo, hi = lo - F32(offset), hi - F32(offset)
+            lanes[i] += d * lo * xt[xo + i]
+            lanes[16 + i] += d * hi * xt[xo + 16 + i]
         if offset < 0:
             acc += F64(_f16(wr[o + 2], wr[o + 3])) * F64(xs[b])
     for i in range(32):

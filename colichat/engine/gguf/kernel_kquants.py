@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernel_bodies import F32, F64, KVALUES, _f16, fast, sub_sums
+from .kernel_bodies import F32, F64, KVALUES, _f16, fast, nibbles, sub_sums
 
 # --- K-quants: 256 values a block, in sub-blocks of 16 or 32 (layouts: dequant.py and gguf-py) ------------
 # Q2_K (84 bytes): 16 scale bytes (low nibble sc, high nibble m, one a 16-value sub-block), 64 bytes of
@@ -118,9 +118,9 @@ def _row_q4_k(wr, xt, xs):
             q, v = o + 16 + 32 * c, xo + 64 * c
             p0 = p1 = F32(0)
             for k in range(32):
-                byte = np.int32(wr[q + k])
-                p0 += F32(byte & 15) * xt[v + k]
-                p1 += F32(byte >> 4) * xt[v + 32 + k]
+                low, high = nibbles(wr[q + k])
+                p0 += low * xt[v + k]
+                p1 += high * xt[v + 32 + k]
             sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
             sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
             acc += d * sc0 * F64(p0) - dmin * m0 * F64(xs[8 * b + 2 * c])
