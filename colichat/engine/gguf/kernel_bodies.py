@@ -60,6 +60,16 @@ def nibbles(byte):
 
 
 @njit
+def quarters(byte):
+    """The four 2-bit fields of a uint8, lowest first, as float32 (as nibbles: exact, in float32 lanes)."""
+    f = F32(byte)
+    u1 = np.floor(f * F32(0.25))
+    u2 = np.floor(u1 * F32(0.25))
+    u3 = np.floor(u2 * F32(0.25))
+    return f - F32(4) * u1, u1 - F32(4) * u2, u2 - F32(4) * u3, u3
+
+
+@njit
 def _u32(wr, o):
     return np.int64(wr[o]) | np.int64(wr[o + 1]) << 8 | np.int64(wr[o + 2]) << 16 | np.int64(wr[o + 3]) << 24
 
@@ -149,13 +159,6 @@ def _row_q8_0(wr, xt, xs):
 
 
 @njit
-def _block_q8_0(wr, o, y, yo):
-    d = _f16(wr[o], wr[o + 1])
-    for i in range(32):
-        y[yo + i] = F32(np.int8(wr[o + 2 + i])) * d
-
-
-@njit
 def _q4(wr, o, i, k):
     """Code i (0-31) of a 32-value block whose nibbles start at byte o, k its KVALUES (else less 8)."""
     v = np.int32(wr[o + (i & 15)])
@@ -206,15 +209,19 @@ def _row_iq4_nl(wr, xt, xs):
 @njit
 def _block_q4_0(wr, o, y, yo):
     d = _f16(wr[o], wr[o + 1])
-    for i in range(32):
-        y[yo + i] = d * F32(_q4(wr, o + 2, i, False) - 8)
+    for i in range(16):
+        low, high = nibbles(wr[o + 2 + i])
+        y[yo + i] = d * (low - F32(8))
+        y[yo + 16 + i] = d * (high - F32(8))
 
 
 @njit
 def _block_q4_1(wr, o, y, yo):
     d, m = _f16(wr[o], wr[o + 1]), _f16(wr[o + 2], wr[o + 3])
-    for i in range(32):
-        y[yo + i] = d * F32(_q4(wr, o + 4, i, False)) + m
+    for i in range(16):
+        low, high = nibbles(wr[o + 4 + i])
+        y[yo + i] = d * low + m
+        y[yo + 16 + i] = d * high + m
 
 
 @njit
@@ -326,10 +333,13 @@ def matvec_q8_0(w, x, out):
             out[t, r] = _row_q8_0(w[r], x[t], xs[t])
 
 
-def dequant_q8_0(w, out):
+def dequant_q8_0(w, out):  # (its blocks inline: the int8 view is taken once)
+    codes = w.view(np.int8)  # (R, row_bytes): int8 to float32 directly (np.int8 of a byte goes through int64)
     for r in range(w.shape[0]):
         for b in range(w.shape[1] // 34):
-            _block_q8_0(w[r], 34 * b, out[r], 32 * b)
+            d = _f16(w[r, 34 * b], w[r, 34 * b + 1])
+            for i in range(32):
+                out[r, 32 * b + i] = F32(codes[r, 34 * b + 2 + i]) * d
 
 
 def matvec_q4_0(w, x, out):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernel_bodies import F32, F64, KVALUES, _f16, fast, nibbles, sub_sums
+from .kernel_bodies import F32, F64, KVALUES, _f16, fast, nibbles, quarters, sub_sums
 
 # --- K-quants: 256 values a block, in sub-blocks of 16 or 32 (layouts: dequant.py and gguf-py) ------------
 # Q2_K (84 bytes): 16 scale bytes (low nibble sc, high nibble m, one a 16-value sub-block), 64 bytes of
@@ -164,8 +164,23 @@ def _block_k4(wr, o, y, yo, high):
 
 
 @njit
+def _block_q4_k_pairs(wr, o, y, yo):
+    """Q4_K as _block_k4, a byte's two codes at once (nibbles): the same values, in vector lanes."""
+    d, dmin = _f16(wr[o], wr[o + 1]), _f16(wr[o + 2], wr[o + 3])
+    for c in range(4):
+        sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
+        sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
+        ds0, dm0, ds1, dm1 = d * F32(sc0), dmin * F32(m0), d * F32(sc1), dmin * F32(m1)
+        q, v = o + 16 + 32 * c, yo + 64 * c
+        for k in range(32):
+            low, high = nibbles(wr[q + k])
+            y[v + k] = ds0 * low - dm0
+            y[v + 32 + k] = ds1 * high - dm1
+
+
+@njit
 def _block_q4_k(wr, o, y, yo):
-    _block_k4(wr, o, y, yo, False)
+    _block_q4_k_pairs(wr, o, y, yo)
 
 
 @njit
@@ -207,13 +222,22 @@ def _row_q6_k(wr, xt, xs):
 
 @njit
 def _block_q6_k(wr, o, y, yo):
+    """In the order of _row_q6_k: each k reads the bytes of the four codes 16 e + k, 32 + 16 e + k, 64 + ...
+    and 96 + ... of half h, and takes them apart in float32 (nibbles, quarters): exact, in lanes across k."""
     d = _f16(wr[o + 208], wr[o + 209])
-    for i in range(16):
-        h, g, l0 = i >> 3, (i >> 1) & 3, 16 * (i & 1)
-        ql, qh, ds = o + 64 * h + 32 * (g & 1) + l0, o + 128 + 32 * h + l0, d * F32(np.int8(wr[o + 192 + i]))
-        for k in range(16):
-            low = (np.int32(wr[ql + k]) >> (4 * (g >> 1))) & 15
-            y[yo + 16 * i + k] = ds * F32((low | ((np.int32(wr[qh + k]) >> (2 * g)) & 3) << 4) - 32)
+    for h in range(2):
+        ql, qh, v, sc = o + 64 * h, o + 128 + 32 * h, yo + 128 * h, o + 192 + 8 * h
+        for e in range(2):  # values 16 e + k of each group
+            s0, s1 = d * F32(np.int8(wr[sc + e])), d * F32(np.int8(wr[sc + 2 + e]))
+            s2, s3 = d * F32(np.int8(wr[sc + 4 + e])), d * F32(np.int8(wr[sc + 6 + e]))
+            for k in range(16):
+                a_lo, a_hi = nibbles(wr[ql + 16 * e + k])
+                b_lo, b_hi = nibbles(wr[ql + 32 + 16 * e + k])
+                t0, t1, t2, t3 = quarters(wr[qh + 16 * e + k])
+                y[v + 16 * e + k] = s0 * (a_lo + F32(16) * t0 - F32(32))
+                y[v + 32 + 16 * e + k] = s1 * (b_lo + F32(16) * t1 - F32(32))
+                y[v + 64 + 16 * e + k] = s2 * (a_hi + F32(16) * t2 - F32(32))
+                y[v + 96 + 16 * e + k] = s3 * (b_hi + F32(16) * t3 - F32(32))
 
 
 @njit
