@@ -165,7 +165,7 @@ def report(path: Path, res: dict) -> str:
         ratio = None if cv is None or rv is None else (cv / rv if key == "answer_tok_s" else rv / cv)
         rows.append([label, common.cell(cv), common.cell(rv), "-" if ratio is None else f"{ratio:.2f}x"])
     lines = [f"### {path.name}, {path.stat().st_size / 1e9:.2f} GB\n",
-             common.table(["figure", "colichat", "llama.cpp", "ratio (>1: colichat ahead)"], rows, True)]
+             common.table(["figure", "colichat", "llama.cpp", "ratio (>1: colichat ahead)"], rows, True) + "\n"]
     for name, x in (("colichat", c), ("llama.cpp", r)):
         if x and "error" in x:
             lines.append(f"{name} did not run: {x['error']}")
