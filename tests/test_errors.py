@@ -106,7 +106,7 @@ def _typed_names() -> set[str]:
 def test_a_user_error_raised_in_an_except_block_is_raised_from_none():
     """`raise SessionError(...) from None` inside a handler: the user sees one line, not the chain."""
     import colichat.engine.text.template  # noqa: F401  (TemplateError, a ModelError, is defined there)
-    import colichat.persist.kvfile  # noqa: F401  (SessionBusy, a SessionError: whatever this run imported before)
+    import colichat.persist.locks  # noqa: F401  (SessionBusy, a SessionError: whatever this run imported before)
 
     typed, chained = _typed_names(), []
     for path in sorted(ROOT.rglob("*.py")):
