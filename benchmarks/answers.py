@@ -25,7 +25,7 @@ from loops import LOOP_SHARE, answer, repetition  # noqa: E402
 
 from colichat.engine import Sampler, SamplerSettings, load  # noqa: E402
 from colichat.engine.text.template import chat_template_for  # noqa: E402
-from colichat.models import default_model_path  # noqa: E402
+from colichat.models.default import default_model_path  # noqa: E402
 from colichat.settings import TABLE  # noqa: E402
 
 QUESTIONS = [

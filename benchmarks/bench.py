@@ -329,7 +329,7 @@ def main(argv=None) -> int:
         return dsa.main(["--quick"] * args.quick)
     root = Path(tempfile.mkdtemp(prefix="colichat-bench-"))
     os.environ["COLICHAT_HOME"] = str(root / "home")  # sessions and weight caches of the in-process runs
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     t_start = time.perf_counter()
     results = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "code": code_version(),

@@ -55,7 +55,7 @@ SEED = 45
 def model_file(shape: str, folder: Path, layers: int | None) -> Path:
     """The GGUF of a shape: SmolLM2's own file, or the llama8b file (written once; `layers` overrides 32)."""
     if shape == "smollm2":
-        from colichat.models import default_model_path
+        from colichat.models.default import default_model_path
 
         return Path(default_model_path())
     from gguf_factory import LLAMA_8B, llama_tensors, write_llama

@@ -30,9 +30,9 @@ try:
     from .chat import Conversation
     from .engine import MIN_CTX
     from .errors import USER_ERRORS, UsageError
-    from .hub import is_hub_model
-    from .hub import parse as parse_hub_model
     from .inputs import ESCAPED, Message
+    from .models.hub import is_hub_model
+    from .models.hub import parse as parse_hub_model
     from .paths import expand_home
     from .persist import SessionError, Store, check_name
     from .pipe import pipe_mode

@@ -17,7 +17,7 @@ from typing import Callable
 from . import report
 from .errors import ChatError
 from .inputs import Message
-from .models import model_title
+from .models.default import model_title
 from .paths import expand_home
 from .saving import CURRENT_MARK
 from .sessions import markdown

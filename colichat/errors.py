@@ -13,7 +13,7 @@ imports nothing from colichat. The layers add their own kinds (TemplateError, Se
     ModelError           a model file that is missing, damaged or not supported (engine/)
       ContextError       a context size it cannot run with (too small or large, no room for --system)
     SessionError         a saved conversation that cannot be opened, loaded or saved (persist/)
-    DefaultModelMissing  no --model and the default model is not downloaded (models.py)
+    DefaultModelMissing  no --model and the default model is not downloaded (models/default.py)
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from collections import defaultdict
 from datetime import datetime
 
 from .engine.config import MIN_CTX
-from .models import model_title
+from .models.default import model_title
 from .persist import SessionBusy, SessionError, SessionInfo, Store, check_name, weights_fingerprint
 from .persist.listing import damaged_text, model_file_now, total_line, under_parents
 from .persist.loading import more_context, read_saved, tokens_to_load

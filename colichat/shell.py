@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import sys
 
-from .hub import is_hub_model, model_file
-from .model_list import NO_MODELS, model_rows
-from .models import DefaultModelMissing, default_model_path
+from .models.default import DefaultModelMissing, default_model_path
+from .models.hub import is_hub_model, model_file
+from .models.listing import NO_MODELS, model_rows
 from .persist import SessionError, Store
 from .prune import choose, listed, prune_kv
 from .sessions import export_saved, listing

@@ -14,9 +14,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from . import hub, system_prompt
+from . import system_prompt
 from .engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
-from .models import DefaultModelMissing, default_model_path, model_title
+from .models import hub
+from .models.default import DefaultModelMissing, default_model_path, model_title
 from .paths import paths
 from .persist import SessionError, Store, check_name
 from .sessions import (

@@ -40,7 +40,7 @@ from conftest import TINY
 
 from colichat import __version__
 from colichat.commands import COMMANDS, listed
-from colichat.models import model_title
+from colichat.models.default import model_title
 from colichat.units import count, format_size
 from colichat.wrap import displayable
 

@@ -195,7 +195,7 @@ def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
 def test_the_user_errors_are_the_projects_types():
     from colichat.engine import ModelError
     from colichat.engine.text.template import TemplateError
-    from colichat.models import DefaultModelMissing
+    from colichat.models.default import DefaultModelMissing
     from colichat.persist import SessionBusy, SessionError, SessionExists
     from colichat.settings import SettingError
 

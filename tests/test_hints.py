@@ -27,8 +27,8 @@ from cli_helpers import GREEDY, TINY_LLAMA, chat, lines, unprivileged
 from conftest import TINY
 from hub_server import HubServer
 
-from colichat import hub
 from colichat.hints import Hint, Said, read_hint
+from colichat.models import hub
 
 MOE = str(TINY / "ds-v2-lite.gguf")
 REPO = "test/tiny-GGUF"

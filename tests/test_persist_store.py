@@ -691,7 +691,7 @@ def test_the_session_folder_is_named_as_the_screen_names_the_model_and_an_older_
     """The folder is named after the model as the banner names it (a long general.name such as SmolLM2's
     'Smollm2 135M 8k Lc100K Mix1 Ep2' gives way to the file's name), and the folder an older colichat
     named from general.name alone is still this model's: found by its weights' suffix, not orphaned."""
-    from colichat.models import model_title
+    from colichat.models.default import model_title
     from colichat.persist.identity import model_dirname
 
     ident = {**IDENT, "name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import colichat
 from colichat import cli
 from colichat.commands import COMMANDS
-from colichat.models import INSTALL_HINT
+from colichat.models.default import INSTALL_HINT
 from colichat.settings import TABLE
 
 REPO = Path(colichat.__file__).parent.parent

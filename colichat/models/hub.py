@@ -37,12 +37,12 @@ import sys
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from .engine import ModelError, check_headers
-from .engine.gguf.header import Header, HeaderError, read_header
-from .errors import UsageError
-from .hints import Said, read_hint
+from ..engine import ModelError, check_headers
+from ..engine.gguf.header import Header, HeaderError, read_header
+from ..errors import UsageError
+from ..hints import Said, read_hint
+from ..units import format_size
 from .hub_requests import HubSilent, watched
-from .units import format_size
 
 PREFIX = "hf:"
 PREFERRED = "Q4_K_M"  # with no :QUANT among several GGUFs (llama.cpp's -hf takes it too)
