@@ -11,13 +11,13 @@ import signal
 import sys
 import time
 
-from . import report
-from .chat import Conversation
 from .commands import dispatch, is_command, meant_command, message_text
+from .conversation import report
+from .conversation.chat import Conversation
+from .conversation.thinking import LiveThinking
 from .engine.cancel import Cancel
 from .errors import USER_ERRORS, ChatError
 from .terminal import StatusLine, discard, dumb_terminal, terminal_size, to_stderr
-from .thinking import LiveThinking
 from .wrap import Screen
 
 BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile

@@ -27,7 +27,8 @@ try:
 
     from . import __version__
     from .app import BUSY, App, stopped_by_ctrl_c
-    from .chat import Conversation
+    from .conversation.chat import Conversation
+    from .conversation.settings import TABLE, SettingError, Settings
     from .engine import MIN_CTX
     from .errors import USER_ERRORS, UsageError
     from .inputs import ESCAPED, Message
@@ -36,7 +37,6 @@ try:
     from .paths import expand_home
     from .persist import SessionError, Store, check_name
     from .pipe import pipe_mode
-    from .settings import TABLE, SettingError, Settings
     from .shell import from_the_shell
     from .start import Plan, given_model, load_model, model_sampling
     from .start import plan as start_plan

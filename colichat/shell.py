@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import sys
 
+from .conversation.saved import export_saved, listing
 from .models.default import DefaultModelMissing, default_model_path
 from .models.hub import is_hub_model, model_file
 from .models.listing import NO_MODELS, model_rows
 from .persist import SessionError, Store
-from .prune import choose, listed, prune_kv
-from .sessions import export_saved, listing
+from .persist.prune import choose, listed, prune_kv
 from .start import unreadable_sessions
 from .terminal import ask_yes, print_out, terminal_columns, to_stderr
 from .units import format_size

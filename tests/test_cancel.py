@@ -17,11 +17,11 @@ from conftest import TINY
 
 from colichat import app as app_mod
 from colichat.app import App
-from colichat.chat import ChatError, Conversation, Settings
+from colichat.conversation.chat import ChatError, Conversation, Settings
+from colichat.conversation.report import progress
 from colichat.engine import load
 from colichat.engine.cancel import Cancel, Cancelled
 from colichat.engine.ffn import ExpertCache
-from colichat.report import progress
 from colichat.terminal import StatusLine
 
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 200, 33, 150, 11, 80]

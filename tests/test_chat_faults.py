@@ -13,7 +13,7 @@ import pytest
 from cli_helpers import TINY_LLAMA
 from persist_helpers import Ticks
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.errors import ChatError
 from colichat.persist import SessionError, Store

@@ -806,7 +806,7 @@ def test_bad_model_does_not_touch_sessions(tmp_path, colichat_home):
 def test_failure_inside_an_answer_leaves_cache_and_turns_consistent(colichat_home):
     """In-process: an exception while the answer streams (here from the output callback) drops the
     whole exchange from the cache, so the next message and the saved session stay consistent."""
-    from colichat.chat import Conversation, Settings
+    from colichat.conversation.chat import Conversation, Settings
     from colichat.engine import load
 
     model = load(TINY_LLAMA)

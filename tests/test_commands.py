@@ -11,11 +11,11 @@ from conftest import TINY
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from colichat.chat import Conversation, Settings
 from colichat.commands import COMMANDS
+from colichat.conversation.chat import Conversation, Settings
+from colichat.conversation.settings import TABLE
 from colichat.engine import Sampler, load
 from colichat.persist import Store
-from colichat.settings import TABLE
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,8 @@ def test_the_settings_refuse_what_the_sampler_refuses_in_its_words():
     refused where SamplerSettings would be, with the same line."""
     import dataclasses
 
+    from colichat.conversation.settings import BY_NAME, SettingError
     from colichat.engine import SamplerSettings
-    from colichat.settings import BY_NAME, SettingError
 
     for key, bad in (("temperature", -1.0), ("temperature", float("inf")), ("top_k", -1), ("top_k", 2.5),
                      ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repeat_penalty", 0.0),
@@ -450,8 +450,8 @@ def test_sessions_cut_to_the_window_still_shows_the_current_conversation(app, mo
 
 
 def test_a_resumed_conversation_folds_a_long_pasted_turn_of_its_last_exchange():
+    from colichat.conversation.report import RECAP_LINES, recap
     from colichat.persist import Turn
-    from colichat.report import RECAP_LINES, recap
 
     paste = "\n".join(f"line {k}" for k in range(40))
     shown = recap([Turn("user", "hi", 0, 1), Turn("assistant", "hello", 1, 2), Turn("user", paste, 2, 3),

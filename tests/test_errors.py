@@ -32,9 +32,9 @@ ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
     ("commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",
     ("engine/sampler.py", "Sampler.state"): "int() of a sidecar's hex strings and numpy's check of a PCG64 "
                                             "state; becomes one ValueError: not a random state",
-    ("chat_settings.py", "ChatSettings.apply_saved"): "that ValueError of a damaged saved random state: the "
+    ("conversation/chat_settings.py", "ChatSettings.apply_saved"): "that ValueError of a damaged saved random state: the "
                                                       "seed's first numbers instead",
-    ("settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",
+    ("conversation/settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",
     ("commands.py", "write_export"): "os.open() of a file name the user typed with a NUL in it; becomes a ChatError",
     ("persist/sidecar.py", "document"): "json.loads of a file's bytes: an integer of over 4,300 digits is a plain "
                                         "ValueError, not a JSONDecodeError; the sidecar is damaged",
@@ -169,9 +169,9 @@ def test_a_caller_bug_in_a_message_is_a_traceback_not_a_line(capsys):
 def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
     """Saving.save turns a full disk (OSError) into "NOT saved: ..."; a ValueError from the session is a
     bug and goes up."""
+    from colichat.conversation.report import TurnStats
+    from colichat.conversation.saving import Saving
     from colichat.persist import CacheLayout
-    from colichat.report import TurnStats
-    from colichat.saving import Saving
 
     class Session:
         name, notes = "s", []
@@ -193,11 +193,11 @@ def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
 
 
 def test_the_user_errors_are_the_projects_types():
+    from colichat.conversation.settings import SettingError
     from colichat.engine import ModelError
     from colichat.engine.text.template import TemplateError
     from colichat.models.default import DefaultModelMissing
     from colichat.persist import SessionBusy, SessionError, SessionExists
-    from colichat.settings import SettingError
 
     assert set(USER_ERRORS) == {ChatError, SettingError, ModelError, SessionError, DefaultModelMissing}
     assert all(issubclass(e, USER_ERRORS) for e in (TemplateError, SessionBusy, SessionExists))

@@ -107,7 +107,7 @@ def test_a_warm_start_fills_the_most_used_experts_of_the_last_run_and_changes_no
 
 
 def test_every_answer_keeps_the_experts_use_counts_for_the_next_start(tmp_path):
-    from colichat.chat import Conversation, Settings
+    from colichat.conversation.chat import Conversation, Settings
 
     m = load(str(TINY / "ds-v3.gguf"), n_ctx=128, expert_cache=1, cache_dir=tmp_path)
     conv = Conversation(m, Settings(max_tokens=4), save=False)

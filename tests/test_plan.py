@@ -9,7 +9,7 @@ import re
 from cli_helpers import TINY_ARGS, chat_here, lines, saved_turns
 
 from colichat import cli
-from colichat.settings import TABLE
+from colichat.conversation.settings import TABLE
 from colichat.start import Plan
 
 # The options that are not a chat's (they print or tidy, then exit: shell.py), argparse's own, and

@@ -10,8 +10,8 @@ from pathlib import Path
 import colichat
 from colichat import cli
 from colichat.commands import COMMANDS
+from colichat.conversation.settings import TABLE
 from colichat.models.default import INSTALL_HINT
-from colichat.settings import TABLE
 
 REPO = Path(colichat.__file__).parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")

@@ -28,9 +28,9 @@ from cli_helpers import (
 )
 from persist_helpers import snapshot
 
+from colichat.conversation.reopen import model_to_reopen
 from colichat.persist import SessionError, Store, slug
 from colichat.persist.sidecar import doc_check
-from colichat.sessions import model_to_reopen
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 
@@ -486,8 +486,8 @@ def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkey
     """The note on where the context size came from follows a ContextError only, by its type: a model
     error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
     from colichat import start, terminal
+    from colichat.conversation.settings import Settings
     from colichat.engine import ContextError, ModelError
-    from colichat.settings import Settings
 
     plan = start.Plan(settings=Settings(), given=frozenset(), prompt=None, kv="f32", reuse=True, no_save=False,
                       auto_forget=False, expert_cache=None, verbose=False, numerics="fast", model="m.gguf",

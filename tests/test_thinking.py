@@ -16,11 +16,11 @@ from conftest import TEMPLATES
 from hypothesis import given
 from hypothesis import strategies as st
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
+from colichat.conversation.saved import export_saved, markdown
+from colichat.conversation.thinking import Splitter, split
 from colichat.engine import load
 from colichat.persist import Store
-from colichat.sessions import export_saved, markdown
-from colichat.thinking import Splitter, split
 from colichat.wrap import DIM, PLAIN, Screen
 
 V31_THINKING = "{%- set thinking = true -%}"  # V3.1 thinks when its template is given `thinking`

@@ -18,12 +18,12 @@ import stat
 import time
 from dataclasses import dataclass
 
-from .persist import SessionError, Store
-from .persist.kvfile import fsync_dir
-from .persist.listing import SessionInfo
-from .persist.locks import release_lock, take_lock
-from .persist.sidecar import document, mark_pruned, parse_turns
-from .units import count, format_size
+from ..units import count, format_size
+from .kvfile import SessionError, fsync_dir
+from .listing import SessionInfo
+from .locks import release_lock, take_lock
+from .sidecar import document, mark_pruned, parse_turns
+from .store import Store
 
 
 def readable_again_whole(sidecar: str) -> bool:
