@@ -258,9 +258,9 @@ print(json.dumps({"wall_s": time.perf_counter() - t0, "rc": os.waitstatus_to_exi
 
 
 def measure_start(model_path: Path | None, home: Path, *extra: str) -> dict:
-    """One start of the real program: `python -m colichat.cli --plain [extra]` with stdin at end of file
+    """One start of the real program: `python -m colichat.terminal.cli --plain [extra]` with stdin at end of file
     (pipe mode ends at once). Wall time to exit, what it printed on stderr, and its peak RSS."""
-    cmd = [sys.executable, "-m", "colichat.cli", "--plain", *extra]
+    cmd = [sys.executable, "-m", "colichat.terminal.cli", "--plain", *extra]
     if model_path is not None:
         cmd += ["--model", str(model_path)]
     env = {**os.environ, "COLICHAT_HOME": str(home)}

@@ -15,14 +15,14 @@ import threading
 import pytest
 from conftest import TINY
 
-from colichat import app as app_mod
-from colichat.app import App
 from colichat.conversation.chat import ChatError, Conversation, Settings
 from colichat.conversation.report import progress
 from colichat.engine import load
 from colichat.engine.cancel import Cancel, Cancelled
 from colichat.engine.ffn import ExpertCache
-from colichat.terminal import StatusLine
+from colichat.terminal import app as app_mod
+from colichat.terminal.app import App
+from colichat.terminal.streams import StatusLine
 
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 200, 33, 150, 11, 80]
 

@@ -24,7 +24,7 @@ LONG = ("--ctx", "2048", "--max-tokens", "2000")  # an answer that streams long 
 def command(home, *args: str, env: str = "") -> str:
     """The shell line that runs colichat on the tiny model with COLICHAT_HOME `home` (`args` win over
     TINY_ARGS; `env`: more variables, e.g. "NO_COLOR=1")."""
-    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS, *args])
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.terminal.cli", *TINY_ARGS, *args])
     return f"cd {shlex.quote(str(home))} && {env} COLICHAT_HOME={shlex.quote(str(home))} {cmd}"
 
 
@@ -310,7 +310,7 @@ def test_fg_at_the_prompt_goes_on_below_the_shells_lines_and_overwrites_nothing(
         assert rows[:len(before)] == before, rows  # nothing drawn over
         assert rows.count("shell line one") == 1 and rows.count("> hello") == 1  # nothing shown twice
         after = [row for row in rows[len(before):] if row]
-        assert "Stopped" in after[0] and after[1] == "$ fg" and "colichat.cli" in after[2], after
+        assert "Stopped" in after[0] and after[1] == "$ fg" and "colichat.terminal.cli" in after[2], after
         assert after[3:] == ["> half typed"], after
     finally:
         t.close()

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from colichat import cli
 from colichat.models import default
+from colichat.terminal import cli
 
 
 def test_default_model_is_installed_and_verified():

@@ -24,18 +24,21 @@ ROOT = Path(colichat.__file__).parent
 BROAD = {"ValueError", "Exception", "BaseException"}
 
 ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
-    ("cli.py", "<module>"): "Ctrl-C during the imports: anything else is raised again",
-    ("terminal.py", "discard"): "the stdlib's ValueError of a closed stream (fileno) while pointing it at /dev/null",
-    ("app.py", "App._show_cut"): "the stdlib's ValueError of a closed stdout (fileno) while writing ^C",
-    ("terminal.py", "terminal_size"): "the stdlib's ValueError of a closed stream (fileno) asking the terminal's size",
-    ("repl.py", "keys_wait"): "the stdlib's ValueError of a closed stdin (fileno) before termios",
-    ("commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",
+    ("terminal/cli.py", "<module>"): "Ctrl-C during the imports: anything else is raised again",
+    ("terminal/streams.py", "discard"): "the stdlib's ValueError of a closed stream (fileno) while pointing it "
+                                        "at /dev/null",
+    ("terminal/app.py", "App._show_cut"): "the stdlib's ValueError of a closed stdout (fileno) while writing ^C",
+    ("terminal/streams.py", "terminal_size"): "the stdlib's ValueError of a closed stream (fileno) asking the "
+                                              "terminal's size",
+    ("terminal/repl.py", "keys_wait"): "the stdlib's ValueError of a closed stdin (fileno) before termios",
+    ("terminal/commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",
     ("engine/sampler.py", "Sampler.state"): "int() of a sidecar's hex strings and numpy's check of a PCG64 "
                                             "state; becomes one ValueError: not a random state",
-    ("conversation/chat_settings.py", "ChatSettings.apply_saved"): "that ValueError of a damaged saved random state: the "
-                                                      "seed's first numbers instead",
+    ("conversation/chat_settings.py", "ChatSettings.apply_saved"): "that ValueError of a damaged saved random "
+                                                                   "state: the seed's first numbers instead",
     ("conversation/settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",
-    ("commands.py", "write_export"): "os.open() of a file name the user typed with a NUL in it; becomes a ChatError",
+    ("terminal/commands.py", "write_export"): "os.open() of a file name the user typed with a NUL in it; becomes "
+                                              "a ChatError",
     ("persist/sidecar.py", "document"): "json.loads of a file's bytes: an integer of over 4,300 digits is a plain "
                                         "ValueError, not a JSONDecodeError; the sidecar is damaged",
     ("engine/model.py", "available_memory"): "int() of the kernel's /proc/meminfo text: no number, no limit",
@@ -133,8 +136,8 @@ def test_the_scan_finds_a_broad_catch(tmp_path, monkeypatch):
 
 
 def _app(ask):
-    from colichat.app import App
-    from colichat.terminal import StatusLine
+    from colichat.terminal.app import App
+    from colichat.terminal.streams import StatusLine
 
     class Conv:
         model = SimpleNamespace(warming=lambda: None)  # (a model without experts warming)

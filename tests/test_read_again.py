@@ -253,8 +253,8 @@ def test_ctrl_c_while_reading_again_at_start_keeps_what_was_read_and_says_so(mod
     """`colichat --session NAME` reading damaged exchanges again: Ctrl-C stops the reading as /resume's
     does (the exchanges read are kept, the warning says how many were not), then, in pipe mode, ends
     colichat (130) with nothing written."""
-    from colichat import cli
     from colichat.conversation import chat
+    from colichat.terminal import cli
 
     store = Store()
     _, before = saved_then_damaged(model, store, QUESTIONS, 0)

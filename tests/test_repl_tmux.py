@@ -22,7 +22,7 @@ SCREEN_WAIT = 120.0  # the program reacts to a key
 
 @pytest.fixture
 def tmux_chat(colichat_home):
-    cmd = (f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 24; "
+    cmd = (f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli --temperature 0 --max-tokens 24; "
            "echo EXITED $?; sleep 600")
     t = Tmux(cmd)
     yield t
@@ -124,7 +124,7 @@ def test_interactive_session(tmux_chat):
 # ---- feedback on every wait -------------------------------------------------------------------------
 
 
-def gated_chat(home, args: str, log, module: str = "colichat.cli") -> Tmux:
+def gated_chat(home, args: str, log, module: str = "colichat.terminal.cli") -> Tmux:
     """colichat in tmux, started only once everything it writes is recorded to `log` (the raw bytes,
     escapes included, in order: what a transient status line showed stays there after it is cleared)."""
     t = Tmux(f"read _; COLICHAT_HOME={home} {sys.executable} -m {module} {args}; echo EXITED $?; sleep 600")
@@ -139,7 +139,7 @@ def lines_of(screen: str) -> list[str]:
 
 def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home, tmp_path):
     log = tmp_path / "raw.log"
-    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log, module="colichat.launch")
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log, module="colichat.terminal.launch")
     try:
         # the first start of a model (imports, metadata read, weights dequantized and kept): a line
         # at once, then the loading progress, replaced by the banner; keys typed meanwhile wait for the prompt
@@ -289,7 +289,7 @@ def test_fg_mid_answer_goes_on_below_the_shells_lines_and_overwrites_nothing(col
     try:
         t.type("echo shell line one; echo shell line two")
         t.keys("Enter")
-        t.type(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 "
+        t.type(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli --temperature 0 "
                "--max-tokens 200 --session z")
         t.keys("Enter")
         t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
@@ -310,7 +310,7 @@ def test_fg_mid_answer_goes_on_below_the_shells_lines_and_overwrites_nothing(col
         assert rows[:len(before)] == before  # nothing shown before the stop was drawn over
         assert rows.count("shell line one") == 1 and rows.count(f"> {question}") == 1
         assert "Stopped" in rows[len(before)] and rows[len(before) + 1] == "$ fg"
-        job = next(i for i in range(len(before) + 2, len(rows)) if "colichat.cli" in rows[i])
+        job = next(i for i in range(len(before) + 2, len(rows)) if "colichat.terminal.cli" in rows[i])
         end = next(i for i in range(job, len(rows)) if FOOTER.match("\n".join(rows[i:i + 4])))
         answer = saved_answers(colichat_home, "z")[0]
         # the answer goes on under the job's line: what came after the stop, wrapped from a row's start
@@ -468,7 +468,8 @@ def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
     from cli_helpers import saved_answers
 
     out = tmp_path / "out.txt"
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 120 "
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli "
+             "--temperature 0 --max-tokens 120 "
              f"--session p | tee {out}; echo EXITED; sleep 600", width=100)
     try:
         t.wait_for(lambda s: "loaded in" in s, MODEL_WAIT, "the model")
@@ -494,7 +495,7 @@ def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colic
     from cli_helpers import answers_bytes, saved_answers, saved_users
 
     out = tmp_path / "out.txt"
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 12 "
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli --temperature 0 --max-tokens 12 "
              f"| tee {out}; echo EXITED $?; sleep 600", width=100)
     try:
         t.wait_for(lambda s: "Line mode: type a message and Enter" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
@@ -534,7 +535,8 @@ def test_line_mode_at_a_terminal_takes_ctrl_c_as_the_repl_does(colichat_home):
     colichat goes on until Ctrl-D."""
     from cli_helpers import saved_users
 
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 400 "
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli "
+             "--temperature 0 --max-tokens 400 "
              "--session c --plain; echo EXITED $?; sleep 600", width=100)
     try:
         t.wait_for(lambda s: "Line mode: type a message" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
@@ -565,7 +567,8 @@ def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
     args = ["--temperature", "0", "--max-tokens", "16"]
     chat(colichat_home, [*args, "--session", "food"], lines("Name a fruit.", "Name a vegetable.")).ok()
     chat(colichat_home, [*args, "--session", "sky"], lines("Why is the sky blue?")).ok()
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli {' '.join(args)} --session food; "
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli "
+             f"{' '.join(args)} --session food; "
              "echo EXITED $?; sleep 600", width=100)
     try:
         screen = t.wait_for(lambda s: "Type a message" in s and s.rstrip().endswith(">"), MODEL_WAIT, "the prompt")

@@ -485,9 +485,10 @@ def test_a_new_conversation_after_a_reopened_one_runs_and_reopens_with_the_loade
 def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkeypatch):
     """The note on where the context size came from follows a ContextError only, by its type: a model
     error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
-    from colichat import start, terminal
     from colichat.conversation.settings import Settings
     from colichat.engine import ContextError, ModelError
+    from colichat.terminal import start
+    from colichat.terminal import streams as terminal
 
     plan = start.Plan(settings=Settings(), given=frozenset(), prompt=None, kv="f32", reuse=True, no_save=False,
                       auto_forget=False, expert_cache=None, verbose=False, numerics="fast", model="m.gguf",
@@ -713,7 +714,7 @@ def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colich
 def test_no_save_adds_nothing_typed_to_the_input_history(colichat_home):
     """--no-save writes no typed line: Up still recalls the lines of earlier runs, none is added, and
     a history file that is not there is not created."""
-    from colichat.repl import _history
+    from colichat.terminal.repl import _history
 
     state = colichat_home / "state"
     history = _history(no_save=True)

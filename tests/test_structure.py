@@ -59,14 +59,14 @@ def test_no_module_reaches_through_the_saving_side_to_the_session():
 
 
 def test_command_handlers_reach_what_is_saved_only_through_the_history():
-    touching = [f"{name}:{n.lineno}" for name in ("commands.py", "repl.py", "app.py")
+    touching = [f"{name}:{n.lineno}" for name in ("terminal/commands.py", "terminal/repl.py", "terminal/app.py")
                 for n in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8")))
                 if isinstance(n, ast.Attribute) and n.attr in ("saving", "session", "cache")]
     assert touching == []
 
 
 def test_the_start_plan_is_frozen():
-    from colichat.start import Plan
+    from colichat.terminal.start import Plan
 
     assert dataclasses.is_dataclass(Plan) and Plan.__dataclass_params__.frozen
 

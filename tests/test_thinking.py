@@ -21,7 +21,8 @@ from colichat.conversation.saved import export_saved, markdown
 from colichat.conversation.thinking import Splitter, split
 from colichat.engine import load
 from colichat.persist import Store
-from colichat.wrap import DIM, PLAIN, Screen
+from colichat.terminal.screen import Screen
+from colichat.wrap import DIM, PLAIN
 
 V31_THINKING = "{%- set thinking = true -%}"  # V3.1 thinks when its template is given `thinking`
 
@@ -360,7 +361,7 @@ def test_on_a_terminal_folded_thinking_is_one_dim_line_and_shown_thinking_dim_te
 
     source = (TEMPLATES / TEMPLATE_FILES["r1"][0]).read_text("utf-8")
     path = copy_gguf(TINY_LLAMA, tmp_path / "r1.gguf", set_keys={"tokenizer.chat_template": source})
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --model {path} --temperature 0 "
+    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli --model {path} --temperature 0 "
              "--max-tokens 30; echo EXITED $?; sleep 600")
     try:
         t.wait_for(lambda s: "Type a message" in s, 120, "the prompt")

@@ -1,6 +1,6 @@
 """Drive colichat in tmux as a person would: type keys, read the screen, wait for a state of it.
 
-    t = Tmux("python -m colichat.cli ...; echo EXITED $?; sleep 600")
+    t = Tmux("python -m colichat.terminal.cli ...; echo EXITED $?; sleep 600")
     t.type("hello"); t.keys("Enter")
     screen = t.wait_for(lambda s: "[" in s, 60, "the footer")    # polls, never a fixed sleep
     t.close()

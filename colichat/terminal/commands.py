@@ -14,17 +14,17 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .conversation import report
-from .conversation.saved import markdown
-from .conversation.saving import CURRENT_MARK
-from .conversation.settings import BY_NAME as SETTINGS
-from .conversation.settings import TABLE, key_of, printable, unquoted
-from .errors import ChatError
+from ..conversation import report
+from ..conversation.saved import markdown
+from ..conversation.saving import CURRENT_MARK
+from ..conversation.settings import BY_NAME as SETTINGS
+from ..conversation.settings import TABLE, key_of, printable, unquoted
+from ..errors import ChatError
+from ..models.default import model_title
+from ..paths import expand_home
+from ..units import count
+from ..wrap import displayable, wrap_line
 from .inputs import Message
-from .models.default import model_title
-from .paths import expand_home
-from .units import count
-from .wrap import displayable, wrap_line
 
 
 @dataclass(frozen=True)

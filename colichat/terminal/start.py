@@ -14,8 +14,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .conversation import system_prompt
-from .conversation.reopen import (
+from ..conversation import system_prompt
+from ..conversation.reopen import (
     before_load,
     context_problem,
     model_fingerprint,
@@ -26,13 +26,13 @@ from .conversation.reopen import (
     resume_context,
     resume_rope_factors,
 )
-from .conversation.settings import SettingError, Settings
-from .engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
-from .models import hub
-from .models.default import DefaultModelMissing, default_model_path, model_title
-from .paths import paths
-from .persist import SessionError, Store, check_name
-from .terminal import dumb_terminal
+from ..conversation.settings import SettingError, Settings
+from ..engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
+from ..models import hub
+from ..models.default import DefaultModelMissing, default_model_path, model_title
+from ..paths import paths
+from ..persist import SessionError, Store, check_name
+from .streams import dumb_terminal
 
 
 @dataclass(frozen=True)
