@@ -258,15 +258,15 @@ def test_ctrl_c_while_reading_again_at_start_keeps_what_was_read_and_says_so(mod
 
     store = Store()
     _, before = saved_then_damaged(model, store, QUESTIONS, 0)
-    read_turn, reads = chat.Conversation._read_turn, []
+    prefill, reads = chat.prefill, []
 
-    def ctrl_c_after_the_first_exchange(self, *args, **kwargs):  # (a stop inside one drops it: not kept)
-        read_turn(self, *args, **kwargs)
+    def ctrl_c_after_the_first_exchange(*args, **kwargs):  # a turn read again is one prefill of its text
+        prefill(*args, **kwargs)  # (a stop inside one drops it: not kept)
         reads.append(1)
         if len(reads) == 2:
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(chat.Conversation, "_read_turn", ctrl_c_after_the_first_exchange)
+    monkeypatch.setattr(chat, "prefill", ctrl_c_after_the_first_exchange)
     assert cli.main([*TINY_ARGS, "--ctx", "512", "--session", "d", "-p", "Go on"]) == 130
     err = capsys.readouterr().err
     assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in err
