@@ -355,14 +355,12 @@ def test_on_a_terminal_folded_thinking_is_one_dim_line_and_shown_thinking_dim_te
     """The real terminal (tmux): the status line that counts the thinking gives way to one dim line, the
     thinking's own text shows nowhere; with /set think show it streams dim, and the same line ends it.
     (The tiny model under R1's template never writes </think>: all it writes is thinking.)"""
-    import sys
 
-    from tmux_helpers import Tmux, rows_after, visible
+    from tmux_helpers import rows_after, start_colichat, visible
 
     source = (TEMPLATES / TEMPLATE_FILES["r1"][0]).read_text("utf-8")
     path = copy_gguf(TINY_LLAMA, tmp_path / "r1.gguf", set_keys={"tokenizer.chat_template": source})
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.terminal.cli --model {path} --temperature 0 "
-             "--max-tokens 30; echo EXITED $?; sleep 600")
+    t = start_colichat(colichat_home, "--model", str(path), "--temperature", "0", "--max-tokens", "30")
     try:
         t.wait_for(lambda s: "Type a message" in s, 120, "the prompt")
         t.type("Think")
