@@ -252,18 +252,18 @@ def warm_model(tmp_path):
     return name
 
 
-def test_the_warm_start_waits_while_the_model_answers(tmp_path):
+def test_the_warm_start_waits_while_the_model_answers(tmp_path, monkeypatch):
     name = warm_model(tmp_path)
-    fill = ExpertCache._fill
+    preadv = os.preadv
     gate, started = threading.Event(), []
 
-    def held(self, *args):  # the warmer's first fill waits until the test lets it go
+    def held(*args):  # the warmer's first fill waits, at its first read, until the test lets it go
         if threading.current_thread().name == "colichat-warm":
             started.append(1)
             gate.wait()
-        return fill(self, *args)
+        return preadv(*args)
 
-    ExpertCache._fill = held
+    monkeypatch.setattr(os, "preadv", held)
     try:
         model = load(name, n_ctx=64, expert_cache=64, cache_dir=tmp_path)
         e = model.experts
@@ -275,7 +275,7 @@ def test_the_warm_start_waits_while_the_model_answers(tmp_path):
         e.warmer.join()
         assert e.warmed == e.warming and model.warming() is None
     finally:
-        ExpertCache._fill = fill
+        gate.set()
 
 
 def test_the_answer_passes_run_quiet():

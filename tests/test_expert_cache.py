@@ -6,6 +6,7 @@ Exactness: greedy decoding gives the same tokens, logits and KV cache bytes what
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -262,13 +263,15 @@ def test_a_fill_cut_short_leaves_no_expert_with_wrong_values(monkeypatch):
     t = _tensors("ds-v3")
     c = ExpertCache(t, [1, 2], 2 * _expert_bytes("ds-v3"))
     c.get(1, 0), c.get(1, 1)
-    read = c._read
+    preadv, reads = os.preadv, []
 
-    def interrupted(*args):
-        read(*args)
-        raise KeyboardInterrupt  # after the first part of the expert was written over the victim's slot
+    def interrupted(*args):  # a miss reads each part of the expert with preadv, then writes it into the slot
+        reads.append(1)
+        if len(reads) == 2:
+            raise KeyboardInterrupt  # after the first part of the expert was written over the victim's slot
+        return preadv(*args)
 
-    monkeypatch.setattr(c, "_read", interrupted)
+    monkeypatch.setattr(os, "preadv", interrupted)
     with pytest.raises(KeyboardInterrupt):
         c.get(2, 3)
     monkeypatch.undo()
