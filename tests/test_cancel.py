@@ -19,7 +19,6 @@ from colichat.conversation.chat import ChatError, Conversation, Settings
 from colichat.conversation.report import progress
 from colichat.engine import load
 from colichat.engine.cancel import Cancel, Cancelled
-from colichat.engine.ffn import ExpertCache
 from colichat.terminal import app as app_mod
 from colichat.terminal.app import App
 from colichat.terminal.streams import StatusLine
@@ -107,26 +106,28 @@ def test_progress_is_told_at_every_safe_point_in_tokens_read():
     assert sorted(set(told)) == [len(PROMPT) * l / n for l in range(n)] + [len(PROMPT)] and told == sorted(told)
 
 
-def test_a_stop_between_routed_expert_fills_acts_before_the_next_fill():
+def test_a_stop_between_routed_expert_fills_acts_before_the_next_fill(monkeypatch):
     """A MoE layer can be long (every expert a miss on a big model): the stop is checked between fills.
     Without an expert cache every use is a fill; the fills started after the stop are at most the ones
     under way on the filling threads. The slots stay consistent: the next pass gives the same bits."""
     name = str(TINY / "ds-v2-lite.gguf")
     model = load(name, n_ctx=64, expert_cache=0)
     cancel, fills, after = Cancel(), [], []
-    fill = ExpertCache._fill
+    preadv, reads = os.preadv, threading.local()
 
-    def counted(self, *args):
-        (after if cancel.requested else fills).append(1)
-        if len(fills) == 3:
-            cancel.set()
-        return fill(self, *args)
+    def counted(*args):  # a fill reads its expert's three parts (gate, up, down), one preadv each, on one thread
+        reads.n = getattr(reads, "n", 0) + 1
+        if reads.n % 3 == 1:  # a fill begins
+            (after if cancel.requested else fills).append(1)
+            if len(fills) == 3:
+                cancel.set()
+        return preadv(*args)
 
-    model.experts._fill = counted.__get__(model.experts)
-    with pytest.raises(Cancelled):
-        model.prefill(PROMPT, cancel=cancel)
-    assert model.cache.length == 0 and len(after) < model.experts.fill_threads
-    del model.experts._fill
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "preadv", counted)
+        with pytest.raises(Cancelled):
+            model.prefill(PROMPT, cancel=cancel)
+    assert model.cache.length == 0 and len(fills) == 3 and len(after) < model.experts.fill_threads
     assert model.prefill(PROMPT).tobytes() == load(name, n_ctx=64, expert_cache=0).prefill(PROMPT).tobytes()
 
 
