@@ -362,13 +362,14 @@ def test_models_lists_a_file_of_the_hub_cache_once_however_its_conversations_rea
 def test_the_download_bar_counts_in_binary_units_and_leaves_the_name_to_the_line_above(tmp_path, capsys):
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    from colichat.models.hub import _bar
+    from colichat.models.hub import download_bar
 
     was = are_progress_bars_disabled()  # (off after a download in a test: stderr is no terminal)
     enable_progress_bars()
     try:
-        bar = _bar()(total=3 << 30, desc="(…)a-very-long-name-of-a-model-cut-by-the-hub-Q4_K_M.gguf", disable=False,
-                     file=sys.stderr, mininterval=0)
+        bar = download_bar()(total=3 << 30, desc="(…)a-very-long-name-of-a-model-cut-by-the-hub-Q4_K_M.gguf",
+                             disable=False,
+                             file=sys.stderr, mininterval=0)
         bar.update(1 << 30)
         bar.close()
     finally:

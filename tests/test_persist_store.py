@@ -661,7 +661,7 @@ def test_lock_files_go_with_their_conversation(colichat_home):
     """/delete, /rename (the old name), a conversation never saved and one emptied leave no NAME.lock; a
     lock taken on a lock file removed meanwhile is taken again on the file at that name, so that the
     name's next writers exclude each other."""
-    from colichat.persist.locks import _flock, _names, release_lock, remove_lock, take_lock
+    from colichat.persist.locks import release_lock, remove_lock, take_lock
 
     cache = make_cache()
     store = Store()
@@ -679,12 +679,12 @@ def test_lock_files_go_with_their_conversation(colichat_home):
         sess.truncate(0)
     assert os.listdir(d) == []
     path = str(d / "x.lock")
-    early = _flock(path, "x")  # a colichat that opened the file and locked it ...
+    early = take_lock(path, "x")  # a colichat that opened the file and locked it ...
     release_lock(early)
     held = take_lock(path, "x")
     late = os.open(path, os.O_RDWR)  # ... and one that opens it now, to lock it once it is free
     remove_lock(held, path)
-    assert not _names(path, late)  # what take_lock sees after locking it: the lock guards no name, taken again
+    assert not os.path.exists(path)  # what `late` would lock guards no name: take_lock takes it again
     again = take_lock(path, "x")  # a new file: not the one `late` holds open
     assert os.fstat(again).st_ino != os.fstat(late).st_ino
     os.close(late)

@@ -714,15 +714,15 @@ def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colich
 def test_no_save_adds_nothing_typed_to_the_input_history(colichat_home):
     """--no-save writes no typed line: Up still recalls the lines of earlier runs, none is added, and
     a history file that is not there is not created."""
-    from colichat.terminal.repl import _history
+    from colichat.terminal.repl import input_history
 
     state = colichat_home / "state"
-    history = _history(no_save=True)
+    history = input_history(no_save=True)
     history.append_string("my secret message")
     assert not (state / "history").exists()
-    _history().append_string("an earlier line")  # a run with saving on
+    input_history().append_string("an earlier line")  # a run with saving on
     before = (state / "history").read_bytes()
-    history = _history(no_save=True)
+    history = input_history(no_save=True)
     assert list(history.load_history_strings()) == ["an earlier line"]
     history.append_string("my secret message")
     assert (state / "history").read_bytes() == before

@@ -118,7 +118,7 @@ class _ReadOnlyHistory(FileHistory):
         pass
 
 
-def _history(no_save: bool = False):
+def input_history(no_save: bool = False):
     """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails, or if
     what is there is not a regular file (a FIFO would hang the start, a link to /dev/zero read without
     end: it is opened without blocking, and its descriptor checked, first). With --no-save the file's lines are
@@ -180,7 +180,7 @@ def yes_or_no(question: str, screen: Screen | None = None) -> bool:
 
 
 def make_session(app) -> PromptSession:
-    session = PromptSession(history=_history(app.conv.history.no_save), completer=SlashCompleter(app),
+    session = PromptSession(history=input_history(app.conv.history.no_save), completer=SlashCompleter(app),
                             key_bindings=_bindings(app.screen),
                             complete_while_typing=False, prompt_continuation=_continuation,
                             enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering
