@@ -23,10 +23,10 @@ sys.path.insert(0, str(HERE))
 
 from loops import LOOP_SHARE, answer, repetition  # noqa: E402
 
+from colichat.conversation.settings import TABLE  # noqa: E402
 from colichat.engine import Sampler, SamplerSettings, load  # noqa: E402
 from colichat.engine.text.template import chat_template_for  # noqa: E402
-from colichat.models import default_model_path  # noqa: E402
-from colichat.settings import TABLE  # noqa: E402
+from colichat.models.default import default_model_path  # noqa: E402
 
 QUESTIONS = [
     ("What is the capital of France?", "paris"),

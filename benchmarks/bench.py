@@ -258,9 +258,9 @@ print(json.dumps({"wall_s": time.perf_counter() - t0, "rc": os.waitstatus_to_exi
 
 
 def measure_start(model_path: Path | None, home: Path, *extra: str) -> dict:
-    """One start of the real program: `python -m colichat.cli --plain [extra]` with stdin at end of file
+    """One start of the real program: `python -m colichat.terminal.cli --plain [extra]` with stdin at end of file
     (pipe mode ends at once). Wall time to exit, what it printed on stderr, and its peak RSS."""
-    cmd = [sys.executable, "-m", "colichat.cli", "--plain", *extra]
+    cmd = [sys.executable, "-m", "colichat.terminal.cli", "--plain", *extra]
     if model_path is not None:
         cmd += ["--model", str(model_path)]
     env = {**os.environ, "COLICHAT_HOME": str(home)}
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
         return dsa.main(["--quick"] * args.quick)
     root = Path(tempfile.mkdtemp(prefix="colichat-bench-"))
     os.environ["COLICHAT_HOME"] = str(root / "home")  # sessions and weight caches of the in-process runs
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     t_start = time.perf_counter()
     results = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "code": code_version(),

@@ -11,7 +11,7 @@ llama8b.gguf, 5.1 GB; llama8b-L2.gguf with --layers 2): 32 layers, hidden 4096, 
 128, FFN 14336, vocabulary 128256, rope base 500000 with llama-3.1's rope_freqs; every matrix Q4_K but
 ffn_down and output Q6_K (a Q4_K_M-like mix), norms f32; a llama-3-style BPE vocabulary (llama-bpe).
 Figures: load, prefill 512, decode tokens 1-24 and 25-48 after it (the steady state), peak RSS.
-smollm2: the default model's file (colichat/models.py). Figures: load, prefill 512 and decode after it,
+smollm2: the default model's file (colichat/models/default.py). Figures: load, prefill 512 and decode after it,
 prefill 2048 and decode after it ("decode at 512 / 2048": tokens 25-48), then restore 2048 + 1: the state
 after the 2048 tokens saved to disk, reopened into an emptied cache and one token decoded (colichat: a
 session, opened as --resume does into a new cache; llama.cpp: llama_state_save_file / load_file), beside
@@ -55,7 +55,7 @@ SEED = 45
 def model_file(shape: str, folder: Path, layers: int | None) -> Path:
     """The GGUF of a shape: SmolLM2's own file, or the llama8b file (written once; `layers` overrides 32)."""
     if shape == "smollm2":
-        from colichat.models import default_model_path
+        from colichat.models.default import default_model_path
 
         return Path(default_model_path())
     from gguf_factory import LLAMA_8B, llama_tensors, write_llama

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from colichat.engine import Sampler, SamplerSettings, load  # noqa: E402
 from colichat.engine.text.template import chat_template_for  # noqa: E402
-from colichat.models import default_model_path  # noqa: E402
+from colichat.models.default import default_model_path  # noqa: E402
 from colichat.persist.kvfile import CacheLayout, create_kv, read_records, write_nrec, write_records  # noqa: E402
 
 TINY = HERE.parent / "tests" / "data" / "tiny"

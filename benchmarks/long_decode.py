@@ -335,7 +335,7 @@ def report(res: dict, markdown: bool = True) -> str:
 def main(argv=None) -> int:
     import json
 
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-smollm2", action="store_true")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from colichat.engine import Sampler, SamplerSettings, load  # noqa: E402
 from colichat.engine.text.template import chat_template_for  # noqa: E402
-from colichat.models import default_model_path  # noqa: E402
+from colichat.models.default import default_model_path  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a cat who learns to fly.",

@@ -23,9 +23,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from colichat.chat import Conversation, Settings  # noqa: E402
+from colichat.conversation.chat import Conversation, Settings  # noqa: E402
 from colichat.engine import load  # noqa: E402
-from colichat.models import default_model_path  # noqa: E402
+from colichat.models.default import default_model_path  # noqa: E402
 from colichat.persist import Store  # noqa: E402
 
 QUESTIONS = ["What is the magic of the KV file?", "Summarize the document in two sentences.",

@@ -333,7 +333,7 @@ def bench_mtp(path: Path, ctx: int = 512, reps: int = 5, max_tokens: int = 16) -
 def run(models: list[tuple[str, Path]], quick: bool = False, mtp_path: Path | None = None) -> dict:
     from colichat.engine import load, load_tokenizer
     from colichat.engine.threads import ThreadPolicy
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     tok = load_tokenizer(str(default_model_path()))
     out = {"models": []}
@@ -412,7 +412,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from common import OUT, deepseek_gguf
 
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     if args.mtp_only:
         OUT.mkdir(parents=True, exist_ok=True)

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
 
     from colichat.engine import load
     from colichat.engine.threads import ThreadPolicy
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     OUT.mkdir(parents=True, exist_ok=True)
     models = [("SmolLM2-135M", Path(default_model_path()), 16, 256)]

@@ -8,12 +8,12 @@ imports nothing from colichat. The layers add their own kinds (TemplateError, Se
 
     ChatError            something asked of the conversation or the command line that cannot be done
       UsageError         a command line no run could carry out (a bad option value, options that
-                         contradict each other): exit 2, as argparse's own errors (cli.py)
+                         contradict each other): exit 2, as argparse's own errors (terminal/cli.py)
     SettingError         a value a setting or an option cannot take (settings.py)
     ModelError           a model file that is missing, damaged or not supported (engine/)
       ContextError       a context size it cannot run with (too small or large, no room for --system)
     SessionError         a saved conversation that cannot be opened, loaded or saved (persist/)
-    DefaultModelMissing  no --model and the default model is not downloaded (models.py)
+    DefaultModelMissing  no --model and the default model is not downloaded (models/default.py)
 """
 
 from __future__ import annotations

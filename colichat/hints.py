@@ -5,7 +5,7 @@
 
 A hint is the prefix index (persist/prefixes.py), the experts' use counts and the weights cache's meta
 (engine/gguf/prepared.py), the last-used mark (persist/store.py), the Hugging Face cache's refs and its
-list of agent harnesses (hub.py); an interrupted rename's mark (persist/renaming.py) is read here too.
+list of agent harnesses (models/hub.py); an interrupted rename's mark (persist/renaming.py) is read here too.
 Whatever lies at such a path, reading it never hangs, never reads without end, never raises: it is opened
 without blocking and without following a last link (a FIFO or a device is refused before a byte is read,
 by fstat on the open descriptor), read up to `limit` bytes (more: refused), and parsed here, where any error

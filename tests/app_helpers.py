@@ -4,8 +4,8 @@ which hands it one typed line and returns what it said; `script`, a model's next
 
 from __future__ import annotations
 
-from colichat.app import App
 from colichat.engine import Sampler, SamplerSettings
+from colichat.terminal.app import App
 
 
 class Recorder(App):

@@ -30,7 +30,7 @@ from pathlib import Path
 from conftest import TINY
 
 TINY_LLAMA = str(TINY / "llama.gguf")
-CHAT = [sys.executable, "-m", "colichat.cli"]
+CHAT = [sys.executable, "-m", "colichat.terminal.cli"]
 GREEDY = ["--temperature", "0", "--repeat-penalty", "1"]  # llama.cpp's greedy decoding (no penalty)
 TINY_ARGS = ["--model", TINY_LLAMA, *GREEDY, "--max-tokens", "8"]
 RESUMED_RE = re.compile(r"^resumed (\d+) tokens?, (\d+) turns? from (\S+) in \d+ ms, no re-prefill$", re.M)
@@ -88,12 +88,12 @@ def chat(home, args, stdin: str | bytes = "", timeout: float = 300, env_extra=No
 
 
 def chat_here(home, args, stdin: str | bytes = "", env_extra=None) -> Run:
-    """`chat`'s run without a process: colichat.cli.main(args) with the standard streams on temporary
+    """`chat`'s run without a process: colichat.terminal.cli.main(args) with the standard streams on temporary
     files (real descriptors, made as CPython makes them for a pipe: UTF-8 after set_encodings, no newline
     translation), COLICHAT_HOME `home` and the working directory `home`; all three are put back after.
     Exit codes as the process's: main's status, or SystemExit's (argparse: 2, --help and --version: 0).
     What a process would hide is checked: the run leaves no file descriptor open."""
-    from colichat.cli import main
+    from colichat.terminal.cli import main
 
     data = stdin.encode() if isinstance(stdin, str) else stdin
     saved_env, saved_cwd = dict(os.environ), os.getcwd()

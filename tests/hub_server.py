@@ -1,5 +1,5 @@
 """A stand-in for the Hugging Face Hub (no hub is reachable here): the endpoints huggingface_hub calls,
-served from a thread, for HF_ENDPOINT (or the `endpoint` colichat.hub takes).
+served from a thread, for HF_ENDPOINT (or the `endpoint` colichat.models.hub takes).
 
     with HubServer({"test/tiny-GGUF": {"tiny-Q4_K_M.gguf": Path or bytes}}, gated={"test/closed"}) as hub:
         hub.url                       # http://127.0.0.1:PORT

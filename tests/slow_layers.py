@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 import time
 
-from colichat.cli import main
 from colichat.engine.architectures import llama
+from colichat.terminal.cli import main
 
 
 def slowed(seconds: float, log: str) -> None:

@@ -15,14 +15,13 @@ import threading
 import pytest
 from conftest import TINY
 
-from colichat import app as app_mod
-from colichat.app import App
-from colichat.chat import ChatError, Conversation, Settings
+from colichat.conversation.chat import ChatError, Conversation, Settings
+from colichat.conversation.report import progress
 from colichat.engine import load
 from colichat.engine.cancel import Cancel, Cancelled
-from colichat.engine.ffn import ExpertCache
-from colichat.report import progress
-from colichat.terminal import StatusLine
+from colichat.terminal import app as app_mod
+from colichat.terminal.app import App
+from colichat.terminal.streams import StatusLine
 
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 200, 33, 150, 11, 80]
 
@@ -107,26 +106,28 @@ def test_progress_is_told_at_every_safe_point_in_tokens_read():
     assert sorted(set(told)) == [len(PROMPT) * l / n for l in range(n)] + [len(PROMPT)] and told == sorted(told)
 
 
-def test_a_stop_between_routed_expert_fills_acts_before_the_next_fill():
+def test_a_stop_between_routed_expert_fills_acts_before_the_next_fill(monkeypatch):
     """A MoE layer can be long (every expert a miss on a big model): the stop is checked between fills.
     Without an expert cache every use is a fill; the fills started after the stop are at most the ones
     under way on the filling threads. The slots stay consistent: the next pass gives the same bits."""
     name = str(TINY / "ds-v2-lite.gguf")
     model = load(name, n_ctx=64, expert_cache=0)
     cancel, fills, after = Cancel(), [], []
-    fill = ExpertCache._fill
+    preadv, reads = os.preadv, threading.local()
 
-    def counted(self, *args):
-        (after if cancel.requested else fills).append(1)
-        if len(fills) == 3:
-            cancel.set()
-        return fill(self, *args)
+    def counted(*args):  # a fill reads its expert's three parts (gate, up, down), one preadv each, on one thread
+        reads.n = getattr(reads, "n", 0) + 1
+        if reads.n % 3 == 1:  # a fill begins
+            (after if cancel.requested else fills).append(1)
+            if len(fills) == 3:
+                cancel.set()
+        return preadv(*args)
 
-    model.experts._fill = counted.__get__(model.experts)
-    with pytest.raises(Cancelled):
-        model.prefill(PROMPT, cancel=cancel)
-    assert model.cache.length == 0 and len(after) < model.experts.fill_threads
-    del model.experts._fill
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "preadv", counted)
+        with pytest.raises(Cancelled):
+            model.prefill(PROMPT, cancel=cancel)
+    assert model.cache.length == 0 and len(fills) == 3 and len(after) < model.experts.fill_threads
     assert model.prefill(PROMPT).tobytes() == load(name, n_ctx=64, expert_cache=0).prefill(PROMPT).tobytes()
 
 
@@ -252,18 +253,18 @@ def warm_model(tmp_path):
     return name
 
 
-def test_the_warm_start_waits_while_the_model_answers(tmp_path):
+def test_the_warm_start_waits_while_the_model_answers(tmp_path, monkeypatch):
     name = warm_model(tmp_path)
-    fill = ExpertCache._fill
+    preadv = os.preadv
     gate, started = threading.Event(), []
 
-    def held(self, *args):  # the warmer's first fill waits until the test lets it go
+    def held(*args):  # the warmer's first fill waits, at its first read, until the test lets it go
         if threading.current_thread().name == "colichat-warm":
             started.append(1)
             gate.wait()
-        return fill(self, *args)
+        return preadv(*args)
 
-    ExpertCache._fill = held
+    monkeypatch.setattr(os, "preadv", held)
     try:
         model = load(name, n_ctx=64, expert_cache=64, cache_dir=tmp_path)
         e = model.experts
@@ -275,7 +276,7 @@ def test_the_warm_start_waits_while_the_model_answers(tmp_path):
         e.warmer.join()
         assert e.warmed == e.warming and model.warming() is None
     finally:
-        ExpertCache._fill = fill
+        gate.set()
 
 
 def test_the_answer_passes_run_quiet():

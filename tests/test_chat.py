@@ -8,7 +8,7 @@ import contextlib
 import pytest
 from conftest import TINY
 
-from colichat.chat import ChatError, Conversation, Settings
+from colichat.conversation.chat import ChatError, Conversation, Settings
 from colichat.engine import load
 from colichat.engine.cancel import Cancel
 

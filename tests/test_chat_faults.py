@@ -13,7 +13,7 @@ import pytest
 from cli_helpers import TINY_LLAMA
 from persist_helpers import Ticks
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.errors import ChatError
 from colichat.persist import SessionError, Store
@@ -227,7 +227,7 @@ def test_an_io_error_at_start_is_said_as_one(model, tmp_path, monkeypatch):
     model's conversations made a saved name look new (then 'already exists'): each now says what failed."""
     from pathlib import Path
 
-    from colichat.start import sessions_dir_problem
+    from colichat.terminal.start import sessions_dir_problem
 
     store = Store(tmp_path / "s")
     conv = conversation(model, store, "x")

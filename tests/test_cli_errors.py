@@ -779,8 +779,8 @@ def test_closed_or_full_standard_streams_lose_only_what_went_to_them(colichat_ho
     assert [r.resumed()[2] for r in go_on] == ["plain", *names] and len({r.out for r in go_on}) == 1
     no_in = _run(colichat_home, TINY_ARGS, "<&-").ok()
     assert no_in.out == b"" and not no_in.errors()
-    launched = _run(colichat_home, args, "2>&-", program=[sys.executable, "-m", "colichat.launch"]).ok()
-    assert launched.out == plain.out  # the command itself (its "starting" line), not only colichat.cli
+    launched = _run(colichat_home, args, "2>&-", program=[sys.executable, "-m", "colichat.terminal.launch"]).ok()
+    assert launched.out == plain.out  # the command itself (its "starting" line), not only colichat.terminal.cli
 
 
 @pytest.mark.process
@@ -806,7 +806,7 @@ def test_bad_model_does_not_touch_sessions(tmp_path, colichat_home):
 def test_failure_inside_an_answer_leaves_cache_and_turns_consistent(colichat_home):
     """In-process: an exception while the answer streams (here from the output callback) drops the
     whole exchange from the cache, so the next message and the saved session stay consistent."""
-    from colichat.chat import Conversation, Settings
+    from colichat.conversation.chat import Conversation, Settings
     from colichat.engine import load
 
     model = load(TINY_LLAMA)

@@ -39,8 +39,8 @@ from cli_helpers import (
 from conftest import TINY
 
 from colichat import __version__
-from colichat.commands import COMMANDS, listed
-from colichat.models import model_title
+from colichat.models.default import model_title
+from colichat.terminal.commands import COMMANDS, listed
 from colichat.units import count, format_size
 from colichat.wrap import displayable
 
@@ -374,7 +374,7 @@ def test_double_interrupt_during_an_answer_exits_130(colichat_home):
 def test_double_interrupt_while_starting_exits_130(colichat_home):
     """Ctrl-C twice during the imports (most of a start): exit 130, no traceback. `-X importtime`
     reports each import as it ends, so the signals arrive while numpy is being imported."""
-    p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "colichat.cli", *TINY_ARGS],
+    p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "colichat.terminal.cli", *TINY_ARGS],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=env_for(colichat_home), cwd=str(colichat_home))
     head = read_until(p.stderr, b"numpy._core")  # a module numpy imports first

@@ -11,11 +11,11 @@ from conftest import TINY
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from colichat.chat import Conversation, Settings
-from colichat.commands import COMMANDS
+from colichat.conversation.chat import Conversation, Settings
+from colichat.conversation.settings import TABLE
 from colichat.engine import Sampler, load
 from colichat.persist import Store
-from colichat.settings import TABLE
+from colichat.terminal.commands import COMMANDS
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_the_repeat_window_is_the_setting(model):
 
 
 def test_the_options_are_the_table(colichat_home):
-    from colichat.cli import parse_args, settings_from
+    from colichat.terminal.cli import parse_args, settings_from
 
     args = parse_args(["--seed", "none", "--top-k", "5", "--system", "Be brief."])
     settings, given = settings_from(args)
@@ -155,8 +155,8 @@ def test_the_settings_refuse_what_the_sampler_refuses_in_its_words():
     refused where SamplerSettings would be, with the same line."""
     import dataclasses
 
+    from colichat.conversation.settings import BY_NAME, SettingError
     from colichat.engine import SamplerSettings
-    from colichat.settings import BY_NAME, SettingError
 
     for key, bad in (("temperature", -1.0), ("temperature", float("inf")), ("top_k", -1), ("top_k", 2.5),
                      ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repeat_penalty", 0.0),
@@ -174,7 +174,7 @@ def test_the_settings_refuse_what_the_sampler_refuses_in_its_words():
 
 
 def test_blocks_are_read_the_same_way_everywhere():
-    from colichat.inputs import Message, inputs_of, read_input
+    from colichat.terminal.inputs import Message, inputs_of, read_input
 
     got = list(inputs_of(["hello\n", '"""\n', "/not a command\n", "\n", "  x\n", '"""\n', '"""inline"""\n',
                           "/show\n", '"""\n', "cut at the end\n"]))
@@ -379,7 +379,7 @@ def tab(text: str) -> list[str]:
     from prompt_toolkit.completion import CompleteEvent
     from prompt_toolkit.document import Document
 
-    from colichat.repl import SlashCompleter
+    from colichat.terminal.repl import SlashCompleter
 
     found = SlashCompleter().get_completions(Document(text), CompleteEvent(completion_requested=True))
     return [text[: len(text) + c.start_position] + c.text for c in found]
@@ -398,7 +398,7 @@ def test_tab_completes_command_names_after_help(app):
 def test_readme_names_every_word_that_asks_whether_quit_was_meant():
     from pathlib import Path
 
-    from colichat.commands import QUIT_WORDS, is_quit_word
+    from colichat.terminal.commands import QUIT_WORDS, is_quit_word
 
     readme = (Path(__file__).parents[1] / "README.md").read_text("utf-8")
     row = next(line for line in readme.splitlines() if "asks whether you meant `/quit`" in line)
@@ -407,8 +407,8 @@ def test_readme_names_every_word_that_asks_whether_quit_was_meant():
 
 
 def test_a_word_alone_that_means_a_command_is_asked_about_and_commands_typed_ahead_run_one_by_one():
-    from colichat.commands import commands_of, meant_command
-    from colichat.inputs import Message
+    from colichat.terminal.commands import commands_of, meant_command
+    from colichat.terminal.inputs import Message
 
     assert [meant_command(w) for w in ("exit", "Bye!", "clear", "CLS.", "clear the table", Message("clear"))] == [
         "/quit", "/quit", "/clear", "/clear", None, None]
@@ -418,7 +418,7 @@ def test_a_word_alone_that_means_a_command_is_asked_about_and_commands_typed_ahe
 
 
 def test_sessions_on_a_terminal_lists_the_newest_that_fit_with_the_command_and_the_prompt():
-    from colichat.commands import newest_that_fit, older_line
+    from colichat.terminal.commands import newest_that_fit, older_line
     from colichat.wrap import wrap_line
 
     rows = [f"  conv-{k}: 2 turns, 15 tokens, 31.0 KiB, 23 h ago, \"hello\"" for k in range(30)]
@@ -450,8 +450,8 @@ def test_sessions_cut_to_the_window_still_shows_the_current_conversation(app, mo
 
 
 def test_a_resumed_conversation_folds_a_long_pasted_turn_of_its_last_exchange():
+    from colichat.conversation.report import RECAP_LINES, recap
     from colichat.persist import Turn
-    from colichat.report import RECAP_LINES, recap
 
     paste = "\n".join(f"line {k}" for k in range(40))
     shown = recap([Turn("user", "hi", 0, 1), Turn("assistant", "hello", 1, 2), Turn("user", paste, 2, 3),

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import itertools
 import shlex
-import sys
 import time
 
 import pytest
 from cli_helpers import TINY_ARGS, chat, lines, saved_answers, saved_turns, saved_users
-from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
+from tmux_helpers import Tmux, colichat_line, rows_after, start_colichat, streaming, visible, wrapped
 
 from colichat.wrap import displayable
 
@@ -21,24 +20,11 @@ WAIT = 300.0
 LONG = ("--ctx", "2048", "--max-tokens", "2000")  # an answer that streams long enough to act on
 
 
-def command(home, *args: str, env: str = "") -> str:
-    """The shell line that runs colichat on the tiny model with COLICHAT_HOME `home` (`args` win over
-    TINY_ARGS; `env`: more variables, e.g. "NO_COLOR=1")."""
-    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "colichat.cli", *TINY_ARGS, *args])
-    return f"cd {shlex.quote(str(home))} && {env} COLICHAT_HOME={shlex.quote(str(home))} {cmd}"
-
-
-def start(home, *args: str) -> Tmux:
-    t = Tmux(f"{command(home, *args)}; echo EXITED $?; sleep 600")
-    t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
-    return t
-
-
 def in_shell(home, *args: str, wrapped: bool = False) -> Tmux:
     """colichat started from an interactive bash, which has job control (Ctrl-Z, fg), at its prompt;
     `wrapped`: run by a shell that waits for it, as `make chat` does (not the job's first process)."""
     t = Tmux("env PS1='$ ' bash --norc --noprofile -i")
-    line = command(home, *args)
+    line = colichat_line(home, *TINY_ARGS, *args)
     t.type(f"sh -c {shlex.quote(line + '; exit $?')}" if wrapped else line)
     t.keys("Enter")
     t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
@@ -48,7 +34,12 @@ def in_shell(home, *args: str, wrapped: bool = False) -> Tmux:
 @pytest.fixture
 def terminal(colichat_home):
     opened = []
-    yield lambda *args: opened.append(start(colichat_home, *args)) or opened[-1]
+
+    def start(*args: str):
+        opened.append(start_colichat(colichat_home, *TINY_ARGS, *args, until="Type a message", wait=WAIT))
+        return opened[-1]
+
+    yield start
     for t in opened:
         t.close()
 
@@ -74,7 +65,7 @@ def test_exit_alone_asks_whether_quit_was_meant(terminal):
     t.wait_for(lambda s: s.count("Did you mean /quit?") == 2, WAIT, "the second question")
     t.type("y")
     t.keys("Enter")
-    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    t.exited(WAIT)
 
 
 def test_clear_alone_asks_whether_clear_was_meant(terminal, colichat_home):
@@ -137,7 +128,7 @@ def test_the_quit_question_waits_for_y_or_n_and_ctrl_z_stops_colichat(shell):
     t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
     t.type("echo EXITED $?")
     t.keys("Enter")
-    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    t.exited(WAIT)
 
 
 def test_a_long_line_wraps_without_the_block_prompt(terminal):
@@ -172,10 +163,9 @@ def test_help_and_listings_go_on_under_their_second_column(terminal, colichat_ho
     assert all(len(row) <= 60 for row in rows)
     listed = next(i for i, row in enumerate(rows) if row.startswith("  a-conversation-with-a-rather-long-name: "))
     assert rows[listed + 1].startswith("    ") and rows[listed + 1][4] != " ", rows
-    listing = command(colichat_home, "--sessions").replace(f"--model {shlex.quote(TINY_ARGS[1])} ", "")
-    shell = Tmux(f"{listing}; echo EXITED $?; sleep 600", width=60)
+    shell = start_colichat(colichat_home, "--sessions", *TINY_ARGS[2:], width=60)  # no --model: every model's
     try:  # `colichat --sessions` on a terminal lays the rows out the same way
-        shell.wait_for(lambda s: "EXITED 0" in s, WAIT, "the listing")
+        shell.exited(WAIT)
         rows = [row.rstrip() for row in shell.run("capture-pane", "-p").splitlines()]
         listed = next(i for i, row in enumerate(rows) if row.startswith("  a-conversation-with-a-rather-long-name: "))
         assert rows[listed + 1].startswith("    ") and rows[listed + 1][4] != " ", rows
@@ -282,7 +272,7 @@ def test_ctrl_z_at_the_prompt_goes_back_to_the_shell_and_fg_returns_to_the_typed
     t.wait_for(lambda s: s.rstrip().endswith("$"), WAIT, "the shell again")
     t.type("echo EXITED $?")  # the status of the job `fg` brought back
     t.keys("Enter")
-    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    t.exited(WAIT)
 
 
 def test_fg_at_the_prompt_goes_on_below_the_shells_lines_and_overwrites_nothing(colichat_home):
@@ -293,7 +283,7 @@ def test_fg_at_the_prompt_goes_on_below_the_shells_lines_and_overwrites_nothing(
     try:
         t.type("echo shell line one; echo shell line two")
         t.keys("Enter")
-        t.type(command(colichat_home, "--session", "fg"))
+        t.type(colichat_line(colichat_home, *TINY_ARGS, "--session", "fg"))
         t.keys("Enter")
         t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
         t.type("hello")
@@ -310,7 +300,7 @@ def test_fg_at_the_prompt_goes_on_below_the_shells_lines_and_overwrites_nothing(
         assert rows[:len(before)] == before, rows  # nothing drawn over
         assert rows.count("shell line one") == 1 and rows.count("> hello") == 1  # nothing shown twice
         after = [row for row in rows[len(before):] if row]
-        assert "Stopped" in after[0] and after[1] == "$ fg" and "colichat.cli" in after[2], after
+        assert "Stopped" in after[0] and after[1] == "$ fg" and "colichat.terminal.cli" in after[2], after
         assert after[3:] == ["> half typed"], after
     finally:
         t.close()
@@ -335,7 +325,7 @@ def test_a_resize_shows_the_quit_question_once(terminal):
         t.run("resize-window", "-x", columns, "-y", "30")
         t.wait_for(asked_once, WAIT, "the question under the line that asked it")
     t.type("y")
-    screen = t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    screen = t.exited(WAIT)
     assert screen.count("Did you mean") == 1 and screen.count("> exit") == 1, screen
 
 
@@ -356,7 +346,7 @@ def test_esc_then_enter_inserts_a_newline_however_long_the_pause(terminal):
     t.wait_for(lambda s: s.rstrip().endswith("... Only very yes"), WAIT, "the word typed before the last one")
     t.keys("C-c")
     t.keys("C-d")
-    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    t.exited(WAIT)
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["run-by-the-shell", "run-by-make"])
@@ -422,14 +412,14 @@ def test_a_paste_while_it_answers_waits_at_the_prompt_as_one_message(terminal, c
     t.wait_for(lambda s: s.count("saved to p]") == 3 and s.rstrip().endswith(">"), WAIT, "the answer to the paste")
     assert saved_users(colichat_home, "p")[2:] == ["Name a fruit.\nName a vegetable."]
     t.keys("C-d")
-    t.wait_for(lambda s: "EXITED 0" in s, WAIT, "a clean exit")
+    t.exited(WAIT)
     assert log.read_bytes().rsplit(b"\x1b[?2004", 1)[1].startswith(b"l")  # the terminal left as it was
 
 
 def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_home):
     """The window closed mid-answer (SIGHUP, then a terminal that cannot be written): the answer so far
     is saved and colichat ends."""
-    t = Tmux(command(colichat_home, *LONG, "--session", "s"))
+    t = Tmux(colichat_line(colichat_home, *TINY_ARGS, *LONG, "--session", "s"))
     try:
         t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")
         t.type("hello")
@@ -452,7 +442,7 @@ def test_closing_the_terminal_while_it_answers_keeps_the_answer_so_far(colichat_
 def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
     """The footer is dim on a terminal (tests/test_repl_tmux.py), but not with NO_COLOR (no-color.org)
     or on a terminal that shows no styles (TERM=dumb: line mode)."""
-    t = Tmux(f"{command(colichat_home, env=env)}; sleep 600")
+    t = start_colichat(colichat_home, *TINY_ARGS, env=env)
     try:
         t.wait_for(lambda s: ("Line mode:" if "TERM=dumb" in env else "Type a message") in s, WAIT, "the prompt")
         t.type("hello")
@@ -468,7 +458,7 @@ def test_no_styles_with_no_color_or_a_dumb_terminal(env, colichat_home):
 def test_a_terminal_gone_at_the_prompt_ends_colichat_as_ctrl_d(colichat_home):
     """With SIGHUP ignored (as under `nohup`), a closed window leaves colichat at its prompt reading a
     terminal that is gone: it ends as at Ctrl-D, exit 0 (not a traceback's 1)."""
-    line = f"trap '' HUP; {command(colichat_home, '--session', 's')}; echo $? >rc"
+    line = f"trap '' HUP; {colichat_line(colichat_home, *TINY_ARGS, '--session', 's')}; echo $? >rc"
     t = Tmux(f"sh -c {shlex.quote(line)}")
     try:
         t.wait_for(lambda s: "Type a message" in s, WAIT, "the prompt")

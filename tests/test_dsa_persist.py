@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY
 from persist_helpers import parse_colikv1
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.engine.mtp import MTPBlock
 from colichat.persist import CacheLayout, SessionError, Store, Turn, model_identity

@@ -92,7 +92,7 @@ def _run_on_a_terminal(home, args, steps, env_extra) -> bytes:
     """Everything colichat writes to a terminal (stdin, stdout and stderr on one pty) until it exits;
     `steps` are (what it shows, what is typed then), in order."""
     main, child = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "colichat.launch", *args], stdin=child, stdout=child,
+    p = subprocess.Popen([sys.executable, "-m", "colichat.terminal.launch", *args], stdin=child, stdout=child,
                          stderr=child, env=env_for(home, **env_extra), cwd=str(home), start_new_session=True)
     os.close(child)
     got, steps, deadline = b"", list(steps), time.monotonic() + 300
@@ -179,10 +179,10 @@ def test_a_tilde_without_a_home_directory_says_so_not_no_such_file(no_home, monk
     """`~` with no home directory to stand for: each place that expands it (COLICHAT_HOME, /export's
     FILE; --model below) says that ~ cannot be expanded and what to give instead, in the error of the
     place (a start's, a command's)."""
-    from colichat.commands import export_path
     from colichat.errors import ChatError
     from colichat.paths import paths
     from colichat.persist import SessionError
+    from colichat.terminal.commands import export_path
 
     monkeypatch.setenv("COLICHAT_HOME", "~/colichat")
     with pytest.raises(SessionError, match=r"^COLICHAT_HOME=~/colichat: ~ cannot be expanded: HOME is not set "
@@ -249,7 +249,7 @@ def test_model_with_a_tilde_and_no_home_directory_is_one_line(tmp_path):
 def test_on_a_dumb_terminal_sessions_are_not_cut_to_the_window(monkeypatch):
     """/sessions on a terminal shows the newest that fit in its window (App.window); an editor's shell
     buffer (TERM=dumb) scrolls freely, so there it lists them all, as through a pipe."""
-    from colichat.app import App
+    from colichat.terminal.app import App
 
     main, side = pty.openpty()
     try:

@@ -24,18 +24,21 @@ ROOT = Path(colichat.__file__).parent
 BROAD = {"ValueError", "Exception", "BaseException"}
 
 ALLOWED = {  # (file, function) -> why its broad catch cannot hide a bug
-    ("cli.py", "<module>"): "Ctrl-C during the imports: anything else is raised again",
-    ("terminal.py", "discard"): "the stdlib's ValueError of a closed stream (fileno) while pointing it at /dev/null",
-    ("app.py", "App._show_cut"): "the stdlib's ValueError of a closed stdout (fileno) while writing ^C",
-    ("terminal.py", "terminal_size"): "the stdlib's ValueError of a closed stream (fileno) asking the terminal's size",
-    ("repl.py", "keys_wait"): "the stdlib's ValueError of a closed stdin (fileno) before termios",
-    ("commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",
+    ("terminal/cli.py", "<module>"): "Ctrl-C during the imports: anything else is raised again",
+    ("terminal/streams.py", "discard"): "the stdlib's ValueError of a closed stream (fileno) while pointing it "
+                                        "at /dev/null",
+    ("terminal/app.py", "App._show_cut"): "the stdlib's ValueError of a closed stdout (fileno) while writing ^C",
+    ("terminal/streams.py", "terminal_size"): "the stdlib's ValueError of a closed stream (fileno) asking the "
+                                              "terminal's size",
+    ("terminal/repl.py", "keys_wait"): "the stdlib's ValueError of a closed stdin (fileno) before termios",
+    ("terminal/commands.py", "_int_arg"): "int() of what the user typed; becomes a ChatError",
     ("engine/sampler.py", "Sampler.state"): "int() of a sidecar's hex strings and numpy's check of a PCG64 "
                                             "state; becomes one ValueError: not a random state",
-    ("chat_settings.py", "ChatSettings.apply_saved"): "that ValueError of a damaged saved random state: the "
-                                                      "seed's first numbers instead",
-    ("settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",
-    ("commands.py", "write_export"): "os.open() of a file name the user typed with a NUL in it; becomes a ChatError",
+    ("conversation/chat_settings.py", "ChatSettings.apply_saved"): "that ValueError of a damaged saved random "
+                                                                   "state: the seed's first numbers instead",
+    ("conversation/settings.py", "Setting.parse"): "int()/float() of what the user typed; becomes a SettingError",
+    ("terminal/commands.py", "write_export"): "os.open() of a file name the user typed with a NUL in it; becomes "
+                                              "a ChatError",
     ("persist/sidecar.py", "document"): "json.loads of a file's bytes: an integer of over 4,300 digits is a plain "
                                         "ValueError, not a JSONDecodeError; the sidecar is damaged",
     ("engine/model.py", "available_memory"): "int() of the kernel's /proc/meminfo text: no number, no limit",
@@ -106,7 +109,7 @@ def _typed_names() -> set[str]:
 def test_a_user_error_raised_in_an_except_block_is_raised_from_none():
     """`raise SessionError(...) from None` inside a handler: the user sees one line, not the chain."""
     import colichat.engine.text.template  # noqa: F401  (TemplateError, a ModelError, is defined there)
-    import colichat.persist.kvfile  # noqa: F401  (SessionBusy, a SessionError: whatever this run imported before)
+    import colichat.persist.locks  # noqa: F401  (SessionBusy, a SessionError: whatever this run imported before)
 
     typed, chained = _typed_names(), []
     for path in sorted(ROOT.rglob("*.py")):
@@ -133,8 +136,8 @@ def test_the_scan_finds_a_broad_catch(tmp_path, monkeypatch):
 
 
 def _app(ask):
-    from colichat.app import App
-    from colichat.terminal import StatusLine
+    from colichat.terminal.app import App
+    from colichat.terminal.streams import StatusLine
 
     class Conv:
         model = SimpleNamespace(warming=lambda: None)  # (a model without experts warming)
@@ -169,9 +172,9 @@ def test_a_caller_bug_in_a_message_is_a_traceback_not_a_line(capsys):
 def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
     """Saving.save turns a full disk (OSError) into "NOT saved: ..."; a ValueError from the session is a
     bug and goes up."""
+    from colichat.conversation.report import TurnStats
+    from colichat.conversation.saving import Saving
     from colichat.persist import CacheLayout
-    from colichat.report import TurnStats
-    from colichat.saving import Saving
 
     class Session:
         name, notes = "s", []
@@ -193,11 +196,11 @@ def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
 
 
 def test_the_user_errors_are_the_projects_types():
+    from colichat.conversation.settings import SettingError
     from colichat.engine import ModelError
     from colichat.engine.text.template import TemplateError
-    from colichat.models import DefaultModelMissing
+    from colichat.models.default import DefaultModelMissing
     from colichat.persist import SessionBusy, SessionError, SessionExists
-    from colichat.settings import SettingError
 
     assert set(USER_ERRORS) == {ChatError, SettingError, ModelError, SessionError, DefaultModelMissing}
     assert all(issubclass(e, USER_ERRORS) for e in (TemplateError, SessionBusy, SessionExists))

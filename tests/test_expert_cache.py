@@ -6,6 +6,7 @@ Exactness: greedy decoding gives the same tokens, logits and KV cache bytes what
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -107,7 +108,7 @@ def test_a_warm_start_fills_the_most_used_experts_of_the_last_run_and_changes_no
 
 
 def test_every_answer_keeps_the_experts_use_counts_for_the_next_start(tmp_path):
-    from colichat.chat import Conversation, Settings
+    from colichat.conversation.chat import Conversation, Settings
 
     m = load(str(TINY / "ds-v3.gguf"), n_ctx=128, expert_cache=1, cache_dir=tmp_path)
     conv = Conversation(m, Settings(max_tokens=4), save=False)
@@ -262,13 +263,15 @@ def test_a_fill_cut_short_leaves_no_expert_with_wrong_values(monkeypatch):
     t = _tensors("ds-v3")
     c = ExpertCache(t, [1, 2], 2 * _expert_bytes("ds-v3"))
     c.get(1, 0), c.get(1, 1)
-    read = c._read
+    preadv, reads = os.preadv, []
 
-    def interrupted(*args):
-        read(*args)
-        raise KeyboardInterrupt  # after the first part of the expert was written over the victim's slot
+    def interrupted(*args):  # a miss reads each part of the expert with preadv, then writes it into the slot
+        reads.append(1)
+        if len(reads) == 2:
+            raise KeyboardInterrupt  # after the first part of the expert was written over the victim's slot
+        return preadv(*args)
 
-    monkeypatch.setattr(c, "_read", interrupted)
+    monkeypatch.setattr(os, "preadv", interrupted)
     with pytest.raises(KeyboardInterrupt):
         c.get(2, 3)
     monkeypatch.undo()

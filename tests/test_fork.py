@@ -13,14 +13,14 @@ import pytest
 from app_helpers import Recorder, run
 from cli_helpers import TINY_LLAMA
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
+from colichat.conversation.report import turn_line
+from colichat.conversation.saved import listing
 from colichat.engine import load
 from colichat.errors import ChatError
 from colichat.persist import Store
 from colichat.persist.kvfile import HEADER_SIZE, NREC_OFFSET
 from colichat.persist.sidecar import doc_check
-from colichat.report import turn_line
-from colichat.sessions import listing
 
 Q = ["Hello there", "And again", "Once more", "What next?"]
 M = "Tell me a story"

@@ -63,7 +63,7 @@ def _run_cli(path) -> tuple[int, str]:
     import contextlib
     import io
 
-    from colichat import cli
+    from colichat.terminal import cli
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

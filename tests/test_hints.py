@@ -27,8 +27,8 @@ from cli_helpers import GREEDY, TINY_LLAMA, chat, lines, unprivileged
 from conftest import TINY
 from hub_server import HubServer
 
-from colichat import hub
 from colichat.hints import Hint, Said, read_hint
+from colichat.models import hub
 
 MOE = str(TINY / "ds-v2-lite.gguf")
 REPO = "test/tiny-GGUF"
@@ -263,7 +263,8 @@ def test_an_input_history_that_is_not_a_regular_file_is_kept_in_memory(no_save, 
     for make in (os.mkfifo, lambda p: p.symlink_to("/dev/zero")):
         history = tmp_path / "state" / "history"
         make(history)
-        code = f"from colichat.repl import _history; print(type(_history(no_save={no_save})).__name__)"
+        code = ("from colichat.terminal.repl import input_history; "
+                f"print(type(input_history(no_save={no_save})).__name__)")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
                            env={**os.environ, "COLICHAT_HOME": str(tmp_path)})
         assert p.stdout == "InMemoryHistory\n", p.stderr

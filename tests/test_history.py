@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from cli_helpers import TINY_LLAMA
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.errors import ChatError
 from colichat.persist import Store

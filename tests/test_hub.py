@@ -1,6 +1,6 @@
 """--model hf:OWNER/REPO[:QUANT | /FILE.gguf] and --models, against a stand-in for the Hugging Face Hub
 (hub_server.py: the endpoints huggingface_hub calls) serving the tiny GGUFs; the hub's cache in tmp_path.
-In-process tests give colichat.hub the server as `endpoint` and the cache as `cache_dir`; the processes
+In-process tests give colichat.models.hub the server as `endpoint` and the cache as `cache_dir`; the processes
 get HF_ENDPOINT and HF_HOME, as a user would set them."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from conftest import TINY
 from gguf_factory import DS2Spec, write_deepseek2
 from hub_server import HubServer, SilentServer
 
-from colichat import hub
 from colichat.engine import ModelError, load
 from colichat.errors import UsageError
+from colichat.models import hub
 from colichat.units import format_size
 
 REPO = "test/tiny-GGUF"
@@ -234,7 +234,7 @@ def test_every_request_gets_a_timeout_where_the_hub_sets_none():
     import httpx2
 
     from colichat.hints import Said
-    from colichat.hub_requests import TIMEOUT, Watch
+    from colichat.models.hub_requests import TIMEOUT, Watch
 
     watch = Watch(Said())
     none = httpx2.Request("GET", "http://127.0.0.1:9/api/models/a/b/tree/main",
@@ -362,13 +362,14 @@ def test_models_lists_a_file_of_the_hub_cache_once_however_its_conversations_rea
 def test_the_download_bar_counts_in_binary_units_and_leaves_the_name_to_the_line_above(tmp_path, capsys):
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    from colichat.hub import _bar
+    from colichat.models.hub import download_bar
 
     was = are_progress_bars_disabled()  # (off after a download in a test: stderr is no terminal)
     enable_progress_bars()
     try:
-        bar = _bar()(total=3 << 30, desc="(…)a-very-long-name-of-a-model-cut-by-the-hub-Q4_K_M.gguf", disable=False,
-                     file=sys.stderr, mininterval=0)
+        bar = download_bar()(total=3 << 30, desc="(…)a-very-long-name-of-a-model-cut-by-the-hub-Q4_K_M.gguf",
+                             disable=False,
+                             file=sys.stderr, mininterval=0)
         bar.update(1 << 30)
         bar.close()
     finally:

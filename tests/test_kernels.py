@@ -192,8 +192,8 @@ def test_an_unwritable_cache_directory_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("NUMBA_CACHE_DIR")  # (the tests' shared cache: colichat's own place here)
     not_a_dir = tmp_path / "file"
     not_a_dir.write_bytes(b"")
-    assert kernels._cache_path(str(not_a_dir)) is None  # prepare() then compiles without numba's cache
-    assert kernels._cache_path(None) is None
-    assert kernels._cache_path(str(tmp_path)) == str(tmp_path / "kernels")
+    assert kernels.cache_path(str(not_a_dir)) is None  # prepare() then compiles without numba's cache
+    assert kernels.cache_path(None) is None
+    assert kernels.cache_path(str(tmp_path)) == str(tmp_path / "kernels")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))  # numba's own variable moves it
-    assert kernels._cache_path(str(tmp_path)) == str(tmp_path / "numba")
+    assert kernels.cache_path(str(tmp_path)) == str(tmp_path / "numba")

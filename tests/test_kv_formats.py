@@ -14,7 +14,7 @@ from app_helpers import Recorder, run
 from cli_helpers import GREEDY, TINY_LLAMA, chat
 from conftest import TINY
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import kvcodec, load
 from colichat.persist import SessionError, Store
 from colichat.persist.kvfile import HEADER, HEADER_SIZE

@@ -1,7 +1,9 @@
-"""The layers import one way: no module of colichat imports itself back through others (imports inside
-functions count too: they run as soon as the function does), errors.py, paths.py and hints.py sit at
-the bottom, and the engine reaches outside itself only for those leaves (its own errors, where its files
-go, how a hint file is read, the size format). Every module stays under 500 lines and is named in docs/design.md.
+"""The folders import one way (imports inside functions count too: they run as soon as the function
+does): terminal/ -> conversation/ -> models/ -> persist/ -> engine/ -> the leaves (errors.py, paths.py,
+hints.py, units.py, wrap.py). No module imports itself back through others; the engine reaches outside
+itself only for the leaves (its own errors, where its files go, how a hint file is read, the size
+format); persist/'s modules are reached from conversation/ alone, the rest of the app takes the
+package's front (colichat.persist: Store, check_name, ...). Every module is named in docs/design.md.
 """
 
 from __future__ import annotations
@@ -79,11 +81,25 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles(graph) == [["a", "b", "c"]]
 
 
+LEAVES = {"colichat.errors", "colichat.paths", "colichat.hints", "colichat.units", "colichat.wrap"}
+ORDER = ["colichat.terminal", "colichat.conversation", "colichat.models", "colichat.persist", "colichat.engine"]
+
+
+def part_of(module: str) -> str:
+    """The folder (or leaf) a module belongs to: colichat.conversation.chat -> colichat.conversation."""
+    return ".".join(module.split(".")[:2])
+
+
 def test_errors_and_paths_are_at_the_bottom():
     graph = import_graph()
     assert graph["colichat.errors"] == set()
     assert graph["colichat.paths"] == {"colichat.errors"}
     assert graph["colichat.hints"] == set()
+
+
+def test_the_leaves_import_only_leaves():
+    graph = import_graph()
+    assert {m: found - LEAVES for m, found in graph.items() if m in LEAVES and found - LEAVES} == {}
 
 
 def test_the_engine_imports_only_the_leaves_of_the_app():
@@ -93,10 +109,23 @@ def test_the_engine_imports_only_the_leaves_of_the_app():
     assert outside <= {"colichat.errors", "colichat.paths", "colichat.units", "colichat.hints"}
 
 
-def test_no_module_is_over_500_lines():
-    long = {module_name(p): n for p in ROOT.rglob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
-    assert long == {}
+def test_each_folder_imports_only_the_folders_below_it():
+    graph = import_graph()
+    upward = sorted(f"{name} -> {m}" for name, found in graph.items() if part_of(name) in ORDER
+                    for m in found if part_of(m) in ORDER
+                    and ORDER.index(part_of(m)) < ORDER.index(part_of(name)))
+    assert upward == []
+
+
+def test_persist_modules_are_reached_only_from_the_conversation():
+    """Outside persist/ and conversation/, only the package's front (colichat.persist) is imported. The
+    one exception: --prune-kv (terminal/one_shot.py) runs persist/prune.py, which works on files alone."""
+    graph = import_graph()
+    allowed = {("colichat.terminal.one_shot", "colichat.persist.prune")}
+    reached = sorted((name, m) for name, found in graph.items()
+                     if part_of(name) not in ("colichat.persist", "colichat.conversation")
+                     for m in found if m.startswith("colichat.persist.") and (name, m) not in allowed)
+    assert reached == []
 
 
 def test_the_design_lists_every_module():

@@ -184,7 +184,7 @@ def test_cli_answers_as_llama_cpp(colichat_home):
     "What is the capital of France?") answered greedily with --numerics llama.cpp prints llama.cpp's
     continuation. (It is "L'Étoile, la Mar..."; the fast engine answers "The capital of France is Paris.")"""
     from colichat.engine import load_tokenizer
-    from colichat.models import default_model_path
+    from colichat.models.default import default_model_path
 
     ref = np.load(REF / "smollm2" / "chat.ref.npz")
     want = load_tokenizer(default_model_path()).decode(ref["greedy_0"][:8].tolist())

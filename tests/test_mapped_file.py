@@ -13,11 +13,11 @@ from app_helpers import Recorder, run
 from cli_helpers import TINY_ARGS, TINY_LLAMA, chat, finish, lines, read_until, saved_turns, start
 from conftest import TINY
 
-from colichat.chat import Conversation
+from colichat.conversation.chat import Conversation
+from colichat.conversation.settings import Settings
 from colichat.engine import load
 from colichat.errors import ModelError
 from colichat.persist import Store
-from colichat.settings import Settings
 
 IDS = [5, 17, 200, 33]
 

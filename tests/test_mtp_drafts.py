@@ -20,15 +20,15 @@ from drafting_helpers import assert_drawn_from, load, three_token_distribution
 from gguf_factory import DS2Spec, write_deepseek2
 
 import colichat.engine as engine
-from colichat.chat import Conversation
+from colichat.conversation.chat import Conversation
+from colichat.conversation.report import footer, stats_lines
+from colichat.conversation.settings import Settings
 from colichat.engine import ModelError, Sampler, SamplerSettings
 from colichat.engine.generate import Generation
 from colichat.engine.model import working_bytes
 from colichat.engine.mtp import MTPBlock, bytes_per_token
 from colichat.engine.speculative import DraftSource
 from colichat.persist import Store
-from colichat.report import footer, stats_lines
-from colichat.settings import Settings
 
 
 @pytest.fixture(scope="module")

@@ -174,9 +174,9 @@ def test_everything_colichat_creates_is_private_under_umask_000(tmp_path, monkey
     monkeypatch.setenv("COLICHAT_HOME", str(home))
     old = os.umask(0)
     try:  # the input history, made by the interactive prompt
-        from colichat.repl import _history
+        from colichat.terminal.repl import input_history
 
-        _history().store_string("hello")
+        input_history().store_string("hello")
     finally:
         os.umask(old)
     modes = {}

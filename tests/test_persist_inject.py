@@ -196,7 +196,7 @@ def test_a_failed_first_save_is_retried_by_the_next_answer(colichat_home, monkey
     """D1: the disk is full at the first answer of `--session s`; the next answer saves both."""
     from conftest import TINY
 
-    from colichat.chat import Conversation, Settings
+    from colichat.conversation.chat import Conversation, Settings
     from colichat.engine import load
 
     model = load(str(TINY / "llama.gguf"), n_ctx=512)

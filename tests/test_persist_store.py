@@ -16,7 +16,7 @@ import pytest
 from conftest import TINY
 from persist_helpers import IDENT, OTHER_IDENT, TESTS, Ticks, build, layout_of, make_cache
 
-import colichat.persist.identity as identity_mod
+from colichat.engine.gguf.header import read_header
 from colichat.persist import SessionError, Store, model_identity, weights_fingerprint
 from colichat.persist.names import NAME_RE
 
@@ -198,7 +198,7 @@ def _waits_for_a_lock(pid: int) -> bool:
                     reason="needs Linux's /proc/locks to see a process wait on a lock (the read's wait is seen "
                     "nowhere else)")
 @pytest.mark.parametrize("export", [False, True], ids=["no-save", "export"])
-def test_a_read_without_the_lock_waits_for_a_save_under_way(colichat_home, export):
+def test_a_read_without_the_lock_waits_for_a_save_under_way(colichat_home, export, monkeypatch):
     """--no-save (a read-only open) and --export read a session another colichat is saving: the read
     waits for the save to end and sees it whole (it read the records before the sidecar listed them,
     and dropped them as an interrupted save's)."""
@@ -210,14 +210,15 @@ def test_a_read_without_the_lock_waits_for_a_save_under_way(colichat_home, expor
     sess = Store().create(IDENT, layout_of(cache), name="busy")
     sess.append(cache, turns[:2])
     paused, go = threading.Event(), threading.Event()
-    write_sidecar = sess._write_sidecar
+    replace = os.replace
 
-    def held(*args):  # the records and nrec are written; the sidecar waits
-        paused.set()
-        go.wait(60)
-        write_sidecar(*args)
+    def held(src, dst, *args, **kwargs):  # the records and nrec are written; the sidecar waits to go in place
+        if str(dst).endswith(os.sep + "busy.json"):
+            paused.set()
+            go.wait(60)
+        return replace(src, dst, *args, **kwargs)
 
-    sess._write_sidecar = held
+    monkeypatch.setattr(os, "replace", held)
     saving = threading.Thread(target=sess.append, args=(cache, turns))
     saving.start()
     try:
@@ -316,11 +317,15 @@ def test_fingerprint_reads_little_of_a_big_file(tmp_path, monkeypatch):
     write_gguf(path, seed=1, n_tensors=300, shape=(8, 8))
     with open(path, "r+b") as f:
         f.truncate(8 << 30)  # sparse: 8 GiB on paper
-    read = []
-    real = identity_mod._read_at
-    monkeypatch.setattr(identity_mod, "_read_at", lambda f, off, n: read.append(n) or real(f, off, n))
+    before = read_bytes()
     weights_fingerprint(path)
-    assert sum(read) < 4 << 20
+    assert read_bytes() - before < 4 << 20
+
+
+def read_bytes() -> int:
+    """The bytes this process has read so far, as the kernel counts them (/proc/self/io's rchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def test_header_walk_agrees_with_gguf_py(tmp_path):
@@ -329,11 +334,12 @@ def test_header_walk_agrees_with_gguf_py(tmp_path):
     path = tmp_path / "vocab.gguf"
     write_gguf(path, seed=4, n_tensors=5, vocab=5000)
     reader = gguf.GGUFReader(str(path))
-    data_start, offsets = identity_mod._gguf_layout(path.read_bytes())
-    assert data_start == reader.data_offset
-    assert offsets == sorted(int(t.data_offset) - reader.data_offset for t in reader.tensors)
+    head = read_header(path.read_bytes())  # the walker the fingerprint hashes the header and samples by
+    assert head.data_start == reader.data_offset
+    assert sorted(t.offset for t in head.tensors) == sorted(int(t.data_offset) - reader.data_offset
+                                                            for t in reader.tensors)
     with pytest.raises(struct.error):  # a header cut short asks for more bytes
-        identity_mod._gguf_layout(path.read_bytes()[: data_start // 2])
+        read_header(path.read_bytes()[: head.data_start // 2])
 
 
 def test_fingerprint_of_the_tiny_models():
@@ -655,7 +661,7 @@ def test_lock_files_go_with_their_conversation(colichat_home):
     """/delete, /rename (the old name), a conversation never saved and one emptied leave no NAME.lock; a
     lock taken on a lock file removed meanwhile is taken again on the file at that name, so that the
     name's next writers exclude each other."""
-    from colichat.persist.locks import _flock, _names, release_lock, remove_lock, take_lock
+    from colichat.persist.locks import release_lock, remove_lock, take_lock
 
     cache = make_cache()
     store = Store()
@@ -673,12 +679,12 @@ def test_lock_files_go_with_their_conversation(colichat_home):
         sess.truncate(0)
     assert os.listdir(d) == []
     path = str(d / "x.lock")
-    early = _flock(path, "x")  # a colichat that opened the file and locked it ...
+    early = take_lock(path, "x")  # a colichat that opened the file and locked it ...
     release_lock(early)
     held = take_lock(path, "x")
     late = os.open(path, os.O_RDWR)  # ... and one that opens it now, to lock it once it is free
     remove_lock(held, path)
-    assert not _names(path, late)  # what take_lock sees after locking it: the lock guards no name, taken again
+    assert not os.path.exists(path)  # what `late` would lock guards no name: take_lock takes it again
     again = take_lock(path, "x")  # a new file: not the one `late` holds open
     assert os.fstat(again).st_ino != os.fstat(late).st_ino
     os.close(late)
@@ -691,7 +697,7 @@ def test_the_session_folder_is_named_as_the_screen_names_the_model_and_an_older_
     """The folder is named after the model as the banner names it (a long general.name such as SmolLM2's
     'Smollm2 135M 8k Lc100K Mix1 Ep2' gives way to the file's name), and the folder an older colichat
     named from general.name alone is still this model's: found by its weights' suffix, not orphaned."""
-    from colichat.models import model_title
+    from colichat.models.default import model_title
     from colichat.persist.identity import model_dirname
 
     ident = {**IDENT, "name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}

@@ -1,4 +1,4 @@
-"""The start Plan (colichat/start.py) carries every option of a chat: once it is made, nothing reads or
+"""The start Plan (colichat/terminal/start.py) carries every option of a chat: once it is made, nothing reads or
 changes the command line (argparse's namespace) again."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import re
 
 from cli_helpers import TINY_ARGS, chat_here, lines, saved_turns
 
-from colichat import cli
-from colichat.settings import TABLE
-from colichat.start import Plan
+from colichat.conversation.settings import TABLE
+from colichat.terminal import cli
+from colichat.terminal.start import Plan
 
-# The options that are not a chat's (they print or tidy, then exit: shell.py), argparse's own, and
+# The options that are not a chat's (they print or tidy, then exit: one_shot.py), argparse's own, and
 # those the Plan holds as a decision made from them rather than as given.
 NOT_A_CHAT = {"sessions", "export", "models", "prune_kv", "yes", "all"}  # (--yes, --all: --prune-kv's)
 DECIDED = {"plain": "interactive", "no_reuse": "reuse"}

@@ -10,7 +10,7 @@ import json
 import pytest
 from cli_helpers import GREEDY, TINY_LLAMA, chat
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.persist import Store
 from colichat.persist.kvfile import HEADER_SIZE

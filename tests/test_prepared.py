@@ -351,9 +351,9 @@ def test_the_sampling_defaults_a_model_file_carries_are_the_defaults(tmp_path):
     gives, said in a note; an option wins; a value a setting cannot take is left out."""
     from cli_helpers import TINY_LLAMA, copy_gguf
 
+    from colichat.conversation.settings import Settings
     from colichat.engine import load
-    from colichat.settings import Settings
-    from colichat.start import model_sampling
+    from colichat.terminal.start import model_sampling
 
     path = copy_gguf(TINY_LLAMA, tmp_path / "s.gguf", set_keys={
         "general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.top_p": 7.0})

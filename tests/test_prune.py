@@ -11,11 +11,11 @@ import pytest
 from cli_helpers import TINY_LLAMA
 from persist_helpers import Ticks
 
-from colichat import cli
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.persist import Store
-from colichat.prune import RECENT_S, choose, prune_kv
+from colichat.persist.prune import RECENT_S, choose, prune_kv
+from colichat.terminal import cli
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from cli_helpers import TINY, TINY_ARGS, TINY_LLAMA, copy_gguf
 from persist_helpers import snapshot
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
 from colichat.engine import load
 from colichat.engine.cancel import Cancel
 from colichat.persist import Store
@@ -21,7 +21,7 @@ from colichat.persist.kvfile import HEADER_SIZE
 QUESTIONS = ["Hello there", "And again", "Once more"]
 
 # ChatML, with every answer but the last shortened to two characters: the history renders otherwise
-# than it was cached, so each message re-creates the answer before it (history.History.rebase)
+# than it was cached, so each message re-creates the answer before it (turns.History.rebase)
 REWRITING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'][:2] "
              "if m['role'] == 'assistant' and not loop.last else m['content']) + '<|im_end|>\\n' }}{% endfor %}"
              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -253,19 +253,20 @@ def test_ctrl_c_while_reading_again_at_start_keeps_what_was_read_and_says_so(mod
     """`colichat --session NAME` reading damaged exchanges again: Ctrl-C stops the reading as /resume's
     does (the exchanges read are kept, the warning says how many were not), then, in pipe mode, ends
     colichat (130) with nothing written."""
-    from colichat import chat, cli
+    from colichat.conversation import chat
+    from colichat.terminal import cli
 
     store = Store()
     _, before = saved_then_damaged(model, store, QUESTIONS, 0)
-    read_turn, reads = chat.Conversation._read_turn, []
+    prefill, reads = chat.prefill, []
 
-    def ctrl_c_after_the_first_exchange(self, *args, **kwargs):  # (a stop inside one drops it: not kept)
-        read_turn(self, *args, **kwargs)
+    def ctrl_c_after_the_first_exchange(*args, **kwargs):  # a turn read again is one prefill of its text
+        prefill(*args, **kwargs)  # (a stop inside one drops it: not kept)
         reads.append(1)
         if len(reads) == 2:
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(chat.Conversation, "_read_turn", ctrl_c_after_the_first_exchange)
+    monkeypatch.setattr(chat, "prefill", ctrl_c_after_the_first_exchange)
     assert cli.main([*TINY_ARGS, "--ctx", "512", "--session", "d", "-p", "Go on"]) == 130
     err = capsys.readouterr().err
     assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in err

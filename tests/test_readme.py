@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import colichat
-from colichat import cli
-from colichat.commands import COMMANDS
-from colichat.models import INSTALL_HINT
-from colichat.settings import TABLE
+from colichat.conversation.settings import TABLE
+from colichat.models.default import INSTALL_HINT
+from colichat.terminal import cli
+from colichat.terminal.commands import COMMANDS
 
 REPO = Path(colichat.__file__).parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -67,7 +67,7 @@ def test_the_path_install_installs_what_make_installs():
     assert pinned in INSTALL_HINT
     assert "```sh\npipx install .\n" in README
     assert f"\npipx runpip colichat install --no-deps {pinned}   #" in README
-    assert re.search(r'^colichat = "colichat\.launch:main"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert re.search(r'^colichat = "colichat\.terminal\.launch:main"$', (REPO / "pyproject.toml").read_text(), re.M)
 
 
 def slug(heading: str) -> str:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
-from tmux_helpers import Tmux, rows_after, streaming, visible, wrapped
+from tmux_helpers import Tmux, colichat_line, rows_after, start_colichat, streaming, visible, wrapped
 
 pytestmark = [pytest.mark.process, pytest.mark.default_model]  # a terminal, on the default model
 
@@ -22,9 +21,7 @@ SCREEN_WAIT = 120.0  # the program reacts to a key
 
 @pytest.fixture
 def tmux_chat(colichat_home):
-    cmd = (f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 24; "
-           "echo EXITED $?; sleep 600")
-    t = Tmux(cmd)
+    t = start_colichat(colichat_home, "--temperature", "0", "--max-tokens", "24")
     yield t
     t.close()
 
@@ -118,16 +115,16 @@ def test_interactive_session(tmux_chat):
                         "a second Ctrl-C: no second hint")
     assert screen.count("(Ctrl-D quits)") == 1
     t.keys("C-d")
-    t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+    t.exited(SCREEN_WAIT)
 
 
 # ---- feedback on every wait -------------------------------------------------------------------------
 
 
-def gated_chat(home, args: str, log, module: str = "colichat.cli") -> Tmux:
+def gated_chat(home, args: str, log, module: str = "colichat.terminal.cli") -> Tmux:
     """colichat in tmux, started only once everything it writes is recorded to `log` (the raw bytes,
     escapes included, in order: what a transient status line showed stays there after it is cleared)."""
-    t = Tmux(f"read _; COLICHAT_HOME={home} {sys.executable} -m {module} {args}; echo EXITED $?; sleep 600")
+    t = start_colichat(home, *args.split(), program=f"-m {module}", before="read _;")
     t.run("pipe-pane", "-o", f"cat >> {log}")
     t.keys("Enter")
     return t
@@ -139,7 +136,7 @@ def lines_of(screen: str) -> list[str]:
 
 def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home, tmp_path):
     log = tmp_path / "raw.log"
-    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log, module="colichat.launch")
+    t = gated_chat(colichat_home, "--temperature 0 --max-tokens 8", log, module="colichat.terminal.launch")
     try:
         # the first start of a model (imports, metadata read, weights dequantized and kept): a line
         # at once, then the loading progress, replaced by the banner; keys typed meanwhile wait for the prompt
@@ -190,7 +187,7 @@ def test_waits_show_progress_and_it_never_runs_into_the_next_line(colichat_home,
         assert raw.rindex(b"reading the conversation from disk ...") < raw.rindex(b"resumed ")
         assert not any("reading the conversation" in line for line in lines_of(screen))
         t.keys("C-d")
-        t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        t.exited(SCREEN_WAIT)
     finally:
         t.close()
 
@@ -269,7 +266,7 @@ def test_keys_typed_while_answering_wait_for_the_next_prompt(colichat_home, tmp_
         t.keys("C-d")
         t.wait_for(lambda s: s.rstrip().endswith('... """\n>'), SCREEN_WAIT, "a new prompt")
         t.keys("C-d")
-        screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        screen = t.exited(SCREEN_WAIT)
         assert len(FOOTER.findall(screen)) == 4
     finally:
         t.close()
@@ -289,8 +286,7 @@ def test_fg_mid_answer_goes_on_below_the_shells_lines_and_overwrites_nothing(col
     try:
         t.type("echo shell line one; echo shell line two")
         t.keys("Enter")
-        t.type(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 "
-               "--max-tokens 200 --session z")
+        t.type(colichat_line(colichat_home, "--temperature", "0", "--max-tokens", "200", "--session", "z"))
         t.keys("Enter")
         t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
         question = "Write a long story about a dragon who lived in a castle."
@@ -310,7 +306,7 @@ def test_fg_mid_answer_goes_on_below_the_shells_lines_and_overwrites_nothing(col
         assert rows[:len(before)] == before  # nothing shown before the stop was drawn over
         assert rows.count("shell line one") == 1 and rows.count(f"> {question}") == 1
         assert "Stopped" in rows[len(before)] and rows[len(before) + 1] == "$ fg"
-        job = next(i for i in range(len(before) + 2, len(rows)) if "colichat.cli" in rows[i])
+        job = next(i for i in range(len(before) + 2, len(rows)) if "colichat.terminal.cli" in rows[i])
         end = next(i for i in range(job, len(rows)) if FOOTER.match("\n".join(rows[i:i + 4])))
         answer = saved_answers(colichat_home, "z")[0]
         # the answer goes on under the job's line: what came after the stop, wrapped from a row's start
@@ -382,7 +378,7 @@ def test_answers_wrap_at_word_boundaries_and_the_footer_is_dim(colichat_home, tm
         t.wait_for(lambda s: s.rstrip().endswith("> Say yes.\n... Only yes."), SCREEN_WAIT, "the continuation prompt")
         t.keys("C-c")
         t.keys("C-d")
-        t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        t.exited(SCREEN_WAIT)
     finally:
         t.close()
 
@@ -457,7 +453,7 @@ def test_a_resize_draws_the_answers_again_at_the_new_width(colichat_home, tmp_pa
                    and [row for row in visible(t) if row][-2:] == ["> dropped^C", ">"], SCREEN_WAIT,
                    "the window drawn again at 60 columns, the dropped line and a new prompt below")
         t.keys("C-d")
-        screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        screen = t.exited(SCREEN_WAIT)
         assert "Traceback" not in screen
     finally:
         t.close()
@@ -468,8 +464,8 @@ def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
     from cli_helpers import saved_answers
 
     out = tmp_path / "out.txt"
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 120 "
-             f"--session p | tee {out}; echo EXITED; sleep 600", width=100)
+    t = start_colichat(colichat_home, "--temperature", "0", "--max-tokens", "120", "--session", "p",
+                       then=f"| tee {out}", width=100)
     try:
         t.wait_for(lambda s: "loaded in" in s, MODEL_WAIT, "the model")
         t.type("Tell me a long story about a castle.")
@@ -478,7 +474,7 @@ def test_piped_output_is_never_drawn_again(colichat_home, tmp_path):
         resize(t, 40)
         t.wait_for(lambda s: FOOTER.search(s), MODEL_WAIT, "the footer")
         t.keys("C-d")
-        t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
+        t.exited(SCREEN_WAIT, code=None)
         assert out.read_text() == saved_answers(colichat_home, "p")[0] + "\n"  # the text alone: no escape, no redraw
     finally:
         t.close()
@@ -494,8 +490,7 @@ def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colic
     from cli_helpers import answers_bytes, saved_answers, saved_users
 
     out = tmp_path / "out.txt"
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 12 "
-             f"| tee {out}; echo EXITED $?; sleep 600", width=100)
+    t = start_colichat(colichat_home, "--temperature", "0", "--max-tokens", "12", then=f"| tee {out}", width=100)
     try:
         t.wait_for(lambda s: "Line mode: type a message and Enter" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
                    "the hint, then a prompt")
@@ -518,7 +513,7 @@ def test_line_mode_at_a_terminal_prompts_on_stderr_and_saves_like_the_repl(colic
         t.wait_for(lambda s: len(SAVED_TO_FRUIT.findall(s)) == 2 and s.rstrip().endswith("\n>"), MODEL_WAIT,
                    "the second footer, then a prompt")
         t.keys("C-d")
-        screen = t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        screen = t.exited(SCREEN_WAIT)
         # the prompt's row ended, the shell's below (an empty row between when tee wrote the answer's last line
         # end after the prompt: the pipe and the terminal are not in step)
         assert re.search(r"^> *\n( *\n)?EXITED 0$", screen, re.M), screen
@@ -534,8 +529,8 @@ def test_line_mode_at_a_terminal_takes_ctrl_c_as_the_repl_does(colichat_home):
     colichat goes on until Ctrl-D."""
     from cli_helpers import saved_users
 
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --temperature 0 --max-tokens 400 "
-             "--session c --plain; echo EXITED $?; sleep 600", width=100)
+    t = start_colichat(colichat_home, "--temperature", "0", "--max-tokens", "400", "--session", "c", "--plain",
+                       width=100)
     try:
         t.wait_for(lambda s: "Line mode: type a message" in s and s.rstrip().endswith("\n>"), MODEL_WAIT,
                    "the hint, then a prompt")
@@ -550,7 +545,7 @@ def test_line_mode_at_a_terminal_takes_ctrl_c_as_the_repl_does(colichat_home):
         t.wait_for(lambda s: re.search(r",\s+interrupted;\s+saved\s+to\s+c\]\s*\n>\s*$", s), SCREEN_WAIT,
                    "the answer stopped, its footer, a new prompt")
         t.keys("C-d")
-        screen = t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
+        screen = t.exited(SCREEN_WAIT, code=None)
         assert re.search(r"^> *\nEXITED 0$", screen, re.M), screen
         assert saved_users(colichat_home, "c") == ["Write a long story about a lighthouse keeper."]
     finally:
@@ -565,8 +560,7 @@ def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
     args = ["--temperature", "0", "--max-tokens", "16"]
     chat(colichat_home, [*args, "--session", "food"], lines("Name a fruit.", "Name a vegetable.")).ok()
     chat(colichat_home, [*args, "--session", "sky"], lines("Why is the sky blue?")).ok()
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli {' '.join(args)} --session food; "
-             "echo EXITED $?; sleep 600", width=100)
+    t = start_colichat(colichat_home, *args, "--session", "food", width=100)
     try:
         screen = t.wait_for(lambda s: "Type a message" in s and s.rstrip().endswith(">"), MODEL_WAIT, "the prompt")
         shown = lines_of(screen)
@@ -586,7 +580,7 @@ def test_a_resumed_conversation_shows_its_last_exchange(colichat_home):
         assert shown[0].startswith("resumed ") and shown[1] == "user> Why is the sky blue?"
         assert " ".join(shown[2:-1]).split() == ["assistant>", *answer.split()]
         t.keys("C-d")
-        t.wait_for(lambda s: "EXITED 0" in s, SCREEN_WAIT, "a clean exit")
+        t.exited(SCREEN_WAIT)
     finally:
         t.close()
 
@@ -598,8 +592,7 @@ def test_ctrl_c_acts_at_the_next_layer_of_a_slow_model_and_a_ctrl_d_typed_after_
     from cli_helpers import TINY_ARGS
 
     log = tmp_path / "layers.log"
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} {Path(__file__).parent / 'slow_layers.py'} 1.0 {log} "
-             f"-- {' '.join(TINY_ARGS)}; echo EXITED $?; sleep 600")
+    t = start_colichat(colichat_home, *TINY_ARGS, program=f"{Path(__file__).parent / 'slow_layers.py'} 1.0 {log} --")
     try:
         t.wait_for(lambda s: "Type a message" in s, MODEL_WAIT, "the prompt")
         t.type("Tell me about rivers and the sea.")
@@ -609,7 +602,7 @@ def test_ctrl_c_acts_at_the_next_layer_of_a_slow_model_and_a_ctrl_d_typed_after_
         begun = len(log.read_text().split())  # layers begun when the key is sent
         t.keys("C-c")
         t.keys("C-d")
-        screen = t.wait_for(lambda s: "EXITED" in s, SCREEN_WAIT, "the end")
+        screen = t.exited(SCREEN_WAIT, code=None)
         assert "colichat: interrupted while reading the message; it was not sent" in screen
         assert re.search(r"^EXITED 0$", screen, re.M), screen
         assert len(log.read_text().split()) <= begun + 1  # at most the layer that began as the key was sent

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from cli_helpers import TINY_LLAMA
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
+from colichat.conversation.report import SLOW_READ_S, TurnStats, footer, stats_lines
 from colichat.engine import load
 from colichat.persist import Store
-from colichat.report import SLOW_READ_S, TurnStats, footer, stats_lines
 
 
 @pytest.fixture(scope="module")

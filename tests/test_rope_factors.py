@@ -16,7 +16,7 @@ import pytest
 from cli_helpers import GREEDY, chat_here, lines, session_files
 from conftest import TINY
 
-from colichat.chat import ChatError, Conversation, Settings
+from colichat.conversation.chat import ChatError, Conversation, Settings
 from colichat.engine import ModelError, load, resume_problem
 from colichat.persist import CacheLayout, SessionError, Store, Turn, model_identity
 from colichat.persist.sidecar import doc_check

@@ -93,7 +93,7 @@ def test_nan_scores_are_a_model_error_not_a_token(temperature):
 def test_the_settings_take_their_sampling_defaults_from_the_sampler():
     """One source of sampling defaults: the settings table (what --help, /show and a new conversation
     give) and a SamplerSettings that leaves a value out agree, at the values users have had."""
-    from colichat.settings import BY_NAME, Settings
+    from colichat.conversation.settings import BY_NAME, Settings
 
     assert Settings().sampler() == SamplerSettings()
     names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")

@@ -28,9 +28,9 @@ from cli_helpers import (
 )
 from persist_helpers import snapshot
 
+from colichat.conversation.reopen import model_to_reopen
 from colichat.persist import SessionError, Store, slug
 from colichat.persist.sidecar import doc_check
-from colichat.sessions import model_to_reopen
 
 Q = ["Hello there.", "What is two plus two?", "And three plus three?"]
 
@@ -485,9 +485,10 @@ def test_a_new_conversation_after_a_reopened_one_runs_and_reopens_with_the_loade
 def test_only_a_context_error_is_said_to_come_from_the_saved_context_size(monkeypatch):
     """The note on where the context size came from follows a ContextError only, by its type: a model
     error whose text speaks of a context size for another reason (a chat template's) is shown as it is."""
-    from colichat import start, terminal
+    from colichat.conversation.settings import Settings
     from colichat.engine import ContextError, ModelError
-    from colichat.settings import Settings
+    from colichat.terminal import start
+    from colichat.terminal import streams as terminal
 
     plan = start.Plan(settings=Settings(), given=frozenset(), prompt=None, kv="f32", reuse=True, no_save=False,
                       auto_forget=False, expert_cache=None, verbose=False, numerics="fast", model="m.gguf",
@@ -713,15 +714,15 @@ def test_a_link_is_recorded_as_given_when_the_weights_come_from_the_cache(colich
 def test_no_save_adds_nothing_typed_to_the_input_history(colichat_home):
     """--no-save writes no typed line: Up still recalls the lines of earlier runs, none is added, and
     a history file that is not there is not created."""
-    from colichat.repl import _history
+    from colichat.terminal.repl import input_history
 
     state = colichat_home / "state"
-    history = _history(no_save=True)
+    history = input_history(no_save=True)
     history.append_string("my secret message")
     assert not (state / "history").exists()
-    _history().append_string("an earlier line")  # a run with saving on
+    input_history().append_string("an earlier line")  # a run with saving on
     before = (state / "history").read_bytes()
-    history = _history(no_save=True)
+    history = input_history(no_save=True)
     assert list(history.load_history_strings()) == ["an earlier line"]
     history.append_string("my secret message")
     assert (state / "history").read_bytes() == before

@@ -10,14 +10,14 @@ import pytest
 from conftest import TINY
 from drafting_helpers import assert_drawn_from, load, pinned, three_token_distribution
 
-from colichat.chat import Conversation
+from colichat.conversation.chat import Conversation
+from colichat.conversation.settings import BY_NAME, SettingError, Settings
 from colichat.engine import Sampler, SamplerSettings
 from colichat.engine.generate import Generation
 from colichat.engine.ops import SMALL_BATCH
 from colichat.engine.speculative import EXPLORE_EVERY, MAX_DRAFT, DraftSource, PromptLookup, accept, draft_size
 from colichat.engine.threads import ROW_COST, ROW_COST_MAX, RowCost, ThreadPolicy, pass_units
 from colichat.persist import Store
-from colichat.settings import BY_NAME, SettingError, Settings
 
 TINY_MODELS = ["llama", "ds-v2-lite", "ds-dense", "ds-v3", "plm", "minicpm3", "glm-dsa"]
 

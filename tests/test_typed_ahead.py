@@ -16,7 +16,7 @@ from prompt_toolkit.input.typeahead import clear_typeahead
 from prompt_toolkit.input.vt100 import Vt100Input
 from prompt_toolkit.output import DummyOutput
 
-from colichat.repl import PASTE_END, PASTE_START, typed_ahead
+from colichat.terminal.repl import PASTE_END, PASTE_START, typed_ahead
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Word wrapping of streamed answers (colichat/wrap.py): what a terminal of a given width shows."""
+"""Word wrapping of streamed answers (colichat/wrap.py) and the screen drawn again at another width
+(colichat/terminal/screen.py): what a terminal of a given width shows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pyte
 import pytest
 from wcwidth import wcswidth
 
-from colichat.wrap import Screen, WordWrap, displayable, rows, wrap_line
+from colichat.terminal.screen import Screen
+from colichat.wrap import WordWrap, displayable, rows, wrap_line
 
 
 def render(pieces, width: int) -> list[str]:
@@ -346,8 +348,8 @@ def test_a_ctrl_c_while_a_piece_of_the_answer_is_written_shows_its_mark_after_th
     import signal
     import sys
 
-    from colichat.app import App
-    from colichat.terminal import StatusLine
+    from colichat.terminal.app import App
+    from colichat.terminal.streams import StatusLine
 
     class Conv:
         pass

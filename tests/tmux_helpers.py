@@ -1,8 +1,10 @@
-"""Drive colichat in tmux as a person would: type keys, read the screen, wait for a state of it.
+"""Drive colichat in tmux as a person would: start it, type keys, read the screen, wait for a state of
+it. Every tmux test starts colichat through here.
 
-    t = Tmux("python -m colichat.cli ...; echo EXITED $?; sleep 600")
+    t = start_colichat(home, "--max-tokens", "24", until="Type a message")  # its own tmux session
     t.type("hello"); t.keys("Enter")
     screen = t.wait_for(lambda s: "[" in s, 60, "the footer")    # polls, never a fixed sleep
+    t.keys("C-d"); t.exited(60)                                    # ended, with status 0
     t.close()
 """
 
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -74,8 +78,37 @@ class Tmux:
                 raise AssertionError(f"no {what} within {timeout:.0f} s; screen:\n{screen}")
             time.sleep(0.2)  # between two looks at the pane
 
+    def exited(self, timeout: float = 120.0, code: int | None = 0) -> str:
+        """The screen once the program `start_colichat` ran has ended, with status `code` (None: any)."""
+        mark = EXITED if code is None else f"{EXITED} {code}"
+        return self.wait_for(lambda s: mark in s, timeout, "a clean exit" if code == 0 else f"the end ({mark})")
+
     def close(self) -> None:
         subprocess.run([*TMUX, "kill-session", "-t", self.name], capture_output=True)
+
+
+EXITED = "EXITED"  # what the shell shows, with the status, once the program start_colichat ran has ended
+CLI = "-m colichat.terminal.cli"
+
+
+def colichat_line(home, *args: str, env: str = "", program: str = CLI) -> str:
+    """The shell line that runs colichat with `args`, in directory `home` with COLICHAT_HOME `home`
+    (`env`: more variables, e.g. "NO_COLOR=1"; `program`: what Python runs, e.g. a script that
+    starts colichat slowed down, with its own arguments)."""
+    cmd = " ".join([shlex.quote(sys.executable), program, *(shlex.quote(str(a)) for a in args)])
+    return f"cd {shlex.quote(str(home))} && {env} COLICHAT_HOME={shlex.quote(str(home))} {cmd}"
+
+
+def start_colichat(home, *args: str, env: str = "", program: str = CLI, then: str = "", before: str = "",
+                   width: int = 160, height: int = 60, until: str | None = None, wait: float = 600.0) -> Tmux:
+    """colichat in a new tmux session (`colichat_line`), then `echo EXITED $?` and a pause that keeps the
+    window readable after it ends. `then`: what follows it in the shell line (e.g. "| tee OUT"),
+    `before`: what goes first (e.g. "read _;"). With `until`, once the screen shows that text."""
+    line = colichat_line(home, *args, env=env, program=program)
+    t = Tmux(f"{before} {line} {then}; echo {EXITED} $?; sleep 600", width, height)
+    if until is not None:
+        t.wait_for(lambda s: until in s, wait, repr(until))
+    return t
 
 
 def streaming(question: str, words: int = 3):

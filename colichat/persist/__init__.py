@@ -15,16 +15,17 @@ persist/ knows nothing about the forward pass: it moves the cache's records and 
 """
 
 from ..paths import Paths, paths
-from .identity import model_identity, weights_fingerprint
-from .kvfile import CacheLayout, SaveFailed, SessionBusy, SessionError, SessionExists
+from .identity import model_identity, title, weights_fingerprint
+from .kvfile import CacheLayout, SessionError
 from .listing import SessionInfo
 from .loading import LoadResult
+from .locks import SessionBusy
 from .names import check_name, slug
-from .session import Session
+from .session import SaveFailed, Session
 from .sidecar import Turn
-from .store import Store
+from .store import SessionExists, Store
 
 __all__ = [
     "CacheLayout", "LoadResult", "Paths", "SaveFailed", "Session", "SessionBusy", "SessionError", "SessionExists",
-    "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "slug", "weights_fingerprint",
+    "SessionInfo", "Store", "Turn", "check_name", "model_identity", "paths", "slug", "title", "weights_fingerprint",
 ]

@@ -45,23 +45,6 @@ COPY_CHUNK = 8 << 20  # a fork's records copied by reads and writes: this many b
 NO_COPY_RANGE = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
-class SessionBusy(SessionError):
-    """The session's lock is held by another colichat (or another Session in this process)."""
-
-
-class SessionExists(SessionError):
-    """A new session was asked for under a name that holds a conversation."""
-
-
-class SaveFailed(SessionError):
-    """Writing a session failed (a full disk, an I/O error): `what` says what could not be written and
-    why; the message adds what becomes of it (a conversation's own saves retry, a /save copy does not)."""
-
-    def __init__(self, what: str, then: str):
-        super().__init__(f"{what}; {then}")
-        self.what = what
-
-
 def oserror_text(e: OSError) -> str:
     return e.strerror or str(e) or type(e).__name__
 

@@ -16,8 +16,12 @@ import fcntl
 import os
 import time
 
-from .kvfile import SessionBusy, SessionError, check_writable, open_file, oserror_text
+from .kvfile import SessionError, check_writable, open_file, oserror_text
 from .names import remake_directory
+
+
+class SessionBusy(SessionError):
+    """The session's lock is held by another colichat (or another Session in this process)."""
 
 
 def take_lock(path: str, name: str) -> int:

@@ -29,7 +29,6 @@ from ..units import count
 from .kvfile import (
     HEADER_SIZE,
     CacheLayout,
-    SaveFailed,
     SessionError,
     changed_since_open,
     check_writable,
@@ -55,6 +54,15 @@ from .names import (
 )
 from .pending import Pending
 from .sidecar import Turn, iso_time, session_document, turn_crc, write_document
+
+
+class SaveFailed(SessionError):
+    """Writing a session failed (a full disk, an I/O error): `what` says what could not be written and
+    why; the message adds what becomes of it (a conversation's own saves retry, a /save copy does not)."""
+
+    def __init__(self, what: str, then: str):
+        super().__init__(f"{what}; {then}")
+        self.what = what
 
 
 class Session:

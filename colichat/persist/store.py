@@ -31,12 +31,17 @@ from ..hints import Said, read_hint
 from ..paths import paths, private_dir
 from . import renaming
 from .identity import dir_suffix, model_dirname
-from .kvfile import CacheLayout, SessionBusy, SessionError, SessionExists, fsync_dir, oserror_text
+from .kvfile import CacheLayout, SessionError, fsync_dir, oserror_text
 from .listing import SessionInfo, damaged_text, dir_layout, holds_or_damaged, model_file_now, session_info
-from .locks import flock_for_save, release_lock, remove_lock, take_lock
+from .locks import SessionBusy, flock_for_save, release_lock, remove_lock, take_lock
 from .names import KV_EXT, NAME_RE, SIDECAR_EXT, auto_name, check_name, holds_conversation, remove_leftovers
 from .prefixes import PrefixIndex
 from .session import Session
+
+
+class SessionExists(SessionError):
+    """A new session was asked for under a name that holds a conversation."""
+
 
 PREFIXES = "prefixes"  # beside the sessions directory: per model, the prefix index (prefixes.py)
 LAST_USED = "last-used"  # beside the sessions directory: per model, the conversation last reopened (Store.used)

@@ -101,7 +101,7 @@ def _signatures():
     return nt.void(w, x, out), nt.void(w, out)
 
 
-def _cache_path(cache_dir: str | None) -> str | None:
+def cache_path(cache_dir: str | None) -> str | None:
     """<cache_dir>/kernels (or NUMBA_CACHE_DIR, numba's own variable, where it is set: one cache that several
     homes share, as the tests do), created, when it can be written; else None (compile without a disk cache)."""
     if cache_dir is None:
@@ -143,7 +143,7 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
 def cached(cache_dir: str | None, names) -> bool:
     """Whether numba's cache under <cache_dir>/kernels holds the kernels of every type `names` (prepare()
     then loads them: well under a second; else it compiles: a first start's seconds, worth saying)."""
-    path = None if problem() is not None else _cache_path(cache_dir)
+    path = None if problem() is not None else cache_path(cache_dir)
     return path is not None and all(os.path.exists(_stamp(path, n)) for n in names)
 
 
@@ -180,7 +180,7 @@ def prepare(cache_dir: str | None, progress=None, names=None) -> float:
     start = time.perf_counter()
     if problem() is None:
         todo = [n for n in (names or TYPES) if n not in _COMPILED.functions]
-        path = _cache_path(cache_dir)
+        path = cache_path(cache_dir)
         helper = None
         cached = path is not None and all(os.path.exists(_stamp(path, n)) for n in todo)
         if path is not None and len(todo) > 1 and (os.cpu_count() or 1) > 1 and not cached:

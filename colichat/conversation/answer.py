@@ -9,10 +9,10 @@ layer's time on any model. While they run, the model's background work (the expe
 
 from __future__ import annotations
 
-from .engine.cancel import Cancel, Cancelled
-from .engine.generate import Generation
-from .engine.speculative import PromptLookup
-from .errors import ChatError
+from ..engine.cancel import Cancel, Cancelled
+from ..engine.generate import Generation
+from ..engine.speculative import PromptLookup
+from ..errors import ChatError
 from .report import TurnStats
 from .thinking import Splitter
 

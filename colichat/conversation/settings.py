@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .engine import SamplerSettings
-from .engine.sampler import broken_rule
-from .engine.speculative import MAX_DRAFT
-from .errors import SettingError
+from ..engine import SamplerSettings
+from ..engine.sampler import broken_rule
+from ..engine.speculative import MAX_DRAFT
+from ..errors import SettingError
 from .thinking import MODES
 
 

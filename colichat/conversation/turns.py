@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ChatError, ModelError
-from .persist import Turn
+from ..errors import ChatError, ModelError
+from ..persist import Turn
+from ..units import count
+from ..wrap import displayable
 from .report import TurnStats
 from .saving import Saving
-from .units import count
-from .wrap import displayable
 
 
 def takes(n: int) -> str:

@@ -8,7 +8,7 @@ import sys
 
 from .app import App
 from .inputs import FENCE, clean_line, inputs_of, read_input
-from .terminal import discard
+from .streams import discard
 
 LINE_MODE_HINT = (f"Line mode: type a message and Enter, a {FENCE} line for several lines, /help for commands, "
                   "Ctrl-D to quit.")

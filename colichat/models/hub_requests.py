@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from urllib.parse import unquote
 
-from .hints import Said
+from ..hints import Said
 
 TIMEOUT = 30.0  # s a request waits to connect, and for each answer, where the hub sets none
 WAIT = 5.0  # s before a request not answered yet says what it waits for

@@ -21,8 +21,8 @@ Qwen3: `enable_thinking` false, as llama.cpp's `--reasoning-budget 0`); the othe
 
 from __future__ import annotations
 
-from .units import count
-from .wrap import dimmed
+from ..units import count
+from ..wrap import dimmed
 
 OPEN, CLOSE = "<think>", "</think>"
 MODES = ("show", "fold", "hide", "off")  # the values of the `think` setting

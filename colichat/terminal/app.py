@@ -11,14 +11,14 @@ import signal
 import sys
 import time
 
-from . import report
-from .chat import Conversation
+from ..conversation import report
+from ..conversation.chat import Conversation
+from ..conversation.thinking import LiveThinking
+from ..engine.cancel import Cancel
+from ..errors import USER_ERRORS, ChatError
 from .commands import dispatch, is_command, meant_command, message_text
-from .engine.cancel import Cancel
-from .errors import USER_ERRORS, ChatError
-from .terminal import StatusLine, discard, dumb_terminal, terminal_size, to_stderr
-from .thinking import LiveThinking
-from .wrap import Screen
+from .screen import Screen
+from .streams import StatusLine, discard, dumb_terminal, terminal_size, to_stderr
 
 BUSY = {"/resume": "reading the conversation from disk ..."}  # what a slow command shows meanwhile
 PROGRESS_EVERY = 0.25  # seconds between two redraws of a prefill's progress (the engine tells it every layer)

@@ -21,16 +21,16 @@ import struct
 
 import gguf
 
-from .engine import ModelError, check_headers, file_headers
-from .engine import f32_bytes_but_experts as dense_bytes
-from .engine.gguf.header import HeaderError
-from .engine.gguf.prepared import entry_of
+from ..engine import ModelError, check_headers, file_headers
+from ..engine import f32_bytes_but_experts as dense_bytes
+from ..engine.gguf.header import HeaderError
+from ..engine.gguf.prepared import entry_of
+from ..paths import paths
+from ..persist import Store
+from ..units import format_size
+from ..wrap import displayable
+from .default import DefaultModelMissing, default_model_path
 from .hub import SPLIT_RE, cached_models, quant_of
-from .models import DefaultModelMissing, default_model_path
-from .paths import paths
-from .persist import Store
-from .units import format_size
-from .wrap import displayable
 
 HUB_PATH = re.compile(r".*/models--(?P<owner>[^/]+?)--(?P<repo>[^/]+)/snapshots/[^/]+/(?P<file>[^\0]+\.gguf)$", re.I)
 NO_MODELS = "no models yet: colichat --model hf:OWNER/REPO:QUANT downloads one (README.md, Getting a real model)\n"

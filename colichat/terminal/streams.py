@@ -11,8 +11,8 @@ import sys
 
 from wcwidth import wcswidth
 
-from .errors import ChatError
-from .wrap import wrap_line
+from ..errors import ChatError
+from ..wrap import wrap_line
 
 
 def to_stderr(line: str, hang: int = 0) -> None:

@@ -14,12 +14,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from . import hub, system_prompt
-from .engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
-from .models import DefaultModelMissing, default_model_path, model_title
-from .paths import paths
-from .persist import SessionError, Store, check_name
-from .sessions import (
+from ..conversation import system_prompt
+from ..conversation.reopen import (
     before_load,
     context_problem,
     model_fingerprint,
@@ -30,8 +26,13 @@ from .sessions import (
     resume_context,
     resume_rope_factors,
 )
-from .settings import SettingError, Settings
-from .terminal import dumb_terminal
+from ..conversation.settings import SettingError, Settings
+from ..engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
+from ..models import hub
+from ..models.default import DefaultModelMissing, default_model_path, model_title
+from ..paths import paths
+from ..persist import SessionError, Store, check_name
+from .streams import dumb_terminal
 
 
 @dataclass(frozen=True)

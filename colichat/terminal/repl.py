@@ -8,11 +8,11 @@ echo: keys typed then wait in the terminal's input queue and become the next pro
 only an Enter at that prompt sends (typed_ahead): a paste of many lines is never many messages, and
 nothing typed unseen is sent unseen. Bracketed paste stays on meanwhile, so a paste is text, not keys.
 
-When the terminal's width changes, what was shown is drawn again for the new width (wrap.Screen):
+When the terminal's width changes, what was shown is drawn again for the new width (screen.Screen):
 while an answer streams, before its next piece; at a prompt (the quit question's too), just before
 prompt_toolkit draws the prompt again for the new size (it handles SIGWINCH itself), above the
 prompt, whose typed text stays as it is. After Ctrl-Z and `fg`, nothing is drawn again: colichat
-goes on below the shell's lines (wrap.Screen.continued).
+goes on below the shell's lines (screen.Screen.continued).
 
 Esc then Enter inserts a newline however long the pause between them (the application waits for
 the key after Esc, as readline does: no timeout turns the Esc into a key of its own).
@@ -40,10 +40,11 @@ from prompt_toolkit.input.vt100_parser import Vt100Parser
 from prompt_toolkit.key_binding import KeyBindings, KeyPress
 from prompt_toolkit.keys import Keys
 
+from ..paths import paths, private_dir, private_file
+from ..wrap import rows
 from . import inputs
 from .commands import commands_of, completions
-from .paths import paths, private_dir, private_file
-from .wrap import Screen, rows
+from .screen import Screen
 
 PROMPT = "> "
 CONTINUATION = "... "
@@ -117,7 +118,7 @@ class _ReadOnlyHistory(FileHistory):
         pass
 
 
-def _history(no_save: bool = False):
+def input_history(no_save: bool = False):
     """Input history under the XDG state dir (COLICHAT_HOME/state); in memory if that fails, or if
     what is there is not a regular file (a FIFO would hang the start, a link to /dev/zero read without
     end: it is opened without blocking, and its descriptor checked, first). With --no-save the file's lines are
@@ -179,7 +180,7 @@ def yes_or_no(question: str, screen: Screen | None = None) -> bool:
 
 
 def make_session(app) -> PromptSession:
-    session = PromptSession(history=_history(app.conv.history.no_save), completer=SlashCompleter(app),
+    session = PromptSession(history=input_history(app.conv.history.no_save), completer=SlashCompleter(app),
                             key_bindings=_bindings(app.screen),
                             complete_while_typing=False, prompt_continuation=_continuation,
                             enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering

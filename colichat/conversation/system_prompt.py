@@ -11,8 +11,8 @@ prompt is refused only when even that leaves no room for the answer's first toke
 
 from __future__ import annotations
 
-from .engine import ContextError, ModelError
-from .engine.text.template import TemplateError, chat_template_for, system_prompt_refusal
+from ..engine import ContextError, ModelError
+from ..engine.text.template import TemplateError, chat_template_for, system_prompt_refusal
 
 
 def refusal(tokenizer, system: str) -> str | None:

@@ -25,22 +25,22 @@ try:
     import sys
     import warnings
 
-    from . import __version__
+    from .. import __version__
+    from ..conversation.chat import Conversation
+    from ..conversation.settings import TABLE, SettingError, Settings
+    from ..engine import MIN_CTX
+    from ..errors import USER_ERRORS, UsageError
+    from ..models.hub import is_hub_model
+    from ..models.hub import parse as parse_hub_model
+    from ..paths import expand_home
+    from ..persist import SessionError, Store, check_name
     from .app import BUSY, App, stopped_by_ctrl_c
-    from .chat import Conversation
-    from .engine import MIN_CTX
-    from .errors import USER_ERRORS, UsageError
-    from .hub import is_hub_model
-    from .hub import parse as parse_hub_model
     from .inputs import ESCAPED, Message
-    from .paths import expand_home
-    from .persist import SessionError, Store, check_name
+    from .one_shot import from_the_shell
     from .pipe import pipe_mode
-    from .settings import TABLE, SettingError, Settings
-    from .shell import from_the_shell
     from .start import Plan, given_model, load_model, model_sampling
     from .start import plan as start_plan
-    from .terminal import StatusLine, open_standard_streams, set_encodings, to_stderr
+    from .streams import StatusLine, open_standard_streams, set_encodings, to_stderr
 except BaseException:
     if not _interrupt_at_start.seen:
         raise

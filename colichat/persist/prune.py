@@ -3,7 +3,7 @@ losing a word. The KV file (the large one) of each goes; its sidecar, which hold
 with checksums, stays, and reopening the conversation reads its exchanges again from that text (a
 prefill, said in one plain line), after which its next answer writes the KV file anew (FORMAT.md).
 
-It lists what it will free and asks first (shell.py), unless --yes or stdin is not a terminal; DAYS 0
+It lists what it will free and asks first (terminal/one_shot.py), unless --yes or stdin is not a terminal; DAYS 0
 keeps the last hour's conversations unless --all. Only a conversation whose every turn can be read
 again is pruned: a sidecar whose turns all pass their checks, messages and answers in turn (not an
 imported cache, not an older colichat's sidecar without text checksums). One open in a running
@@ -18,12 +18,12 @@ import stat
 import time
 from dataclasses import dataclass
 
-from .persist import SessionError, Store
-from .persist.kvfile import fsync_dir
-from .persist.listing import SessionInfo
-from .persist.locks import release_lock, take_lock
-from .persist.sidecar import document, mark_pruned, parse_turns
-from .units import count, format_size
+from ..units import count, format_size
+from .kvfile import SessionError, fsync_dir
+from .listing import SessionInfo
+from .locks import release_lock, take_lock
+from .sidecar import document, mark_pruned, parse_turns
+from .store import Store
 
 
 def readable_again_whole(sidecar: str) -> bool:

@@ -17,7 +17,7 @@ def main() -> int:
         sys.stderr.write(STARTING)
         sys.stderr.flush()
     from .cli import main as run  # first: cli takes a Ctrl-C during the imports quietly
-    from .terminal import dumb_terminal
+    from .streams import dumb_terminal
 
     if shown:  # a dumb terminal takes no escape sequences: spaces over the line
         sys.stderr.write("\r" + " " * len(STARTING) + "\r" if dumb_terminal() else "\r\033[K")

@@ -14,11 +14,11 @@ import os
 
 import numpy as np
 
-from .errors import ChatError
-from .persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
-from .persist.listing import total_line, under_parents
-from .units import count, format_size
-from .wrap import displayable
+from ..errors import ChatError
+from ..persist import CacheLayout, SaveFailed, Session, SessionError, SessionExists, Store, check_name, slug
+from ..persist.listing import total_line, under_parents
+from ..units import count, format_size
+from ..wrap import displayable
 
 MIN_REUSE = 32  # tokens: a shorter shared prefix is prefilled (reading a file for it would cost as much)
 CURRENT_MARK = "* "  # in /sessions, the row of the conversation in use (the others start with two spaces)

@@ -37,12 +37,12 @@ import sys
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from .engine import ModelError, check_headers
-from .engine.gguf.header import Header, HeaderError, read_header
-from .errors import UsageError
-from .hints import Said, read_hint
+from ..engine import ModelError, check_headers
+from ..engine.gguf.header import Header, HeaderError, read_header
+from ..errors import UsageError
+from ..hints import Said, read_hint
+from ..units import format_size
 from .hub_requests import HubSilent, watched
-from .units import format_size
 
 PREFIX = "hf:"
 PREFERRED = "Q4_K_M"  # with no :QUANT among several GGUFs (llama.cpp's -hf takes it too)
@@ -306,11 +306,11 @@ def _download(spec: HubSpec, say, endpoint: str | None, cache_dir, cached: dict)
     for f in pick.files:
         if f in missing:
             say(f"downloading {f} ({format_size(listing[f])}) from {spec.repo} into {_cache_dir(cache_dir)}")
-        paths.append(hf_hub_download(spec.repo, f, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=_bar()))
+        paths.append(hf_hub_download(spec.repo, f, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=download_bar()))
     return paths[0]
 
 
-def _bar():
+def download_bar():
     """The hub's progress bar (shown on a terminal only), in colichat's units (MiB, GiB: binary, as the
     line above it) and without a file name: that line names the file whole, the bar would cut it."""
     from huggingface_hub.utils import tqdm

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .engine import Sampler
+from ..engine import Sampler
 from .settings import BY_NAME, Settings, saved_values
 from .system_prompt import refusal
 from .thinking import thinks

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import sys
 
-from .hub import is_hub_model, model_file
-from .model_list import NO_MODELS, model_rows
-from .models import DefaultModelMissing, default_model_path
-from .persist import SessionError, Store
-from .prune import choose, listed, prune_kv
-from .sessions import export_saved, listing
+from ..conversation.saved import export_saved, listing
+from ..models.default import DefaultModelMissing, default_model_path
+from ..models.hub import is_hub_model, model_file
+from ..models.listing import NO_MODELS, model_rows
+from ..persist import SessionError, Store
+from ..persist.prune import choose, listed, prune_kv
+from ..units import format_size
+from ..wrap import wrap_line
 from .start import unreadable_sessions
-from .terminal import ask_yes, print_out, terminal_columns, to_stderr
-from .units import format_size
-from .wrap import wrap_line
+from .streams import ask_yes, print_out, terminal_columns, to_stderr
 
 
 def from_the_shell(args, store: Store) -> int:

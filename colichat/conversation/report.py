@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..units import count, format_size
+from ..wrap import dimmed, displayable
 from .thinking import CLOSE, OPEN, head, shown_as, split
-from .units import count, format_size
-from .wrap import dimmed, displayable
 
 
 @dataclass

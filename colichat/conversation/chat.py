@@ -15,28 +15,28 @@ cache keeps the rows before the first token that differs, and the rest is read a
 An answer is kept as the model wrote it, thinking and all: the template decides what of it the
 model reads again, and thinking.py what the user sees of it.
 
-Beside it: history.py (the turns against what is saved: rewind, regen, forget, reset, fork, their
+Beside it: turns.py (the turns against what is saved: rewind, regen, forget, reset, fork, their
 deferred cuts), saving.py (the session it is saved into), chat_settings.py (the settings it runs
 with), report.py (the footer, /stats, what frees context).
 """
 
 from __future__ import annotations
 
+from ..engine import Model
+from ..engine.cancel import Cancel
+from ..engine.text.template import TemplateError, chat_template_for
+from ..errors import ChatError
+from ..persist import CacheLayout, Store, Turn, model_identity
+from ..persist.loading import REOPEN_ROOM
 from .answer import generate, prefill
 from .chat_settings import ChatSettings
-from .engine import Model
-from .engine.cancel import Cancel
-from .engine.text.template import TemplateError, chat_template_for
-from .errors import ChatError
-from .history import History
-from .persist import CacheLayout, Store, Turn, model_identity
-from .persist.loading import REOPEN_ROOM
 from .report import TurnStats, full_note, no_room, reopened, ways_out
 from .saving import Saving
 from .settings import Settings, damaged_settings
 from .stopwatch import Stopwatch
 from .system_prompt import problem_for_set
 from .thinking import opens_thinking
+from .turns import History
 
 FULL_BELOW = REOPEN_ROOM  # a resumed conversation with fewer tokens of context left is said to be full
 
@@ -46,7 +46,7 @@ __all__ = ["FULL_BELOW", "ChatError", "Conversation", "Settings", "TurnStats"]
 class Conversation:
     """The turns of one conversation over the model's cache: asking, forgetting, rewinding, resuming.
 
-    `history` holds its turns against what is saved (history.History, the session in `saving`),
+    `history` holds its turns against what is saved (turns.History, the session in `saving`),
     `prefs` the settings it runs with (chat_settings.ChatSettings); report.py says what happened.
     """
 

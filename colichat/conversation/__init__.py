@@ -1,0 +1,5 @@
+"""A conversation and what it runs with: the Conversation (chat.py) and its turns against what is saved
+(turns.py, saving.py), one exchange's forward passes (answer.py), the settings (settings.py,
+chat_settings.py, system_prompt.py), a thinking model's thinking (thinking.py), what the user is told
+(report.py), and what reopening a saved one means before a model loads (reopen.py, saved.py). The one
+part of the app that reaches persist/'s modules; it imports nothing of the terminal."""
