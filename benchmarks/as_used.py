@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     results = {}
     for name in args.files:
         if name == "default":
-            from colichat.models import default_model_path
+            from colichat.models.default import default_model_path
 
             name = default_model_path()
         path = Path(name)
