@@ -14,7 +14,7 @@ from quantized_models import quantized_copy
 from test_speculative import converse, decoded_one_by_one
 from test_threads import assert_same_with_one_and_two_threads, linear_with
 
-from colichat.engine import load, ops
+from colichat.engine import kernel_path, load, ops
 from colichat.engine.ffn import ExpertCache
 from colichat.engine.gguf import kernels
 from colichat.engine.gguf.qmatrix import QMatrix, stack
@@ -254,9 +254,20 @@ def test_the_first_start_says_it_compiles_the_kernels_and_later_starts_load_them
 
     args = ["--model", TINY / "ds-v3.q8_0.gguf", "--temperature", "0", "--max-tokens", "6", "--no-save", "-p", "hi"]
     own = {"NUMBA_CACHE_DIR": ""}  # (not the tests' shared cache: colichat's own, empty)
-    first, again = chat(tmp_path, args, env_extra=own).ok(), chat(tmp_path, args, env_extra=own).ok()
+    numba = [*args, "--kernels", "numba"]  # (a file this small takes the numpy path by default: the next test)
+    first, again = chat(tmp_path, numba, env_extra=own).ok(), chat(tmp_path, numba, env_extra=own).ok()
     assert "kernels: compiled in " in first.err and "(the first start; later starts load them)" in first.err
     assert "kernels" not in again.err and again.out == first.out
     assert list((tmp_path / "cache" / "kernels").rglob("*.nbi"))
     numpy = chat(tmp_path, [*args, "--kernels", "numpy"], env_extra=own).ok()
     assert numpy.out == first.out and "mapped from the file" in first.err and "mapped" not in numpy.err
+
+
+def test_auto_takes_the_numpy_path_for_a_model_small_as_f32_and_the_kernels_for_a_larger_one(monkeypatch):
+    import colichat.engine as engine
+
+    path = str(TINY / "ds-v3.q8_0.gguf")
+    assert kernel_path("auto", "fast", path=path) == "numpy" and kernel_path("numba", "fast", path=path) == "numba"
+    monkeypatch.setattr(engine, "SMALL_F32", 1)  # every file is larger
+    assert kernel_path("auto", "fast", path=path) == "numba"
+    assert kernel_path("auto", "llama.cpp", path=path) == "numpy"  # (llama.cpp numerics: always f32)

@@ -92,10 +92,11 @@ def parser() -> Parser:
     p.add_argument("--numerics", choices=["fast", "llama.cpp"],  # default fast (None: not given)
                    help="llama.cpp: reproduce llama.cpp's CPU arithmetic bit for bit (F32, Q8_0, Q4_1 weights; "
                    "slow, for checking against llama.cpp; default fast)")
-    p.add_argument("--kernels", choices=["numba", "numpy"], default="numba",
-                   help="numba (the default): multiply by the weights as the GGUF holds them, with compiled kernels "
-                   "(the first start compiles them); numpy: dequantize every weight to f32 (more memory; the "
-                   "reference, and what runs where numba cannot)")
+    p.add_argument("--kernels", choices=["auto", "numba", "numpy"], default="auto",
+                   help="numba: multiply by the weights as the GGUF holds them, with compiled kernels (the first "
+                   "start compiles them); numpy: dequantize every weight to f32 (more memory; the reference, and "
+                   "what runs where numba cannot); auto (the default): numba, but numpy for a model under 1 GiB "
+                   "as f32, which it runs faster")
     p.add_argument("--auto-forget", action="store_true", help="when a message would not fit in the context left "
                    "(or would leave too little room for its answer), go on in a new conversation without the "
                    "oldest exchanges first, as /forget does, instead of refusing it (for scripts)")

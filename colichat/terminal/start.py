@@ -27,7 +27,16 @@ from ..conversation.reopen import (
     resume_rope_factors,
 )
 from ..conversation.settings import SettingError, Settings
-from ..engine import ContextError, ModelError, default_context, load, prepare_kernels, resume_problem, trained_context
+from ..engine import (
+    ContextError,
+    ModelError,
+    default_context,
+    kernel_path,
+    load,
+    prepare_kernels,
+    resume_problem,
+    trained_context,
+)
 from ..models import hub
 from ..models.default import DefaultModelMissing, default_model_path, model_title
 from ..paths import paths
@@ -59,7 +68,7 @@ class Plan:
     read_only: bool  # the reopened conversation's directory cannot be written: nothing is saved
     save_new: bool  # a new conversation is saved (a person types its messages, or --session, --resume)
     interactive: bool  # the terminal REPL; else pipe mode (line mode, a pipe, -p)
-    kernels: str  # "numba" (the compiled kernels on the GGUF's blocks) or "numpy" (f32 weights): --kernels
+    kernels: str  # "auto", "numba" (the compiled kernels on the GGUF's blocks) or "numpy" (f32 weights): --kernels
 
 
 def plan(args, settings: Settings, given: frozenset, store: Store, model: str | None, say) -> Plan:
@@ -308,7 +317,7 @@ def load_model(plan: Plan, say, status):
         status.show("compiling kernels (first start) ...")
         compiled.append(time.perf_counter())
 
-    if plan.kernels == "numba" and plan.numerics == "fast":
+    if kernel_path(plan.kernels, plan.numerics, path=path) == "numba":
         prepare_kernels(path, paths().cache, compiling)
         compiled = [time.perf_counter() - t for t in compiled]
     try:
