@@ -119,7 +119,7 @@ def test_a_p_run_reuses_a_saved_conversation_and_says_so(colichat_home):
     [line] = [x for x in r.err.splitlines() if x.startswith("reused ")]
     n = int(line.split()[1].replace(",", ""))
     assert line == f"reused {n:,} tokens from doc" and n > 250
-    assert f", reused {n:,} tokens, " in r.footers()[0] and "0 tok/s" not in r.footers()[0]
+    assert f", reused {n:,} tokens, " in r.footers()[0] and " 0 tok/s" not in r.footers()[0]
     r = chat(colichat_home, [*args, "--no-reuse", "-p", Q2]).ok()
     assert "reused" not in r.err
 

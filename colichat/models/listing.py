@@ -106,8 +106,8 @@ def quant(path: str, kv: dict) -> str:
 def cache_bytes(path: str) -> int:
     """Bytes colichat's weights cache holds for the GGUF `path` as it is now (its dequantized weights and
     expert use counts: engine/gguf/prepared.py), 0 if none."""
-    entry = entry_of(path, paths().cache / "weights")
-    return sum(f.stat().st_size for f in entry.iterdir() if f.is_file()) if entry else 0
+    entries = (entry_of(path, paths().cache / "weights", kernels) for kernels in ("numba", "numpy"))  # either path's
+    return sum(f.stat().st_size for entry in entries if entry for f in entry.iterdir() if f.is_file())
 
 
 def _size(path: str) -> int:
