@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from colichat.engine import load
+from colichat.engine import load, prepare_kernels
 from colichat.engine.cancel import Cancel, Cancelled
 from colichat.paths import paths
 
@@ -39,7 +39,7 @@ def stopped_prefill(model, ids: list[int], delay: float) -> tuple[float, float] 
             model.prefill(ids, all_logits=False, cancel=cancel, progress=lambda done: ticks.append(time.perf_counter()))
     except Cancelled:
         end = time.perf_counter()
-        return end - set_at[0], float(np.diff([start, *ticks]).max())
+        return end - set_at[0], float(np.diff([start, *ticks, end]).max())
     timer.cancel()
     model.cache.truncate(0)
     return None
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--expert-cache", type=float, default=None, help="MiB of routed experts kept")
     args = parser.parse_args()
     t0 = time.perf_counter()
+    prepare_kernels(args.gguf, paths().cache)  # as a start does: compiled, or from numba's cache
     model = load(args.gguf, n_ctx=max(512, 2 * args.tokens), expert_cache=args.expert_cache,
                  cache_dir=paths().cache / "weights")
     print(f"loaded in {time.perf_counter() - t0:.1f} s")
