@@ -50,5 +50,5 @@ class Scripted(Sampler):
 def script(conv, *answers: str) -> None:
     """The conversation's model writes `answers` (texts, tokenized with their special tokens), one
     an exchange; its sampler is set again by a /set, which ends the script."""
-    ids = [i for text in answers for i in conv.tok.encode(text, special=True) + [conv.tok.eos_id]]
-    conv.prefs.sampler = Scripted(ids, conv.tok.eos_id)
+    ids = [i for text in answers for i in conv.prompt.tok.encode(text, special=True) + [conv.prompt.tok.eos_id]]
+    conv.prefs.sampler = Scripted(ids, conv.prompt.tok.eos_id)

@@ -167,7 +167,7 @@ def test_a_stop_inside_a_decode_pass_keeps_only_the_tokens_shown():
     slowed(model, on_layer)
     answer, stats = conv.ask("hello", on_text=shown.append, cancel=cancel)
     assert after == [] and stats.stopped == "interrupt" and answer == "".join(shown) and stats.generated == 2
-    assert model.cache.length == conv.turns[-1].last == conv.turns[-1].first + stats.generated
+    assert model.cache.length == conv.transcript.turns[-1].last == conv.transcript.turns[-1].first + stats.generated
 
 
 # --- Ctrl-C through the app, as the REPL takes it ----------------------------------------------------
@@ -193,7 +193,7 @@ def test_ctrl_c_while_a_slow_layer_reads_the_message_drops_it_at_the_next_layer(
     model = load(str(TINY / "llama.gguf"), n_ctx=256)
     conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
     conv.ask("hello")
-    before = (model.cache.length, list(conv.turns))
+    before = (model.cache.length, list(conv.transcript.turns))
     app, layers, after = app_on(conv), [], []
 
     def on_layer(l):
@@ -210,9 +210,9 @@ def test_ctrl_c_while_a_slow_layer_reads_the_message_drops_it_at_the_next_layer(
         del model.fwd.layer
     assert after == [] and layers == [0, 1]
     assert "colichat: interrupted while reading the message; it was not sent" in capsys.readouterr().err
-    assert (model.cache.length, conv.turns) == before
+    assert (model.cache.length, conv.transcript.turns) == before
     app.handle("and now?")  # a new input, a new Cancel: it is answered
-    assert conv.exchanges() == 2
+    assert len(conv.transcript.starts()) == 2
 
 
 def test_a_prefill_shows_tokens_rate_and_time_left_once_a_second_has_passed(monkeypatch):

@@ -22,7 +22,7 @@ def test_stop_during_a_long_prompt_drops_the_message(model):
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=4), save=False)
     conv.ask("hello")
-    before = (model.cache.length, list(conv.turns))
+    before = (model.cache.length, list(conv.transcript.turns))
     cancel = Cancel()
 
     def stop_in_the_second_step(done, total):
@@ -31,9 +31,9 @@ def test_stop_during_a_long_prompt_drops_the_message(model):
 
     with pytest.raises(ChatError, match="not sent"):
         conv.ask("x y " * 500, on_progress=stop_in_the_second_step, cancel=cancel)
-    assert (model.cache.length, conv.turns) == before
+    assert (model.cache.length, conv.transcript.turns) == before
     answer, _ = conv.ask("hello again")  # and the conversation goes on
-    assert conv.exchanges() == 2
+    assert len(conv.transcript.starts()) == 2
 
 
 def test_stop_during_the_answer_keeps_what_was_said(model):
@@ -48,7 +48,7 @@ def test_stop_during_the_answer_keeps_what_was_said(model):
 
     answer, stats = conv.ask("tell me", on_text=on_text, cancel=cancel)
     assert stats.stopped == "interrupt" and answer == "".join(pieces)
-    assert conv.turns[-1].last == model.cache.length and stats.generated >= 3
+    assert conv.transcript.turns[-1].last == model.cache.length and stats.generated >= 3
 
 
 @pytest.mark.parametrize("draft", [0, 8])
@@ -59,7 +59,7 @@ def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, dr
     conv = Conversation(model, Settings(temperature=0, max_tokens=40, draft=draft), save=False)
     message = "copy: one two three one two three one two three"
     full, _ = conv.ask(message)
-    full_ids = model.cache.token_ids()[conv.turns[-1].first:]
+    full_ids = model.cache.token_ids()[conv.transcript.turns[-1].first:]
     conv.new()
     pieces, passes, cancel = [], [], Cancel()
     decode, prefill = model.decode, model.prefill
@@ -79,8 +79,9 @@ def test_a_token_computed_when_the_stop_came_is_neither_shown_nor_kept(model, dr
     finally:
         model.decode, model.prefill = decode, prefill
     assert stats.stopped == "interrupt" and answer == "".join(pieces) and full.startswith(answer)
-    assert conv.turns[-1].last == model.cache.length == conv.turns[-1].first + stats.generated
-    assert model.cache.token_ids()[conv.turns[-1].first:] == full_ids[:stats.generated]  # the rows of what was shown
+    assert conv.transcript.turns[-1].last == model.cache.length == conv.transcript.turns[-1].first + stats.generated
+    shown = model.cache.token_ids()[conv.transcript.turns[-1].first:]  # the rows of what was shown
+    assert shown == full_ids[:stats.generated]
 
 
 @contextlib.contextmanager
@@ -107,10 +108,10 @@ def test_a_stop_inside_a_character_keeps_only_whole_characters(model):
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=40, draft=0), save=False)
     conv.ask("hello")
-    ids = model.cache.token_ids()[conv.turns[-1].first:]
+    ids = model.cache.token_ids()[conv.transcript.turns[-1].first:]
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     split = next(i for i, t in enumerate(ids)  # a token that begins a character and ends none
-                 if utf8.decode(conv.tok.piece(t)) == "" and utf8.getstate()[0])
+                 if utf8.decode(conv.prompt.tok.piece(t)) == "" and utf8.getstate()[0])
     conv.new()
     decode, calls, cancel = model.decode, [], Cancel()
 
@@ -126,22 +127,22 @@ def test_a_stop_inside_a_character_keeps_only_whole_characters(model):
         answer, stats = conv.ask("hello", on_text=lambda piece: cancel.requested or shown.append(piece), cancel=cancel)
     finally:
         del model.decode
-    kept = model.cache.token_ids()[conv.turns[-1].first:]
+    kept = model.cache.token_ids()[conv.transcript.turns[-1].first:]
     assert stats.stopped == "interrupt" and len(kept) < split + 1 and kept == ids[:len(kept)]
-    assert answer == "".join(shown) == conv.tok.decode(kept)
+    assert answer == "".join(shown) == conv.prompt.tok.decode(kept)
 
 
 def test_a_stop_before_the_first_token_drops_the_message(model):
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=8, draft=0), save=False)
     conv.ask("hello")
-    before = (model.cache.token_ids(), list(conv.turns))
+    before = (model.cache.token_ids(), list(conv.transcript.turns))
     dropped = "^interrupted before the answer began; the message was not sent$"
     with ctrl_c_at_first_decode(model) as cancel, pytest.raises(ChatError, match=dropped):
         conv.ask("and now?", cancel=cancel)
-    assert (model.cache.token_ids(), conv.turns) == before  # no empty answer kept
+    assert (model.cache.token_ids(), conv.transcript.turns) == before  # no empty answer kept
     conv.ask("and now?")
-    assert conv.exchanges() == 2
+    assert len(conv.transcript.starts()) == 2
 
 
 def test_regen_keeps_the_old_answer_until_a_new_one_exists(model, tmp_path):
@@ -156,13 +157,13 @@ def test_regen_keeps_the_old_answer_until_a_new_one_exists(model, tmp_path):
         first, _ = conv.ask("tell me more")
         files = {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"}
         rows = bytes(model.cache.raw(0, model.cache.length))
-        turns = list(conv.turns)
+        turns = list(conv.transcript.turns)
         with ctrl_c_at_first_decode(model) as cancel, pytest.raises(ChatError, match="not sent"):
-            conv.regen(cancel=cancel)
-        assert conv.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
+            conv.ask(None, cancel=cancel)
+        assert conv.transcript.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
         assert {p.name: p.read_bytes() for p in tmp_path.rglob("r.*") if p.suffix != ".lock"} == files
-        second, stats = conv.regen()  # a new answer replaces it, on disk too
-        assert stats.saved and second != first and [t.text for t in conv.turns][-1] == second
+        second, stats = conv.ask(None)  # a new answer replaces it, on disk too
+        assert stats.saved and second != first and [t.text for t in conv.transcript.turns][-1] == second
         rows = bytes(model.cache.raw(0, model.cache.length))
     finally:
         conv.close()
@@ -170,7 +171,7 @@ def test_regen_keeps_the_old_answer_until_a_new_one_exists(model, tmp_path):
     again = Conversation(model, Settings(), store=store)
     try:
         again.resume("r")
-        assert again.turns == conv.turns and bytes(model.cache.raw(0, model.cache.length)) == rows
+        assert again.transcript.turns == conv.transcript.turns and bytes(model.cache.raw(0, model.cache.length)) == rows
     finally:
         again.close()
 
@@ -205,7 +206,7 @@ def test_ctrl_c_during_forget_goes_back_to_the_conversation_as_it_was(model, tmp
     try:
         for question in ("one", "two", "three"):
             conv.ask(question)
-        turns, rows = list(conv.turns), bytes(model.cache.raw(0, model.cache.length))
+        turns, rows = list(conv.transcript.turns), bytes(model.cache.raw(0, model.cache.length))
         files = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".lock"}
         reads, cancel = [], Cancel()
 
@@ -217,7 +218,8 @@ def test_ctrl_c_during_forget_goes_back_to_the_conversation_as_it_was(model, tmp
 
         with pytest.raises(ChatError, match="^/forget stopped: back in f, as it was$"):
             conv.forget(1, on_progress=progress, cancel=cancel)
-        assert len(reads) == 2 and conv.turns == turns and bytes(model.cache.raw(0, model.cache.length)) == rows
+        assert len(reads) == 2 and conv.transcript.turns == turns
+        assert bytes(model.cache.raw(0, model.cache.length)) == rows
         assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".lock"} == files
         assert "new conversation without the oldest exchange" in conv.forget(1)  # and it can be done again
     finally:
@@ -238,14 +240,14 @@ def test_a_template_that_rewrites_history_still_gives_the_model_the_right_prompt
 
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=6), save=False)
-    conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
+    conv.prompt.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
     conv.ask("hello")
     conv.ask("and again")
-    user2 = conv.turns[-2]
-    prompt = conv.template.render(conv.messages(conv.turns[:-1]), True)
+    user2 = conv.transcript.turns[-2]
+    prompt = conv.prompt.template.render(conv.prompt.messages(conv.transcript.turns[:-1]), True)
     assert model.cache.token_ids()[: user2.last] == model.tokenizer.encode_prompt(prompt)
-    assert [t.role for t in conv.turns] == ["user", "assistant", "user", "assistant"]
-    assert conv.turns[-1].last == model.cache.length
+    assert [t.role for t in conv.transcript.turns] == ["user", "assistant", "user", "assistant"]
+    assert conv.transcript.turns[-1].last == model.cache.length
 
 
 def test_system_prompt_change_waits_for_the_next_conversation(model):
@@ -255,17 +257,17 @@ def test_system_prompt_change_waits_for_the_next_conversation(model):
         conv.ask("hello")
         if system_midway:
             assert "next conversation" in conv.set_option("system", "Be brief.")
-            assert conv.settings.system is None and conv.prefs.options()["system (next)"] == "Be brief."
+            assert conv.prefs.settings.system is None and conv.prefs.options()["system (next)"] == "Be brief."
         conv.ask("more")
         return conv, model.cache.token_ids()
 
     plain = run(False)[1]  # an independent run that never heard of the system prompt
     conv, ids = run(True)
-    assert ids == plain and conv.turns[0].first == 0  # the prompt set midway changed no token
+    assert ids == plain and conv.transcript.turns[0].first == 0  # the prompt set midway changed no token
     conv.new()
-    assert conv.settings.system == "Be brief." and "system (next)" not in conv.prefs.options()
+    assert conv.prefs.settings.system == "Be brief." and "system (next)" not in conv.prefs.options()
     conv.ask("hello")  # the next conversation reads it
-    prompt = model.tokenizer.decode(model.cache.token_ids()[: conv.turns[0].last])
+    prompt = model.tokenizer.decode(model.cache.token_ids()[: conv.transcript.turns[0].last])
     assert "Be brief." in prompt and "Be brief." not in model.tokenizer.decode(plain)
 
 
@@ -274,11 +276,11 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
 
     model.reset()
     conv = Conversation(model, Settings(temperature=0, max_tokens=6), session_name="rw")
-    conv.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
+    conv.prompt.template = ChatTemplate(REWRITING_TEMPLATE, bos_token=model.tokenizer.bos_text)
     conv.ask("hello")
     _, stats = conv.ask("and again")
     assert stats.saved
-    records, turns = model.cache.records[: model.cache.length].copy(), list(conv.turns)
+    records, turns = model.cache.records[: model.cache.length].copy(), list(conv.transcript.turns)
     conv.close()
     model.reset()
     again = Conversation(model, Settings(temperature=0))
@@ -286,7 +288,7 @@ def test_rewritten_history_is_saved_and_resumes(model, colichat_home):
     def rows(ts):
         return [(t.role, t.text, t.first, t.last) for t in ts]
 
-    assert rows(again.turns) == rows(turns)
+    assert rows(again.transcript.turns) == rows(turns)
     assert model.cache.records[: model.cache.length].tobytes() == records.tobytes()
     again.close()
 
@@ -303,7 +305,7 @@ def test_mla_models_rewind_new_and_resume(colichat_home, name):
     second, _ = conv.ask("and again")
     rows2 = m.cache.records[: m.cache.length].tobytes()
     conv.rewind(1)
-    assert m.cache.records[: m.cache.length].tobytes() == rows1 and conv.exchanges() == 1
+    assert m.cache.records[: m.cache.length].tobytes() == rows1 and len(conv.transcript.starts()) == 1
     assert conv.ask("and again")[0] == second
     assert m.cache.records[: m.cache.length].tobytes() == rows2
     conv.new()
@@ -312,5 +314,5 @@ def test_mla_models_rewind_new_and_resume(colichat_home, name):
     conv.close()
     again = Conversation(m, Settings(temperature=0))
     again.resume("s")  # the session of the first two exchanges, kept by /new
-    assert again.exchanges() == 2 and m.cache.records[: m.cache.length].tobytes() == rows2
+    assert len(again.transcript.starts()) == 2 and m.cache.records[: m.cache.length].tobytes() == rows2
     again.close()

@@ -72,7 +72,7 @@ def test_forget_after_failed_saves_is_refused_until_the_conversation_is_saved(mo
         for leave in (lambda: conv.forget(1), conv.new):
             with pytest.raises(ChatError, match="not saved .*No space left on device.* would lose it"):
                 leave()
-        assert conv.exchanges() == 2  # nothing was dropped
+        assert len(conv.transcript.starts()) == 2  # nothing was dropped
     said = conv.forget(1)
     assert "of s (still saved as it was)" in said
     assert saved_texts(store, "s")[0::2] == Q[:2]  # saved before it was left, both exchanges
@@ -84,7 +84,7 @@ def test_a_failed_rewind_is_made_by_the_next_save_and_the_next_answer_is_saved(m
     conv = talked(model, store, 2)
     with failing(monkeypatch, "fsync", err=errno.EIO):
         dropped = conv.rewind(1)
-    assert [t.text for t in dropped][0] == Q[1] and "Input/output error" in conv.cut_failed
+    assert [t.text for t in dropped][0] == Q[1] and "Input/output error" in conv.transcript.cut_failed
     assert saved_texts(store)[0::2] == Q[:2]  # the disk as before: the rewind waits for the next save
     _, stats = conv.ask(Q[2])
     assert stats.saved is True
@@ -93,7 +93,7 @@ def test_a_failed_rewind_is_made_by_the_next_save_and_the_next_answer_is_saved(m
     model.reset()
     again = conversation(model, store, None)
     again.resume("s")
-    assert [t.text for t in again.turns][0::2] == [Q[0], Q[2]]
+    assert [t.text for t in again.transcript.turns][0::2] == [Q[0], Q[2]]
     again.close()
 
 
@@ -102,7 +102,7 @@ def test_quitting_after_a_failed_rewind_tries_the_cut_again(model, tmp_path, mon
     conv = talked(model, store, 2)
     with failing(monkeypatch, "replace", err=errno.EIO):
         conv.rewind(1)
-    assert conv.cut_failed and saved_texts(store)[0::2] == Q[:2]
+    assert conv.transcript.cut_failed and saved_texts(store)[0::2] == Q[:2]
     conv.close()
     assert saved_texts(store)[0::2] == Q[:1]  # the text rewound is not on disk any more
 
@@ -121,7 +121,7 @@ def test_reset_empties_the_conversation_in_place_and_the_next_message_starts_it_
     [sidecar] = store.root.glob("*/s.json")
     doc = json.loads(sidecar.read_text("utf-8"))
     assert doc["turns"] == [] and doc["sampler"]["temperature"] == 0.0
-    assert conv.turns == [] and model.cache.length == 0 and conv.saving.name == "s"
+    assert conv.transcript.turns == [] and model.cache.length == 0 and conv.name == "s"
     conv.ask(Q[2])
     after_reset = kv_file(store).read_bytes()
     conv.close()
@@ -169,7 +169,7 @@ def test_a_kv_file_cut_short_in_place_by_another_program_is_written_again(model,
     model.reset()
     again = conversation(model, store, None)
     said = again.resume("s")
-    assert "warning" not in said and again.exchanges() == 3
+    assert "warning" not in said and len(again.transcript.starts()) == 3
     assert model.cache.raw(0, model.cache.length).tobytes() == rows
     again.close()
 
@@ -217,7 +217,7 @@ def test_delete_refuses_a_directory_in_place_of_a_kv_file_and_deletes_nothing(mo
     [sidecar] = store.root.glob("*/x.json")
     conv = conversation(model, store, None)
     with pytest.raises(SessionError, match="x.coli_kv is a directory.* nothing was deleted"):
-        conv.saving.delete("x")
+        conv.shelf.delete("x", conv.name)
     assert sidecar.exists() and kv.is_dir()
     conv.close()
 
@@ -241,7 +241,7 @@ def test_an_io_error_at_start_is_said_as_one(model, tmp_path, monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(Path, "iterdir", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
         with pytest.raises(SessionError, match="cannot list the conversations in .*: Input/output error"):
-            store.list(conv.saving.ident)
+            store.list(conv.shelf.ident)
 
 
 def test_forget_names_its_new_conversation_after_the_one_it_came_from(model, tmp_path):
@@ -250,7 +250,7 @@ def test_forget_names_its_new_conversation_after_the_one_it_came_from(model, tmp
     assert "saved as trip-cont" in conv.forget(1)
     conv.forget(1)  # its only exchange: a new empty conversation, whose first message names it
     conv.ask(Q[2])
-    assert conv.saving.name == "once-more"
+    assert conv.name == "once-more"
     conv.close()
 
 
@@ -290,7 +290,7 @@ def test_the_latest_conversation_is_the_one_last_used_not_only_the_last_saved(mo
         conv = conversation(model, store, name)
         conv.ask(Q[0])
         conv.close()
-    ident = conversation(model, store, None).saving.ident
+    ident = conversation(model, store, None).shelf.ident
     assert store.latest(ident).name == "newer"
     conv = conversation(model, store, None)
     conv.resume("older")  # reopened: the last used, though "newer" was saved after it
@@ -337,21 +337,21 @@ def test_an_edit_s_save_cut_short_at_any_call_keeps_the_old_conversation_or_the_
     for k in range(1, 60):
         store = Store(tmp_path / str(k))
         conv = talked(model, store, 2)
-        old = [t.text for t in conv.turns]
+        old = [t.text for t in conv.transcript.turns]
         if edit == "/regen":
             conv.set_option("temperature", 1.0)  # (another answer)
         else:
             with failing(monkeypatch, "replace", err=errno.EIO):
                 conv.rewind(1)
-            assert conv.cut_failed
+            assert conv.transcript.cut_failed
         with crash_at(monkeypatch, k) as calls:
             try:
-                conv.regen() if edit == "/regen" else conv.ask(Q[2])
+                conv.ask(None) if edit == "/regen" else conv.ask(Q[2])
                 finished = True
             except Crash:
                 pass
-        new = [t.text for t in conv.turns]
-        conv.saving.close()  # (killed: nothing more is written)
+        new = [t.text for t in conv.transcript.turns]
+        conv.close()  # (killed: nothing more is written)
         res = read_saved(next(store.root.iterdir()), "s")
         got = [t.text for t in res.turns]
         assert res.warnings == [] and not res.unread, (k, res.warnings)
@@ -378,7 +378,7 @@ def test_reading_again_then_a_save_cut_short_at_any_call_loses_no_exchange(model
     for k in range(1, 60):
         store = Store(tmp_path / str(k))
         conv = talked(model, store, 2)
-        old = [t.text for t in conv.turns]
+        old = [t.text for t in conv.transcript.turns]
         if edit != "/forget":
             conv.close()
             kv = kv_file(store)
@@ -393,7 +393,7 @@ def test_reading_again_then_a_save_cut_short_at_any_call_loses_no_exchange(model
                 finished = True
             except Crash:
                 pass
-        conv.saving.close()  # (killed: nothing more is written)
+        conv.close()  # (killed: nothing more is written)
         directory = next(store.root.iterdir())
         res = read_saved(directory, "s")
         got = [t.text for t in res.turns + res.unread]
@@ -431,14 +431,14 @@ def test_an_interrupted_reset_or_rewind_to_nothing_shows_as_a_finished_one(model
     for k in range(1, 30):
         store = Store(tmp_path / str(k))
         conv = talked(model, store, 2)
-        old, ident, layout = [t.text for t in conv.turns], conv.saving.ident, conv.saving.layout
+        old, ident, layout = [t.text for t in conv.transcript.turns], conv.shelf.ident, conv.shelf.layout
         with crash_at(monkeypatch, k) as calls:
             try:
                 conv.reset() if edit == "/reset" else conv.rewind(2)
                 finished = True
             except Crash:
                 pass
-        conv.saving.close()  # (killed: nothing more is written)
+        conv.close()  # (killed: nothing more is written)
         directory = next(store.root.iterdir())
         listed = [i.describe().split(", ")[0] for i in store.list()]
         if listed == ["s: 4 turns"]:  # not committed: as it was
@@ -477,7 +477,8 @@ def test_listings_count_only_what_opening_keeps(model, tmp_path):
         [info] = store.list()
         opened = conversation(model, store, None)
         opened.resume("s")
-        assert info.describe().split(", ")[0] == row and info.turns == len(opened.turns), (bad, info.describe())
+        assert info.describe().split(", ")[0] == row, (bad, info.describe())
+        assert info.turns == len(opened.transcript.turns), (bad, info.describe())
         assert info.tokens == model.cache.length
         opened.close()
 

@@ -813,16 +813,16 @@ def test_failure_inside_an_answer_leaves_cache_and_turns_consistent(colichat_hom
     conv = Conversation(model, Settings(temperature=0, max_tokens=8), session_name="s")
     try:
         conv.ask(Q[0])
-        before = conv.n_tokens
+        before = conv.model.cache.length
 
         def broken(piece):
             raise RuntimeError("output failed")
 
         with pytest.raises(RuntimeError):
             conv.ask(Q[1], on_text=broken)
-        assert conv.n_tokens == before == conv.turns[-1].last
+        assert conv.model.cache.length == before == conv.transcript.turns[-1].last
         answer, stats = conv.ask(Q[1])
-        assert stats.saved and conv.n_tokens == conv.turns[-1].last
+        assert stats.saved and conv.model.cache.length == conv.transcript.turns[-1].last
     finally:
         conv.close()
     ref = chat_here(colichat_home, [*TINY_ARGS, "--session", "r"], lines(*Q[:2])).ok()

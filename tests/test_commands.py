@@ -38,13 +38,13 @@ def app(model, tmp_path):
 
 def test_set_system_takes_the_rest_of_the_line(app):
     assert run(app, "/set system You are a pirate.") == ["system = You are a pirate."]
-    assert app.conv.settings.system == "You are a pirate."
+    assert app.conv.prefs.settings.system == "You are a pirate."
     run(app, "/set system 'Don't lie.'")
-    assert app.conv.settings.system == "Don't lie."
+    assert app.conv.prefs.settings.system == "Don't lie."
     run(app, '/set system "You are" a pirate')
-    assert app.conv.settings.system == '"You are" a pirate'
+    assert app.conv.prefs.settings.system == '"You are" a pirate'
     run(app, '/set system "Be brief."')
-    assert app.conv.settings.system == "Be brief."
+    assert app.conv.prefs.settings.system == "Be brief."
     assert app.errors == 0
 
 
@@ -52,7 +52,7 @@ def test_set_without_a_value_shows_the_current_one(app):
     assert run(app, "/set system") == ["system = none"]
     assert run(app, "/set temperature") == ["temperature = 0.0"]
     assert run(app, "/set top-k") == ["top_k = 40"]
-    assert app.errors == 0 and app.conv.settings.system is None
+    assert app.errors == 0 and app.conv.prefs.settings.system is None
 
 
 def test_set_errors_are_one_line(app):
@@ -109,20 +109,20 @@ def test_show_prints_values_as_set_takes_them(app):
     assert "seed           7" in shown and "system         Be brief." in shown and "temperature    0.0" in shown
     assert [line.split()[0] for line in shown[:-1]] == [row.name for row in TABLE]
     assert shown[-1] == "kv             f32"  # --kv's
-    before = app.conv.settings
+    before = app.conv.prefs.settings
     for line in shown:  # every line typed back after /set changes nothing
         run(app, "/set " + line)
-    assert app.conv.settings == before and app.errors == 0
+    assert app.conv.prefs.settings == before and app.errors == 0
 
 
 def test_set_seed_none_unsets_it(app):
     run(app, "/set seed 3")
-    assert app.conv.settings.seed == 3
+    assert app.conv.prefs.settings.seed == 3
     assert run(app, "/set seed none") == ["seed = none"]
-    assert app.conv.settings.seed is None and "seed           none" in run(app, "/show")
+    assert app.conv.prefs.settings.seed is None and "seed           none" in run(app, "/show")
     run(app, "/set system Be brief.")
     run(app, "/set system none")
-    assert app.conv.settings.system is None and app.errors == 0
+    assert app.conv.prefs.settings.system is None and app.errors == 0
 
 
 def test_the_repeat_window_is_the_setting(model):
@@ -205,10 +205,10 @@ def test_system_given_with_resume_waits_for_the_next_conversation(model, tmp_pat
     said = again.resume("sy").splitlines()
     assert ("note: the system prompt given waits for the next conversation (/new starts one); this one goes on "
             "with the one it was saved with") in said
-    assert again.settings.system == "Old." and again.prefs.options()["system (next)"] == "New."
-    assert again.settings.temperature == 0.5 and again.settings.max_tokens == 4
+    assert again.prefs.settings.system == "Old." and again.prefs.options()["system (next)"] == "New."
+    assert again.prefs.settings.temperature == 0.5 and again.prefs.settings.max_tokens == 4
     again.reset()
-    assert again.settings.system == "New."
+    assert again.prefs.settings.system == "New."
     again.close()
 
 
@@ -220,10 +220,10 @@ NO_ARGUMENT = [name for c in COMMANDS if not c.args for name in (c.name, *c.alia
 @pytest.mark.parametrize("name", NO_ARGUMENT)
 def test_a_command_that_takes_no_argument_refuses_one_and_does_nothing(app, name):
     app.conv.ask("hello")
-    before = [(t.role, t.text) for t in app.conv.turns]
+    before = [(t.role, t.text) for t in app.conv.transcript.turns]
     said = run(app, f"{name} extra words")
     assert len(said) == 1 and said[0].startswith(f"colichat: {name} takes no argument"), said
-    assert [(t.role, t.text) for t in app.conv.turns] == before and not app.quitting and app.errors == 1
+    assert [(t.role, t.text) for t in app.conv.transcript.turns] == before and not app.quitting and app.errors == 1
 
 
 def test_new_with_a_name_says_how_to_name_the_conversation(app):
@@ -247,7 +247,7 @@ def test_export_to_a_directory_writes_name_md_in_it_and_never_overwrites(app, tm
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes").mkdir()
     app.conv.ask("hello")
-    name = app.conv.saving.name
+    name = app.conv.name
     assert run(app, "/export notes") == [f"exported 2 turns to notes/{name}.md"]
     assert (tmp_path / "notes" / f"{name}.md").read_text().startswith("# ")
     assert run(app, "/export notes/") == [f"exported 2 turns to notes/{name}-2.md"]  # a name colichat chose
@@ -256,7 +256,7 @@ def test_export_to_a_directory_writes_name_md_in_it_and_never_overwrites(app, tm
 def test_export_never_overwrites_a_file_named_by_the_user_and_numbers_its_own(app, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     app.conv.ask("hello")
-    name = app.conv.saving.name
+    name = app.conv.name
     assert run(app, "/export") == [f"exported 2 turns to {name}.md"]
     assert run(app, "/export") == [f"exported 2 turns to {name}-2.md"]
     run(app, "/export mine.md")
@@ -318,7 +318,7 @@ def test_rewind_says_what_regen_and_forget_say(app):
         more = " (/reset empties it)" if n == "3" else ""
         assert run(app, f"/rewind {n}") == [f"colichat: /rewind takes 1 to 2: the conversation has 2 exchanges{more}"]
         assert run(app, f"/forget {n}") == ["colichat: /forget takes 1 to 2: the conversation has 2 exchanges"]
-    assert app.conv.exchanges() == 2
+    assert len(app.conv.transcript.starts()) == 2
 
 
 def test_habits_from_other_chat_programs_get_a_did_you_mean(app):
@@ -354,13 +354,13 @@ def test_slash_alone_says_it_is_not_a_command(app):
 def test_rename_before_the_first_answer_names_the_conversation_for_its_first_save(app):
     assert run(app, "/rename notes") == ["this conversation is named notes: its first answer saves it"]
     app.handle("hello")
-    assert app.conv.saving.name == "notes" and app.conv.saving.names() == ["notes"] and app.errors == 0
+    assert app.conv.name == "notes" and app.conv.shelf.names() == ["notes"] and app.errors == 0
     run(app, "/new")
     assert run(app, "/rename notes") == ["colichat: session notes already exists: choose another name"]
     assert run(app, "/rename other") == ["this conversation is named other: its first answer saves it"]
     assert run(app, "/rename third") == ["renamed session other to third"]  # named, not saved yet
     app.handle("hello")
-    assert sorted(app.conv.saving.names()) == ["notes", "third"]
+    assert sorted(app.conv.shelf.names()) == ["notes", "third"]
 
 
 def test_set_system_alone_shows_the_prompt_waiting_for_the_next_conversation(app):

@@ -169,15 +169,17 @@ def test_a_caller_bug_in_a_message_is_a_traceback_not_a_line(capsys):
     assert "colichat:" not in capsys.readouterr().err
 
 
-def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
-    """Saving.save turns a full disk (OSError) into "NOT saved: ..."; a ValueError from the session is a
-    bug and goes up."""
-    from colichat.conversation.report import TurnStats
-    from colichat.conversation.saving import Saving
-    from colichat.persist import CacheLayout
+def test_a_caller_bug_while_saving_is_not_reported_as_not_saved(tmp_path):
+    """An answer's save turns a full disk (OSError) into "NOT saved: ..."; a ValueError from the session
+    is a bug and goes up."""
+    from conftest import TINY
 
-    class Session:
-        name, notes = "s", []
+    from colichat.conversation.chat import Conversation, Settings
+    from colichat.engine import load
+    from colichat.persist import Store
+
+    class Session:  # the session in use, its append failing as told
+        name, notes, on_disk = "s", [], True
 
         def __init__(self, error):
             self.error = error
@@ -185,14 +187,15 @@ def test_a_caller_bug_while_saving_is_not_reported_as_not_saved():
         def append(self, cache, turns, sampler=None, keep=None):
             raise self.error
 
-    saving = Saving(store=object(), ident={}, layout=CacheLayout("gqa", 1, 2, 2, 10), name="s")
-    saving.session = Session(OSError(28, "No space left on device"))
-    stats = TurnStats()
-    saving.save(None, [], {}, stats)
+    conv = Conversation(load(str(TINY / "llama.gguf"), n_ctx=256), Settings(temperature=0, max_tokens=2),
+                        store=Store(tmp_path / "s"))
+    conv.session = Session(OSError(28, "No space left on device"))
+    _, stats = conv.ask("hello")
     assert stats.saved is False and stats.save_error == "[Errno 28] No space left on device"
-    saving.session = Session(ValueError("turn 'user' [0, 3) does not start at record 2"))
+    conv.session = Session(ValueError("turn 'user' [0, 3) does not start at record 2"))
     with pytest.raises(ValueError):
-        saving.save(None, [], {}, TurnStats())
+        conv.ask("hello again")
+    conv.session = None
 
 
 def test_the_user_errors_are_the_projects_types():

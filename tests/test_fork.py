@@ -76,8 +76,8 @@ def test_a_fork_continued_is_the_conversation_that_had_only_those_exchanges(mode
     said = conv.fork(n if n < len(Q) else None)
     assert said.startswith(f"forked trip after exchange {n}: the conversation goes on in trip-fork (")
     assert "copied from trip's file, no re-prefill" in said
-    assert conv.saving.name == "trip-fork" and conv.exchanges() == n
-    tokens = conv.turns[-1].last
+    assert conv.name == "trip-fork" and len(conv.transcript.starts()) == n
+    tokens = conv.transcript.turns[-1].last
     assert model.cache.length == tokens
     parent, fork = files(store, "trip")[0].read_bytes(), files(store, "trip-fork")[0].read_bytes()
     rows = HEADER_SIZE + tokens * model.cache.record_bytes
@@ -120,7 +120,7 @@ def test_without_copy_file_range_the_fork_is_copied_by_reads_and_writes(model, t
         monkeypatch.delattr(os, "copy_file_range", raising=False)
     assert "copied from trip's file" in conv.fork(2)
     monkeypatch.undo()
-    tokens = conv.turns[-1].last
+    tokens = conv.transcript.turns[-1].last
     conv.close()
     parent, fork = files(store, "trip")[0].read_bytes(), files(store, "trip-fork")[0].read_bytes()
     rows = HEADER_SIZE + tokens * model.cache.record_bytes
@@ -137,7 +137,7 @@ def test_a_copy_that_fails_leaves_no_fork_and_the_conversation_as_it_was(model, 
                                             r"\(free some space, then /fork again\)$"):
             conv.fork(1)
     assert [p.name for p in store.root.glob("*/trip-fork*")] == []  # (its lock file too)
-    assert conv.saving.name == "trip" and conv.exchanges() == 2 and model.cache.length == rows
+    assert conv.name == "trip" and len(conv.transcript.starts()) == 2 and model.cache.length == rows
     conv.ask(Q[2])  # goes on in trip
     assert [t["text"] for t in sidecar(store, "trip")["turns"]][0::2] == Q[:3]
     conv.close()
@@ -149,7 +149,7 @@ def test_a_reopened_fork_goes_on_as_the_live_one(model, tmp_path):
     conv.fork(2)
     conv.close()
     again = conversation(model, store, None)
-    assert "resumed" in again.resume("trip-fork") and again.saving.lineage() == ("trip", 2)
+    assert "resumed" in again.resume("trip-fork") and (again.session.parent, again.session.branch) == ("trip", 2)
     answer, _ = again.ask(M)
     again.close()
     doc = sidecar(store, "trip-fork")
@@ -176,9 +176,9 @@ def test_forks_that_are_cut_below_their_branch_point_say_so_and_cut_to_nothing_a
     conv.fork(2)
     conv.ask(M)
     conv.rewind(2)
-    assert conv.saving.lineage() == ("trip", 1) and sidecar(store, "trip-fork")["branch"] == 1
+    assert (conv.session.parent, conv.session.branch) == ("trip", 1) and sidecar(store, "trip-fork")["branch"] == 1
     conv.reset()
-    assert conv.saving.lineage() is None and "parent" not in sidecar(store, "trip-fork")
+    assert conv.session.parent is None and "parent" not in sidecar(store, "trip-fork")
     conv.close()
 
 
@@ -217,7 +217,7 @@ def test_fork_refusals_are_one_line(app):
     for arg in ("0", "3", "-1"):
         assert run(app, f"/fork {arg}") == ["colichat: /fork takes 1 to 2: the conversation has 2 exchanges"]
     assert run(app, "/fork two") == ["colichat: /fork takes a whole number, not 'two'"]
-    assert app.conv.exchanges() == 2 and app.conv.saving.name == "hello-there"
+    assert len(app.conv.transcript.starts()) == 2 and app.conv.name == "hello-there"
 
 
 def test_fork_of_a_conversation_not_saved_is_refused(model, tmp_path):
@@ -255,7 +255,7 @@ def test_forks_are_listed_under_their_parents_and_history_says_where_they_branch
     run(app, "Something else")
     history = run(app, "/history")
     assert history[0] == "forked from hello-there after exchange 1" and history[1:] == [
-        turn_line(t) for t in app.conv.turns]
+        turn_line(t) for t in app.conv.transcript.turns]
     run(app, "/fork")  # a fork of the fork
     run(app, "/resume hello-there")
     assert not run(app, "/history")[0].startswith("forked")
@@ -268,7 +268,7 @@ def test_forks_are_listed_under_their_parents_and_history_says_where_they_branch
     assert said[1].endswith("(fork of hello-there at exchange 2)")
     assert said[2].endswith("(fork of hello-there at exchange 1)")
     assert said[3].endswith("(fork of hello-there-fork at exchange 2)")
-    everything = listing(app.conv.saving.store)  # colichat --sessions
+    everything = listing(app.conv.shelf.store)  # colichat --sessions
     assert any(line.strip().startswith("hello-there-fork: ") and line.endswith("(fork of hello-there at exchange 1)")
                for line in everything), everything
     assert run(app, "/rename plan") == ["renamed session hello-there-fork-2 to plan"]

@@ -39,11 +39,11 @@ def saved_users(store: Store) -> list[str]:
 def test_a_failed_edit_puts_back_the_rows_the_turns_and_the_deferred_cut(model, tmp_path):
     store = Store(tmp_path / "s")
     conv = talked(model, store, 2)
-    h, cache = conv.history, model.cache
+    h, cache = conv.transcript, model.cache
     turns, length, rows = list(h.turns), cache.length, cache.records[: cache.length].copy()  # (n,) records
     with pytest.raises(ChatError, match="midway"):
         with h.restored_unless_done(turns[1].first):  # (the first row the edit touches)
-            h.rebase(turns[1].first, defer_cut=True)  # the cut waits for the next save
+            h.defer_cut(h.rebase(turns[1].first))  # the cut waits for the next save
             assert h.unsaved_cut == 1 and cache.length == turns[1].first
             cache.records[turns[1].first : length] = 0
             raise ChatError("midway")
@@ -56,7 +56,7 @@ def test_a_failed_edit_puts_back_the_rows_the_turns_and_the_deferred_cut(model, 
 def test_regen_that_fails_leaves_memory_and_disk_as_they_were_and_the_next_answer_saves_both(model, tmp_path):
     store = Store(tmp_path / "s")
     conv = talked(model, store, 2)
-    h = conv.history
+    h = conv.transcript
     turns, length = list(h.turns), model.cache.length
     with pytest.raises(RuntimeError):
         with h.replacing_last() as user:
@@ -73,8 +73,8 @@ def test_a_rewind_to_no_exchange_takes_the_waiting_system_prompt_and_says_it_thr
     store = Store(tmp_path / "s")
     conv = talked(model, store, 1)
     conv.set_option("system", "Be brief.")  # after the first answer: it waits for the next conversation
-    assert conv.settings.system is None and conv.history.saved_name == "s"
+    assert conv.prefs.settings.system is None and conv.saved_name == "s"
     dropped = conv.rewind(1)
-    assert [t.role for t in dropped] == ["user", "assistant"] and conv.turns == []
-    assert conv.settings.system == "Be brief." and conv.history.saved_name is None  # off the disk until an answer
+    assert [t.role for t in dropped] == ["user", "assistant"] and conv.transcript.turns == []
+    assert conv.prefs.settings.system == "Be brief." and conv.saved_name is None  # off the disk until an answer
     conv.close()

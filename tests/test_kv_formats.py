@@ -178,8 +178,8 @@ def test_a_file_of_a_codec_colichat_does_not_read_is_refused_and_left_as_it_is(m
     with pytest.raises(SessionError, match=r"COLIKV3 PolarQuant \(codec 0\) at 4 bits, which colichat does not read"):
         other.resume("polar")
     assert path.read_bytes() == bytes(data)
-    assert model.cache.length == length and other.saving.name == "other"
-    [row] = [i for i in store.list(other.saving.ident) if i.name == "polar"]  # the listing says why too
+    assert model.cache.length == length and other.name == "other"
+    [row] = [i for i in store.list(other.shelf.ident) if i.name == "polar"]  # the listing says why too
     assert "which colichat does not read" in row.describe()
     other.close()
 

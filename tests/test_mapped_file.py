@@ -79,13 +79,13 @@ def test_the_message_after_a_cut_is_refused_in_one_line_and_the_saved_exchange_s
     conv = Conversation(model, Settings(temperature=0, max_tokens=4), session_name="m", store=Store(tmp_path / "s"))
     app = Recorder(conv)
     run(app, "Hello.")
-    turns = list(conv.turns)
+    turns = list(conv.transcript.turns)
     os.truncate(path, path.stat().st_size - 1)
     said = run(app, "Again?")
     assert said == [f"colichat: the model file {path} was cut short while colichat ran "
                     f"({path.stat().st_size:,} bytes, was {path.stat().st_size + 1:,}): restart colichat with a "
                     "whole file"]
-    assert conv.turns == turns and model.cache.length == turns[-1].last and app.errors == 1
+    assert conv.transcript.turns == turns and model.cache.length == turns[-1].last and app.errors == 1
     conv.close()
 
 

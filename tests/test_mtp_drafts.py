@@ -103,9 +103,9 @@ def converse(make_model, home, draft: int):
     model = make_model()
     conv = Conversation(model, settings, store=store)
     conv.resume("s")
-    resumed = conv.n_tokens
+    resumed = conv.model.cache.length
     ask(conv, "once more: " + answers[-1])
-    kv = Path(conv.saving.session.kv_path).read_bytes()
+    kv = Path(conv.session.kv_path).read_bytes()
     conv.close()
     return answers, kv, counts, (model.mtp.base, resumed)
 
@@ -165,7 +165,7 @@ def test_mtp_rows_never_reach_the_disk(copying_path, tmp_path):
     conv = Conversation(m, Settings(temperature=0, max_tokens=30, draft=4), store=Store(tmp_path), session_name="s")
     _, stats = conv.ask("copy this: one two three four five six")
     assert stats.by_source["MTP"][0] > 0
-    data = Path(conv.saving.session.kv_path).read_bytes()
+    data = Path(conv.session.kv_path).read_bytes()
     rows = m.mtp.block.cache.records["kv"][: m.mtp.block.cache.length, 0]  # (rows, C+R)
     assert rows.shape[0] > 10
     assert not any(r.tobytes() in data for r in rows)

@@ -209,10 +209,10 @@ def test_a_failed_first_save_is_retried_by_the_next_answer(colichat_home, monkey
     assert stats.saved is False and "No space left on device" in stats.save_error
     assert "next save retries" in stats.save_error
     _, stats = conv.ask("and again")
-    assert stats.saved is True and conv.saving.name == "s"
+    assert stats.saved is True and conv.name == "s"
     conv.close()
     model.reset()
-    with conv.saving.store.open(conv.saving.ident, "s", conv.saving.layout) as sess:
+    with conv.shelf.store.open(conv.shelf.ident, "s", conv.shelf.layout) as sess:
         res = sess.load(model.cache)
     assert [t.role for t in res.turns] == ["user", "assistant"] * 2 and res.warnings == []
 

@@ -132,7 +132,7 @@ def test_forget_reads_its_first_kept_exchange_from_a_saved_conversation_that_beg
     for q in ("A short first question?", Q1, "And then?"):
         conv.ask(q)
     said = conv.forget(1)
-    assert "reused" not in said and conv.saving.name == "long-cont"
+    assert "reused" not in said and conv.name == "long-cont"
     first = kv_bytes(store, "long-cont")
     conv.resume("long")
     said = conv.forget(1)

@@ -28,7 +28,7 @@ def talk(model, store: Store, name: str, questions) -> list[str]:
     conv = Conversation(model, Settings(temperature=0, max_tokens=6), store=store, session_name=name)
     for q in questions:
         conv.ask(q)
-    texts = [t.text for t in conv.turns]
+    texts = [t.text for t in conv.transcript.turns]
     conv.close()
     return texts
 
@@ -53,8 +53,8 @@ def test_old_conversations_lose_their_kv_file_and_reopen_whole_from_their_text(m
     saved = json.loads(infos["old"].path.with_suffix(".json").read_text("utf-8"))["nrec"]
     assert notes == [f"old: its KV file was pruned; reading its 2 exchanges again ({saved} tokens) ..."]
     assert said == ""  # one plain line: no "resumed 0 tokens", no warning, no note after it
-    assert progress[0] == (0, saved) and progress[-1][1] == conv.n_tokens  # one count, to the tokens read
-    assert [t.text for t in conv.turns] == old
+    assert progress[0] == (0, saved) and progress[-1][1] == conv.model.cache.length  # one count, to the tokens read
+    assert [t.text for t in conv.transcript.turns] == old
     conv.close()
 
 

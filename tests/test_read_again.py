@@ -70,7 +70,7 @@ def talk(model, store: Store, name: str, questions) -> list[tuple[str, str]]:
     conv = conversation(model, store, name)
     for q in questions:
         conv.ask(q)
-    turns = [(t.role, t.text) for t in conv.turns]
+    turns = [(t.role, t.text) for t in conv.transcript.turns]
     conv.close()
     return turns
 
@@ -90,15 +90,15 @@ def test_damaged_records_are_read_again_from_the_saved_text_and_saved_anew_with_
     assert "warning: dropped turns 2-4" in report and "checksum mismatch" in report
     assert "note: read 2 exchanges again from their saved text" in report
     assert "the conversation is whole again" in report
-    assert [(t.role, t.text) for t in conv.turns] == said
-    assert conv.n_tokens == conv.turns[-1].last > 0
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said
+    assert conv.model.cache.length == conv.transcript.turns[-1].last > 0
     assert files(store) == before  # reading again writes nothing
     conv.ask(QUESTIONS[2])
     conv.close()
     again = conversation(model, store)
     report = again.resume("d")
     assert "warning" not in report and "read" not in report.split("\n", 1)[-1]
-    assert [(t.role, t.text) for t in again.turns][:4] == said and len(again.turns) == 6
+    assert [(t.role, t.text) for t in again.transcript.turns][:4] == said and len(again.transcript.turns) == 6
     again.close()
 
 
@@ -108,14 +108,14 @@ def test_a_stop_while_reading_again_keeps_the_exchanges_read_and_writes_nothing(
     conv, cancel = conversation(model, store), Cancel()
 
     def stop_in_the_second(done, total):  # Ctrl-C while the second exchange is read: it is not kept
-        if len(conv.turns) >= 2:
+        if len(conv.transcript.turns) >= 2:
             cancel.set()
 
     report = conv.resume("d", on_progress=stop_in_the_second, cancel=cancel)
     assert "warning: read 1 exchange again from its saved text" in report
     assert "then stopped: 2 more exchanges not read; they stay on disk until the next answer" in report
-    assert [(t.role, t.text) for t in conv.turns] == said[:2]
-    assert conv.n_tokens == conv.turns[-1].last
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said[:2]
+    assert conv.model.cache.length == conv.transcript.turns[-1].last
     assert files(store) == before
     conv.ask("Go on")
     conv.close()
@@ -135,13 +135,13 @@ def test_reading_again_where_the_template_rewrites_past_answers(rewriting_model,
     conv = conversation(rewriting_model, store)
     report = conv.resume("r")
     assert "note: read 2 exchanges again from their saved text" in report
-    assert [(t.role, t.text) for t in conv.turns] == said
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said
     assert files(store) == before
     conv.ask("Go on")
     conv.close()
     again = conversation(rewriting_model, store)
     report = again.resume("r")
-    assert "warning" not in report and [(t.role, t.text) for t in again.turns][:6] == said
+    assert "warning" not in report and [(t.role, t.text) for t in again.transcript.turns][:6] == said
     again.close()
 
 
@@ -159,13 +159,13 @@ def test_a_setting_or_a_rewind_before_the_next_answer_keeps_the_text_of_what_was
     doc, _ = saved(store, "d")
     assert [(t["role"], t["text"]) for t in doc["turns"]] == said and doc["sampler"]["temperature"] == 0.5
     conv = conversation(model, store)
-    assert "note: read 2 exchanges again" in conv.resume("d") and conv.settings.temperature == 0.5
-    assert [(t.role, t.text) for t in conv.turns] == said
+    assert "note: read 2 exchanges again" in conv.resume("d") and conv.prefs.settings.temperature == 0.5
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said
     conv.rewind(1)
     conv.close()
     conv = conversation(model, store)
     assert "note: read 1 exchange again" in conv.resume("d")
-    assert [(t.role, t.text) for t in conv.turns] == said[:4]
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said[:4]
     conv.ask("Go on")
     conv.close()
     doc, _ = saved(store, "d")
@@ -183,7 +183,7 @@ def test_a_conversation_whose_kv_file_was_deleted_goes_on_from_its_text(model, t
     conv = conversation(model, store)
     report = conv.resume("k")
     assert report == "k: its KV file is not there; reading its 3 exchanges again (51 tokens) ..."  # nothing lost
-    assert [(t.role, t.text) for t in conv.turns] == said
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said
     conv.set_option("temperature", 0.5)
     doc, _ = saved(store, "k")
     assert [(t["role"], t["text"]) for t in doc["turns"]] == said and doc["sampler"]["temperature"] == 0.5
@@ -192,14 +192,14 @@ def test_a_conversation_whose_kv_file_was_deleted_goes_on_from_its_text(model, t
     assert [(t["role"], t["text"]) for t in doc["turns"]] == said[:4] and not kv.exists()
     conv.close()
     conv = conversation(model, store)
-    assert "reading its 2 exchanges again" in conv.resume("k") and conv.settings.temperature == 0.5
+    assert "reading its 2 exchanges again" in conv.resume("k") and conv.prefs.settings.temperature == 0.5
     conv.ask("Go on")
     conv.close()
     assert kv.exists()
     conv = conversation(model, store)
     report = conv.resume("k")
     assert "warning" not in report and "note" not in report
-    assert [(t.role, t.text) for t in conv.turns][:4] == said[:4] and len(conv.turns) == 6
+    assert [(t.role, t.text) for t in conv.transcript.turns][:4] == said[:4] and len(conv.transcript.turns) == 6
     conv.rewind(3)  # every exchange: the conversation leaves the disk
     conv.close()
     assert store.list() == []
@@ -226,18 +226,18 @@ def test_a_rewind_after_a_stopped_reading_leaves_the_saved_conversation_whole_un
     conv, cancel = conversation(model, store), Cancel()
 
     def stop_after_the_second(done, total):  # Ctrl-C once two exchanges are read
-        if len(conv.turns) >= 4:
+        if len(conv.transcript.turns) >= 4:
             cancel.set()
 
     assert "then stopped: 1 more exchange not read" in conv.resume("d", stop_after_the_second, cancel)
-    assert [(t.role, t.text) for t in conv.turns] == said[:4]
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said[:4]
     conv.rewind(1)
-    assert [(t.role, t.text) for t in conv.turns] == said[:2]
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said[:2]
     conv.close()
     assert files(store) == before  # quitting now: all three exchanges still saved
     conv = conversation(model, store)
     assert "note: read 3 exchanges again" in conv.resume("d")
-    assert [(t.role, t.text) for t in conv.turns] == said
+    assert [(t.role, t.text) for t in conv.transcript.turns] == said
     conv.close()
     conv, cancel = conversation(model, store), Cancel()
     conv.resume("d", stop_after_the_second, cancel)

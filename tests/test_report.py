@@ -28,7 +28,8 @@ def test_the_usual_footer_is_one_line_of_80_columns_with_tokens_speed_context_le
     _, stats = conv.ask("What is the capital of France?")
     stats.generated, stats.decode_s, stats.prefill_s, stats.stopped = 512, 51.2, 0.1, "eog"  # a long answer
     line = footer(conv, stats)
-    assert line == f"[512 tokens, 10.0 tok/s, {2048 - conv.n_tokens} of 2048 context left; saved to a-usual-name]"
+    left = 2048 - conv.model.cache.length
+    assert line == f"[512 tokens, 10.0 tok/s, {left} of 2048 context left; saved to a-usual-name]"
     assert len(line) <= 80
     conv.close()
 
@@ -64,7 +65,7 @@ def test_stats_after_rewind_does_not_show_the_removed_answer(model, tmp_path):
     conv.rewind(1)
     lines = stats_lines(conv)
     assert not any(line.startswith(("last answer: ", "drafts")) for line in lines)
-    assert lines[0].startswith(f"context: {conv.n_tokens} of 2048 tokens, 1 exchange")
+    assert lines[0].startswith(f"context: {conv.model.cache.length} of 2048 tokens, 1 exchange")
     conv.close()
 
 
@@ -74,7 +75,7 @@ def test_forget_progress_and_its_result_count_the_same_tokens(model, tmp_path):
         conv.ask(q)
     seen = []
     said = conv.forget(1, on_progress=lambda done, total: seen.append((done, total)))
-    assert f"{conv.n_tokens} tokens read again" in said
-    assert seen[-1][1] == conv.n_tokens  # the last total shown is the result's count
+    assert f"{conv.model.cache.length} tokens read again" in said
+    assert seen[-1][1] == conv.model.cache.length  # the last total shown is the result's count
     assert [done for done, _ in seen] == sorted(done for done, _ in seen)  # one count, never starting again
     conv.close()

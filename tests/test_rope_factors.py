@@ -200,7 +200,7 @@ def test_conversation_short_session_at_a_larger_context_is_refused_in_one_line(c
                             "a context size of at most 256 (this one is 1,024): resume it with a context size "
                             "of at most 256, or start a new conversation")
     # the conversation in memory goes on, with its own factors and session
-    assert long.rope_factors == "long" and other.saving.session.name == "t"
+    assert long.rope_factors == "long" and other.session.name == "t"
     assert np.array_equal(long.cache.records[: long.cache.length], rows)
     other.ask("more")
     other.close()

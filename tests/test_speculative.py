@@ -97,7 +97,7 @@ def converse(model, home, draft: int, max_tokens: int = 40, **sampling) -> tuple
     conv = Conversation(model, settings, store=store)
     conv.resume("s")
     ask("once more: " + answers[-1] + answers[-1])
-    kv = Path(conv.saving.session.kv_path).read_bytes()
+    kv = Path(conv.session.kv_path).read_bytes()
     conv.close()
     return answers, kv, accepted
 
@@ -140,7 +140,7 @@ def test_smollm2_echo_answer_is_the_same_with_drafts(default_model, tmp_path):
             a1, s1 = conv.ask(f"Repeat this text exactly: {paragraph}")
             conv.rewind(1)
             a2, s2 = conv.ask(f"Copy this paragraph word for word: {paragraph}")
-            runs[draft] = (a1, a2, Path(conv.saving.session.kv_path).read_bytes(), s1.accepted + s2.accepted,
+            runs[draft] = (a1, a2, Path(conv.session.kv_path).read_bytes(), s1.accepted + s2.accepted,
                            s2.drafted)
             conv.close()
     finally:

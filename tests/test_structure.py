@@ -1,6 +1,6 @@
 """The shape the health issues set for the code, kept as behaviour: a command runs against a
-conversation with no terminal and changes what is saved, no command handler reaches through the saving
-side to the session, start-up decisions in one frozen Plan, one Store for a whole run. (The design's
+conversation with no terminal and changes what is saved, each verb is the conversation's and only it
+writes a session, start-up decisions in one frozen Plan, one Store for a whole run. (The design's
 module list and the import direction between the folders: test_layers.py; what the README must say:
 test_readme.py.)"""
 
@@ -52,16 +52,32 @@ def test_a_command_runs_against_a_conversation_with_no_terminal(tmp_path, monkey
     assert saved == [(2, "", True), (2, "first", False)], (saved, named, forked)  # the fork: 1 exchange
 
 
-def test_no_module_reaches_through_the_saving_side_to_the_session():
-    chains = {p.name: m for p in ROOT.rglob("*.py")
-              if (m := re.findall(r"\w+\.saving\.session\.\w+", p.read_text(encoding="utf-8")))}
-    assert chains == {}
+VERBS = ("ask", "rewind", "reset", "forget", "fork", "save_as", "rename", "new", "resume", "close")
 
 
-def test_command_handlers_reach_what_is_saved_only_through_the_history():
+def test_each_verb_of_a_conversation_is_defined_once_above_persist():
+    """A command's verb is the Conversation's (conversation/chat.py), not forwarded through another
+    object on its way to persist/."""
+    defined = sorted(f"{p.relative_to(ROOT)}:{c.name}.{f.name}"
+                     for folder in ("conversation", "terminal") for p in (ROOT / folder).rglob("*.py")
+                     for c in ast.walk(ast.parse(p.read_text(encoding="utf-8"))) if isinstance(c, ast.ClassDef)
+                     for f in c.body if isinstance(f, ast.FunctionDef) and f.name in VERBS)
+    assert defined == sorted(f"conversation/chat.py:Conversation.{v}" for v in VERBS)
+
+
+def test_only_the_conversation_writes_a_session():
+    """Above persist/, the session's writes (append, truncate, fork, rename, save_sampler) are called
+    from conversation/chat.py alone."""
+    writes = re.compile(r"\b(session|parent|copy)\.(append|truncate|fork|save_sampler)\(|store\.rename\(")
+    callers = sorted({str(p.relative_to(ROOT)) for folder in ("conversation", "terminal", "models")
+                      for p in (ROOT / folder).rglob("*.py") if writes.search(p.read_text(encoding="utf-8"))})
+    assert callers == ["conversation/chat.py"]
+
+
+def test_command_handlers_reach_what_is_saved_only_through_the_conversation():
     touching = [f"{name}:{n.lineno}" for name in ("terminal/commands.py", "terminal/repl.py", "terminal/app.py")
                 for n in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8")))
-                if isinstance(n, ast.Attribute) and n.attr in ("saving", "session", "cache")]
+                if isinstance(n, ast.Attribute) and n.attr in ("session", "cache", "store")]
     assert touching == []
 
 

@@ -68,11 +68,11 @@ def test_set_system_refuses_a_prompt_the_template_takes_none_of(no_system_model)
     with pytest.raises(ChatError) as refused:
         conv.set_option("system", "Be brief.")
     assert str(refused.value) == f"system prompt not set: {REFUSED}"
-    assert conv.settings.system is None
+    assert conv.prefs.settings.system is None
     conv.ask("Hello there.")  # the conversation goes on without one
     assert run(app, "/set system Be brief.") == [f"colichat: system prompt not set: {REFUSED}"]
     assert conv.prefs.options()["system"] is None and "system (next)" not in conv.prefs.options()
-    assert run(app, "/set system none") != [] and conv.settings.system is None  # none is always taken
+    assert run(app, "/set system none") != [] and conv.prefs.settings.system is None  # none is always taken
 
 
 def test_a_saved_system_prompt_the_template_refuses_is_dropped_on_reopening(no_system_model, colichat_home):
@@ -109,7 +109,7 @@ def test_set_system_too_long_for_the_context_is_refused_and_the_current_one_stay
     conv = small_app.conv
     assert run(small_app, "/set system Be kind.") == ["system = Be kind."]
     assert run(small_app, f"/set system {LONG}") == [f"colichat: {TOO_LONG}"]
-    assert conv.settings.system == "Be kind."
+    assert conv.prefs.settings.system == "Be kind."
     conv.ask("Hello there.")
     assert run(small_app, "/set system Be brief.") == ["system prompt set for the next conversation (/new starts one)"]
     # for the next conversation: checked now too, and the one waiting stays
@@ -135,7 +135,7 @@ def test_a_system_prompt_refused_for_room_leaves_no_room_for_any_message(small_m
     assert room_problem(small_model.tokenizer, LONG[:n - 8], 64) is None
     taken = Conversation(small_model, Settings(temperature=0, max_tokens=2, system=LONG[:n - 8]), save=False)
     taken.ask("a")
-    assert taken.exchanges() == 1
+    assert len(taken.transcript.starts()) == 1
 
 
 def test_set_system_to_the_one_in_use_midway_leaves_nothing_waiting(small_app):
@@ -160,4 +160,5 @@ def test_a_system_prompt_waiting_for_the_next_conversation_is_used_once_every_ex
     assert said[-1] == "system = Be brief. (it waited for the next conversation)"
     assert run(small_app, "/set system") == ["system = Be brief."]
     small_app.conv.ask("Hello there.")
-    assert small_app.conv.messages()[0] == {"role": "system", "content": "Be brief."}
+    conv = small_app.conv
+    assert conv.prompt.messages(conv.transcript.turns)[0] == {"role": "system", "content": "Be brief."}

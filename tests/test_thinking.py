@@ -109,13 +109,13 @@ def test_earlier_thinking_is_dropped_from_the_prompt_as_the_real_template_drops_
     script(conv, *written(name, 3))
     for i, question in enumerate(["How many?", "Which fruit?", "Thanks"]):
         conv.ask(question)
-        prompt = conv.template.render(conv.messages(conv.turns[:-1]), True)
+        prompt = conv.prompt.template.render(conv.prompt.messages(conv.transcript.turns[:-1]), True)
         ids = model.cache.token_ids()
-        assert ids[: conv.turns[-1].first] == conv.tok.encode_prompt(prompt)  # never a stale row
-        read = conv.tok.decode(ids, special=True)
+        assert ids[: conv.transcript.turns[-1].first] == conv.prompt.tok.encode_prompt(prompt)  # never a stale row
+        read = conv.prompt.tok.decode(ids, special=True)
         assert [thought in read for thought in ("First thought", "Second thought", "Third thought")][: i + 1] == \
             [False] * i + [True]
-    assert [t.text for t in conv.turns if t.role == "assistant"] == written(name, 3)
+    assert [t.text for t in conv.transcript.turns if t.role == "assistant"] == written(name, 3)
 
 
 def test_a_prompt_whose_earlier_text_changed_is_read_again_from_the_first_token_that_differs(thinker):
@@ -126,19 +126,20 @@ def test_a_prompt_whose_earlier_text_changed_is_read_again_from_the_first_token_
     conv = conversation(model)
     script(conv, *written(name, 2))
     conv.ask("How many?")
-    before, first = model.cache.token_ids(), conv.turns[0]
+    before, first = model.cache.token_ids(), conv.transcript.turns[0]
     _, stats = conv.ask("Which fruit?")
-    prompt = conv.tok.encode_prompt(conv.template.render(conv.messages(conv.turns[:-1]), True))
+    rendered = conv.prompt.template.render(conv.prompt.messages(conv.transcript.turns[:-1]), True)
+    prompt = conv.prompt.tok.encode_prompt(rendered)
     same = next(i for i, (a, b) in enumerate(zip(prompt, before, strict=False)) if a != b)
     assert stats.prompt_tokens == len(prompt) - same  # not from the turn's start, not from the start
     if name in ("r1", "glm47"):  # inside the first message's turn (which ends with the opening <think>):
-        assert 0 < same < first.last and conv.turns[0].last == same  # the turn keeps its head
+        assert 0 < same < first.last and conv.transcript.turns[0].last == same  # the turn keeps its head
     rows = model.cache.records["kv"][: model.cache.length].copy()
     ids = model.cache.token_ids()
     model.reset()
     model.prefill(ids)
     assert np.allclose(model.cache.records["kv"][: model.cache.length], rows, atol=1e-4)
-    turns = conv.turns
+    turns = conv.transcript.turns
     assert all(a.last == b.first for a, b in zip(turns, turns[1:], strict=False)) and turns[-1].last == len(ids)
 
 
@@ -151,12 +152,13 @@ def test_a_conversation_read_again_from_inside_a_turn_is_saved_and_resumes_to_th
     script(conv, *written("glm47", 3))
     for question in ("How many?", "Which fruit?", "Thanks"):
         assert conv.ask(question)[1].saved
-    rows, turns = model.cache.raw(0, model.cache.length).tobytes(), list(conv.turns)
-    assert turns[0].last < len(conv.tok.encode_prompt(conv.template.render(conv.messages(turns[:1]), True)))
+    rows, turns = model.cache.raw(0, model.cache.length).tobytes(), list(conv.transcript.turns)
+    prompt = conv.prompt
+    assert turns[0].last < len(prompt.tok.encode_prompt(prompt.template.render(prompt.messages(turns[:1]), True)))
     conv.close()
     again = conversation(model, store)
     again.resume("g")
-    assert again.turns == turns and model.cache.raw(0, model.cache.length).tobytes() == rows
+    assert again.transcript.turns == turns and model.cache.raw(0, model.cache.length).tobytes() == rows
     again.close()
 
 
@@ -172,7 +174,8 @@ def thinking_app(model, tmp_path, mode: str, *answers: str) -> Recorder:
 def test_fold_shows_one_line_counting_the_thinking_tokens_then_the_answer(r1, tmp_path):
     app = thinking_app(r1, tmp_path, "fold", ANSWERS[0])
     lines = run(app, "How many?")
-    thought, total = (len(app.conv.tok.encode(text)) for text in ("First thought: twelve.\n</think>", ANSWERS[0]))
+    tok = app.conv.prompt.tok
+    thought, total = (len(tok.encode(text)) for text in ("First thought: twelve.\n</think>", ANSWERS[0]))
     assert lines[0] == f"thinking ({thought} tokens)" and lines[1].startswith(f"[{total} tokens, {thought} thinking, ")
     assert answer(app) == "It is 12.\n"  # the answer alone
     app.conv.close()
@@ -239,7 +242,7 @@ def test_an_answer_cut_while_thinking_says_what_gives_it_room(r1, tmp_path):
 def test_history_marks_the_thinking_as_think_says(r1, tmp_path):
     app = thinking_app(r1, tmp_path, "fold", ANSWERS[0])
     run(app, "How many?")
-    n = len(app.conv.tok.encode("First thought: twelve."))
+    n = len(app.conv.prompt.tok.encode("First thought: twelve."))
     assert run(app, "/history") == ["user> How many?", f"assistant> thinking ({n} tokens)\nIt is 12."]
     run(app, "/set think show")
     assert run(app, "/history")[1] == "assistant> <think>\nFirst thought: twelve.\n</think>\nIt is 12."
@@ -257,7 +260,7 @@ def test_think_is_a_setting_shown_and_saved_with_the_conversation(r1, tmp_path):
     app.conv.close()
     again = conversation(r1, Store(tmp_path / "s"))
     again.resume("t")
-    assert again.settings.think == "show"
+    assert again.prefs.settings.think == "show"
     again.close()
 
 
@@ -281,14 +284,16 @@ def test_think_off_asks_a_template_with_the_switch_not_to_think(switchable, name
     assert on.prefs.opens_thinking
     script(on, ANSWERS[0])
     on.ask("How many?")
-    assert model.cache.token_ids()[on.turns[-1].first - 1] == on.tok.encode("<think>", special=True)[-1]
-    assert split(on.turns[-1].text, on.prefs.opens_thinking) == ("First thought: twelve.", "It is 12.")
+    opened = on.prompt.tok.encode("<think>", special=True)[-1]
+    assert model.cache.token_ids()[on.transcript.turns[-1].first - 1] == opened
+    assert split(on.transcript.turns[-1].text, on.prefs.opens_thinking) == ("First thought: twelve.", "It is 12.")
     off = conversation(model, think="off")
     assert not off.prefs.opens_thinking
     script(off, "Twelve.")
     off.ask("How many?")
-    prompt = off.tok.decode(model.cache.token_ids()[: off.turns[-1].first], special=True)
-    assert prompt.endswith("</think>") and split(off.turns[-1].text, off.prefs.opens_thinking) == (None, "Twelve.")
+    prompt = off.prompt.tok.decode(model.cache.token_ids()[: off.transcript.turns[-1].first], special=True)
+    assert prompt.endswith("</think>")
+    assert split(off.transcript.turns[-1].text, off.prefs.opens_thinking) == (None, "Twelve.")
 
 
 def test_think_across_on_and_off_waits_for_the_next_conversation_and_a_resume_keeps_the_saved_switch(
@@ -301,7 +306,7 @@ def test_think_across_on_and_off_waits_for_the_next_conversation_and_a_resume_ke
     run(app, "How many?")
     said = run(app, "/set think off")
     assert said == ["think = off from the next conversation (/new starts one): this one was made with thinking"]
-    assert app.conv.settings.think == "fold" and "think (next)   off" in run(app, "/show")
+    assert app.conv.prefs.settings.think == "fold" and "think (next)   off" in run(app, "/show")
     assert run(app, "/set nothink") == ["colichat: did you mean /set think off? (it asks a model with the switch "
                                         "not to think)"]
     assert run(app, "/set think show") == ["think = show"] and "think (next)" not in "".join(run(app, "/show"))
@@ -309,12 +314,12 @@ def test_think_across_on_and_off_waits_for_the_next_conversation_and_a_resume_ke
     app.conv.close()
     again = Conversation(model, Settings(temperature=0, draft=0, think="off"), store=store, pinned={"think"})
     again.resume("t")
-    assert again.settings.think == "show" and again.prefs.opens_thinking and again.prefs.pending_think == "off"
+    assert again.prefs.settings.think == "show" and again.prefs.opens_thinking and again.prefs.pending_think == "off"
     script(again, ANSWERS[1])
     again.ask("Which fruit?")  # read with the switch it was made with: the prompt opens the thinking
-    assert split(again.turns[-1].text, True)[0] == "Second thought: apples."
+    assert split(again.transcript.turns[-1].text, True)[0] == "Second thought: apples."
     again.new()
-    assert again.settings.think == "off" and not again.prefs.opens_thinking
+    assert again.prefs.settings.think == "off" and not again.prefs.opens_thinking
     again.close()
 
 
@@ -329,8 +334,8 @@ def test_exports_fold_the_thinking_in_a_details_block_with_or_without_the_model(
     long = "Second thought: this goes on too long"
     script(conv, long)
     conv.ask("And?")
-    cut = conv.tok.decode(conv.tok.encode(long)[:12])
-    here = markdown("e", "m", [(t.role, t.text) for t in conv.turns], None, conv.prefs.opens_thinking)
+    cut = conv.prompt.tok.decode(conv.prompt.tok.encode(long)[:12])
+    here = markdown("e", "m", [(t.role, t.text) for t in conv.transcript.turns], None, conv.prefs.opens_thinking)
     assert ("## Assistant\n\n<details><summary>Thinking</summary>\n\nFirst thought: twelve.\n\n</details>\n\n"
             "It is 12.\n") in here
     assert here.endswith(f"## Assistant\n\n<details><summary>Thinking</summary>\n\n{cut.strip()}\n\n</details>\n")

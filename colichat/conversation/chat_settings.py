@@ -1,20 +1,24 @@
 """The settings a conversation runs with: the values (settings.Settings), the ones given on the
 command line (a resumed session keeps those), a system prompt or a thinking switch waiting for the
-next conversation, and the sampler built from them. Writing them into the session is the conversation's call."""
+next conversation, the sampler built from them, and how a new conversation keeps its cache (--kv, /set
+kv). Writing them into the session is the conversation's call."""
 
 from __future__ import annotations
 
 import contextlib
 
 from ..engine import Sampler
+from ..errors import ChatError
 from .settings import BY_NAME, Settings, saved_values
 from .system_prompt import refusal
 from .thinking import thinks
 
 
 class ChatSettings:
-    def __init__(self, settings: Settings, pinned=frozenset()):
+    def __init__(self, settings: Settings, pinned=frozenset(), kv: str | None = None):
         self.settings = settings
+        self.kv = kv or "f32"  # how a new conversation's rows are stored (--kv); a saved one keeps its own
+        self.kv_from = "--kv" if kv else None  # who chose it (--kv, /set kv); None: the default, chosen by no one
         self.pinned = frozenset(pinned)  # settings given on the command line: a resumed session keeps them
         self.sampler = Sampler(settings.sampler())
         self.pending_system: str | None | bool = False  # a /set system waiting for the next conversation
@@ -60,6 +64,19 @@ class ChatSettings:
                         f"{'made without' if value != 'off' else 'made with'} thinking"), False
         self._use(self.settings.with_(**{key: value}))
         return f"{key} = {row.show(value)}", True
+
+    def set_kv(self, codec: str, cache, fresh: bool) -> str:
+        """/set kv CODEC: how new conversations keep their cache (--kv); an empty one (`fresh`: no turn,
+        nothing saved) takes it now."""
+        problem = cache.codec_problem(codec)
+        if problem:
+            raise ChatError(problem)
+        self.kv, self.kv_from = codec, "/set kv"
+        if fresh:
+            cache.set_codec(codec)
+        if cache.codec == codec:
+            return f"kv = {codec}"
+        return f"kv = {codec} (for new conversations: this one stays {cache.codec}, as it was saved)"
 
     def saved(self) -> dict:
         """What a session keeps: the settings, with a seed where its random numbers stand (so a

@@ -1,9 +1,10 @@
 """What the user is told about a conversation: one exchange's numbers (TurnStats) and the footer
-after the answer, the /stats lines, the ways out of a full context, a prefill's progress, and where a
-resumed one stands."""
+after the answer, whether a message fits, the /stats lines, the ways out of a full context, a
+prefill's progress, and where a resumed one stands."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..units import count, format_size
@@ -46,21 +47,43 @@ def footer(conv, stats: TurnStats, keep: str = "/save NAME") -> str:
     `keep`). What matters only now and then shows only then: a prompt read from a saved conversation
     (`reused N tokens`), a prompt whose reading took a while, why the answer stopped; the rest
     (drafts, the prompt's speed) is in /stats."""
-    saving = conv.saving
-    unsaved = ("not saved (--no-save)" if saving.no_save else "not saved (read-only)" if saving.read_only
+    shelf = conv.shelf
+    unsaved = ("not saved (--no-save)" if shelf.no_save else "not saved (read-only)" if shelf.read_only
                else f"not saved ({keep} keeps it)")
-    saved = {None: unsaved, True: f"saved to {saving.name}",
+    saved = {None: unsaved, True: f"saved to {conv.name}",
              False: f"NOT saved: {stats.save_error}"}[stats.saved]
     stop = {"interrupt": ", interrupted", "length": ", max_tokens reached",
             "context": ", context full"}.get(stats.stopped, "")
     note = f"\nnote: {stats.save_note}" if stats.save_note else ""
     n_ctx = conv.model.n_ctx
     thought = f", {stats.thinking} thinking" if stats.thinking else ""  # (of those tokens)
-    prompt = f", reused {stats.reused:,} tokens" if stats.reused else ""  # (saving.MIN_REUSE at least)
+    prompt = f", reused {stats.reused:,} tokens" if stats.reused else ""  # (shelf.MIN_REUSE at least)
     if stats.prefill_s >= SLOW_READ_S:
         prompt += f", prompt {stats.prompt_tokens:,} at {rate(stats.prefill_tps)} tok/s"
     return (f"[{count(stats.generated, 'token')}{thought}, {rate(stats.decode_tps)} tok/s{prompt}, "
-            f"{n_ctx - conv.n_tokens} of {n_ctx} context left{stop}; {saved}]{note}")
+            f"{n_ctx - conv.model.cache.length} of {n_ctx} context left{stop}; {saved}]{note}")
+
+
+def exchanges(conv) -> int:
+    return len(conv.transcript.starts())
+
+
+def fits(conv, user_text: str) -> bool:
+    """Whether a message fits in the context left with room for its answer (at least
+    min(max_tokens, 256) tokens, under which Conversation.ask's note says the answer may be cut)."""
+    ids, start = conv.prompt.ids(user_text)
+    return conv.model.n_ctx - start - len(ids) >= min(conv.prefs.settings.max_tokens, 256)
+
+
+def disk_bytes(session) -> int:
+    """The bytes of a session's files (persist.Session) on disk."""
+    total = 0
+    for path in (session.kv_path, session.json_path):
+        try:
+            total += os.path.getsize(path)
+        except OSError:
+            pass
+    return total
 
 
 def rate(tps: float) -> str:
@@ -71,15 +94,15 @@ def rate(tps: float) -> str:
 def stats_lines(conv) -> list[str]:
     """/stats: the context used, the cache's size in memory and on disk, the last answer's speeds, how its
     prompt was read (reused from a saved conversation, prefilled) and its drafts."""
-    cache, saving = conv.model.cache, conv.saving
-    lines = [f"context: {conv.n_tokens} of {conv.model.n_ctx} tokens, {count(conv.exchanges(), 'exchange')}",
+    cache, session = conv.model.cache, conv.session
+    lines = [f"context: {cache.length} of {conv.model.n_ctx} tokens, {count(exchanges(conv), 'exchange')}",
              f"KV cache: {format_size(cache.kv_bytes_per_token)}/token, "
-             f"{format_size(conv.n_tokens * cache.record_bytes)} in use; saved as {saving.layout.describe()}"]
-    if saving.session:
-        lines.append(f"session {saving.session.name}: {format_size(saving.disk_bytes())} on disk")
+             f"{format_size(cache.length * cache.record_bytes)} in use; saved as {conv.shelf.layout.describe()}"]
+    if session:
+        lines.append(f"session {session.name}: {format_size(disk_bytes(session))} on disk")
     else:
-        lines.append("session: saving is off (--no-save)" if saving.no_save else "session: not saved yet")
-    s = conv.history.last_stats
+        lines.append("session: saving is off (--no-save)" if conv.shelf.no_save else "session: not saved yet")
+    s = conv.transcript.last_stats
     if s:
         lines.append(f"last answer: {count(s.generated, 'token')} at {rate(s.decode_tps)} tok/s; prompt: "
                      + (f"{count(s.reused, 'token')} reused, " if s.reused else "")
@@ -96,7 +119,7 @@ def ways_out(conv) -> str:
     """What goes on from a full context, the one advice every note and refusal about it gives, each way
     only where it applies: /forget (more than one exchange: it keeps the later ones), /rewind and /new
     (an exchange to drop), a larger --ctx (where the model takes one)."""
-    n, ways = conv.exchanges(), []
+    n, ways = exchanges(conv), []
     if n > 1:
         ways.append("/forget goes on in a new conversation without the oldest exchanges (--auto-forget does so "
                     "by itself)")
@@ -111,10 +134,10 @@ def ways_out(conv) -> str:
 def full_note(conv, below: int) -> list[str]:
     """A reopened conversation with fewer than `below` tokens of context left: that it is (nearly) full,
     and the ways on."""
-    left, n_ctx = conv.model.n_ctx - conv.n_tokens, conv.model.n_ctx
+    left, n_ctx = conv.model.n_ctx - conv.model.cache.length, conv.model.n_ctx
     if left >= below:
         return []
-    return [f"note: the context is {'full' if left < 2 else 'nearly full'} ({conv.n_tokens} of {n_ctx} tokens): "
+    return [f"note: the context is {'full' if left < 2 else 'nearly full'} ({n_ctx - left} of {n_ctx} tokens): "
             f"{ways_out(conv)}"]
 
 
@@ -146,8 +169,8 @@ def no_room(conv, needs: int, room: int) -> str:
 
 def system_tokens(conv) -> int:
     """How many tokens the system prompt's text is (0 without one): what it takes of every conversation."""
-    system = conv.settings.system
-    return len(conv.tok.encode(system)) if system else 0
+    system = conv.prefs.settings.system
+    return len(conv.prompt.tok.encode(system)) if system else 0
 
 
 def progress(done: float, total: int, seconds: float) -> str:
@@ -193,9 +216,10 @@ def recap(turns, conv=None, dim: bool = False) -> list[str]:
     return head + shown
 
 
-def forked_line(parent: str, branch: int) -> str:
-    """/history's first line for a fork: where it branched from its parent."""
-    return f"forked from {displayable(parent)} after exchange {branch}"
+def forked_line(conv) -> str | None:
+    """/history's first line for a fork (Session.parent, .branch): where it branched from its parent."""
+    s = conv.session
+    return f"forked from {displayable(s.parent)} after exchange {s.branch}" if s is not None and s.parent else None
 
 
 def turn_line(turn, conv=None, dim: bool = False) -> str:
@@ -206,8 +230,8 @@ def turn_line(turn, conv=None, dim: bool = False) -> str:
     if conv is None or turn.role != "assistant":
         return f"{turn.role}> {displayable(turn.text)}"
     thought, answer = split(turn.text, conv.prefs.opens_thinking)
-    mode = shown_as(conv.settings.think)
+    mode = shown_as(conv.prefs.settings.think)
     if thought is None or mode == "hide":
         return f"assistant> {displayable(answer)}"
-    shown = head(len(conv.tok.encode(thought))) if mode == "fold" else f"{OPEN}\n{displayable(thought)}\n{CLOSE}"
+    shown = head(len(conv.prompt.tok.encode(thought))) if mode == "fold" else f"{OPEN}\n{displayable(thought)}\n{CLOSE}"
     return f"assistant> {dimmed(shown) if dim else shown}" + (f"\n{displayable(answer)}" if answer else "")

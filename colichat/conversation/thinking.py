@@ -151,7 +151,7 @@ class LiveThinking:
 
     def piece(self, text: str, tokens: int) -> None:
         """A piece of the thinking (perhaps "": the count goes on), after `tokens` thinking tokens."""
-        app, mode = self.app, shown_as(self.app.conv.settings.think)
+        app, mode = self.app, shown_as(self.app.conv.prefs.settings.think)
         self.tokens, first = tokens, not self.shown
         self.shown = True
         if app.hushed or app.output_closed:
@@ -170,7 +170,7 @@ class LiveThinking:
         """The thinking is over (the answer begins, or ends inside it): what stays of it is shown."""
         if not self.shown:
             return
-        app, mode = self.app, shown_as(self.app.conv.settings.think)
+        app, mode = self.app, shown_as(self.app.conv.prefs.settings.think)
         self.shown = False
         app.status.clear()
         if mode == "hide":

@@ -139,16 +139,6 @@ class App:
         if self.ended_by:
             self.say(f"colichat: ended by {signal.Signals(self.ended_by).name}")
 
-    def resume(self, name: str | None) -> None:
-        """Reopen a saved conversation; on the terminal, show where it stands (its last exchange)."""
-        said = self.conv.resume(name, on_progress=self.prefill_progress("its saved text"), on_note=self.say,
-                                cancel=self.cancel)
-        if said:
-            self.say(said)
-        self.warm_note = True
-        for line in report.recap(self.conv.turns, self.conv, self.dim) if self.interactive else ():
-            self.say(line)
-
     def quit(self) -> None:
         self.quitting = True
 
@@ -175,7 +165,7 @@ class App:
 
     def answer(self, text: str | None) -> None:
         """Answer the message `text`, or with None the last message again (/regen)."""
-        if text is not None and self.auto_forget and self.conv.turns and not self.conv.fits(text):
+        if text is not None and self.auto_forget and self.conv.transcript.turns and not report.fits(self.conv, text):
             self.say(self.conv.forget(on_progress=self.prefill_progress("the exchanges kept"), cancel=self.cancel))
         warming = self.warm_note and self.conv.model.warming()
         if warming:
@@ -187,7 +177,7 @@ class App:
         shown = {"on_text": self.out, "on_progress": self.prefill_progress(), "on_note": self.say,
                  "on_think": self.thinking.piece, "cancel": self.cancel}
         try:
-            _, stats = self.conv.ask(text, **shown) if text is not None else self.conv.regen(**shown)
+            _, stats = self.conv.ask(text, **shown)  # (None: the last message again)
         finally:
             self.thinking.end()  # (an answer that ended inside it)
             self.hushed = False
@@ -198,7 +188,7 @@ class App:
         footer = report.footer(self.conv, stats, self.keep)
         self.say(f"\033[2m{footer}\033[0m" if self.dim else footer)
         if stats.still_thinking and stats.stopped == "length":
-            most = self.conv.settings.max_tokens
+            most = self.conv.prefs.settings.max_tokens
             self.say(f"note: the answer reached max_tokens ({most}) while the model was still thinking: "
                      f"/set max_tokens {max(4096, 4 * most)} (or --max-tokens) leaves it room to answer; /regen "
                      "asks again")

@@ -35,6 +35,7 @@ try:
     from ..paths import expand_home
     from ..persist import SessionError, Store, check_name
     from .app import BUSY, App, stopped_by_ctrl_c
+    from .commands import cmd_resume
     from .inputs import ESCAPED, Message
     from .one_shot import from_the_shell
     from .pipe import pipe_mode
@@ -266,9 +267,10 @@ def main(argv=None) -> int:
         problem = plan.kv and model.cache.codec_problem(plan.kv)
         if problem:
             raise SettingError(f"--kv {plan.kv}: {problem}")
+        claim = plan.session is not None and not plan.resume and not plan.no_save
         conv = Conversation(model, settings, session_name=plan.session, store=store, pinned=plan.given,
                             no_save=plan.no_save, save_new=plan.save_new, read_only=plan.read_only, kv=plan.kv,
-                            reuse=plan.reuse)
+                            reuse=plan.reuse, claim=claim)
     except USER_ERRORS as e:
         say(f"colichat: {e}")
         return 1
@@ -293,13 +295,11 @@ def chat(app: App, plan: Plan) -> int:
         if plan.resume:
             app.status.show(BUSY["/resume"])
             with stopped_by_ctrl_c(app) as stopped, keys_waiting(interactive):  # exchanges read again
-                app.resume(plan.session)  # (Ctrl-C keeps those read)
+                cmd_resume(app, plan.session or "")  # (Ctrl-C keeps those read)
             if stopped and not interactive:  # Ctrl-C in pipe mode ends colichat, once what was read is said
                 return interrupted()
         else:
-            if plan.session is not None and not plan.no_save:
-                conv.saving.claim(plan.session, conv.settings.to_dict())
-            hint = conv.saving.latest_hint() if plan.prompt is None else None  # one-shot: no hint to act on
+            hint = conv.shelf.latest_hint() if plan.prompt is None else None  # one-shot: no hint to act on
             if hint:
                 say(hint)
         if plan.prompt is not None:

@@ -1,8 +1,8 @@
 """The slash commands: one table drives /help, Tab completion and dispatch.
 
-A handler gets the App (see app.py: `.conv` the Conversation, with `.conv.history` its turns against
-its session (turns.History: rewind, what is saved, this model's other sessions) and `.conv.prefs`
-its settings; `.say(line)` status to stderr, `.out(text)` the model's text to stdout) and the rest
+A handler gets the App (see app.py: `.conv` the Conversation, whose verbs the commands call, with
+`.conv.transcript` its turns, `.conv.prefs` its settings and `.conv.shelf` this model's saved
+conversations; `.say(line)` status to stderr, `.out(text)` the model's text to stdout) and the rest
 of the line as one string. A bad command raises a typed error (errors.py): one line.
 """
 
@@ -16,9 +16,9 @@ from typing import Callable
 
 from ..conversation import report
 from ..conversation.saved import markdown
-from ..conversation.saving import CURRENT_MARK
 from ..conversation.settings import BY_NAME as SETTINGS
 from ..conversation.settings import TABLE, key_of, printable, unquoted
+from ..conversation.shelf import CURRENT_MARK
 from ..errors import ChatError
 from ..models.default import model_title
 from ..paths import expand_home
@@ -81,7 +81,16 @@ def listed(cmd: Command) -> str:
 
 
 def cmd_resume(app, arg: str) -> None:
-    app.resume(arg.strip() or None)
+    """Reopen saved conversation ARG (the latest without one); on the terminal, show where it stands
+    (its last exchange)."""
+    conv = app.conv
+    said = conv.resume(arg.strip() or None, on_progress=app.prefill_progress("its saved text"), on_note=app.say,
+                       cancel=app.cancel)
+    if said:
+        app.say(said)
+    app.warm_note = True
+    for line in report.recap(conv.transcript.turns, conv, app.dim) if app.interactive else ():
+        app.say(line)
 
 
 def cmd_sessions(app, arg: str) -> None:
@@ -89,7 +98,7 @@ def cmd_sessions(app, arg: str) -> None:
     the command and the next prompt (the others would push the newest out of view), the current one
     (marked *) below them where it is older, then a line saying how many older ones are not shown,
     and where they all are."""
-    rows = app.conv.history.listing()
+    rows = app.conv.shelf.listing(app.conv.name)
     if not rows:
         app.say("no saved sessions for this model")
         return
@@ -102,7 +111,7 @@ def cmd_sessions(app, arg: str) -> None:
     if len(listed) < len(rows):
         app.say(older_line(len(rows) - len(listed)))
     elif not window or len(rows) + 3 <= window[1]:  # (room for it below the rows, the command's and the prompt's)
-        app.say(app.conv.history.total())
+        app.say(app.conv.shelf.total())
 
 
 def older_line(hidden: int) -> str:
@@ -140,14 +149,14 @@ def cmd_delete(app, arg: str) -> None:
     name = arg.strip()
     if not name:
         raise ChatError("/delete needs the name of a session (/sessions lists them)")
-    app.say(app.conv.history.delete(name))
+    app.say(app.conv.shelf.delete(name, app.conv.name))
 
 
 def cmd_rename(app, arg: str) -> None:
     new = arg.strip()
     if not new:
         raise ChatError("/rename needs the new name of this conversation")
-    app.say(app.conv.history.rename(new))
+    app.say(app.conv.rename(new))
 
 
 def cmd_save(app, arg: str) -> None:
@@ -205,15 +214,16 @@ def write_export(path: str, text: str, chosen: bool) -> str:
 def cmd_export(app, arg: str) -> None:
     """/export [FILE]: the conversation as Markdown, in FILE (default NAME.md here); never overwrites."""
     conv = app.conv
-    if not conv.turns:
+    turns = conv.transcript.turns
+    if not turns:
         raise ChatError("nothing to export yet: the conversation is empty")
-    title = conv.history.name or "conversation"
+    title = conv.name or "conversation"
     path, chosen = export_path(arg, title)
     model = model_title(conv.model.cfg.name, conv.model.cfg.path)  # as the banner names it
-    text = markdown(title, model, [(t.role, t.text) for t in conv.turns], conv.settings.system,
+    text = markdown(title, model, [(t.role, t.text) for t in turns], conv.prefs.settings.system,
                     conv.prefs.opens_thinking)
     path = write_export(path, text, chosen)
-    app.say(f"exported {count(len(conv.turns), 'turn')} to {printable(path, 200)}")
+    app.say(f"exported {count(len(turns), 'turn')} to {printable(path, 200)}")
 
 
 def cmd_new(app, arg: str) -> None:
@@ -226,23 +236,23 @@ def cmd_reset(app, arg: str) -> None:
 
 def cmd_rewind(app, arg: str) -> None:
     n = _int_arg(arg, 1, "/rewind")
-    history = app.conv.history
-    saved = history.saved_name
+    conv = app.conv
+    saved = conv.saved_name
     waiting = app.conv.prefs.pending_system is not False
     dropped = app.conv.rewind(n)
     for t in dropped:
         preview = displayable(t.text.strip().replace("\n", " "))
         app.say(f"removed {t.role}: {preview[:70] + ('...' if len(preview) > 70 else '')}")
-    emptied = saved and not history.saved_name  # no exchange left: no saved conversation until the next answer
-    unread = history.unread_left  # a stopped read left these on disk: the saved conversation waits for an answer
-    if history.cut_failed:
-        app.say(f"warning: {history.cut_failed}")
-    app.say(f"rewound {count(n, 'exchange')}; {count(app.conv.n_tokens, 'token')} in context"
+    emptied = saved and not conv.saved_name  # no exchange left: no saved conversation until the next answer
+    unread = conv.transcript.unread_left  # a stopped read left these on disk: saved as they were until an answer
+    if conv.transcript.cut_failed:
+        app.say(f"warning: {conv.transcript.cut_failed}")
+    app.say(f"rewound {count(n, 'exchange')}; {count(conv.transcript.end, 'token')} in context"
             + (f"; session {saved} is empty, off the disk until its next answer" if emptied else "")
             + (f"; saved as it was (with the {count(unread, 'exchange')} not read) until the next answer"
                if unread else ""))
     if waiting and app.conv.prefs.pending_system is False:  # rewound to no exchange: a new start
-        app.say(f"system = {SETTINGS['system'].show(app.conv.settings.system)} (it waited for the next conversation)")
+        app.say(f"system = {SETTINGS['system'].show(conv.prefs.settings.system)} (it waited for the next conversation)")
 
 
 def cmd_forget(app, arg: str) -> None:
@@ -260,12 +270,13 @@ def cmd_regen(app, arg: str) -> None:
 
 
 def cmd_history(app, arg: str) -> None:
-    forked = app.conv.history.lineage()
+    forked = report.forked_line(app.conv)
     if forked:
-        app.say(report.forked_line(*forked))
-    if not app.conv.turns:
+        app.say(forked)
+    turns = app.conv.transcript.turns
+    if not turns:
         app.say("the conversation is empty")
-    for t in app.conv.turns:
+    for t in turns:
         app.say(report.turn_line(t, app.conv, app.dim))
 
 
@@ -281,7 +292,7 @@ def cmd_set(app, arg: str) -> None:
     if parts[0].lower() == "nothink" and len(parts) == 1:  # ollama's
         raise ChatError("did you mean /set think off? (it asks a model with the switch not to think)")
     if parts[0].lower() == "kv":  # --kv: not a sampler setting, the format of new conversations' caches
-        app.say(app.conv.set_kv(parts[1].strip().lower()) if len(parts) == 2 else f"kv = {app.conv.history.kv}")
+        app.say(app.conv.set_option("kv", parts[1].strip().lower()) if len(parts) == 2 else f"kv = {app.conv.prefs.kv}")
         return
     key = key_of(parts[0])
     row = SETTINGS[key]
@@ -304,7 +315,7 @@ def cmd_show(app, arg: str) -> None:
     """The settings as /set takes them (`/show info` and the like, ollama's, are pointed here)."""
     for key, value in app.conv.prefs.options().items():
         app.say(f"{key:<15}{SETTINGS[key.split()[0]].show(value)}")
-    app.say(f"{'kv':<15}{app.conv.history.kv}")  # (new conversations'; /stats says how this one is kept)
+    app.say(f"{'kv':<15}{app.conv.prefs.kv}")  # (new conversations'; /stats says how this one is kept)
 
 
 def cmd_stats(app, arg: str) -> None:
@@ -436,7 +447,7 @@ def completions(text: str, app=None) -> list[str]:
             return [head + slash + c.name[1:] for c in COMMANDS if c.name[1:].startswith(word.lstrip("/").lower())]
         if name.lower() in NAME_ARGS and app is not None:
             try:
-                names = app.conv.history.names()
+                names = app.conv.shelf.names()
             except OSError:
                 names = []
             return [head + n for n in names if n.startswith(word)]

@@ -180,7 +180,7 @@ def yes_or_no(question: str, screen: Screen | None = None) -> bool:
 
 
 def make_session(app) -> PromptSession:
-    session = PromptSession(history=input_history(app.conv.history.no_save), completer=SlashCompleter(app),
+    session = PromptSession(history=input_history(app.conv.shelf.no_save), completer=SlashCompleter(app),
                             key_bindings=_bindings(app.screen),
                             complete_while_typing=False, prompt_continuation=_continuation,
                             enable_suspend=True)  # Ctrl-Z: back to the shell (`fg` returns), as while answering
