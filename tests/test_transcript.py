@@ -1,5 +1,6 @@
-"""History, in process: an edit that fails midway puts back the cache rows, the turns and the deferred
-cut together, and the disk is written only by the save that follows an edit that completed."""
+"""The transcript (conversation/transcript.py), in process: an edit that fails midway puts back the
+cache rows, the turns and the deferred cut together, and the disk is written only by the save that
+follows an edit that completed."""
 
 from __future__ import annotations
 
