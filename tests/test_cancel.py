@@ -313,6 +313,28 @@ def test_the_first_answer_says_the_warm_start_still_runs_and_the_next_does_not(c
     assert err.index("note: the expert cache") < err.index("colichat: no answer here")
 
 
+def test_the_first_answer_after_a_resume_says_the_warm_start_still_runs_again(capsys):
+    class Model:
+        def warming(self):
+            return 3, 40
+
+    class Conv:
+        model = Model()
+
+        def ask(self, text, **kwargs):
+            raise ChatError("no answer here")
+
+        def resume(self, name, **kwargs):
+            return f"resumed {name}"
+
+    app = app_on(Conv())
+    for line in ("hello", "again", "/resume a", "after it", "and again"):
+        app.handle(line)
+    err = capsys.readouterr().err
+    note = "note: the expert cache is still being filled from earlier runs (3 of 40 experts read)"
+    assert err.count(note) == 2 and err.index("resumed a") < err.rindex(note), err
+
+
 def test_a_moe_model_on_the_kernel_path_answers_can_be_stopped_and_has_no_warm_start(tmp_path):
     """The routed experts multiplied in the map (mapped_experts.MappedExperts) have nothing to warm or
     pause: an answer runs (Model.quiet), says no warm start, and a stop acts between experts there too."""

@@ -602,24 +602,36 @@ def test_a_model_sessions_directory_without_permission_is_refused_at_start(colic
 @pytest.mark.parametrize("mode", [0o000, 0o500], ids=["unreadable", "unwritable"])
 def test_a_cache_directory_without_permission_is_a_note_and_a_start_without_it(mode, colichat_home):
     """chmod 000 cache (as after one `sudo colichat`), or an unwritable one: a MoE model (whose experts' use
-    counts are looked up in the weights cache) starts, says it cannot keep the weights, and answers the same."""
+    counts are looked up in the weights cache) starts, says it cannot keep the weights, and answers the same;
+    on the kernel path it also says the kernels it compiled cannot be kept (colichat's own kernel cache here,
+    not the tests' shared one)."""
     from conftest import TINY
 
     prefix = unprivileged()
     args = ["--model", str(TINY / "ds-v2-lite.gguf"), *GREEDY, "--max-tokens", "4", "--no-save"]
+    kernels = ["--model", str(TINY / "ds-v3.q8_0.gguf"), *GREEDY, "--max-tokens", "4", "--no-save",
+               "--kernels", "numba"]
+    own = {"NUMBA_CACHE_DIR": ""}
     cache = colichat_home / "cache"
     first = chat(colichat_home, args, lines(Q[0])).ok()
+    compiled = chat(colichat_home, kernels, lines(Q[0]), env_extra=own).ok()
     if mode:  # nothing kept, and nothing can be
         shutil.rmtree(cache / "weights")
+        shutil.rmtree(cache / "kernels")
     cache.chmod(mode)
     try:
         run = chat(colichat_home, args, lines(Q[0]), prefix=prefix).ok()
+        again = chat(colichat_home, kernels, lines(Q[0]), prefix=prefix, env_extra=own).ok()
     finally:
         cache.chmod(0o700)
-    assert run.out == first.out
-    assert [line for line in run.err.splitlines() if line.startswith("note: ")] == [
-        f"note: cannot write the weights cache in {cache / 'weights'} (Permission denied); each start dequantizes "
-        "instead"]
+    assert run.out == first.out and again.out == compiled.out
+    weights = (f"note: cannot write the weights cache in {cache / 'weights'} (Permission denied); each start "
+               "dequantizes instead")
+    assert [line for line in run.err.splitlines() if line.startswith("note: ")] == [weights]
+    notes = [line for line in again.err.splitlines() if line.startswith("note: ")]
+    assert re.fullmatch(rf"note: cannot keep the compiled kernels in {re.escape(str(cache / 'kernels'))} \(not "
+                        r"writable\); each start compiles them \([0-9.]+ s\)", notes[0]), notes
+    assert notes[1:] in ([], [weights]), notes
 
 
 @pytest.mark.process

@@ -347,6 +347,12 @@ def test_help_says_each_thing_once(app):
     assert explained[0].startswith("/set KEY VALUE  change a setting") and "/help set" not in explained[0]
 
 
+def test_help_says_lines_of_commands_typed_ahead_run_one_by_one(app):
+    said = " ".join(run(app, "/help"))
+    assert ("Several lines that are all commands (typed while colichat was busy, say) run one by one, in order; "
+            "any other text of several lines is one message.") in said
+
+
 def test_slash_alone_says_it_is_not_a_command(app):
     assert run(app, "/") == ["colichat: / alone is not a command: /help lists them"]
 

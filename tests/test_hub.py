@@ -230,6 +230,20 @@ def test_a_file_whose_body_stops_before_the_size_announced_is_refused_in_one_lin
         assert line.endswith("expected 1000000000000000)); try again")
 
 
+def test_a_file_longer_than_the_size_announced_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Half the file's size announced and the whole file sent: what arrives does not match, refused in one
+    line, and nothing is kept."""
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda s: None)  # (the hub's retries, at once)
+    with HubServer({REPO: {"llama-Q4_K_M.gguf": LLAMA}}) as server:
+        server.announce[f"{REPO}/llama-Q4_K_M.gguf"] = len(LLAMA) // 2
+        with pytest.raises(ModelError) as refused:
+            fetch(server, tmp_path / "hf", f"hf:{REPO}")
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"hf:{REPO}"), line
+    assert "Consistency check failed" in line and line.endswith("is not the size the Hub announced; try again"), line
+    assert blobs(tmp_path / "hf") == []
+
+
 def test_every_request_gets_a_timeout_where_the_hub_sets_none():
     import httpx2
 

@@ -40,8 +40,8 @@ DEFAULT_CTX = 8192
 SMALL_F32 = 1 << 30
 
 __all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "check_headers",
-           "default_context", "f32_bytes_but_experts", "file_headers", "kernel_path", "load", "load_tokenizer",
-           "prepare_kernels", "resume_problem",
+           "default_context", "f32_bytes_but_experts", "file_headers", "kernel_path", "kernels_kept", "load",
+           "load_tokenizer", "prepare_kernels", "resume_problem",
            "trained_context"]
 
 
@@ -137,6 +137,14 @@ def prepare_kernels(path: str, cache_dir, on_compile=None) -> float | None:
     if on_compile is not None and not compiled.cached(str(cache_dir), names):
         on_compile()
     return compiled.prepare(str(cache_dir), names=names)
+
+
+def kernels_kept(cache_dir) -> bool:
+    """Whether the compiled kernels can be kept between starts, in numba's cache under cache_dir/kernels
+    (not where that cannot be written: every start then compiles them)."""
+    from .gguf import kernels as compiled
+
+    return compiled.cache_path(str(cache_dir)) is not None
 
 
 def kernel_types(path: str) -> list[str]:

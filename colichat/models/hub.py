@@ -461,8 +461,10 @@ def _hub_errors(spec: HubSpec, endpoint: str | None, cache_dir):
                          "try again") from None
     except httpx2.HTTPError as e:  # no connection, a timeout, a connection cut for good
         raise ModelError(unreachable.format(_reason(e))) from None
-    except OSError as e:  # writing the cache (a full disk, no permission), or the hub's size check
-        raise ModelError(f"{spec.text}: the download failed: {_reason(e)}") from None
+    except OSError as e:  # writing the cache (a full disk, no permission: an errno), or the hub's size check
+        what = ("check that the Hugging Face cache (HF_HOME) has room and can be written" if e.errno else
+                "what arrived is not the size the Hub announced; try again")
+        raise ModelError(f"{spec.text}: the download failed: {_reason(e)}; {what}") from None
 
 
 def _reason(e: BaseException) -> str:

@@ -32,6 +32,7 @@ from ..engine import (
     ModelError,
     default_context,
     kernel_path,
+    kernels_kept,
     load,
     prepare_kernels,
     resume_problem,
@@ -336,8 +337,11 @@ def load_model(plan: Plan, say, status):
     where = f" from {path}" if plan.verbose else ""
     say(f"{model_title(cfg.name, path)} ({cfg.arch}, {cfg.n_layer} layers){where}, "
         f"loaded in {time.perf_counter() - t0:.1f} s")
-    if compiled:
+    if compiled and kernels_kept(paths().cache):
         say(f"kernels: compiled in {compiled[0]:.1f} s (the first start; later starts load them)")
+    elif compiled:
+        say(f"note: cannot keep the compiled kernels in {paths().cache / 'kernels'} (not writable); each start "
+            f"compiles them ({compiled[0]:.1f} s)")
     say(f"memory: {model.memory_estimate()}")
     if model.experts is not None and model.experts.warming:
         say(f"experts: reading the {model.experts.warming:,} used most in earlier runs into the cache, in the "
