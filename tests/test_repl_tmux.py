@@ -611,7 +611,7 @@ def test_ctrl_c_acts_at_the_next_layer_of_a_slow_model_and_a_ctrl_d_typed_after_
 
 
 def test_keys_typed_while_a_pruned_conversation_is_read_again_at_start_wait_for_the_prompt(colichat_home, tmp_path):
-    """--resume of a pruned conversation reads it again from its text before the prompt (slowed here: a
+    """--resume of a pruned conversation reads it again from its text before the prompt (slowed here: half a
     second a layer, tests/slow_layers.py); keys typed meanwhile are not echoed into its progress: they wait
     for the prompt, as keys typed while the model loads do."""
     from cli_helpers import TINY_ARGS, chat, lines
@@ -620,14 +620,16 @@ def test_keys_typed_while_a_pruned_conversation_is_read_again_at_start_wait_for_
     chat(colichat_home, ["--prune-kv", "0", "--all"]).ok()
     layers, raw = tmp_path / "layers.log", tmp_path / "raw.log"
     t = start_colichat(colichat_home, *TINY_ARGS, "--resume", "--session", "s", before="read _;",
-                       program=f"{Path(__file__).parent / 'slow_layers.py'} 1.0 {layers} --")
+                       program=f"{Path(__file__).parent / 'slow_layers.py'} 0.5 {layers} --")
     t.run("pipe-pane", "-o", f"cat >> {raw}")
     t.keys("Enter")
     try:
         t.wait_for(lambda s: layers.exists() and layers.read_text().split(), MODEL_WAIT, "the reading again begun")
         t.type("typed early")
+        begun = len(layers.read_text().split())  # layers begun when the keys were sent
         t.wait_for(lambda s: "Type a message" in s and s.rstrip().endswith("> typed early"), MODEL_WAIT,
                    "the prompt, with the keys typed while the conversation was read again")
+        assert len(layers.read_text().split()) > begun  # the reading went on after the keys: they came during it
         data = raw.read_bytes()
         assert b"s: its KV file was pruned; reading its 1 exchange again" in data, data
         assert data.index(b"typed early") > data.index(b"Type a message")  # not echoed into the progress line
