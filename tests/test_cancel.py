@@ -294,18 +294,23 @@ def test_the_answer_passes_run_quiet():
     assert passes and all(passes) and model.experts.unpaused.is_set()
 
 
-def test_the_first_answer_says_the_warm_start_still_runs_and_the_next_does_not(capsys):
-    class Model:
-        def warming(self):
+class WarmingConversation:
+    """A conversation whose model's warm start has read 3 of its 40 experts, and that answers nothing."""
+
+    class model:  # noqa: N801  (the Conversation's attribute)
+        @staticmethod
+        def warming():
             return 3, 40
 
-    class Conv:
-        model = Model()
+    def ask(self, text, **kwargs):
+        raise ChatError("no answer here")
 
-        def ask(self, text, **kwargs):
-            raise ChatError("no answer here")
+    def resume(self, name, **kwargs):
+        return f"resumed {name}"
 
-    app = app_on(Conv())
+
+def test_the_first_answer_says_the_warm_start_still_runs_and_the_next_does_not(capsys):
+    app = app_on(WarmingConversation())
     app.handle("hello")
     app.handle("again")
     err = capsys.readouterr().err
@@ -314,20 +319,7 @@ def test_the_first_answer_says_the_warm_start_still_runs_and_the_next_does_not(c
 
 
 def test_the_first_answer_after_a_resume_says_the_warm_start_still_runs_again(capsys):
-    class Model:
-        def warming(self):
-            return 3, 40
-
-    class Conv:
-        model = Model()
-
-        def ask(self, text, **kwargs):
-            raise ChatError("no answer here")
-
-        def resume(self, name, **kwargs):
-            return f"resumed {name}"
-
-    app = app_on(Conv())
+    app = app_on(WarmingConversation())
     for line in ("hello", "again", "/resume a", "after it", "and again"):
         app.handle(line)
     err = capsys.readouterr().err
