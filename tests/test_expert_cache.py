@@ -116,7 +116,9 @@ def test_every_answer_keeps_the_experts_use_counts_for_the_next_start(tmp_path):
     kept = np.load(m.usage_entry / "usage.npy")
     assert kept.any() and np.array_equal(kept, m.experts.counts.astype(np.float32))
     conv.ask("and again")
-    assert np.load(m.usage_entry / "usage.npy").sum() > kept.sum()
+    # the second answer's counts, as they stand after it (not a larger sum: every X L uses halve them all)
+    again = np.load(m.usage_entry / "usage.npy")
+    assert np.array_equal(again, m.experts.counts.astype(np.float32)) and not np.array_equal(again, kept)
 
 
 def test_a_damaged_or_foreign_usage_file_is_ignored(tmp_path):
