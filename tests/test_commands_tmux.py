@@ -362,6 +362,12 @@ def test_ctrl_z_while_it_answers_and_fg_keep_typed_keys_out_of_the_answer(wrappe
     t.wait_for(lambda s: "Stopped" in s and s.rstrip().endswith("$"), WAIT, "the shell, colichat stopped")
     t.type("fg")
     t.keys("Enter")
+    # colichat back in the foreground, its answer going on (keys typed before it runs again are the shell's
+    # terminal's, echoed by the kernel: no program can keep those out): past the job line fg prints, more words
+    t.wait_for(lambda s: s.split("$ fg\n")[-1].strip(), WAIT, "fg's job line")
+    after_fg = len(t.run("capture-pane", "-p", "-S", "-").split())
+    t.wait_for(lambda s: len(t.run("capture-pane", "-p", "-S", "-").split()) > after_fg + 3, WAIT,
+               "the answer to go on after fg")
     t.type("qqqzzz")
     screen = t.wait_for(lambda s: "saved to hello]" in s and s.rstrip().endswith("> qqqzzz"), WAIT,
                         "the answer's end, and the keys typed at the next prompt")
