@@ -26,6 +26,8 @@ from colichat.engine.threads import Workers
 CASES = [("llama", "Q4_1"), ("llama", "Q8_0"), ("ds-v3", "Q8_0"), ("ds-v3", "Q5_0"), ("ds-v2-lite", "Q4_1"),
          ("plm", "F16"), ("minicpm3", "Q5_1"), ("glm-dsa", "Q4_0"), ("ds-dense", "Q8_0")]
 BOUND = 1e-4  # |numba - numpy| <= BOUND * max |numpy|: the same values, summed in another order
+INT8_BOUND = 0.03  # the same where the kernels round x to 8 bits (kernels.INT8_ACTIVATIONS), as llama.cpp does:
+#                    measured 0.011 on these files; the greedy token then agrees at >= 90% of the positions
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,12 @@ def test_both_paths_give_the_same_logits_within_rounding(qdir, name, qtype):
     want, got = ref.prefill(ids), fast.prefill(ids)  # a prefill (T > SMALL_BATCH): dequantized tiles
     want = np.concatenate([want, [ref.decode(int(t)) for t in ids[:5]]])
     got = np.concatenate([got, [fast.decode(int(t)) for t in ids[:5]]])  # decode: the kernels' matvec
-    assert np.abs(got - want).max() <= BOUND * np.abs(want).max()
-    assert np.array_equal(got.argmax(1), want.argmax(1))
+    if qtype in kernels.INT8_ACTIVATIONS:
+        assert np.abs(got - want).max() <= INT8_BOUND * np.abs(want).max()
+        assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.9
+    else:
+        assert np.abs(got - want).max() <= BOUND * np.abs(want).max()
+        assert np.array_equal(got.argmax(1), want.argmax(1))
 
 
 def test_routed_experts_are_multiplied_in_the_map_on_the_kernel_path(qdir):
@@ -132,7 +138,11 @@ def test_a_quantized_product_gives_the_same_bits_with_one_two_and_three_threads(
         for _ in range(3):
             assert np.array_equal(linear_with(Workers(n), x, w), one)
     ops.KERNEL_WORKERS.reset(token)
-    assert np.allclose(one, x.astype(np.float64) @ w.f32().T.astype(np.float64), rtol=1e-4, atol=1e-4)
+    want = x.astype(np.float64) @ w.f32().T.astype(np.float64)
+    if t > SMALL_BATCH:  # (prefill: dequantized tiles, float32 x; the matvec rounds x to 8 bits, Q8_0's blocks)
+        assert np.allclose(one, want, rtol=1e-4, atol=1e-4)
+    else:
+        assert np.abs(one - want).max() <= INT8_BOUND * np.abs(want).max()
     for i in range(t) if t <= SMALL_BATCH else ():
         assert np.array_equal(one[i], linear(x[i : i + 1], w)[0])
 

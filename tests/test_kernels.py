@@ -3,7 +3,9 @@
 For each type: random blocks (gguf-py's quantize of random data where it has one, else random codes and
 scale bytes under valid fp16 scales), then
 - dequantize gives gguf-py's values bit for bit (every bit pattern too, NaN and inf scales included);
-- matvec is within the contract's bound of x @ dequant(W).T taken in float64: 1e-5 * sum |x| |W|;
+- matvec is within the contract's bound of x @ dequant(W).T taken in float64: 1e-5 * sum |x| |W|, plus, for
+  the types whose matvec rounds x to 8 bits (kernels.INT8_ACTIVATIONS: Q8_K per 256 values, Q8_0 per 32),
+  that rounding's: half of x's scale (the block's max |x| / 127) times sum |W| over each block;
 - the bits of out[t, r] do not depend on T, on how the rows are split, or on the thread count.
 The kernels are compiled once per session, kept in pytest's cache directory between sessions.
 """
@@ -102,9 +104,48 @@ def test_matvec_within_the_bound_of_float64(name, make):
     kernels.matvec(name, w, x, out)
     W = reference(name, w).astype(np.float64)
     want = x.astype(np.float64) @ W.T
-    scale = np.abs(x).astype(np.float64) @ np.abs(W).T
-    assert np.all(np.abs(out - want) <= BOUND * scale)
+    bound = BOUND * np.abs(x).astype(np.float64) @ np.abs(W).T
+    if name in kernels.INT8_ACTIVATIONS:  # x = dx qx + e, |e| <= dx / 2, dx = the block's max |x| / 127
+        n = kernels.block(name)[0]  # (x's blocks are the weights' blocks: 32 or 256 values)
+        half_dx = np.abs(x.reshape(3, -1, n)).max(2) / 254  # (T, blocks)
+        bound += half_dx @ np.abs(W).reshape(48, -1, n).sum(2).T
+    assert np.all(np.abs(out - want) <= bound)
     assert np.abs(out - want).max() > 0 or name == "F32"  # not a float64 product in disguise
+
+
+def test_int8_activations_are_ggml_s_q8_k_rounding():
+    """kernel_int8.q8_k is ggml's quantize_row_q8_K: per 256 values, the value of largest magnitude (the
+    first of ties) maps to -127, every value to the nearest integer of x (-127 / max) (even on ties), at
+    most 127; d = 1 / (-127 / max); the sums of each 16 codes. An all-zero block is zeros."""
+    from colichat.engine.gguf.kernel_int8 import q8_k
+
+    x = np.random.default_rng(11).standard_normal((2, 768)).astype(np.float32)
+    x[0, 3], x[0, 300] = -9.0, 9.0  # a negative max; a block whose max is a positive 9
+    x[1, 256:512] = 0
+    x[1, 600:602] = 127 / 254 * np.float32(4.0), 4.0  # a value at exactly half a step
+    qx, dx, bsums = q8_k(x)
+    for t in range(2):
+        for b in range(3):
+            v = x[t, 256 * b : 256 * b + 256]
+            top = v[np.argmax(np.abs(v))]
+            iscale = np.float32(-127) / top if top else np.float32(0)
+            want = np.minimum(127, np.rint(iscale * v)).astype(np.int8)
+            assert np.array_equal(qx[t, 256 * b : 256 * b + 256], want)
+            assert dx[t, b] == (np.float32(1) / iscale if top else 0)
+            assert np.array_equal(bsums[t, 16 * b : 16 * b + 16], want.astype(np.int32).reshape(16, 16).sum(1))
+    assert qx[0, 3] == qx[0, 300] == -127 and dx[0, 0] > 0 > dx[0, 1]  # (-9 and 9: d's sign differs)
+
+
+@pytest.mark.parametrize("name", kernels.INT8_ACTIVATIONS)
+def test_a_nan_or_inf_in_x_is_not_rounded_away(name):
+    """x rounded to 8 bits: a NaN or inf in x still gives non-finite outputs (as the float32 kernels do),
+    never a finite number that hides a broken activation."""
+    w = quantized_rows(name, 8, 512)
+    x = np.random.default_rng(12).standard_normal((3, 512)).astype(np.float32)
+    x[0, 17], x[1, 300] = np.nan, np.inf
+    out = np.empty((3, 8), dtype=np.float32)
+    kernels.matvec(name, w, x, out)
+    assert not np.isfinite(out[:2]).any() and np.isfinite(out[2]).all()
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -197,3 +238,29 @@ def test_an_unwritable_cache_directory_keeps_nothing(tmp_path, monkeypatch):
     assert kernels.cache_path(str(tmp_path)) == str(tmp_path / "kernels")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))  # numba's own variable moves it
     assert kernels.cache_path(str(tmp_path)) == str(tmp_path / "numba")
+
+
+@pytest.mark.process
+def test_the_int8_products_give_the_same_bits_without_vnni(tmp_path):
+    """kernel_int8.py's portable vector IR (a CPU without int8 dot products: numba compiling for its
+    "generic" CPU, in a process of its own) gives the bits vpdpbusd gives (or the same code, on a CPU
+    without it): the integer sums are exact and the float steps the same."""
+
+    x = np.random.default_rng(13).standard_normal((3, 1024)).astype(np.float32)
+    rows = {name: random_rows(name, 64, 1024, seed=14) for name in kernels.INT8_ACTIVATIONS}
+    np.savez(tmp_path / "in.npz", x=x, **rows)
+    code = ("import sys, numpy as np; from colichat.engine.gguf import kernels, kernel_int8; "
+            "d = np.load(sys.argv[1]); outs = {}\n"
+            "for n in kernels.INT8_ACTIVATIONS:\n"
+            "    outs[n] = np.empty((3, 64), np.float32); kernels.matvec(n, d[n], d['x'], outs[n])\n"
+            "np.savez(sys.argv[2], vnni=kernel_int8._vnni(), **outs)")
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert got.returncode == 0, got.stderr
+    portable = np.load(tmp_path / "out.npz")
+    assert not portable["vnni"]
+    for name, w in rows.items():
+        here = np.empty((3, 64), dtype=np.float32)
+        kernels.matvec(name, w, x, here)
+        assert np.array_equal(here.view(np.uint32), portable[name].view(np.uint32)), name

@@ -8,14 +8,17 @@
     matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, T 1..16
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
 
-The bodies are in kernel_bodies.py and kernel_kquants.py (numba `njit`, nogil): plain loops over the
+The bodies are in kernel_bodies.py, kernel_kquants.py and kernel_int8.py (numba `njit`, nogil): plain loops over the
 bytes of each block as ggml lays them out (their comments; gguf-py's gguf.quants). A K-quant matvec works
 on each block's sub-blocks: the integer codes times x summed in float32 (vectorized), the sub-block's
 scale applied once to that sum, and a minimum through the per-sub-block sums of x, computed once per
 call and shared by every row; blocks add into float64. The 32-value types (Q8_0, Q4_0, ...) sum in 32
 float32 lanes across the row's blocks instead (what LLVM vectorizes for them: 3x faster on Q8_0).
-Activations stay float32: int8 activations (llama.cpp's Q8_0/Q8_K way, integer dot products) were no
-faster with LLVM's code on AVX2 and 50,000x less exact (benchmarks/kernels.py --variants).
+The types of INT8_ACTIVATIONS (Q8_0, Q4_K, Q6_K: the large files' matrices) round x to 8 bits per block
+instead, as llama.cpp does, and take integer dot products that kernel_int8.py emits as vector IR (one
+vpdpbusd per 32 codes on a CPU with VNNI): 2-4x faster than their float32 sums, at llama.cpp's
+accuracy. (numba's own loops on bytes widen to int64: no faster than float32, benchmarks/kernels.py
+--variants.)
 
 Contract:
 - w: C-contiguous rows of whole blocks, uint8 (or the float dtype gguf-py gives F32/F16 tensors: viewed
@@ -25,7 +28,8 @@ Contract:
   on T, on how the rows are split between calls, or on the thread count.
 - nogil: the engine's own threads call matvec on disjoint row ranges at once (the one threading
   scheme; numba's prange is not used).
-- Accuracy: |out - x W.T| <= 1e-5 * sum |x| |W| (float64 reference on the dequantized W).
+- Accuracy: |out - x W.T| <= 1e-5 * sum |x| |W| (float64 reference on the dequantized W); for
+  INT8_ACTIVATIONS, plus x's rounding: half of x's block scale times sum |W| over each block.
 
 Measured (benchmarks/kernels.py, 2026-12-07, 2 cores with AVX2 and no AVX-512, under a load of 10-15
 other processes, so as CPU seconds of the working thread): matvec Gparam/s a thread on 4096 x 4096, T 1:
@@ -58,6 +62,8 @@ TYPES = {  # GGUF type name -> (values per block, bytes per block)
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
     "IQ4_XS": (256, 136),
 }
+
+INT8_ACTIVATIONS = ("Q8_0", "Q4_K", "Q6_K")  # matvec rounds x to Q8_K and takes integer dot products (kernel_int8.py)
 
 
 class _Compiled:
@@ -120,7 +126,7 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
     import numba
     from numba.core.errors import NumbaError
 
-    from . import kernel_bodies, kernel_kquants
+    from . import kernel_bodies, kernel_int8, kernel_kquants
 
     mv_sig, dq_sig = _signatures()
     saved = numba.config.CACHE_DIR
@@ -128,7 +134,8 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
         numba.config.CACHE_DIR = path or saved
         for name in names:
             key, bodies = name.lower(), kernel_kquants if TYPES[name][0] == 256 else kernel_bodies
-            mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(bodies, f"matvec_{key}"))
+            mv_bodies = kernel_int8 if name in INT8_ACTIVATIONS else bodies
+            mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(mv_bodies, f"matvec_{key}"))
             dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
             _COMPILED.functions[name] = (mv, dq)
             done += 1
@@ -153,7 +160,7 @@ def _stamp(path: str, name: str) -> str:
     import numba
 
     h = hashlib.sha256(f"{numba.__version__} {sys.version}".encode())
-    for module in ("kernel_bodies.py", "kernel_kquants.py"):
+    for module in ("kernel_bodies.py", "kernel_kquants.py", "kernel_int8.py"):
         h.update(Path(__file__).with_name(module).read_bytes())
     return os.path.join(path, f"{name}-{h.hexdigest()[:16]}.done")
 
