@@ -136,6 +136,23 @@ def test_int8_activations_are_ggml_s_q8_k_rounding():
     assert qx[0, 3] == qx[0, 300] == -127 and dx[0, 0] > 0 > dx[0, 1]  # (-9 and 9: d's sign differs)
 
 
+def test_the_q8_0_product_reads_every_fp16_scale():
+    """Q8_0's int8 product converts a block's fp16 scale in its own code (kernel_int8 _IR.half): every one
+    of the 65,536 bit patterns, as a one-block row of codes 1 against x = 1, gives 32 times the scale
+    (NaN for NaN, inf for inf, zeros and subnormals included, the sign kept)."""
+    rows = np.zeros((1 << 16, 34), dtype=np.uint8)
+    rows[:, :2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    rows[:, 2:] = 1
+    out = np.empty((1, 1 << 16), dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        kernels.matvec("Q8_0", rows, np.ones((1, 32), dtype=np.float32), out)
+        want = 32 * np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
+    assert np.array_equal(np.isnan(out[0]), np.isnan(want)) and np.array_equal(np.isinf(out[0]), np.isinf(want))
+    finite = np.isfinite(want)
+    assert np.all(np.abs(out[0][finite] - want[finite]) <= 1e-6 * np.abs(want[finite]))
+    assert np.array_equal(np.sign(out[0][finite]), np.sign(want[finite]))  # (-0 sums to 0: zero either way)
+
+
 @pytest.mark.parametrize("name", kernels.INT8_ACTIVATIONS)
 def test_a_nan_or_inf_in_x_is_not_rounded_away(name):
     """x rounded to 8 bits: a NaN or inf in x still gives non-finite outputs (as the float32 kernels do),

@@ -4,12 +4,13 @@ Types (kernels.INT8_ACTIVATIONS): Q4_K and Q6_K against x rounded to Q8_K (ggml'
 256 values, d = max / -127 for the value of largest magnitude, qx the nearest integer of x / d, even on
 ties, and the sums of qx over each 16), Q8_0 against x rounded to Q8_0 (per 32 values: qx the nearest
 integer of x 127 / max |x|, d = max |x| / 127, kept in float32 where llama.cpp keeps fp16). A block's
-sub-block of 32 (or 16) codes is dotted with qx in int32, exactly; the sub-block's integer scale is applied
-to that sum, a minimum through the sums of qx (Q8_0's signed codes: + 128, less 128 sum qx); per block,
-dx d sum is added in float64.
+sub-block of 32 (or 16) codes is dotted with qx in int32, exactly. K-quants: the sub-blocks' integer
+scales are applied to those sums in int32 lanes, a minimum through the sums of qx, and dx d sum is added
+per block in float64. Q8_0 (signed codes: |code| times qx with the code's sign): a block's 8 int32 lanes
+times d dx are added into 8 float32 lanes along the row, summed in order at its end.
 
-The dot products are the compiled code's own: numba intrinsics (q8_0_dot, q4_k_dots, q6_k_dots) emit
-LLVM vector IR for a block: its codes unpacked in byte lanes, 32 codes (unsigned) times 32 int8 of qx
+The dot products are the compiled code's own: numba intrinsics (q8_0_row, q4_k_sums, q6_k_sum) emit
+LLVM vector IR for a block (Q8_0: a row): its codes unpacked in byte lanes, 32 codes (unsigned) times 32 int8 of qx
 summed into int32 lanes, each sub-block's lanes times its scale, one horizontal sum. On a CPU with int8
 dot products (AVX-512 VNNI or AVX-VNNI) each 32 codes are one vpdpbusd; elsewhere portable IR (widen to
 int16, multiply, widen) that LLVM lowers for the CPU numba compiles for. numba keys its cache by the CPU,
@@ -35,7 +36,6 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .kernel_bodies import F32, F64, _f16
-from .kernel_kquants import _scale_min_k4
 
 FLT_MAX = np.finfo(np.float32).max
 I8x32 = ir.VectorType(ir.IntType(8), 32)
@@ -56,12 +56,28 @@ class _IR:
     def __init__(self, context, builder, signature, args):
         self.context, self.b, self.types, self.args = context, builder, signature.args, args
 
-    def load(self, arg: int, offset: int, at: int = 1, n: int = 32):
-        """<n x i8>: the n bytes from index args[at] + offset of the (C-contiguous) int8/uint8 array args[arg]."""
+    def load(self, arg: int, offset: int, at: int = 1, n: int = 32, bits: int = 8):
+        """<n x i`bits`>: the n values from index args[at] + offset of the (C-contiguous) array args[arg]
+        (of int8/uint8, or int32 for bits 32)."""
+        return self.load_at(arg, self.b.add(self.args[at], ir.Constant(self.args[at].type, offset)), n, bits)
+
+    def load_at(self, arg: int, index, n: int = 32, bits: int = 8):
+        """As load, from the index (an IR integer); n 1: the scalar."""
         data = self.context.make_array(self.types[arg])(self.context, self.b, self.args[arg]).data
-        index = self.b.add(self.args[at], ir.Constant(self.args[at].type, offset))
-        vector = ir.VectorType(ir.IntType(8), n)
-        return self.b.load(self.b.bitcast(self.b.gep(data, [index]), vector.as_pointer()), align=1)
+        kind = ir.IntType(bits) if n == 1 else ir.VectorType(ir.IntType(bits), n)
+        return self.b.load(self.b.bitcast(self.b.gep(data, [index]), kind.as_pointer()), align=1)
+
+    def lanes(self, v, picks):
+        """The int vector of v's lanes `picks`."""
+        return self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(picks)), picks))
+
+    def join(self, a, b, n: int):
+        """Lanes 0 .. n/2 - 1 of a, then n/2 .. n - 1 of b (both n lanes)."""
+        picks = list(range(n // 2)) + list(range(n + n // 2, 2 * n))
+        return self.b.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, n), picks))
+
+    def ints(self, v: int, n: int = 8):
+        return ir.Constant(ir.VectorType(I32, n), [v] * n)
 
     @staticmethod
     def bytes(v: int):
@@ -72,14 +88,30 @@ class _IR:
         return module.globals.get(name) or ir.Function(module, ir.FunctionType(result, args), name)
 
     def dot_lanes(self, codes, xv):
-        """codes <32 x i8> unsigned times xv signed, as int32 lanes whose sum is the dot product: 8 lanes
-        from vpdpbusd (lane k: values 4 k .. 4 k + 3), else the 32 products."""
+        """codes <32 x i8> unsigned times xv signed, summed in 8 int32 lanes (lane k: values 4 k .. 4 k + 3):
+        vpdpbusd, or portable IR giving the same lanes (the products widened, each 4 added)."""
+        v8 = ir.VectorType(I32, 8)
         if _vnni():
-            v8 = ir.VectorType(I32, 8)
             dp = self.function("llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
             return self.b.call(dp, [ir.Constant(v8, None), self.b.bitcast(codes, v8), self.b.bitcast(xv, v8)])
         v16 = ir.VectorType(ir.IntType(16), 32)  # |code qx| <= 255 * 128 fits int16
-        return self.b.sext(self.b.mul(self.b.zext(codes, v16), self.b.sext(xv, v16)), ir.VectorType(I32, 32))
+        p = self.b.sext(self.b.mul(self.b.zext(codes, v16), self.b.sext(xv, v16)), ir.VectorType(I32, 32))
+        fours = [self.lanes(p, list(range(i, 32, 4))) for i in range(4)]
+        return self.b.add(self.b.add(fours[0], fours[1]), self.b.add(fours[2], fours[3]))
+
+    def half(self, h):
+        """The float32 of the fp16 bits h (i16), in integer and exact float steps: (m + 1024 if e else m)
+        2^(max(e, 1) - 25), inf or NaN for e = 31, the sign bit on top (no F16C, no library call)."""
+        b, i32 = self.b, I32
+        u = b.zext(h, i32)
+        e, m = b.and_(b.lshr(u, ir.Constant(i32, 10)), ir.Constant(i32, 31)), b.and_(u, ir.Constant(i32, 1023))
+        normal = b.icmp_unsigned("!=", e, ir.Constant(i32, 0))
+        mant = b.select(normal, b.or_(m, ir.Constant(i32, 1024)), m)
+        power = b.shl(b.add(b.select(normal, e, ir.Constant(i32, 1)), ir.Constant(i32, 102)), ir.Constant(i32, 23))
+        value = b.bitcast(b.fmul(b.sitofp(mant, ir.FloatType()), b.bitcast(power, ir.FloatType())), i32)
+        special = b.or_(ir.Constant(i32, 0x7F800000), b.shl(m, ir.Constant(i32, 13)))  # inf, or a NaN
+        bits = b.select(b.icmp_unsigned("==", e, ir.Constant(i32, 31)), special, value)
+        return b.bitcast(b.or_(bits, b.shl(b.and_(u, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))), ir.FloatType())
 
     def scaled(self, lanes, scales, first: int, second: int):
         """lanes times scale `first` in the lanes of values 0-15, scale `second` in those of 16-31 (scales:
@@ -102,47 +134,87 @@ def _c_layout(*arrays) -> bool:
 
 
 @intrinsic
-def q8_0_dot(typingctx, w, o, qx, xo):
-    """(the 32 int8 codes of the Q8_0 block at byte o, + 128) . qx[xo:xo + 32], int32: the codes made
-    unsigned for vpdpbusd (the caller takes 128 sum qx off)."""
-    if not _c_layout(w, qx):
+def q8_0_row(typingctx, w, qx, dx, blocks):
+    """The dot product of a row of `blocks` Q8_0 blocks with qx (int8, dx the scales of its runs of 32),
+    float32: each block's codes (as |code| and qx with the code's sign: unsigned times signed) dotted in 8
+    int32 lanes, the lanes times the block's two scales added into 8 float32 lanes, those summed in order."""
+    if not _c_layout(w, qx, dx):
         return None
 
     def codegen(context, builder, signature, args):
         ir_ = _IR(context, builder, signature, args)
-        codes = builder.xor(ir_.load(0, 2), ir_.bytes(128))
-        return ir_.total([ir_.dot_lanes(codes, ir_.load(2, 0, at=3))])
+        f32, i64, v8f = ir.FloatType(), ir.IntType(64), ir.VectorType(ir.FloatType(), 8)
+        zero = ir.Constant(i64, 0)
+        start = builder.block
+        loop, done = builder.append_basic_block("q8_0.loop"), builder.append_basic_block("q8_0.done")
+        builder.cbranch(builder.icmp_signed(">", args[3], zero), loop, done)
+        builder.position_at_end(loop)
+        b, acc = builder.phi(i64), builder.phi(v8f)
+        o = builder.mul(b, ir.Constant(i64, 34))
+        d = ir_.half(ir_.load_at(0, o, n=1, bits=16))
+        codes = ir_.load_at(0, builder.add(o, ir.Constant(i64, 2)))
+        xv = ir_.load_at(1, builder.mul(b, ir.Constant(i64, 32)))
+        negative = builder.icmp_signed("<", codes, ir.Constant(I8x32, None))
+        magnitude = builder.select(negative, builder.neg(codes), codes)  # (-128: 128 as unsigned)
+        signed_x = builder.select(negative, builder.neg(xv), xv)  # (|qx| <= 127)
+        lanes = builder.sitofp(ir_.dot_lanes(magnitude, signed_x), v8f)
+        dx = context.make_array(signature.args[2])(context, builder, args[2]).data
+        scale = builder.fmul(d, builder.load(builder.gep(dx, [b])))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, None), scale, ir.Constant(I32, 0)),
+                                       ir.Constant(v8f, None), ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+        after = builder.fadd(acc, builder.fmul(lanes, splat))
+        following = builder.add(b, ir.Constant(i64, 1))
+        b.add_incoming(zero, start)
+        b.add_incoming(following, loop)
+        acc.add_incoming(ir.Constant(v8f, None), start)
+        acc.add_incoming(after, loop)
+        builder.cbranch(builder.icmp_signed("<", following, args[3]), loop, done)
+        builder.position_at_end(done)
+        total = builder.phi(v8f)
+        total.add_incoming(ir.Constant(v8f, None), start)
+        total.add_incoming(after, loop)
+        reduce = ir_.function("llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f])
+        return builder.call(reduce, [ir.Constant(f32, -0.0), total])  # (no reassoc flag: lane 0 first, in order)
 
-    return types.int32(w, o, qx, xo), codegen
+    return types.float32(w, qx, dx, blocks), codegen
 
 
 @intrinsic
-def q4_k_dots(typingctx, w, o, qx, xo, sc):
-    """sum over the 8 sub-blocks j of the Q4_K block at byte o of sc[j] (its codes . qx[xo + 32 j:][:32]),
-    int32: the products summed and scaled in int32 lanes, one horizontal sum a block."""
-    if not _c_layout(w, qx, sc):
+def q4_k_sums(typingctx, w, o, qx, xo, bsums, bo):
+    """(sum_j sc_j (sub-block j's codes . qx[xo + 32 j:][:32]), sum_j m_j (bsums[bo + 2 j] + bsums[bo + 2 j
+    + 1])) of the Q4_K block at byte o, int32: its six-bit scales sc and minimums m unpacked in lanes."""
+    if not _c_layout(w, qx, bsums):
         return None
 
     def codegen(context, builder, signature, args):
         ir_ = _IR(context, builder, signature, args)
-        data = context.make_array(signature.args[4])(context, builder, args[4]).data
-        scales = builder.load(builder.bitcast(data, ir.VectorType(I32, 8).as_pointer()), align=4)
+        b = builder.zext(ir_.load(0, 4, n=16), ir.VectorType(I32, 16))  # the 12 scale bytes (and 4 more)
+        # sc_j: byte j & 63 (j < 4), else byte j + 4 & 15 | (byte j - 4 >> 6) << 4
+        # m_j: byte j + 4 & 63 (j < 4), else byte j + 4 >> 4 | (byte j >> 6) << 4
+        first, second = ir_.lanes(b, [0, 1, 2, 3, 8, 9, 10, 11]), ir_.lanes(b, [4, 5, 6, 7, 8, 9, 10, 11])
+        top_sc = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 0, 1, 2, 3]), ir_.ints(6)), ir_.ints(4))
+        top_m = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 4, 5, 6, 7]), ir_.ints(6)), ir_.ints(4))
+        scales = ir_.join(builder.and_(first, ir_.ints(63)), builder.or_(builder.and_(first, ir_.ints(15)), top_sc), 8)
+        mins = ir_.join(builder.and_(second, ir_.ints(63)), builder.or_(builder.lshr(second, ir_.ints(4)), top_m), 8)
         parts = []
         for c in range(4):  # 32 bytes: sub-block 2 c in the low nibbles, 2 c + 1 in the high ones
             nibbles = ir_.load(0, 16 + 32 * c)
             low, high = builder.and_(nibbles, ir_.bytes(15)), builder.lshr(nibbles, ir_.bytes(4))
             for j, codes in ((2 * c, low), (2 * c + 1, high)):
                 parts.append(ir_.scaled(ir_.dot_lanes(codes, ir_.load(2, 32 * j, at=3)), scales, j, j))
-        return ir_.total(parts)
+        runs = ir_.load(4, 0, at=5, n=16, bits=32)  # the sums of qx over each 16
+        pairs = builder.add(ir_.lanes(runs, list(range(0, 16, 2))), ir_.lanes(runs, list(range(1, 16, 2))))
+        sums = [ir_.total(parts), ir_.total([builder.mul(mins, pairs)])]
+        return context.make_tuple(builder, signature.return_type, sums)
 
-    return types.int32(w, o, qx, xo, sc), codegen
+    return types.UniTuple(types.int32, 2)(w, o, qx, xo, bsums, bo), codegen
 
 
 @intrinsic
-def q6_k_dots(typingctx, w, o, qx, xo):
-    """sum over the 16 sub-blocks i of the Q6_K block at byte o of its int8 scale i times (its codes, 0-63
-    before the less 32, . qx[xo + 16 i:][:16]), int32 (the caller takes 32 sum_i scale_i sum qx off)."""
-    if not _c_layout(w, qx):
+def q6_k_sum(typingctx, w, o, qx, xo, bsums, bo):
+    """sum over the 16 sub-blocks i of the Q6_K block at byte o of its int8 scale i times (its codes, 0-63,
+    less 32) . qx[xo + 16 i:][:16], int32: the unsigned codes dotted, 32 sum_i scale_i bsums[bo + i] off."""
+    if not _c_layout(w, qx, bsums):
         return None
 
     def codegen(context, builder, signature, args):
@@ -157,9 +229,11 @@ def q6_k_dots(typingctx, w, o, qx, xo):
                 codes = builder.or_(low, builder.shl(high, ir_.bytes(4)))
                 lanes = ir_.dot_lanes(codes, ir_.load(2, 128 * h + 32 * g, at=3))
                 parts.append(ir_.scaled(lanes, scales, 8 * h + 2 * g, 8 * h + 2 * g + 1))
-        return ir_.total(parts)
+        runs = ir_.load(4, 0, at=5, n=16, bits=32)  # the sums of qx over each 16
+        offset = builder.shl(builder.mul(scales, runs), ir.Constant(ir.VectorType(I32, 16), [5] * 16))
+        return builder.sub(ir_.total(parts), ir_.total([offset]))
 
-    return types.int32(w, o, qx, xo), codegen
+    return types.int32(w, o, qx, xo, bsums, bo), codegen
 
 
 @njit
@@ -201,11 +275,11 @@ def q8_k(x):
 
 @njit
 def q8_0(x):
-    """(qx (T, Z) int8, dx (T, Z / 32) float32, xsum (T, Z / 32) int32 the sums of qx) of x: llama.cpp's
-    Q8_0 rounding of activations on x86 (per 32 values: qx the nearest integer of x 127 / max |x|, even on
-    ties), the scale d = max |x| / 127 kept in float32 (llama.cpp rounds it to fp16)."""
+    """(qx (T, Z) int8, dx (T, Z / 32) float32) of x: llama.cpp's Q8_0 rounding of activations on x86 (per 32
+    values: qx the nearest integer of x 127 / max |x|, even on ties), the scale d = max |x| / 127 kept in
+    float32 (llama.cpp rounds it to fp16)."""
     T, Z = x.shape
-    qx, dx, xsum = np.empty((T, Z), np.int8), np.empty((T, Z // 32), F32), np.empty((T, Z // 32), np.int32)
+    qx, dx = np.empty((T, Z), np.int8), np.empty((T, Z // 32), F32)
     for t in range(T):
         for b in range(Z // 32):
             amax, finite = F32(0), True
@@ -214,34 +288,23 @@ def q8_0(x):
                 finite &= a <= FLT_MAX
                 amax = max(amax, a)
             inv = F32(127) / amax if amax != 0 and finite else F32(0)
-            s = 0
             for j in range(32):
-                q = np.int32(np.rint(x[t, 32 * b + j] * inv))
-                qx[t, 32 * b + j] = q
-                s += q
-            dx[t, b], xsum[t, b] = amax / F32(127) if finite else np.nan, s
-    return qx, dx, xsum
+                qx[t, 32 * b + j] = np.int32(np.rint(x[t, 32 * b + j] * inv))
+            dx[t, b] = amax / F32(127) if finite else np.nan
+    return qx, dx
 
 
 @njit
-def _row_q8_0(wr, qx, dx, xsum):
-    acc = 0.0
-    for b in range(qx.shape[0] // 32):
-        o = 34 * b
-        acc += F64(dx[b]) * F64(_f16(wr[o], wr[o + 1])) * F64(q8_0_dot(wr, o, qx, 32 * b) - 128 * xsum[b])
-    return acc
+def _row_q8_0(wr, qx, dx):
+    return F64(q8_0_row(wr, qx, dx, dx.shape[0]))
 
 
 @njit
-def _row_q4_k(wr, qx, dx, bsums, sc):
+def _row_q4_k(wr, qx, dx, bsums):
     acc = 0.0
     for b in range(qx.shape[0] // 256):
-        o, xo = 144 * b, 256 * b
-        sum_m = 0
-        for j in range(8):
-            sc[j], m = _scale_min_k4(wr, o + 4, j)
-            sum_m += m * np.int64(bsums[16 * b + 2 * j] + bsums[16 * b + 2 * j + 1])
-        sum_i = q4_k_dots(wr, o, qx, xo, sc)
+        o = 144 * b
+        sum_i, sum_m = q4_k_sums(wr, o, qx, 256 * b, bsums, 16 * b)
         d, dmin = F64(_f16(wr[o], wr[o + 1])), F64(_f16(wr[o + 2], wr[o + 3]))
         acc += F64(dx[b]) * (d * F64(sum_i) - dmin * F64(sum_m))
     return acc
@@ -251,28 +314,24 @@ def _row_q4_k(wr, qx, dx, bsums, sc):
 def _row_q6_k(wr, qx, dx, bsums):
     acc = 0.0
     for b in range(qx.shape[0] // 256):
-        o, xo = 210 * b, 256 * b
-        offset = 0  # the codes less 32: 32 sum_i scale_i (the sum of qx over sub-block i)
-        for i in range(16):
-            offset += np.int32(np.int8(wr[o + 192 + i])) * bsums[16 * b + i]
-        sum_i = np.int64(q6_k_dots(wr, o, qx, xo)) - 32 * np.int64(offset)
+        o = 210 * b
+        sum_i = q6_k_sum(wr, o, qx, 256 * b, bsums, 16 * b)
         acc += F64(dx[b]) * F64(_f16(wr[o + 208], wr[o + 209])) * F64(sum_i)
     return acc
 
 
 def matvec_q8_0(w, x, out):
-    qx, dx, xsum = q8_0(x)
+    qx, dx = q8_0(x)
     for r in range(w.shape[0]):
         for t in range(x.shape[0]):
-            out[t, r] = _row_q8_0(w[r], qx[t], dx[t], xsum[t])
+            out[t, r] = _row_q8_0(w[r], qx[t], dx[t])
 
 
 def matvec_q4_k(w, x, out):
     qx, dx, bsums = q8_k(x)
-    sc = np.empty(8, np.int32)  # a block's sub-block scales
     for r in range(w.shape[0]):
         for t in range(x.shape[0]):
-            out[t, r] = _row_q4_k(w[r], qx[t], dx[t], bsums[t], sc)
+            out[t, r] = _row_q4_k(w[r], qx[t], dx[t], bsums[t])
 
 
 def matvec_q6_k(w, x, out):
