@@ -281,3 +281,39 @@ def test_auto_takes_the_numpy_path_for_a_model_small_as_f32_and_the_kernels_for_
     monkeypatch.setattr(engine, "SMALL_F32", 1)  # every file is larger
     assert kernel_path("auto", "fast", path=path) == "numba"
     assert kernel_path("auto", "llama.cpp", path=path) == "numpy"  # (llama.cpp numerics: always f32)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_small_pass_shares_the_experts_out_whole_with_the_same_bits(qdir, t, monkeypatch):
+    """On the kernel path a decode or verify pass's routed experts go to the workers whole (each expert's
+    products on one thread): the experts run on more than one thread, and the layer's output has the bits
+    of one thread's."""
+    import threading
+
+    from colichat.engine import ffn
+
+    m = load(quantized_copy("ds-v3", "Q8_0", qdir), n_ctx=64)
+    assert isinstance(m.experts, MappedExperts)
+    n_expert, d = m.cfg.n_expert, m.cfg.n_embd
+    rng = np.random.default_rng(t)
+    x = rng.standard_normal((t, d), dtype=np.float32)
+    ids = np.stack([rng.choice(n_expert, 4, replace=False) for _ in range(t)])  # (T, U)
+    w = rng.random((t, 4), dtype=np.float32)
+    threads, swiglu = set(), ffn.swiglu
+
+    def seen(*args):
+        threads.add(threading.get_ident())
+        return swiglu(*args)
+
+    monkeypatch.setattr(ffn, "swiglu", seen)
+    token = ops.KERNEL_WORKERS.set(None)
+    try:
+        one = ffn.moe(x, ids, w, 1, m.experts)
+        assert len(threads) == 1
+        for n in (2, 3):
+            ops.KERNEL_WORKERS.set(Workers(n))
+            for _ in range(3):
+                assert np.array_equal(ffn.moe(x, ids, w, 1, m.experts), one)
+    finally:
+        ops.KERNEL_WORKERS.reset(token)
+    assert len(threads) > 1
