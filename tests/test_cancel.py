@@ -345,4 +345,6 @@ def test_a_moe_model_on_the_kernel_path_answers_can_be_stopped_and_has_no_warm_s
 
     with pytest.raises(Cancelled):
         model.prefill(PROMPT, cancel=cancel, progress=progress)
-    assert len(told) == 40 and max(told) <= 2 * len(PROMPT) / model.cfg.n_layer  # 40 safe points in 2 layers
+    # 40 safe points in 4 layers: one before each expert the calling thread takes (a small pass's experts are
+    # shared out whole among the threads, and the calling thread takes about half of them)
+    assert len(told) == 40 and max(told) <= 4 * len(PROMPT) / model.cfg.n_layer

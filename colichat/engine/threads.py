@@ -25,8 +25,10 @@ a verify pass's products use DECODE_THREADS.
 Quantized weights (the kernel path: ops.linear on a gguf.qmatrix.QMatrix) use the same scheme with the
 engine's own threads only: the compiled kernels release the GIL, so a small pass's products with them
 run on the Workers of the count Faster picked (ops.KERNEL_WORKERS), each thread taking the next block of
-rows, and prefill's dequantized tiles are shared by the prefill Workers as row blocks are. numba's own
-thread pool (prange) is not used: one scheme, and the kernels' bits do not depend on the split.
+rows, and prefill's dequantized tiles are shared by the prefill Workers as row blocks are. A small
+pass's routed experts are shared out whole instead (ffn.moe), each expert's products on one thread.
+numba's own thread pool (prange) is not used: one scheme, and the kernels' bits do not depend on the
+split.
 """
 
 from __future__ import annotations

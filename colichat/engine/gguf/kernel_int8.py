@@ -1,6 +1,6 @@
 """Q8_0's and the K-quants' matvec on int8 activations (llama.cpp's way): x rounded to 8 bits, integer dots.
 
-Types (kernels.INT8_ACTIVATIONS): Q4_K and Q6_K against x rounded to Q8_K (ggml's quantize_row_q8_K: per
+Types (kernels.INT8_ACTIVATIONS): Q4_K, Q5_K and Q6_K against x rounded to Q8_K (ggml's quantize_row_q8_K: per
 256 values, d = max / -127 for the value of largest magnitude, qx the nearest integer of x / d, even on
 ties, and the sums of qx over each 16), Q8_0 against x rounded to Q8_0 (per 32 values: qx the nearest
 integer of x 127 / max |x|, d = max |x| / 127, kept in float32 where llama.cpp keeps fp16). A block's
@@ -9,7 +9,7 @@ scales are applied to those sums in int32 lanes, a minimum through the sums of q
 per block in float64. Q8_0 (signed codes: |code| times qx with the code's sign): a block's 8 int32 lanes
 times d dx are added into 8 float32 lanes along the row, summed in order at its end.
 
-The dot products are the compiled code's own: numba intrinsics (q8_0_row, q4_k_sums, q6_k_sum) emit
+The dot products are the compiled code's own: numba intrinsics (q8_0_row, q4_k_sums / q5_k_sums, q6_k_sum) emit
 LLVM vector IR for a block (Q8_0: a row): its codes unpacked in byte lanes, 32 codes (unsigned) times 32 int8 of qx
 summed into int32 lanes, each sub-block's lanes times its scale, one horizontal sum. On a CPU with int8
 dot products (AVX-512 VNNI or AVX-VNNI) each 32 codes are one vpdpbusd; elsewhere portable IR (widen to
@@ -179,35 +179,50 @@ def q8_0_row(typingctx, w, qx, dx, blocks):
     return types.float32(w, qx, dx, blocks), codegen
 
 
-@intrinsic
-def q4_k_sums(typingctx, w, o, qx, xo, bsums, bo):
-    """(sum_j sc_j (sub-block j's codes . qx[xo + 32 j:][:32]), sum_j m_j (bsums[bo + 2 j] + bsums[bo + 2 j
-    + 1])) of the Q4_K block at byte o, int32: its six-bit scales sc and minimums m unpacked in lanes."""
-    if not _c_layout(w, qx, bsums):
-        return None
+def _k4_sums(fifth: bool):
+    """The intrinsic of Q4_K's blocks (fifth False) or Q5_K's (True: 32 bytes qh at byte 16 before the
+    nibbles, bit j of qh[l] the fifth bit of value l of sub-block j)."""
 
-    def codegen(context, builder, signature, args):
-        ir_ = _IR(context, builder, signature, args)
-        b = builder.zext(ir_.load(0, 4, n=16), ir.VectorType(I32, 16))  # the 12 scale bytes (and 4 more)
-        # sc_j: byte j & 63 (j < 4), else byte j + 4 & 15 | (byte j - 4 >> 6) << 4
-        # m_j: byte j + 4 & 63 (j < 4), else byte j + 4 >> 4 | (byte j >> 6) << 4
-        first, second = ir_.lanes(b, [0, 1, 2, 3, 8, 9, 10, 11]), ir_.lanes(b, [4, 5, 6, 7, 8, 9, 10, 11])
-        top_sc = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 0, 1, 2, 3]), ir_.ints(6)), ir_.ints(4))
-        top_m = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 4, 5, 6, 7]), ir_.ints(6)), ir_.ints(4))
-        scales = ir_.join(builder.and_(first, ir_.ints(63)), builder.or_(builder.and_(first, ir_.ints(15)), top_sc), 8)
-        mins = ir_.join(builder.and_(second, ir_.ints(63)), builder.or_(builder.lshr(second, ir_.ints(4)), top_m), 8)
-        parts = []
-        for c in range(4):  # 32 bytes: sub-block 2 c in the low nibbles, 2 c + 1 in the high ones
-            nibbles = ir_.load(0, 16 + 32 * c)
-            low, high = builder.and_(nibbles, ir_.bytes(15)), builder.lshr(nibbles, ir_.bytes(4))
-            for j, codes in ((2 * c, low), (2 * c + 1, high)):
-                parts.append(ir_.scaled(ir_.dot_lanes(codes, ir_.load(2, 32 * j, at=3)), scales, j, j))
-        runs = ir_.load(4, 0, at=5, n=16, bits=32)  # the sums of qx over each 16
-        pairs = builder.add(ir_.lanes(runs, list(range(0, 16, 2))), ir_.lanes(runs, list(range(1, 16, 2))))
-        sums = [ir_.total(parts), ir_.total([builder.mul(mins, pairs)])]
-        return context.make_tuple(builder, signature.return_type, sums)
+    @intrinsic
+    def sums(typingctx, w, o, qx, xo, bsums, bo):
+        """(sum_j sc_j (sub-block j's codes . qx[xo + 32 j:][:32]), sum_j m_j (bsums[bo + 2 j] + bsums[bo +
+        2 j + 1])) of the block at byte o, int32: its six-bit scales sc and minimums m unpacked in lanes."""
+        if not _c_layout(w, qx, bsums):
+            return None
 
-    return types.UniTuple(types.int32, 2)(w, o, qx, xo, bsums, bo), codegen
+        def codegen(context, builder, signature, args):
+            ir_ = _IR(context, builder, signature, args)
+            b = builder.zext(ir_.load(0, 4, n=16), ir.VectorType(I32, 16))  # the 12 scale bytes (and 4 more)
+            # sc_j: byte j & 63 (j < 4), else byte j + 4 & 15 | (byte j - 4 >> 6) << 4
+            # m_j: byte j + 4 & 63 (j < 4), else byte j + 4 >> 4 | (byte j >> 6) << 4
+            first = ir_.lanes(b, [0, 1, 2, 3, 8, 9, 10, 11])
+            second = ir_.lanes(b, [4, 5, 6, 7, 8, 9, 10, 11])
+            top_sc = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 0, 1, 2, 3]), ir_.ints(6)), ir_.ints(4))
+            top_m = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 4, 5, 6, 7]), ir_.ints(6)), ir_.ints(4))
+            and_, or_ = builder.and_, builder.or_
+            scales = ir_.join(and_(first, ir_.ints(63)), or_(and_(first, ir_.ints(15)), top_sc), 8)
+            mins = ir_.join(and_(second, ir_.ints(63)), or_(builder.lshr(second, ir_.ints(4)), top_m), 8)
+            high_bits = ir_.load(0, 16) if fifth else None
+            parts = []
+            for c in range(4):  # 32 bytes: sub-block 2 c in the low nibbles, 2 c + 1 in the high ones
+                nibbles = ir_.load(0, (48 if fifth else 16) + 32 * c)
+                low, high = builder.and_(nibbles, ir_.bytes(15)), builder.lshr(nibbles, ir_.bytes(4))
+                for j, codes in ((2 * c, low), (2 * c + 1, high)):
+                    if fifth:
+                        bit = builder.and_(builder.lshr(high_bits, ir_.bytes(j)), ir_.bytes(1))
+                        codes = builder.or_(codes, builder.shl(bit, ir_.bytes(4)))
+                    parts.append(ir_.scaled(ir_.dot_lanes(codes, ir_.load(2, 32 * j, at=3)), scales, j, j))
+            runs = ir_.load(4, 0, at=5, n=16, bits=32)  # the sums of qx over each 16
+            pairs = builder.add(ir_.lanes(runs, list(range(0, 16, 2))), ir_.lanes(runs, list(range(1, 16, 2))))
+            sums = [ir_.total(parts), ir_.total([builder.mul(mins, pairs)])]
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        return types.UniTuple(types.int32, 2)(w, o, qx, xo, bsums, bo), codegen
+
+    return sums
+
+
+q4_k_sums, q5_k_sums = _k4_sums(False), _k4_sums(True)
 
 
 @intrinsic
@@ -311,6 +326,17 @@ def _row_q4_k(wr, qx, dx, bsums):
 
 
 @njit
+def _row_q5_k(wr, qx, dx, bsums):
+    acc = 0.0
+    for b in range(qx.shape[0] // 256):
+        o = 176 * b
+        sum_i, sum_m = q5_k_sums(wr, o, qx, 256 * b, bsums, 16 * b)
+        d, dmin = F64(_f16(wr[o], wr[o + 1])), F64(_f16(wr[o + 2], wr[o + 3]))
+        acc += F64(dx[b]) * (d * F64(sum_i) - dmin * F64(sum_m))
+    return acc
+
+
+@njit
 def _row_q6_k(wr, qx, dx, bsums):
     acc = 0.0
     for b in range(qx.shape[0] // 256):
@@ -332,6 +358,13 @@ def matvec_q4_k(w, x, out):
     for r in range(w.shape[0]):
         for t in range(x.shape[0]):
             out[t, r] = _row_q4_k(w[r], qx[t], dx[t], bsums[t])
+
+
+def matvec_q5_k(w, x, out):
+    qx, dx, bsums = q8_k(x)
+    for r in range(w.shape[0]):
+        for t in range(x.shape[0]):
+            out[t, r] = _row_q5_k(w[r], qx[t], dx[t], bsums[t])
 
 
 def matvec_q6_k(w, x, out):

@@ -14,7 +14,7 @@ on each block's sub-blocks: the integer codes times x summed in float32 (vectori
 scale applied once to that sum, and a minimum through the per-sub-block sums of x, computed once per
 call and shared by every row; blocks add into float64. The 32-value types (Q8_0, Q4_0, ...) sum in 32
 float32 lanes across the row's blocks instead (what LLVM vectorizes for them: 3x faster on Q8_0).
-The types of INT8_ACTIVATIONS (Q8_0, Q4_K, Q6_K: the large files' matrices) round x to 8 bits per block
+The types of INT8_ACTIVATIONS (Q8_0, Q4_K, Q5_K, Q6_K: most large files' matrices) round x to 8 bits per block
 instead, as llama.cpp does, and take integer dot products that kernel_int8.py emits as vector IR (one
 vpdpbusd per 32 codes on a CPU with VNNI): 2-4x faster than their float32 sums, at llama.cpp's
 accuracy. (numba's own loops on bytes widen to int64: no faster than float32, benchmarks/kernels.py
@@ -31,13 +31,11 @@ Contract:
 - Accuracy: |out - x W.T| <= 1e-5 * sum |x| |W| (float64 reference on the dequantized W); for
   INT8_ACTIVATIONS, plus x's rounding: half of x's block scale times sum |W| over each block.
 
-Measured (benchmarks/kernels.py, 2026-12-07, 2 cores with AVX2 and no AVX-512, under a load of 10-15
-other processes, so as CPU seconds of the working thread): matvec Gparam/s a thread on 4096 x 4096, T 1:
-Q8_0 7.3, Q4_K 3.9, Q4_0 3.7, Q4_1 3.6, F32 3.6, Q6_K 3.3, Q5_0 3.0, Q5_1 2.9, BF16 2.8, Q5_K 2.7,
-IQ4_NL 2.7, IQ4_XS 2.4, F16 2.3, Q3_K 2.1, Q2_K 1.7 (the issue's target, 2 threads at ~14 Gparam/s, is
-not reached by the K-quants). First start, every type: 15.8 s CPU here and 15.2 s in the helper process
-(about 16 s on a quiet two-core machine); a later start: 0.4-0.5 s CPU in prepare() for every type,
-plus 0.5 s to import numba.
+Measured (benchmarks/kernels.py, 2026-12-07 17:40, a quiet 2-core Zen 4 with AVX-512 VNNI): matvec
+Gparam/s on one thread, 4096 x 4096, T 1: Q6_K 23.1, Q4_K 21.0, Q5_K 18.1, Q8_0 9.8 (the int8 products);
+F32 5.0, Q4_1 5.3, Q4_0 4.7, Q5_0 3.8, Q5_1 3.5, Q3_K 2.7, BF16 2.6, F16 2.4, IQ4_NL 2.1, Q2_K 1.6, IQ4_XS 1.2
+(float32 sums). First start, every type: 9.9 s (half the types compiled in a helper process); a later
+start: 0.3-0.4 s in prepare(), plus 0.4 s to import numba.
 
 State: one module-level cache, _COMPILED, of the compiled functions by type name (and the reason a
 compile failed); everything else here is constant tables.
@@ -63,7 +61,8 @@ TYPES = {  # GGUF type name -> (values per block, bytes per block)
     "IQ4_XS": (256, 136),
 }
 
-INT8_ACTIVATIONS = ("Q8_0", "Q4_K", "Q6_K")  # matvec rounds x to Q8_K and takes integer dot products (kernel_int8.py)
+# matvec rounds x to 8 bits (Q8_0 per 32 values, Q8_K per 256) and takes integer dot products (kernel_int8.py)
+INT8_ACTIVATIONS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 class _Compiled:
