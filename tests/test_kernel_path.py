@@ -317,3 +317,53 @@ def test_a_small_pass_shares_the_experts_out_whole_with_the_same_bits(qdir, t, m
     finally:
         ops.KERNEL_WORKERS.reset(token)
     assert len(threads) > 1
+
+
+def mapped_kib(path: str) -> int:
+    """KiB of `path`'s pages mapped into this process (/proc/self/smaps: Rss of its mappings)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                ours = line.rstrip().endswith(str(path))
+            elif ours and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+def test_page_in_maps_the_whole_file_before_the_first_prompt(qdir, tmp_path):
+    """Tensors.page_in maps every tensor's pages (one madvise a chunk), as the first prompt's products would
+    otherwise fault them in a page at a time; a set Event stops it before any."""
+    import shutil
+    import threading
+
+    from colichat.engine.gguf.tensors import Tensors, open_gguf
+
+    path = tmp_path / "copy.gguf"  # (a file of its own: no other test's map of it in this process)
+    shutil.copy(quantized_copy("ds-v3", "Q8_0", qdir), path)
+    tensors = Tensors(open_gguf(str(path)), str(path))
+    size_kib = path.stat().st_size // 1024
+    before = mapped_kib(path)
+    stopped = threading.Event()
+    stopped.set()
+    tensors.page_in(stopped)
+    assert mapped_kib(path) == before < size_kib // 2
+    tensors.page_in(threading.Event())
+    assert mapped_kib(path) >= size_kib - 64  # (every tensor's pages: all but the header's few)
+
+
+def test_a_file_larger_than_the_memory_allowed_is_not_paged_in(qdir, monkeypatch):
+    """Model.page_in maps the file only where it fits in the memory this process may use (MemAvailable and
+    its cgroup's limit): a larger one is left to the page cache."""
+    from colichat.engine import model as model_module
+
+    m = load(quantized_copy("ds-v3", "Q8_0", qdir), n_ctx=64)
+    stopped = m.page_in()
+    assert stopped is not None
+    stopped.set()
+    monkeypatch.setattr(model_module, "memory_limit", lambda: 1 << 20)  # a cgroup of 1 MiB
+    assert m.page_in() is None
+    monkeypatch.setattr(model_module, "memory_limit", lambda: None)
+    monkeypatch.setattr(model_module, "available_memory", lambda: 1 << 20)
+    assert m.page_in() is None

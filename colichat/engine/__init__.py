@@ -115,6 +115,8 @@ def load(path: str, n_ctx: int | None = None, progress=None, cache_dir=None, exp
                 on_note(problem or kept)
     model = Model(cfg, weights, tokenizer, n_ctx, tensors, expert_cache=expert_cache, numerics=numerics, mtp=mtp,
                   kernels=kernels)
+    if kernels == "numba":  # (the numpy path reads only routed experts from the map, with preadv)
+        model.page_in()
     if cache_dir is not None and model.experts is not None:
         model.usage_entry = entry_of(path, cache_dir, kernels)
         counts = read_usage(model.usage_entry, on_note) if model.usage_entry is not None else None

@@ -9,6 +9,7 @@ Axis letters: engine/__init__.py.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -76,6 +77,32 @@ def available_memory() -> int | None:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def memory_limit() -> int | None:
+    """The memory limit of this process's cgroup in bytes (v2 memory.max, v1 memory.limit_in_bytes), None
+    where it has none or it cannot be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, where = line.split(":", 2)
+        if controllers == "":
+            path = f"/sys/fs/cgroup{where}/memory.max"
+        elif "memory" in controllers.split(","):
+            path = f"/sys/fs/cgroup/memory{where}/memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < 1 << 60:  # ("max", or v1's 2^63 - page: none)
+            return int(value)
     return None
 
 
@@ -204,6 +231,20 @@ class Model:
         self.mtp_left_out = not mtp and has_mtp(cfg, numerics)  # the file's block, not loaded (mtp=False)
         self.usage_entry = None  # the weights-cache entry keeping the experts' use counts (engine.load sets it)
         self.file_note = None  # a model file found replaced or deleted while this ran (Tensors.whole), to say
+
+    def page_in(self) -> threading.Event | None:
+        """Where the whole GGUF fits in the memory this process may use (MemAvailable, and its cgroup's
+        limit), map its pages on a thread of its own (Tensors.page_in), so that the first prompt faults
+        no page of it in a page at a time; the Event stops it. A larger file is left to the page cache (it
+        runs at the disk's speed; mapping it all would only push out what the next token reads): None."""
+        if self.tensors is None:
+            return None
+        room = [n for n in (available_memory(), memory_limit()) if n is not None]
+        if not room or gguf_bytes(self.tensors) + self.weight_bytes > 0.9 * min(room):
+            return None
+        stopped = threading.Event()
+        threading.Thread(target=self.tensors.page_in, args=(stopped,), name="colichat-page-in", daemon=True).start()
+        return stopped
 
     # --- public API -------------------------------------------------------------------------------
 

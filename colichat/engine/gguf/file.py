@@ -14,6 +14,7 @@ gguf-py would only fail inside numpy on it.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import struct
 from typing import NamedTuple
@@ -101,3 +102,23 @@ class GGUFFile:
 
 PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
          "I32": np.int32, "I64": np.int64}
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages now, read from the file where not in memory
+PAGE = mmap.PAGESIZE
+
+
+def populate(data: np.ndarray) -> bool:
+    """Map the pages of `data` (a view of a file's memory map) into this process now, as one madvise
+    (MADV_POPULATE_READ; ctypes releases the GIL): what the first product over them would otherwise fault
+    in a page at a time, much faster in one call. False where the call is refused (not Linux 5.14+, not a
+    map): nothing is changed then."""
+    if data.nbytes == 0:
+        return True
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = data.ctypes.data // PAGE * PAGE
+    return madvise(start, data.ctypes.data + data.nbytes - start, MADV_POPULATE_READ) == 0
