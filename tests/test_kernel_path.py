@@ -259,7 +259,7 @@ def test_a_file_larger_than_the_free_memory_runs_from_the_map(qdir, monkeypatch)
 def test_the_first_start_says_it_compiles_the_kernels_and_later_starts_load_them_quietly(tmp_path):
     """In a process (the compiled kernels live in one): the first start of a file the kernels take compiles
     them into the cache directory and says how long it took; the next start loads them and says nothing;
-    --kernels numpy gives the same answer without them."""
+    --kernels numpy answers without them."""
     from cli_helpers import chat
 
     args = ["--model", TINY / "ds-v3.q8_0.gguf", "--temperature", "0", "--max-tokens", "6", "--no-save", "-p", "hi"]
@@ -269,8 +269,10 @@ def test_the_first_start_says_it_compiles_the_kernels_and_later_starts_load_them
     assert "kernels: compiled in " in first.err and "(the first start; later starts load them)" in first.err
     assert "kernels" not in again.err and again.out == first.out
     assert list((tmp_path / "cache" / "kernels").rglob("*.nbi"))
-    numpy = chat(tmp_path, [*args, "--kernels", "numpy"], env_extra=own).ok()
-    assert numpy.out == first.out and "mapped from the file" in first.err and "mapped" not in numpy.err
+    numpy = chat(tmp_path, [*args, "--kernels", "numpy"], env_extra=own).ok()  # (its answer may differ: the
+    # kernels round x to 8 bits for Q8_0, as llama.cpp does; test_both_paths_give_the_same_logits_within_rounding)
+    assert numpy.out.strip() and "mapped from the file" in first.err and "mapped" not in numpy.err
+    assert "kernels" not in numpy.err
 
 
 def test_auto_takes_the_numpy_path_for_a_model_small_as_f32_and_the_kernels_for_a_larger_one(monkeypatch):
