@@ -108,17 +108,22 @@ MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages now, read from the f
 PAGE = mmap.PAGESIZE
 
 
-def populate(data: np.ndarray) -> bool:
-    """Map the pages of `data` (a view of a file's memory map) into this process now, as one madvise
-    (MADV_POPULATE_READ; ctypes releases the GIL): what the first product over them would otherwise fault
-    in a page at a time, much faster in one call. False where the call is refused (not Linux 5.14+, not a
-    map): nothing is changed then."""
+def madvise():
+    """libc's madvise as a ctypes function (calls release the GIL), or None where there is none."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function
+
+
+def populate(data: np.ndarray, advise) -> bool:
+    """Map the pages of `data` (a view of a file's memory map) into this process now, as one call of
+    `advise` (madvise()) with MADV_POPULATE_READ: what the first product over them would otherwise fault in
+    a page at a time, much faster in one call. False where it is refused (not Linux 5.14+, not a map):
+    nothing is changed then."""
     if data.nbytes == 0:
         return True
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = data.ctypes.data // PAGE * PAGE
-    return madvise(start, data.ctypes.data + data.nbytes - start, MADV_POPULATE_READ) == 0
+    return advise(start, data.ctypes.data + data.nbytes - start, MADV_POPULATE_READ) == 0

@@ -346,6 +346,10 @@ def _row_q6_k(wr, qx, dx, bsums):
     return acc
 
 
+# The matvecs spell their loops out, one per type: a row function passed as an argument to one shared
+# loop is a first-class function to numba, which then cannot keep the kernel in its on-disk cache.
+
+
 def matvec_q8_0(w, x, out):
     qx, dx = q8_0(x)
     for r in range(w.shape[0]):

@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import ModelError
 from ..config import MIN_CTX
 from . import dequant, kernels
-from .file import GGUFFile, Truncated, populate
+from .file import GGUFFile, Truncated, madvise, populate
 from .header import HeaderError, read_header
 from .qmatrix import QMatrix
 
@@ -202,10 +202,11 @@ class Tensors:
         `stopped` (a threading.Event) is set or the system refuses: run on a thread of its own after load, so
         that the first prompt's products do not fault the file in 4 KiB at a time (the V2-Lite-shaped 11.9
         GB file, in the page cache: 2.5 s this way against about 20 s of faults inside the first prefill)."""
+        advise = madvise()
         for t in sorted(self.by_name.values(), key=lambda t: (self.files[t.name], self.offsets[t.name])):
             flat = t.data.reshape(-1).view(np.uint8)
             for at in range(0, flat.size, chunk):
-                if stopped.is_set() or not populate(flat[at : at + chunk]):
+                if advise is None or stopped.is_set() or not populate(flat[at : at + chunk], advise):
                     return
 
     @classmethod
