@@ -369,3 +369,25 @@ def test_a_file_larger_than_the_memory_allowed_is_not_paged_in(qdir, monkeypatch
     monkeypatch.setattr(model_module, "memory_limit", lambda: None)
     monkeypatch.setattr(model_module, "available_memory", lambda: 1 << 20)
     assert m.page_in() is None
+
+
+def test_memory_limit_reads_the_cgroup_and_skips_what_it_cannot_read(monkeypatch, tmp_path):
+    """memory_limit(): a v2 memory.max under /sys/fs/cgroup, none for "max", and a line it cannot parse
+    skipped rather than raised."""
+    import builtins
+
+    from colichat.engine.model import memory_limit
+
+    files = {"/proc/self/cgroup": "garbage\n0::/user.slice\n", "/sys/fs/cgroup/user.slice/memory.max": "8589934592\n"}
+    real = builtins.open
+
+    def fake(path, *args, **kwargs):
+        if str(path) in files:
+            (tmp_path / "f").write_text(files[str(path)])
+            return real(tmp_path / "f", *args, **kwargs)
+        raise OSError(2, "no such file")
+
+    monkeypatch.setattr(builtins, "open", fake)
+    assert memory_limit() == 8 << 30
+    files["/sys/fs/cgroup/user.slice/memory.max"] = "max\n"
+    assert memory_limit() is None

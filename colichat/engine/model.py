@@ -89,6 +89,8 @@ def memory_limit() -> int | None:
     except OSError:
         return None
     for line in lines:
+        if line.count(":") < 2:
+            continue  # (not a cgroup line)
         _, controllers, where = line.split(":", 2)
         if controllers == "":
             path = f"/sys/fs/cgroup{where}/memory.max"
