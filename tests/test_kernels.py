@@ -167,19 +167,37 @@ def test_a_nan_or_inf_in_x_is_not_rounded_away(name):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_same_bits_for_any_t_and_any_row_split(name):
-    z = 512
+    """Any T the type's matvec takes (up to 16; 40 for the int8 products: groups of kernel_int8.NT rows and a
+    rest), any split into row blocks, x given as it is or rounded once for every block."""
+    z, n = 512, 40 if kernels.takes(name, 40) else 16
     w = random_rows(name, 40, z, seed=6)
-    x = np.random.default_rng(7).standard_normal((16, z)).astype(np.float32)
-    whole = np.empty((16, 40), dtype=np.float32)
+    x = np.random.default_rng(7).standard_normal((n, z)).astype(np.float32)
+    whole = np.empty((n, 40), dtype=np.float32)
     kernels.matvec(name, w, x, whole)
-    for t in (0, 5, 15):
+    for t in (0, 5, 15, n - 1):
         one = np.empty((1, 40), dtype=np.float32)
         kernels.matvec(name, w, x[t : t + 1], one)
         assert np.array_equal(one[0].view(np.uint32), whole[t].view(np.uint32))
-    split = np.full((16, 40), np.nan, dtype=np.float32)
+    split = np.full((n, 40), np.nan, dtype=np.float32)
+    xs = kernels.rounded(name, x)
     for a, b in ((0, 1), (1, 17), (17, 40)):
-        kernels.matvec(name, w[a:b], x, split[:, a:b])  # a column range of a larger out
+        kernels.matvec(name, w[a:b], xs, split[:, a:b])  # a column range of a larger out
     assert np.array_equal(split.view(np.uint32), whole.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_same_bits_when_x_is_taken_a_chunk_of_rows_at_a_time(name):
+    """A long row (131072 values) makes kernel_int8's chunks of x 4 rows: 10 rows are 4, 4 and 2, each
+    row's products the bits of a one-row matvec."""
+    z = 131072
+    w = random_rows(name, 6, z, seed=16)
+    x = np.random.default_rng(17).standard_normal((10, z)).astype(np.float32)
+    whole = np.empty((10, 6), dtype=np.float32)
+    kernels.matvec(name, w, x, whole)
+    for t in range(10):
+        one = np.empty((1, 6), dtype=np.float32)
+        kernels.matvec(name, w, x[t : t + 1], one)
+        assert np.array_equal(one[0].view(np.uint32), whole[t].view(np.uint32))
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
@@ -223,8 +241,14 @@ def test_problem_says_why_without_numba(monkeypatch):
 
 def test_bad_shapes_are_caller_bugs():
     w = random_rows("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="T 1..96"):
+        kernels.matvec("Q8_0", w, np.ones((97, 64), dtype=np.float32), np.empty((97, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="T 1..16"):
-        kernels.matvec("Q8_0", w, np.ones((17, 64), dtype=np.float32), np.empty((17, 4), dtype=np.float32))
+        kernels.matvec("Q4_0", random_rows("Q4_0", 4, 64), np.ones((17, 64), dtype=np.float32),
+                       np.empty((17, 4), dtype=np.float32))
+    with pytest.raises(ValueError, match="is not what Q8_0"):
+        kernels.matvec("Q8_0", w, kernels.rounded("Q4_K", np.ones((1, 256), dtype=np.float32)),
+                       np.empty((1, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="do not hold"):
         kernels.matvec("Q8_0", w, np.ones((1, 96), dtype=np.float32), np.empty((1, 4), dtype=np.float32))
 

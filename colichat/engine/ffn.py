@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ModelError
 from .gguf import dequant
 from .gguf.qmatrix import QMatrix
-from .ops import KERNEL_WORKERS, SAFE_POINT, SMALL_BATCH, linear, run_blocks, silu_mul
+from .ops import KERNEL_WORKERS, SAFE_POINT, SMALL_BATCH, WORKERS, linear, run_blocks, silu_mul
 
 NORM_MIN = 6.1035e-5  # llama.cpp clamps the sum of the selected weights here before normalizing
 FILL_THREADS = 2  # threads dequantizing an expert cache's misses at once (at most the cores there are)
@@ -466,12 +466,12 @@ def _cores() -> int:
 
 def _expert_outputs(x, order, k: int, group: list, resident: list, workers) -> list:
     """swiglu of each expert of `group` on its tokens (x[order[a:b] // k]): [(M, D)]. Experts multiplied in
-    the map (QMatrix, the kernel path) in a small pass (the pass's KERNEL_WORKERS) are shared out whole
-    among the workers, each expert's products on one thread: a decode pass's experts are small matrices
-    (DeepSeek-V2-Lite's: 2048 x 1408) that cost less than handing their row blocks to another thread. The
-    kernels' bits do not depend on the thread, so neither do the outputs. Else one after another, each
-    product split as linear splits it; the pass's safe point before each expert (a long prefill's layer
-    is many of them)."""
+    the map (QMatrix, the kernel path) are shared out whole among the pass's workers (KERNEL_WORKERS in a
+    small pass, WORKERS in a prefill), each expert's products on one thread: a decode pass's experts are
+    small matrices (DeepSeek-V2-Lite's: 2048 x 1408) that cost less than handing their row blocks to
+    another thread, and a prefill's are many. The products' bits do not depend on the thread, so neither
+    do the outputs. Else one after another, each product split as linear splits it; the pass's safe point
+    before each expert (a long prefill's layer is many of them)."""
     def one(i: int) -> np.ndarray:
         (_, a, b), (gate_up, down) = group[i], resident[i]
         return swiglu(x[order[a:b] // k], gate_up, down)  # (M, D)
@@ -479,11 +479,12 @@ def _expert_outputs(x, order, k: int, group: list, resident: list, workers) -> l
     ys = [None] * len(group)
     if workers is not None and len(group) > 1 and isinstance(resident[0][0], QMatrix):
         def whole(i: int) -> np.ndarray:
-            token = KERNEL_WORKERS.set(None)  # (its products on this thread alone)
+            tokens = KERNEL_WORKERS.set(None), WORKERS.set(None)  # (its products on this thread alone)
             try:
                 return one(i)
             finally:
-                KERNEL_WORKERS.reset(token)
+                KERNEL_WORKERS.reset(tokens[0])
+                WORKERS.reset(tokens[1])
 
         run_blocks(whole, ys.__setitem__, len(group), workers)
         return ys
@@ -511,7 +512,7 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int, experts: Expe
     out = np.zeros_like(x)  # (T, D)
     wf = w.reshape(-1)
     spans = list(zip(hit.tolist(), starts.tolist(), ends.tolist(), strict=True))
-    workers = KERNEL_WORKERS.get() if t <= SMALL_BATCH else None
+    workers = KERNEL_WORKERS.get() if t <= SMALL_BATCH else WORKERS.get()
     for g in range(0, len(spans), experts.batch):  # a group of experts resident at once (ExpertCache.fetch)
         group = spans[g : g + experts.batch]
         resident = experts.fetch(layer, [e for e, _, _ in group])

@@ -101,22 +101,28 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def _qlinear(x: np.ndarray, w: QMatrix) -> np.ndarray:
     """linear with a QMatrix w (O, Z): its blocks read in place, never the whole matrix as f32.
 
-    T <= SMALL_BATCH: the kernels' matrix-vector products (every output's bits independent of T, of
-    the blocks and of the threads), over the parts, split into ROW_BLOCKS blocks per part among the
-    pass's KERNEL_WORKERS when the matrix is large (MATVEC_SPLIT, counted as f32 bytes: the work).
-    T > SMALL_BATCH (prefill): tiles of rows fixed by the shape (TILE_BYTES of f32 each) are
+    The kernels' matrix-vector products where w takes T rows of x (w.takes: every type up to
+    SMALL_BATCH, the int8 products at any T where they beat a tile): every output's bits independent
+    of T, of the blocks and of the threads. x is rounded once (w.rounded), the parts split into
+    ROW_BLOCKS blocks per part: in a small pass among its KERNEL_WORKERS when the matrix is large
+    (MATVEC_SPLIT, counted as f32 bytes: the work), in a prefill among its WORKERS.
+    Else (a prefill with another type): tiles of rows fixed by the shape (TILE_BYTES of f32 each) are
     dequantized into the computing thread's buffer and multiplied with one single-threaded sgemm each,
     the tiles shared by the pass's WORKERS: the bits depend on the tile edges alone, as row_blocks'."""
     t, (o, z) = x.shape[0], w.shape
     x = np.ascontiguousarray(x, dtype=np.float32)  # (T, Z)
     out = np.empty((t, o), dtype=np.float32)  # (T, O)
-    if t <= SMALL_BATCH:
-        workers = KERNEL_WORKERS.get() if 4 * o * z >= MATVEC_SPLIT else None
+    if w.takes(t):
+        if t <= SMALL_BATCH:
+            workers = KERNEL_WORKERS.get() if 4 * o * z >= MATVEC_SPLIT else None
+        else:
+            workers = WORKERS.get()
         edges = w.edges(None if workers is None else o // ROW_BLOCKS)
+        xs = w.rounded(x)
 
         def compute(i: int) -> None:
             a, b = edges[i], edges[i + 1]
-            w.matvec(x, a, b, out[:, a:b])  # (T, b-a)
+            w.matvec(xs, a, b, out[:, a:b])  # (T, b-a)
     else:
         workers = WORKERS.get()
         edges = w.edges(TILE_BYTES // (4 * z))

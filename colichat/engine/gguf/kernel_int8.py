@@ -35,7 +35,7 @@ from llvmlite import binding, ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .kernel_bodies import F32, F64, _f16
+from .kernel_bodies import F32
 
 FLT_MAX = np.finfo(np.float32).max
 I8x32 = ir.VectorType(ir.IntType(8), 32)
@@ -120,135 +120,228 @@ class _IR:
         pick = ir.Constant(ir.VectorType(I32, n), [first] * (n // 2) + [second] * (n // 2))
         return self.b.mul(lanes, self.b.shuffle_vector(scales, scales, pick))
 
-    def total(self, vectors):
-        """The int32 sum of every lane of the int32 vectors."""
-        v = vectors[0]
-        for u in vectors[1:]:
-            v = self.b.add(v, u)
-        reduce = self.function(f"llvm.vector.reduce.add.v{v.type.count}i32", I32, [v.type])
-        return self.b.call(reduce, [v])
-
 
 def _c_layout(*arrays) -> bool:
     return all(a.layout == "C" for a in arrays)  # (the bytes are read as one run from the first)
 
 
-@intrinsic
-def q8_0_row(typingctx, w, qx, dx, blocks):
-    """The dot product of a row of `blocks` Q8_0 blocks with qx (int8, dx the scales of its runs of 32),
-    float32: each block's codes (as |code| and qx with the code's sign: unsigned times signed) dotted in 8
-    int32 lanes, the lanes times the block's two scales added into 8 float32 lanes, those summed in order."""
-    if not _c_layout(w, qx, dx):
-        return None
+class _Rows(_IR):
+    """The IR of a row intrinsic: (w, qx, dx[, bsums], t, blocks) -> the nt float32 dot products of the row w
+    (`blocks` blocks) with x's rows t .. t + nt - 1 (qx, dx, bsums flat: x's rounding, row after row).
+    A loop over the blocks keeps a <8 x float> of sums a token; each token's arithmetic is the same
+    whatever nt is (the bits of out[t, r] do not depend on T)."""
 
-    def codegen(context, builder, signature, args):
-        ir_ = _IR(context, builder, signature, args)
-        f32, i64, v8f = ir.FloatType(), ir.IntType(64), ir.VectorType(ir.FloatType(), 8)
-        zero = ir.Constant(i64, 0)
-        start = builder.block
-        loop, done = builder.append_basic_block("q8_0.loop"), builder.append_basic_block("q8_0.done")
-        builder.cbranch(builder.icmp_signed(">", args[3], zero), loop, done)
-        builder.position_at_end(loop)
-        b, acc = builder.phi(i64), builder.phi(v8f)
-        o = builder.mul(b, ir.Constant(i64, 34))
-        d = ir_.half(ir_.load_at(0, o, n=1, bits=16))
-        codes = ir_.load_at(0, builder.add(o, ir.Constant(i64, 2)))
-        xv = ir_.load_at(1, builder.mul(b, ir.Constant(i64, 32)))
-        negative = builder.icmp_signed("<", codes, ir.Constant(I8x32, None))
-        magnitude = builder.select(negative, builder.neg(codes), codes)  # (-128: 128 as unsigned)
-        signed_x = builder.select(negative, builder.neg(xv), xv)  # (|qx| <= 127)
-        lanes = builder.sitofp(ir_.dot_lanes(magnitude, signed_x), v8f)
-        dx = context.make_array(signature.args[2])(context, builder, args[2]).data
-        scale = builder.fmul(d, builder.load(builder.gep(dx, [b])))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, None), scale, ir.Constant(I32, 0)),
-                                       ir.Constant(v8f, None), ir.Constant(ir.VectorType(I32, 8), [0] * 8))
-        after = builder.fadd(acc, builder.fmul(lanes, splat))
-        following = builder.add(b, ir.Constant(i64, 1))
-        b.add_incoming(zero, start)
-        b.add_incoming(following, loop)
-        acc.add_incoming(ir.Constant(v8f, None), start)
-        acc.add_incoming(after, loop)
-        builder.cbranch(builder.icmp_signed("<", following, args[3]), loop, done)
-        builder.position_at_end(done)
-        total = builder.phi(v8f)
-        total.add_incoming(ir.Constant(v8f, None), start)
-        total.add_incoming(after, loop)
-        reduce = ir_.function("llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f])
-        return builder.call(reduce, [ir.Constant(f32, -0.0), total])  # (no reassoc flag: lane 0 first, in order)
+    def __init__(self, context, builder, signature, args, nt: int, per_block: int):
+        super().__init__(context, builder, signature, args)
+        self.nt, self.per_block, self.i64 = nt, per_block, ir.IntType(64)
+        t, self.blocks = args[-2], args[-1]
+        self.v8f = ir.VectorType(ir.FloatType(), 8)
+        # per token: its first element of qx, dx and bsums
+        self.tokens = [builder.add(t, ir.Constant(self.i64, i)) for i in range(nt)]
 
-    return types.float32(w, qx, dx, blocks), codegen
+    def const(self, v: int):
+        return ir.Constant(self.i64, v)
+
+    def scalar_f32(self, arg: int, index):
+        data = self.context.make_array(self.types[arg])(self.context, self.b, self.args[arg]).data
+        return self.b.load(self.b.gep(data, [index]))
+
+    def splat_f(self, v):
+        b = self.b
+        one = b.insert_element(ir.Constant(self.v8f, None), v, ir.Constant(I32, 0))
+        return b.shuffle_vector(one, ir.Constant(self.v8f, None), ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+
+    def loop(self, body):
+        """For b in 0 .. blocks - 1: sums = body(b, sums) (nt <8 x float>, from zeros); then each token's
+        lanes added in order, lane 0 first (no reassociation): the tuple of nt float32."""
+        b, zero = self.b, self.const(0)
+        start = b.block
+        loop, done = b.append_basic_block("row.loop"), b.append_basic_block("row.done")
+        b.cbranch(b.icmp_signed(">", self.blocks, zero), loop, done)
+        b.position_at_end(loop)
+        k = b.phi(self.i64)
+        sums = [b.phi(self.v8f) for _ in range(self.nt)]
+        after = body(k, sums)
+        following = b.add(k, self.const(1))
+        k.add_incoming(zero, start)
+        k.add_incoming(following, b.block)
+        for phi, value in zip(sums, after, strict=True):
+            phi.add_incoming(ir.Constant(self.v8f, None), start)
+            phi.add_incoming(value, b.block)
+        end = b.block
+        b.cbranch(b.icmp_signed("<", following, self.blocks), loop, done)
+        b.position_at_end(done)
+        f32 = ir.FloatType()
+        reduce = self.function("llvm.vector.reduce.fadd.v8f32", f32, [f32, self.v8f])
+        totals = [b.phi(self.v8f) for _ in after]  # (a block's phis come first)
+        for total, value in zip(totals, after, strict=True):
+            total.add_incoming(ir.Constant(self.v8f, None), start)
+            total.add_incoming(value, end)
+        totals = [b.call(reduce, [ir.Constant(f32, -0.0), total]) for total in totals]
+        return self.context.make_tuple(b, types.UniTuple(types.float32, self.nt), totals)
+
+    def x_index(self, i: int, k, per: int, offset: int = 0):
+        """The index of token i's value (per = 1: qx), block scale (per = 256 or 32: dx) or sum of 16 (per = 16:
+        bsums) at value offset `offset` of block k (of self.per_block values)."""
+        b = self.b
+        row = b.mul(self.tokens[i], b.mul(self.blocks, self.const(self.per_block // per)))
+        return b.add(row, b.add(b.mul(k, self.const(self.per_block // per)), self.const(offset // per)))
 
 
-def _k4_sums(fifth: bool):
-    """The intrinsic of Q4_K's blocks (fifth False) or Q5_K's (True: 32 bytes qh at byte 16 before the
-    nibbles, bit j of qh[l] the fifth bit of value l of sub-block j)."""
+def _k4_row(fifth: bool, nt: int):
+    """The row intrinsic of Q4_K (fifth False) or Q5_K (True: 32 bytes qh at byte 16 before the nibbles, bit j
+    of qh[l] the fifth bit of value l of sub-block j) against x rounded to Q8_K, nt tokens: per block,
+    dx (d sum_j sc_j (codes_j . qx_j) - dmin sum_j m_j (sum of qx_j)), its six-bit scales sc and minimums m
+    unpacked in lanes, the sums kept in lanes until the row ends."""
+    size = 176 if fifth else 144
 
     @intrinsic
-    def sums(typingctx, w, o, qx, xo, bsums, bo):
-        """(sum_j sc_j (sub-block j's codes . qx[xo + 32 j:][:32]), sum_j m_j (bsums[bo + 2 j] + bsums[bo +
-        2 j + 1])) of the block at byte o, int32: its six-bit scales sc and minimums m unpacked in lanes."""
-        if not _c_layout(w, qx, bsums):
+    def row(typingctx, w, qx, dx, bsums, t, blocks):
+        if not _c_layout(w, qx, dx, bsums):
             return None
 
         def codegen(context, builder, signature, args):
-            ir_ = _IR(context, builder, signature, args)
-            b = builder.zext(ir_.load(0, 4, n=16), ir.VectorType(I32, 16))  # the 12 scale bytes (and 4 more)
-            # sc_j: byte j & 63 (j < 4), else byte j + 4 & 15 | (byte j - 4 >> 6) << 4
-            # m_j: byte j + 4 & 63 (j < 4), else byte j + 4 >> 4 | (byte j >> 6) << 4
-            first = ir_.lanes(b, [0, 1, 2, 3, 8, 9, 10, 11])
-            second = ir_.lanes(b, [4, 5, 6, 7, 8, 9, 10, 11])
-            top_sc = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 0, 1, 2, 3]), ir_.ints(6)), ir_.ints(4))
-            top_m = builder.shl(builder.lshr(ir_.lanes(b, [0, 1, 2, 3, 4, 5, 6, 7]), ir_.ints(6)), ir_.ints(4))
-            and_, or_ = builder.and_, builder.or_
-            scales = ir_.join(and_(first, ir_.ints(63)), or_(and_(first, ir_.ints(15)), top_sc), 8)
-            mins = ir_.join(and_(second, ir_.ints(63)), or_(builder.lshr(second, ir_.ints(4)), top_m), 8)
-            high_bits = ir_.load(0, 16) if fifth else None
-            parts = []
-            for c in range(4):  # 32 bytes: sub-block 2 c in the low nibbles, 2 c + 1 in the high ones
-                nibbles = ir_.load(0, (48 if fifth else 16) + 32 * c)
-                low, high = builder.and_(nibbles, ir_.bytes(15)), builder.lshr(nibbles, ir_.bytes(4))
-                for j, codes in ((2 * c, low), (2 * c + 1, high)):
-                    if fifth:
-                        bit = builder.and_(builder.lshr(high_bits, ir_.bytes(j)), ir_.bytes(1))
-                        codes = builder.or_(codes, builder.shl(bit, ir_.bytes(4)))
-                    parts.append(ir_.scaled(ir_.dot_lanes(codes, ir_.load(2, 32 * j, at=3)), scales, j, j))
-            runs = ir_.load(4, 0, at=5, n=16, bits=32)  # the sums of qx over each 16
-            pairs = builder.add(ir_.lanes(runs, list(range(0, 16, 2))), ir_.lanes(runs, list(range(1, 16, 2))))
-            sums = [ir_.total(parts), ir_.total([builder.mul(mins, pairs)])]
-            return context.make_tuple(builder, signature.return_type, sums)
+            r = _Rows(context, builder, signature, args, nt, 256)
+            b, and_, or_ = builder, builder.and_, builder.or_
 
-        return types.UniTuple(types.int32, 2)(w, o, qx, xo, bsums, bo), codegen
+            def block(k, sums):
+                o = b.mul(k, r.const(size))
 
-    return sums
+                def at(offset):
+                    return b.add(o, r.const(offset))
+
+                d, dmin = r.half(r.load_at(0, o, n=1, bits=16)), r.half(r.load_at(0, at(2), n=1, bits=16))
+                s = b.zext(r.load_at(0, at(4), n=16), ir.VectorType(I32, 16))  # the 12 scale bytes (and 4 more)
+                # sc_j: byte j & 63 (j < 4), else byte j + 4 & 15 | (byte j - 4 >> 6) << 4
+                # m_j: byte j + 4 & 63 (j < 4), else byte j + 4 >> 4 | (byte j >> 6) << 4
+                first, second = r.lanes(s, [0, 1, 2, 3, 8, 9, 10, 11]), r.lanes(s, [4, 5, 6, 7, 8, 9, 10, 11])
+                top_sc = b.shl(b.lshr(r.lanes(s, [0, 1, 2, 3, 0, 1, 2, 3]), r.ints(6)), r.ints(4))
+                top_m = b.shl(b.lshr(r.lanes(s, [0, 1, 2, 3, 4, 5, 6, 7]), r.ints(6)), r.ints(4))
+                scales = r.join(and_(first, r.ints(63)), or_(and_(first, r.ints(15)), top_sc), 8)
+                mins = r.join(and_(second, r.ints(63)), or_(b.lshr(second, r.ints(4)), top_m), 8)
+                high_bits = r.load_at(0, at(16)) if fifth else None
+                codes = []
+                for c in range(4):  # 32 bytes: sub-block 2 c in the low nibbles, 2 c + 1 in the high ones
+                    nibbles = r.load_at(0, at((48 if fifth else 16) + 32 * c))
+                    for j, part in ((2 * c, and_(nibbles, r.bytes(15))), (2 * c + 1, b.lshr(nibbles, r.bytes(4)))):
+                        if fifth:
+                            bit = and_(b.lshr(high_bits, r.bytes(j)), r.bytes(1))
+                            part = or_(part, b.shl(bit, r.bytes(4)))
+                        codes.append(part)
+                out = []
+                for i, acc in enumerate(sums):
+                    parts = [r.scaled(r.dot_lanes(codes[j], r.load_at(1, r.x_index(i, k, 1, 32 * j))), scales, j, j)
+                             for j in range(8)]
+                    dots = parts[0]
+                    for p in parts[1:]:
+                        dots = b.add(dots, p)
+                    runs = r.load_at(3, r.x_index(i, k, 16), n=16, bits=32)  # the sums of qx over each 16
+                    pairs = b.add(r.lanes(runs, list(range(0, 16, 2))), r.lanes(runs, list(range(1, 16, 2))))
+                    scale = r.scalar_f32(2, r.x_index(i, k, 256))
+                    lanes = b.fsub(b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(scale, d))),
+                                   b.fmul(b.sitofp(b.mul(mins, pairs), r.v8f), r.splat_f(b.fmul(scale, dmin))))
+                    out.append(b.fadd(acc, lanes))
+                return out
+
+            return r.loop(block)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
+
+    return row
 
 
-q4_k_sums, q5_k_sums = _k4_sums(False), _k4_sums(True)
+def _q6_k_row(nt: int):
+    """Q6_K's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx d sum over its 16 sub-blocks i
+    of its int8 scale i times (codes 0-63 . qx_i - 32 (sum of qx_i)), kept in lanes until the row ends."""
+
+    @intrinsic
+    def row(typingctx, w, qx, dx, bsums, t, blocks):
+        if not _c_layout(w, qx, dx, bsums):
+            return None
+
+        def codegen(context, builder, signature, args):
+            r = _Rows(context, builder, signature, args, nt, 256)
+            b = builder
+
+            def block(k, sums):
+                o = b.mul(k, r.const(210))
+
+                def at(offset):
+                    return b.add(o, r.const(offset))
+
+                scales = b.sext(r.load_at(0, at(192), n=16), ir.VectorType(I32, 16))
+                d = r.half(r.load_at(0, at(208), n=1, bits=16))
+                codes = []
+                for h in range(2):
+                    for g in range(4):  # values 128 h + 32 g + l: sub-blocks 8 h + 2 g and 8 h + 2 g + 1
+                        low = b.and_(b.lshr(r.load_at(0, at(64 * h + 32 * (g & 1))), r.bytes(4 * (g >> 1))),
+                                     r.bytes(15))
+                        high = b.and_(b.lshr(r.load_at(0, at(128 + 32 * h)), r.bytes(2 * g)), r.bytes(3))
+                        codes.append(b.or_(low, b.shl(high, r.bytes(4))))
+                out = []
+                for i, acc in enumerate(sums):
+                    dots = None
+                    for n, c in enumerate(codes):  # n = 4 h + g
+                        h, g = divmod(n, 4)
+                        lanes = r.dot_lanes(c, r.load_at(1, r.x_index(i, k, 1, 128 * h + 32 * g)))
+                        part = r.scaled(lanes, scales, 8 * h + 2 * g, 8 * h + 2 * g + 1)
+                        dots = part if dots is None else b.add(dots, part)
+                    runs = r.load_at(3, r.x_index(i, k, 16), n=16, bits=32)  # the sums of qx over each 16
+                    offset = b.mul(scales, runs)
+                    offset = b.shl(b.add(r.lanes(offset, list(range(8))), r.lanes(offset, list(range(8, 16)))),
+                                   r.ints(5))
+                    scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
+                    out.append(b.fadd(acc, b.fmul(b.sitofp(b.sub(dots, offset), r.v8f), r.splat_f(scale))))
+                return out
+
+            return r.loop(block)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
+
+    return row
 
 
-@intrinsic
-def q6_k_sum(typingctx, w, o, qx, xo, bsums, bo):
-    """sum over the 16 sub-blocks i of the Q6_K block at byte o of its int8 scale i times (its codes, 0-63,
-    less 32) . qx[xo + 16 i:][:16], int32: the unsigned codes dotted, 32 sum_i scale_i bsums[bo + i] off."""
-    if not _c_layout(w, qx, bsums):
-        return None
+def _q8_0_row(nt: int):
+    """Q8_0's row intrinsic against x rounded to Q8_0, nt tokens: each block's codes (as |code|, and qx with the
+    code's sign: unsigned times signed) dotted in 8 int32 lanes, the lanes times d dx added into 8 float32
+    lanes."""
 
-    def codegen(context, builder, signature, args):
-        ir_ = _IR(context, builder, signature, args)
-        scales = builder.sext(ir_.load(0, 192, n=16), ir.VectorType(I32, 16))
-        parts = []
-        for h in range(2):
-            for g in range(4):  # values 128 h + 32 g + l: sub-blocks 8 h + 2 g and 8 h + 2 g + 1
-                low = builder.and_(builder.lshr(ir_.load(0, 64 * h + 32 * (g & 1)), ir_.bytes(4 * (g >> 1))),
-                                   ir_.bytes(15))
-                high = builder.and_(builder.lshr(ir_.load(0, 128 + 32 * h), ir_.bytes(2 * g)), ir_.bytes(3))
-                codes = builder.or_(low, builder.shl(high, ir_.bytes(4)))
-                lanes = ir_.dot_lanes(codes, ir_.load(2, 128 * h + 32 * g, at=3))
-                parts.append(ir_.scaled(lanes, scales, 8 * h + 2 * g, 8 * h + 2 * g + 1))
-        runs = ir_.load(4, 0, at=5, n=16, bits=32)  # the sums of qx over each 16
-        offset = builder.shl(builder.mul(scales, runs), ir.Constant(ir.VectorType(I32, 16), [5] * 16))
-        return builder.sub(ir_.total(parts), ir_.total([offset]))
+    @intrinsic
+    def row(typingctx, w, qx, dx, t, blocks):
+        if not _c_layout(w, qx, dx):
+            return None
 
-    return types.int32(w, o, qx, xo, bsums, bo), codegen
+        def codegen(context, builder, signature, args):
+            r = _Rows(context, builder, signature, args, nt, 32)
+            b = builder
+
+            def block(k, sums):
+                o = b.mul(k, r.const(34))
+                d = r.half(r.load_at(0, o, n=1, bits=16))
+                codes = r.load_at(0, b.add(o, r.const(2)))
+                negative = b.icmp_signed("<", codes, ir.Constant(I8x32, None))
+                magnitude = b.select(negative, b.neg(codes), codes)  # (-128: 128 as unsigned)
+                out = []
+                for i, acc in enumerate(sums):
+                    xv = r.load_at(1, r.x_index(i, k, 1))
+                    signed_x = b.select(negative, b.neg(xv), xv)  # (|qx| <= 127)
+                    lanes = b.sitofp(r.dot_lanes(magnitude, signed_x), r.v8f)
+                    scale = b.fmul(d, r.scalar_f32(2, r.x_index(i, k, 32)))
+                    out.append(b.fadd(acc, b.fmul(lanes, r.splat_f(scale))))
+                return out
+
+            return r.loop(block)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, t, blocks), codegen
+
+    return row
+
+
+NT = 4  # tokens a row intrinsic takes at once: their codes unpacked once
+q4_k_row, q4_k_rows = _k4_row(False, 1), _k4_row(False, NT)
+q5_k_row, q5_k_rows = _k4_row(True, 1), _k4_row(True, NT)
+q6_k_row, q6_k_rows = _q6_k_row(1), _q6_k_row(NT)
+q8_0_row, q8_0_rows = _q8_0_row(1), _q8_0_row(NT)
 
 
 @njit
@@ -279,9 +372,8 @@ def quantize_q8_k(x, qx, dx, bsums):
             dx[t, b] = F32(1) / iscale
 
 
-@njit
 def q8_k(x):
-    """(qx, dx, bsums) of x: quantize_q8_k into new arrays."""
+    """(qx, dx, bsums) of x: quantize_q8_k into new arrays (compiled by kernels.py)."""
     T, Z = x.shape
     qx, dx, bsums = np.empty((T, Z), np.int8), np.empty((T, Z // 256), F32), np.empty((T, Z // 16), np.int32)
     quantize_q8_k(x, qx, dx, bsums)
@@ -289,14 +381,12 @@ def q8_k(x):
 
 
 @njit
-def q8_0(x):
-    """(qx (T, Z) int8, dx (T, Z / 32) float32) of x: llama.cpp's Q8_0 rounding of activations on x86 (per 32
-    values: qx the nearest integer of x 127 / max |x|, even on ties), the scale d = max |x| / 127 kept in
-    float32 (llama.cpp rounds it to fp16)."""
-    T, Z = x.shape
-    qx, dx = np.empty((T, Z), np.int8), np.empty((T, Z // 32), F32)
-    for t in range(T):
-        for b in range(Z // 32):
+def quantize_q8_0(x, qx, dx):
+    """x (T, Z) float32 -> qx (T, Z) int8, dx (T, Z / 32) float32: llama.cpp's Q8_0 rounding of activations on
+    x86 (per 32 values: qx the nearest integer of x 127 / max |x|, even on ties), the scale d = max |x| / 127
+    kept in float32 (llama.cpp rounds it to fp16)."""
+    for t in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
             amax, finite = F32(0), True
             for j in range(32):
                 a = abs(x[t, 32 * b + j])
@@ -306,73 +396,87 @@ def q8_0(x):
             for j in range(32):
                 qx[t, 32 * b + j] = np.int32(np.rint(x[t, 32 * b + j] * inv))
             dx[t, b] = amax / F32(127) if finite else np.nan
+
+
+def q8_0(x):
+    """(qx, dx) of x: quantize_q8_0 into new arrays (compiled by kernels.py)."""
+    T, Z = x.shape
+    qx, dx = np.empty((T, Z), np.int8), np.empty((T, Z // 32), F32)
+    quantize_q8_0(x, qx, dx)
     return qx, dx
 
 
-@njit
-def _row_q8_0(wr, qx, dx):
-    return F64(q8_0_row(wr, qx, dx, dx.shape[0]))
-
-
-@njit
-def _row_q4_k(wr, qx, dx, bsums):
-    acc = 0.0
-    for b in range(qx.shape[0] // 256):
-        o = 144 * b
-        sum_i, sum_m = q4_k_sums(wr, o, qx, 256 * b, bsums, 16 * b)
-        d, dmin = F64(_f16(wr[o], wr[o + 1])), F64(_f16(wr[o + 2], wr[o + 3]))
-        acc += F64(dx[b]) * (d * F64(sum_i) - dmin * F64(sum_m))
-    return acc
-
-
-@njit
-def _row_q5_k(wr, qx, dx, bsums):
-    acc = 0.0
-    for b in range(qx.shape[0] // 256):
-        o = 176 * b
-        sum_i, sum_m = q5_k_sums(wr, o, qx, 256 * b, bsums, 16 * b)
-        d, dmin = F64(_f16(wr[o], wr[o + 1])), F64(_f16(wr[o + 2], wr[o + 3]))
-        acc += F64(dx[b]) * (d * F64(sum_i) - dmin * F64(sum_m))
-    return acc
-
-
-@njit
-def _row_q6_k(wr, qx, dx, bsums):
-    acc = 0.0
-    for b in range(qx.shape[0] // 256):
-        o = 210 * b
-        sum_i = q6_k_sum(wr, o, qx, 256 * b, bsums, 16 * b)
-        acc += F64(dx[b]) * F64(_f16(wr[o + 208], wr[o + 209])) * F64(sum_i)
-    return acc
-
-
-# The matvecs spell their loops out, one per type: a row function passed as an argument to one shared
+# The products spell their loops out, one per type: a row function passed as an argument to one shared
 # loop is a first-class function to numba, which then cannot keep the kernel in its on-disk cache.
 
-
-def matvec_q8_0(w, x, out):
-    qx, dx = q8_0(x)
-    for r in range(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, r] = _row_q8_0(w[r], qx[t], dx[t])
+CHUNK_BYTES = 512 << 10  # x's rows a product takes at once: their qx stays in L2
 
 
-def matvec_q4_k(w, x, out):
-    qx, dx, bsums = q8_k(x)
-    for r in range(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, r] = _row_q4_k(w[r], qx[t], dx[t], bsums[t])
+@njit
+def _chunk(z):
+    """The rows of x (of z values) a product takes at a time: CHUNK_BYTES of qx, a multiple of NT."""
+    return max(NT, CHUNK_BYTES // z // NT * NT)
 
 
-def matvec_q5_k(w, x, out):
-    qx, dx, bsums = q8_k(x)
-    for r in range(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, r] = _row_q5_k(w[r], qx[t], dx[t], bsums[t])
+def product_q8_0(w, qx, dx, out):
+    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
+    qx, dx = qx.reshape(-1), dx.reshape(-1)
+    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
+        for r in range(w.shape[0]):
+            t = c
+            while t + NT <= min(T, c + tokens):
+                ys = q8_0_rows(w[r], qx, dx, t, Z // 32)
+                for i in range(NT):
+                    out[t + i, r] = ys[i]
+                t += NT
+            while t < min(T, c + tokens):
+                out[t, r] = q8_0_row(w[r], qx, dx, t, Z // 32)[0]
+                t += 1
 
 
-def matvec_q6_k(w, x, out):
-    qx, dx, bsums = q8_k(x)
-    for r in range(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, r] = _row_q6_k(w[r], qx[t], dx[t], bsums[t])
+def product_q4_k(w, qx, dx, bsums, out):
+    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
+    qx, dx, bsums = qx.reshape(-1), dx.reshape(-1), bsums.reshape(-1)
+    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
+        for r in range(w.shape[0]):
+            t = c
+            while t + NT <= min(T, c + tokens):
+                ys = q4_k_rows(w[r], qx, dx, bsums, t, Z // 256)
+                for i in range(NT):
+                    out[t + i, r] = ys[i]
+                t += NT
+            while t < min(T, c + tokens):
+                out[t, r] = q4_k_row(w[r], qx, dx, bsums, t, Z // 256)[0]
+                t += 1
+
+
+def product_q5_k(w, qx, dx, bsums, out):
+    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
+    qx, dx, bsums = qx.reshape(-1), dx.reshape(-1), bsums.reshape(-1)
+    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
+        for r in range(w.shape[0]):
+            t = c
+            while t + NT <= min(T, c + tokens):
+                ys = q5_k_rows(w[r], qx, dx, bsums, t, Z // 256)
+                for i in range(NT):
+                    out[t + i, r] = ys[i]
+                t += NT
+            while t < min(T, c + tokens):
+                out[t, r] = q5_k_row(w[r], qx, dx, bsums, t, Z // 256)[0]
+                t += 1
+
+
+def product_q6_k(w, qx, dx, bsums, out):
+    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
+    qx, dx, bsums = qx.reshape(-1), dx.reshape(-1), bsums.reshape(-1)
+    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
+        for r in range(w.shape[0]):
+            t = c
+            while t + NT <= min(T, c + tokens):
+                ys = q6_k_rows(w[r], qx, dx, bsums, t, Z // 256)
+                for i in range(NT):
+                    out[t + i, r] = ys[i]
+                t += NT
+            while t < min(T, c + tokens):
+                out[t, r] = q6_k_row(w[r], qx, dx, bsums, t, Z // 256)[0]
+                t += 1

@@ -1,11 +1,14 @@
-"""Compiled kernels on GGUF blocks read in place: y = W x for a few rows of x, and dequantized tiles.
+"""Compiled kernels on GGUF blocks read in place: y = W x for the rows of x, and dequantized tiles.
 
     problem()                       None, or one line: why the kernels cannot run here (the engine then
                                     uses its numpy path, `--kernels numpy`)
     prepare(cache_dir, progress)    compile every kernel once (or load it from numba's cache under
                                     <cache_dir>/kernels); the seconds it took
     supported("Q4_K"), block("Q4_K") -> (256, 144)   values and bytes per block
-    matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, T 1..16
+    matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, for T that
+                                    takes(name, T) allows (1..16; any T for the K-quants, up to 96 for Q8_0)
+    rounded(name, x)                x as the type's matvec takes it (INT8_ACTIVATIONS: its 8-bit rounding,
+                                    computed once for every row block of a product)
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
 
 The bodies are in kernel_bodies.py, kernel_kquants.py and kernel_int8.py (numba `njit`, nogil): plain loops over the
@@ -16,8 +19,9 @@ call and shared by every row; blocks add into float64. The 32-value types (Q8_0,
 float32 lanes across the row's blocks instead (what LLVM vectorizes for them: 3x faster on Q8_0).
 The types of INT8_ACTIVATIONS (Q8_0, Q4_K, Q5_K, Q6_K: most large files' matrices) round x to 8 bits per block
 instead, as llama.cpp does, and take integer dot products that kernel_int8.py emits as vector IR (one
-vpdpbusd per 32 codes on a CPU with VNNI): 2-4x faster than their float32 sums, at llama.cpp's
-accuracy. (numba's own loops on bytes widen to int64: no faster than float32, benchmarks/kernels.py
+vpdpbusd per 32 codes on a CPU with VNNI, 4 rows of x sharing each block's unpacked codes): 3-6x faster
+than their float32 sums, at llama.cpp's accuracy, and faster than a dequantized tile's sgemm for a
+prefill (MOST_ROWS). (numba's own loops on bytes widen to int64: no faster than float32, benchmarks/kernels.py
 --variants.)
 
 Contract:
@@ -26,6 +30,7 @@ Contract:
   row's values. out: float32 of the stated shape, any strides (a column range of a larger out is fine).
 - Each out[t, r] comes from w[r] and x[t] alone, summed in one fixed order, so its bits do not depend
   on T, on how the rows are split between calls, or on the thread count.
+- x may be rounded(name, x) instead (its rounding kind must be the type's).
 - nogil: the engine's own threads call matvec on disjoint row ranges at once (the one threading
   scheme; numba's prange is not used).
 - Accuracy: |out - x W.T| <= 1e-5 * sum |x| |W| (float64 reference on the dequantized W); for
@@ -63,6 +68,9 @@ TYPES = {  # GGUF type name -> (values per block, bytes per block)
 
 # matvec rounds x to 8 bits (Q8_0 per 32 values, Q8_K per 256) and takes integer dot products (kernel_int8.py)
 INT8_ACTIVATIONS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# The most rows of x a matvec takes: SMALL_BATCH, or for INT8_ACTIVATIONS any count where its integer products
+# beat a dequantized tile's sgemm (benchmarks/kernels.py --t; Q4_K, Q5_K, Q6_K at every count measured).
+MOST_ROWS = {"Q8_0": 96, "Q4_K": None, "Q5_K": None, "Q6_K": None}
 
 
 class _Compiled:
@@ -70,6 +78,7 @@ class _Compiled:
 
     def __init__(self):
         self.functions: dict[str, tuple] = {}
+        self.roundings: dict[str, object] = {}  # "q8_k", "q8_0": x's 8-bit rounding (INT8_ACTIVATIONS)
         self.failure: str | None = None
 
 
@@ -98,12 +107,17 @@ def block(qtype_name: str) -> tuple[int, int]:
 
 
 def _signatures():
+    """numba's signatures: (matvec, dequantize, the product on x's 8-bit rounding of each rounding, the
+    roundings)."""
     from numba import types as nt
 
     w = nt.Array(nt.uint8, 2, "C", readonly=True)
     x = nt.Array(nt.float32, 2, "C", readonly=True)
     out = nt.Array(nt.float32, 2, "A")
-    return nt.void(w, x, out), nt.void(w, out)
+    qx, dx, bsums = (nt.Array(t, 2, "C", readonly=True) for t in (nt.int8, nt.float32, nt.int32))
+    rounded = {"q8_k": (qx, dx, bsums), "q8_0": (qx, dx)}
+    return (nt.void(w, x, out), nt.void(w, out), {k: nt.void(w, *v, out) for k, v in rounded.items()},
+            {k: nt.Tuple([nt.Array(a.dtype, 2, "C") for a in v])(x) for k, v in rounded.items()})
 
 
 def cache_path(cache_dir: str | None) -> str | None:
@@ -127,15 +141,22 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
 
     from . import kernel_bodies, kernel_int8, kernel_kquants
 
-    mv_sig, dq_sig = _signatures()
+    mv_sig, dq_sig, product_sigs, rounding_sigs = _signatures()
     saved = numba.config.CACHE_DIR
     try:
         numba.config.CACHE_DIR = path or saved
         for name in names:
             key, bodies = name.lower(), kernel_kquants if TYPES[name][0] == 256 else kernel_bodies
-            mv_bodies = kernel_int8 if name in INT8_ACTIVATIONS else bodies
-            mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(mv_bodies, f"matvec_{key}"))
             dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
+            if name in INT8_ACTIVATIONS:
+                kind = rounding(name)
+                mv = numba.njit(product_sigs[kind], nogil=True, cache=path is not None)(
+                    getattr(kernel_int8, f"product_{key}"))
+                if kind not in _COMPILED.roundings:
+                    _COMPILED.roundings[kind] = numba.njit(rounding_sigs[kind], nogil=True, cache=path is not None)(
+                        getattr(kernel_int8, kind))
+            else:
+                mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(bodies, f"matvec_{key}"))
             _COMPILED.functions[name] = (mv, dq)
             done += 1
             if progress is not None:
@@ -228,17 +249,50 @@ def _bytes(qtype_name: str, w: np.ndarray, z: int) -> np.ndarray:
     return w
 
 
-def matvec(qtype_name: str, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+def rounding(qtype_name: str) -> str | None:
+    """How the type's matvec rounds x: "q8_k" (per 256 values), "q8_0" (per 32), or None (float32 sums)."""
+    if qtype_name not in INT8_ACTIVATIONS:
+        return None
+    return "q8_k" if TYPES[qtype_name][0] == 256 else "q8_0"
+
+
+def takes(qtype_name: str, t: int) -> bool:
+    """Whether matvec takes t rows of x for this type (else: dequantized tiles and sgemm, for a prefill)."""
+    most = MOST_ROWS.get(qtype_name, SMALL_BATCH)
+    return 1 <= t and (most is None or t <= most)
+
+
+def rounded(qtype_name: str, x: np.ndarray):
+    """x (T, Z) float32 as the type's matvec takes it: for INT8_ACTIVATIONS its 8-bit rounding (qx, dx[, bsums]),
+    computed once for every row block of a product (the same for every type of a rounding); else x."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype_name not in INT8_ACTIVATIONS:
+        return x
+    kind = rounding(qtype_name)
+    _functions(qtype_name)
+    return (kind, *_COMPILED.roundings[kind](x))
+
+
+def matvec(qtype_name: str, w: np.ndarray, x, out: np.ndarray) -> None:
     """out (T, R) float32 = x (T, Z) float32 times dequant(w).T, where w (R, row_bytes) uint8 are R whole
     rows of a GGUF tensor (a read-only view into the file's memory map: never copied) and T is 1..16
-    (decode and speculative verify passes). Releases the GIL (njit nogil): the engine's own Python
+    (decode and speculative verify passes), or any count takes() allows. x may be given as rounded(x) (a
+    product split into row blocks rounds x once). Releases the GIL (njit nogil): the engine's own Python
     threads call it on disjoint row ranges. Each out[t, r] is computed from w[r] and x[t] alone in a
     fixed order, so the bits do not depend on T, on how the rows are split, or on the thread count."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    w = _bytes(qtype_name, w, x.shape[1])
-    if not 1 <= x.shape[0] <= SMALL_BATCH or out.dtype != np.float32 or out.shape != (x.shape[0], w.shape[0]):
-        raise ValueError(f"matvec takes x (T, Z), T 1..{SMALL_BATCH}, and out (T, R) float32")
-    _functions(qtype_name)[0](w, x, out)
+    if isinstance(x, np.ndarray):
+        x = rounded(qtype_name, x)
+    elif qtype_name not in INT8_ACTIVATIONS or x[0] != rounding(qtype_name):
+        raise ValueError(f"x rounded as {x[0]} is not what {qtype_name}'s matvec takes")
+    t, z = x.shape if isinstance(x, np.ndarray) else x[1].shape
+    w = _bytes(qtype_name, w, z)
+    if not takes(qtype_name, t) or out.dtype != np.float32 or out.shape != (t, w.shape[0]):
+        most = MOST_ROWS.get(qtype_name, SMALL_BATCH) or "any"
+        raise ValueError(f"{qtype_name}'s matvec takes x (T, Z), T 1..{most}, and out (T, R) float32")
+    if isinstance(x, np.ndarray):
+        _functions(qtype_name)[0](w, x, out)
+    else:
+        _functions(qtype_name)[0](w, *x[1:], out)
 
 
 def dequantize(qtype_name: str, w: np.ndarray, out: np.ndarray) -> None:

@@ -3,7 +3,7 @@ as a whole; the compiled kernels (kernels.py) multiply by them block by block.
 
     w = tensors.qmatrix("blk.0.attn_q.weight")        # QMatrix, shape (O, Z): nothing read or copied
     w = stack([q, k, v])                              # q|k|v as one matrix (each part keeps its type)
-    y = w.matvec(x, a, b)                             # (T, b-a) = x (T, Z) @ rows a..b of w, T 1..16
+    y = w.matvec(x, a, b)                             # (T, b-a) = x (T, Z) @ rows a..b of w (w.takes(T))
     tile = w.dequantize(a, b, out)                    # rows a..b as f32 into a reused buffer (prefill)
 
 A QMatrix is one or more parts stacked by rows (Part: a type name as kernels take it, the rows
@@ -75,13 +75,32 @@ class QMatrix:
                 return p
         raise ValueError(f"rows {a}..{b} cross a part of {self.shape}")
 
-    def matvec(self, x: np.ndarray, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
-        """x (T, Z) f32 @ rows a..b (within one part) -> (T, b-a), for T up to ops.SMALL_BATCH; the bits
-        of each output do not depend on T, on a and b, nor on the thread that computes it."""
+    def takes(self, t: int) -> bool:
+        """Whether matvec takes t rows of x: up to ops.SMALL_BATCH for every type, more where every part's
+        type rounds x to 8 bits and its integer products beat a dequantized tile (kernels.takes)."""
+        return all(kernels.takes(q, t) for q in self.qtypes)
+
+    def rounded(self, x: np.ndarray) -> dict:
+        """x (T, Z) f32 as each part's type takes it (kernels.rounded), each rounding computed once:
+        {type name: x's}; matvec takes it in place of x (a product split into row blocks)."""
+        by_kind, out = {}, {}
+        for q in dict.fromkeys(self.qtypes):
+            kind = kernels.rounding(q)
+            if kind not in by_kind:
+                by_kind[kind] = kernels.rounded(q, x)
+            out[q] = by_kind[kind]
+        return out
+
+    def matvec(self, x, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
+        """x (T, Z) f32 (or self.rounded(x)) @ rows a..b (within one part) -> (T, b-a), for T that
+        takes(T) allows; the bits of each output do not depend on T, on a and b, nor on the thread that
+        computes it."""
         p = self._part(a, b)
+        xs = x[p.qtype] if isinstance(x, dict) else x
         if out is None:
-            out = np.empty((x.shape[0], b - a), dtype=np.float32)  # (T, b-a)
-        kernels.matvec(p.qtype, p.rows[a - p.start : b - p.start], x, out)
+            t = xs.shape[0] if isinstance(xs, np.ndarray) else xs[1].shape[0]
+            out = np.empty((t, b - a), dtype=np.float32)  # (T, b-a)
+        kernels.matvec(p.qtype, p.rows[a - p.start : b - p.start], xs, out)
         return out
 
     def dequantize(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
