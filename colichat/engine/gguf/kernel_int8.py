@@ -42,12 +42,17 @@ I8x32 = ir.VectorType(ir.IntType(8), 32)
 I32 = ir.IntType(32)
 
 
-def _vnni() -> bool:
-    """Whether the code numba compiles is for this CPU (numba's default) and it has vpdpbusd."""
+def _host(*features: str) -> bool:
+    """Whether the code numba compiles is for this CPU (numba's default) and it has all of `features`."""
     if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
         return False
-    features = binding.get_host_cpu_features()
-    return bool(features.get("avxvnni") or (features.get("avx512vnni") and features.get("avx512vl")))
+    have = binding.get_host_cpu_features()
+    return all(have.get(f) for f in features)
+
+
+def _vnni() -> bool:
+    """Whether vpdpbusd (int8 dot products) can be emitted: AVX-VNNI, or AVX-512 VNNI with VL."""
+    return _host("avxvnni") or _host("avx512vnni", "avx512vl")
 
 
 class _IR:
@@ -100,9 +105,12 @@ class _IR:
         return self.b.add(self.b.add(fours[0], fours[1]), self.b.add(fours[2], fours[3]))
 
     def half(self, h):
-        """The float32 of the fp16 bits h (i16), in integer and exact float steps: (m + 1024 if e else m)
-        2^(max(e, 1) - 25), inf or NaN for e = 31, the sign bit on top (no F16C, no library call)."""
+        """The float32 of the fp16 bits h (i16): vcvtph2ps on a CPU with F16C; else in integer and exact
+        float steps, (m + 1024 if e else m) 2^(max(e, 1) - 25), inf or NaN for e = 31, the sign bit on top
+        (no library call). The same value either way (a NaN stays a NaN)."""
         b, i32 = self.b, I32
+        if _host("f16c"):  # (vcvtph2ps: the same values; LLVM's half needs it, or crashes)
+            return b.fpext(b.bitcast(h, ir.HalfType()), ir.FloatType())
         u = b.zext(h, i32)
         e, m = b.and_(b.lshr(u, ir.Constant(i32, 10)), ir.Constant(i32, 31)), b.and_(u, ir.Constant(i32, 1023))
         normal = b.icmp_unsigned("!=", e, ir.Constant(i32, 0))

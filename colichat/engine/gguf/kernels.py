@@ -6,7 +6,7 @@
                                     <cache_dir>/kernels); the seconds it took
     supported("Q4_K"), block("Q4_K") -> (256, 144)   values and bytes per block
     matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, for T that
-                                    takes(name, T) allows (1..16; any T for the K-quants, up to 96 for Q8_0)
+                                    takes(name, T) allows (1..16; any T for the K-quants, up to 256 for Q8_0)
     rounded(name, x)                x as the type's matvec takes it (INT8_ACTIVATIONS: its 8-bit rounding,
                                     computed once for every row block of a product)
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
@@ -70,7 +70,7 @@ TYPES = {  # GGUF type name -> (values per block, bytes per block)
 INT8_ACTIVATIONS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # The most rows of x a matvec takes: SMALL_BATCH, or for INT8_ACTIVATIONS any count where its integer products
 # beat a dequantized tile's sgemm (benchmarks/kernels.py --t; Q4_K, Q5_K, Q6_K at every count measured).
-MOST_ROWS = {"Q8_0": 96, "Q4_K": None, "Q5_K": None, "Q6_K": None}
+MOST_ROWS = {"Q8_0": 256, "Q4_K": None, "Q5_K": None, "Q6_K": None}
 
 
 class _Compiled:
