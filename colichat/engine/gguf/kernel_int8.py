@@ -1,27 +1,34 @@
-"""Q8_0's and the K-quants' matvec on int8 activations (llama.cpp's way): x rounded to 8 bits, integer dots.
+"""The 32-value types' and the K-quants' products on int8 activations (llama.cpp's way): x rounded to 8 bits,
+integer dots.
 
-Types (kernels.INT8_ACTIVATIONS): Q4_K, Q5_K and Q6_K against x rounded to Q8_K (ggml's quantize_row_q8_K: per
-256 values, d = max / -127 for the value of largest magnitude, qx the nearest integer of x / d, even on
-ties, and the sums of qx over each 16), Q8_0 against x rounded to Q8_0 (per 32 values: qx the nearest
-integer of x 127 / max |x|, d = max |x| / 127, kept in float32 where llama.cpp keeps fp16). A block's
-sub-block of 32 (or 16) codes is dotted with qx in int32, exactly. K-quants: the sub-blocks' integer
-scales are applied to those sums in int32 lanes, a minimum through the sums of qx, and dx d sum is added
-per block in float64. Q8_0 (signed codes: |code| times qx with the code's sign): a block's 8 int32 lanes
-times d dx are added into 8 float32 lanes along the row, summed in order at its end.
+Types (kernels.INT8_ACTIVATIONS, numbered by KINDS):
+- Q4_K, Q5_K and Q6_K against x rounded to Q8_K (q8_k, ggml's quantize_row_q8_K: per 256 values, d = max /
+  -127 for the value of largest magnitude, qx the nearest integer of x / d, even on ties; and the sums of
+  qx over each 16). A sub-block's 32 (or 16) codes are dotted with qx in int32, exactly; its integer scale
+  is applied in int32 lanes, a minimum through the sums of qx.
+- Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 against x rounded to Q8_0 (q8_0: per 32 values, qx the nearest integer of
+  x 127 / max |x|, d = max |x| / 127 kept in float32 where llama.cpp keeps fp16; and the sums of qx over
+  each 32, which the offset codes (less 8 or 16) and the minimums take, as llama.cpp's Q8_1 does). Q8_0's
+  signed codes: |code| times qx with the code's sign.
+A block's int32 lanes times its scales (d dx, and dmin dx) are added into 8 float32 lanes a row of x,
+summed in order where the row ends.
 
-The dot products are the compiled code's own: numba intrinsics (q8_0_row, q4_k_sums / q5_k_sums, q6_k_sum) emit
-LLVM vector IR for a block (Q8_0: a row): its codes unpacked in byte lanes, 32 codes (unsigned) times 32 int8 of qx
-summed into int32 lanes, each sub-block's lanes times its scale, one horizontal sum. On a CPU with int8
-dot products (AVX-512 VNNI or AVX-VNNI) each 32 codes are one vpdpbusd; elsewhere portable IR (widen to
-int16, multiply, widen) that LLVM lowers for the CPU numba compiles for. numba keys its cache by the CPU,
-so a cache is never run on the wrong one.
+The dot products are the compiled code's own: numba intrinsics (the row functions: q4_k_row, q4_k_rows, ...)
+emit LLVM vector IR for a whole row: a loop over its blocks, each block's codes unpacked in byte lanes once
+and dotted with NT rows of x (the _rows functions; _row one row: the same arithmetic a row), 32 codes
+(unsigned) times 32 int8 of qx summed into int32 lanes. On a CPU with int8 dot products (AVX-512 VNNI or
+AVX-VNNI) each 32 codes are one vpdpbusd, and fp16 scales one vcvtph2ps (F16C); elsewhere portable IR
+(widen to int16, multiply, widen; fp16 in integer steps) that LLVM lowers for the CPU numba compiles
+for. numba keys its cache by the CPU, so a cache is never run on the wrong one. _product runs the rows
+over x's rows, a chunk of them (CHUNK_BYTES of qx, kept in L2) at a time.
 
 Accuracy: exact integers, so the only error beside float rounding is x's rounding: |x - dx qx| <= |dx| / 2,
 so |out - x W.T| <= sum over x's blocks of |dx| / 2 sum |W| + 1e-5 sum |x| |W| (tests/test_kernels.py):
-about 1% of the largest logit on the tiny models, the error llama.cpp's CPU backend has.
-Measured against the float32 activations of kernel_bodies.py / kernel_kquants.py (benchmarks/kernels.py,
-14336 x 4096, a thread, this 2-core Zen 4 with AVX-512 VNNI): Q4_K 7.8 -> 14-15 Gparam/s, Q6_K 3.3 -> 8-14,
-Q8_0 4.6 -> 10.
+about 1-2% of the largest logit on the tiny models, the error llama.cpp's CPU backend has.
+Measured (benchmarks/kernels.py, 4096 x 4096, T 1, a thread, this 2-core Zen 4 with AVX-512 VNNI, 2026-12-07
+20:30), against the float32 activations of kernel_bodies.py / kernel_kquants.py: Q4_K 31 Gparam/s (was
+3.9-7.8), Q5_K 28 (2.7), Q6_K 32 (3.3), Q8_0 30 (4.6-7.3), Q4_0 27 (4.9), Q4_1 20 (3.3), Q5_0 20 (3.9),
+Q5_1 17 (3.5).
 
 Bits: each out[t, r] is a function of w[r] and x[t] alone (x[t]'s rounding is too), summed in a fixed
 order: the same for any T, row split or thread count.
@@ -312,25 +319,25 @@ def _q6_k_row(nt: int):
 def _q8_0_row(nt: int):
     """Q8_0's row intrinsic against x rounded to Q8_0, nt tokens: each block's codes (as |code|, and qx with the
     code's sign: unsigned times signed) dotted in 8 int32 lanes, the lanes times d dx added into 8 float32
-    lanes."""
+    lanes (x's sums unused)."""
 
     @intrinsic
-    def row(typingctx, w, qx, dx, t, blocks):
-        if not _c_layout(w, qx, dx):
+    def row(typingctx, w, qx, dx, sums, t, blocks):
+        if not _c_layout(w, qx, dx, sums):
             return None
 
         def codegen(context, builder, signature, args):
             r = _Rows(context, builder, signature, args, nt, 32)
             b = builder
 
-            def block(k, sums):
+            def block(k, accs):
                 o = b.mul(k, r.const(34))
                 d = r.half(r.load_at(0, o, n=1, bits=16))
                 codes = r.load_at(0, b.add(o, r.const(2)))
                 negative = b.icmp_signed("<", codes, ir.Constant(I8x32, None))
                 magnitude = b.select(negative, b.neg(codes), codes)  # (-128: 128 as unsigned)
                 out = []
-                for i, acc in enumerate(sums):
+                for i, acc in enumerate(accs):
                     xv = r.load_at(1, r.x_index(i, k, 1))
                     signed_x = b.select(negative, b.neg(xv), xv)  # (|qx| <= 127)
                     lanes = b.sitofp(r.dot_lanes(magnitude, signed_x), r.v8f)
@@ -340,7 +347,62 @@ def _q8_0_row(nt: int):
 
             return r.loop(block)
 
-        return types.UniTuple(types.float32, nt)(w, qx, dx, t, blocks), codegen
+        return types.UniTuple(types.float32, nt)(w, qx, dx, sums, t, blocks), codegen
+
+    return row
+
+
+def _q4_row(size: int, minimum: bool, fifth: bool, nt: int):
+    """The row intrinsic of Q4_0 (size 18: d, 16 bytes of nibbles), Q4_1 (20: d, m, nibbles), Q5_0 (22: d,
+    qh, nibbles) or Q5_1 (24: d, m, qh, nibbles) against x rounded to Q8_0 with its sums, nt tokens. Byte
+    l's low nibble is code l, its high one code 16 + l; bit l of qh (32 bits) the fifth bit of code l.
+    Per block: d dx (codes . qx - offset sum qx) (offset 8 or 16 without a minimum), + m dx sum qx."""
+    offset = 0 if minimum else (16 if fifth else 8)
+    at_qh = 4 if minimum else 2
+    at_codes = at_qh + (4 if fifth else 0)
+
+    @intrinsic
+    def row(typingctx, w, qx, dx, sums, t, blocks):
+        if not _c_layout(w, qx, dx, sums):
+            return None
+
+        def codegen(context, builder, signature, args):
+            r = _Rows(context, builder, signature, args, nt, 32)
+            b = builder
+            i8x16 = ir.VectorType(ir.IntType(8), 16)
+
+            def block(k, accs):
+                o = b.mul(k, r.const(size))
+                d = r.half(r.load_at(0, o, n=1, bits=16))
+                m = r.half(r.load_at(0, b.add(o, r.const(2)), n=1, bits=16)) if minimum else None
+                nibbles = r.load_at(0, b.add(o, r.const(at_codes)), n=16)
+                low = b.and_(nibbles, ir.Constant(i8x16, [15] * 16))
+                high = b.lshr(nibbles, ir.Constant(i8x16, [4] * 16))
+                codes = b.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+                if fifth:
+                    qh = r.load_at(0, b.add(o, r.const(at_qh)), n=1, bits=32)
+                    bits = b.zext(b.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), I8x32)
+                    codes = b.or_(codes, b.shl(bits, r.bytes(4)))
+                out = []
+                for i, acc in enumerate(accs):
+                    dots = r.dot_lanes(codes, r.load_at(1, r.x_index(i, k, 1)))
+                    at = r.x_index(i, k, 32)
+                    total = r.load_at(3, at, n=1, bits=32)  # the sum of this block's qx
+                    if offset:
+                        off = b.insert_element(ir.Constant(ir.VectorType(I32, 8), None),
+                                               b.mul(total, ir.Constant(I32, offset)), ir.Constant(I32, 0))
+                        dots = b.sub(dots, off)
+                    scale = r.scalar_f32(2, at)
+                    lanes = b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(d, scale)))
+                    if minimum:
+                        low_lane = b.fmul(b.sitofp(total, ir.FloatType()), b.fmul(m, scale))
+                        lanes = b.fadd(lanes, b.insert_element(ir.Constant(r.v8f, None), low_lane, ir.Constant(I32, 0)))
+                    out.append(b.fadd(acc, lanes))
+                return out
+
+            return r.loop(block)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, sums, t, blocks), codegen
 
     return row
 
@@ -350,6 +412,10 @@ q4_k_row, q4_k_rows = _k4_row(False, 1), _k4_row(False, NT)
 q5_k_row, q5_k_rows = _k4_row(True, 1), _k4_row(True, NT)
 q6_k_row, q6_k_rows = _q6_k_row(1), _q6_k_row(NT)
 q8_0_row, q8_0_rows = _q8_0_row(1), _q8_0_row(NT)
+q4_0_row, q4_0_rows = _q4_row(18, False, False, 1), _q4_row(18, False, False, NT)
+q4_1_row, q4_1_rows = _q4_row(20, True, False, 1), _q4_row(20, True, False, NT)
+q5_0_row, q5_0_rows = _q4_row(22, False, True, 1), _q4_row(22, False, True, NT)
+q5_1_row, q5_1_rows = _q4_row(24, True, True, 1), _q4_row(24, True, True, NT)
 
 
 @njit
@@ -406,18 +472,29 @@ def quantize_q8_0(x, qx, dx):
             dx[t, b] = amax / F32(127) if finite else np.nan
 
 
+@njit
+def _sums(qx, sums):
+    """sums (T, Z / 32) int32: the sums of qx (T, Z) over each 32."""
+    for t in range(qx.shape[0]):
+        for b in range(qx.shape[1] // 32):
+            s = 0
+            for j in range(32):
+                s += np.int32(qx[t, 32 * b + j])
+            sums[t, b] = s
+
+
 def q8_0(x):
-    """(qx, dx) of x: quantize_q8_0 into new arrays (compiled by kernels.py)."""
+    """(qx, dx, sums) of x: quantize_q8_0 into new arrays, and the sums of qx over each 32 (compiled by
+    kernels.py)."""
     T, Z = x.shape
-    qx, dx = np.empty((T, Z), np.int8), np.empty((T, Z // 32), F32)
+    qx, dx, sums = np.empty((T, Z), np.int8), np.empty((T, Z // 32), F32), np.empty((T, Z // 32), np.int32)
     quantize_q8_0(x, qx, dx)
-    return qx, dx
+    _sums(qx, sums)
+    return qx, dx, sums
 
-
-# The products spell their loops out, one per type: a row function passed as an argument to one shared
-# loop is a first-class function to numba, which then cannot keep the kernel in its on-disk cache.
 
 CHUNK_BYTES = 512 << 10  # x's rows a product takes at once: their qx stays in L2
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # the types, by their number here
 
 
 @njit
@@ -426,65 +503,97 @@ def _chunk(z):
     return max(NT, CHUNK_BYTES // z // NT * NT)
 
 
-def product_q8_0(w, qx, dx, out):
-    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
-    qx, dx = qx.reshape(-1), dx.reshape(-1)
-    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
+@njit(inline="always")  # (kind a constant where it is called: one branch compiled)
+def _rows(kind, wr, qx, dx, sums, t, blocks):
+    """Row wr of type KINDS[kind] times x's rows t .. t + NT - 1: NT float32."""
+    if kind == 0:
+        return q8_0_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 1:
+        return q4_0_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 2:
+        return q4_1_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 3:
+        return q5_0_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 4:
+        return q5_1_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 5:
+        return q4_k_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 6:
+        return q5_k_rows(wr, qx, dx, sums, t, blocks)
+    return q6_k_rows(wr, qx, dx, sums, t, blocks)
+
+
+@njit(inline="always")  # (kind a constant where it is called: one branch compiled)
+def _row(kind, wr, qx, dx, sums, t, blocks):
+    """Row wr of type KINDS[kind] times x's row t: a float32."""
+    if kind == 0:
+        return q8_0_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 1:
+        return q4_0_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 2:
+        return q4_1_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 3:
+        return q5_0_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 4:
+        return q5_1_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 5:
+        return q4_k_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 6:
+        return q5_k_row(wr, qx, dx, sums, t, blocks)[0]
+    return q6_k_row(wr, qx, dx, sums, t, blocks)[0]
+
+
+@njit(inline="always")  # (kind a constant where it is called: one branch compiled)
+def _product(kind, w, qx, dx, sums, out):
+    """out (T, R) = x's rows (rounded: qx, dx and its sums) times the rows w of type KINDS[kind]: NT rows of x
+    at once, then one by one (the same arithmetic a row), a chunk of x's rows at a time."""
+    T, tokens, blocks = qx.shape[0], _chunk(qx.shape[1]), dx.shape[1]
+    qx, dx, sums = qx.reshape(-1), dx.reshape(-1), sums.reshape(-1)
+    for c in range(0, T, tokens):
+        end = min(T, c + tokens)
         for r in range(w.shape[0]):
             t = c
-            while t + NT <= min(T, c + tokens):
-                ys = q8_0_rows(w[r], qx, dx, t, Z // 32)
+            while t + NT <= end:
+                ys = _rows(kind, w[r], qx, dx, sums, t, blocks)
                 for i in range(NT):
                     out[t + i, r] = ys[i]
                 t += NT
-            while t < min(T, c + tokens):
-                out[t, r] = q8_0_row(w[r], qx, dx, t, Z // 32)[0]
+            while t < end:
+                out[t, r] = _row(kind, w[r], qx, dx, sums, t, blocks)
                 t += 1
 
 
-def product_q4_k(w, qx, dx, bsums, out):
-    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
-    qx, dx, bsums = qx.reshape(-1), dx.reshape(-1), bsums.reshape(-1)
-    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
-        for r in range(w.shape[0]):
-            t = c
-            while t + NT <= min(T, c + tokens):
-                ys = q4_k_rows(w[r], qx, dx, bsums, t, Z // 256)
-                for i in range(NT):
-                    out[t + i, r] = ys[i]
-                t += NT
-            while t < min(T, c + tokens):
-                out[t, r] = q4_k_row(w[r], qx, dx, bsums, t, Z // 256)[0]
-                t += 1
+# The products kernels.py compiles, one per type: a kind number in the code, not an argument (the row
+# intrinsics cannot be passed as arguments: numba would not keep them in its on-disk cache).
 
 
-def product_q5_k(w, qx, dx, bsums, out):
-    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
-    qx, dx, bsums = qx.reshape(-1), dx.reshape(-1), bsums.reshape(-1)
-    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
-        for r in range(w.shape[0]):
-            t = c
-            while t + NT <= min(T, c + tokens):
-                ys = q5_k_rows(w[r], qx, dx, bsums, t, Z // 256)
-                for i in range(NT):
-                    out[t + i, r] = ys[i]
-                t += NT
-            while t < min(T, c + tokens):
-                out[t, r] = q5_k_row(w[r], qx, dx, bsums, t, Z // 256)[0]
-                t += 1
+def product_q8_0(w, qx, dx, sums, out):
+    _product(0, w, qx, dx, sums, out)
 
 
-def product_q6_k(w, qx, dx, bsums, out):
-    T, Z, tokens = qx.shape[0], qx.shape[1], _chunk(qx.shape[1])
-    qx, dx, bsums = qx.reshape(-1), dx.reshape(-1), bsums.reshape(-1)
-    for c in range(0, T, tokens):  # x's rows a chunk at a time, their rounding kept in L2
-        for r in range(w.shape[0]):
-            t = c
-            while t + NT <= min(T, c + tokens):
-                ys = q6_k_rows(w[r], qx, dx, bsums, t, Z // 256)
-                for i in range(NT):
-                    out[t + i, r] = ys[i]
-                t += NT
-            while t < min(T, c + tokens):
-                out[t, r] = q6_k_row(w[r], qx, dx, bsums, t, Z // 256)[0]
-                t += 1
+def product_q4_0(w, qx, dx, sums, out):
+    _product(1, w, qx, dx, sums, out)
+
+
+def product_q4_1(w, qx, dx, sums, out):
+    _product(2, w, qx, dx, sums, out)
+
+
+def product_q5_0(w, qx, dx, sums, out):
+    _product(3, w, qx, dx, sums, out)
+
+
+def product_q5_1(w, qx, dx, sums, out):
+    _product(4, w, qx, dx, sums, out)
+
+
+def product_q4_k(w, qx, dx, sums, out):
+    _product(5, w, qx, dx, sums, out)
+
+
+def product_q5_k(w, qx, dx, sums, out):
+    _product(6, w, qx, dx, sums, out)
+
+
+def product_q6_k(w, qx, dx, sums, out):
+    _product(7, w, qx, dx, sums, out)

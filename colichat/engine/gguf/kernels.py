@@ -6,7 +6,7 @@
                                     <cache_dir>/kernels); the seconds it took
     supported("Q4_K"), block("Q4_K") -> (256, 144)   values and bytes per block
     matvec(name, w, x, out)         out (T, R) = x (T, Z) times dequant(w (R, row_bytes)).T, for T that
-                                    takes(name, T) allows (1..16; any T for the K-quants, up to 256 for Q8_0)
+                                    takes(name, T) allows (1..16; any T for the K-quants, 128-256 for Q8_0 ...)
     rounded(name, x)                x as the type's matvec takes it (INT8_ACTIVATIONS: its 8-bit rounding,
                                     computed once for every row block of a product)
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
@@ -17,7 +17,7 @@ on each block's sub-blocks: the integer codes times x summed in float32 (vectori
 scale applied once to that sum, and a minimum through the per-sub-block sums of x, computed once per
 call and shared by every row; blocks add into float64. The 32-value types (Q8_0, Q4_0, ...) sum in 32
 float32 lanes across the row's blocks instead (what LLVM vectorizes for them: 3x faster on Q8_0).
-The types of INT8_ACTIVATIONS (Q8_0, Q4_K, Q5_K, Q6_K: most large files' matrices) round x to 8 bits per block
+The types of INT8_ACTIVATIONS (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) round x to 8 bits per block
 instead, as llama.cpp does, and take integer dot products that kernel_int8.py emits as vector IR (one
 vpdpbusd per 32 codes on a CPU with VNNI, 4 rows of x sharing each block's unpacked codes): 3-6x faster
 than their float32 sums, at llama.cpp's accuracy, and faster than a dequantized tile's sgemm for a
@@ -36,11 +36,11 @@ Contract:
 - Accuracy: |out - x W.T| <= 1e-5 * sum |x| |W| (float64 reference on the dequantized W); for
   INT8_ACTIVATIONS, plus x's rounding: half of x's block scale times sum |W| over each block.
 
-Measured (benchmarks/kernels.py, 2026-12-07 17:40, a quiet 2-core Zen 4 with AVX-512 VNNI): matvec
-Gparam/s on one thread, 4096 x 4096, T 1: Q6_K 23.1, Q4_K 21.0, Q5_K 18.1, Q8_0 9.8 (the int8 products);
-F32 5.0, Q4_1 5.3, Q4_0 4.7, Q5_0 3.8, Q5_1 3.5, Q3_K 2.7, BF16 2.6, F16 2.4, IQ4_NL 2.1, Q2_K 1.6, IQ4_XS 1.2
-(float32 sums). First start, every type: 9.9 s (half the types compiled in a helper process); a later
-start: 0.3-0.4 s in prepare(), plus 0.4 s to import numba.
+Measured (benchmarks/kernels.py, 2026-12-07, a quiet 2-core Zen 4 with AVX-512 VNNI): matvec Gparam/s on one
+thread, 4096 x 4096, T 1, the int8 products (20:30): Q6_K 32.2, Q4_K 31.0, Q8_0 30.2, Q5_K 28.2, Q4_0 26.9,
+Q5_0 20.4, Q4_1 20.1, Q5_1 16.5; the float32 sums (17:40): F32 5.0, Q3_K 2.7, BF16 2.6, F16 2.4, IQ4_NL 2.1,
+Q2_K 1.6, IQ4_XS 1.2. First start, every type: 9.5 s (half the types compiled in a helper process);
+a later start: 0.35-0.38 s in prepare(), plus 0.4 s to import numba.
 
 State: one module-level cache, _COMPILED, of the compiled functions by type name (and the reason a
 compile failed); everything else here is constant tables.
@@ -67,10 +67,10 @@ TYPES = {  # GGUF type name -> (values per block, bytes per block)
 }
 
 # matvec rounds x to 8 bits (Q8_0 per 32 values, Q8_K per 256) and takes integer dot products (kernel_int8.py)
-INT8_ACTIVATIONS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
-# The most rows of x a matvec takes: SMALL_BATCH, or for INT8_ACTIVATIONS any count where its integer products
-# beat a dequantized tile's sgemm (benchmarks/kernels.py --t; Q4_K, Q5_K, Q6_K at every count measured).
-MOST_ROWS = {"Q8_0": 256, "Q4_K": None, "Q5_K": None, "Q6_K": None}
+INT8_ACTIVATIONS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# The most rows of x a matvec takes: SMALL_BATCH, or for INT8_ACTIVATIONS about where a dequantized tile's sgemm
+# becomes faster (benchmarks/kernels.py; 1 thread, 4096 x 4096; None: never, up to T 512 measured).
+MOST_ROWS = {"Q8_0": 256, "Q4_0": 256, "Q4_1": 128, "Q5_0": 256, "Q5_1": 128, "Q4_K": None, "Q5_K": None, "Q6_K": None}
 
 
 class _Compiled:
@@ -107,7 +107,7 @@ def block(qtype_name: str) -> tuple[int, int]:
 
 
 def _signatures():
-    """numba's signatures: (matvec, dequantize, the product on x's 8-bit rounding of each rounding, the
+    """numba's signatures: (matvec, dequantize, the product on x's 8-bit rounding (qx, dx, sums), the
     roundings)."""
     from numba import types as nt
 
@@ -115,9 +115,8 @@ def _signatures():
     x = nt.Array(nt.float32, 2, "C", readonly=True)
     out = nt.Array(nt.float32, 2, "A")
     qx, dx, bsums = (nt.Array(t, 2, "C", readonly=True) for t in (nt.int8, nt.float32, nt.int32))
-    rounded = {"q8_k": (qx, dx, bsums), "q8_0": (qx, dx)}
-    return (nt.void(w, x, out), nt.void(w, out), {k: nt.void(w, *v, out) for k, v in rounded.items()},
-            {k: nt.Tuple([nt.Array(a.dtype, 2, "C") for a in v])(x) for k, v in rounded.items()})
+    result = nt.Tuple([nt.Array(a.dtype, 2, "C") for a in (qx, dx, bsums)])
+    return nt.void(w, x, out), nt.void(w, out), nt.void(w, qx, dx, bsums, out), result(x)
 
 
 def cache_path(cache_dir: str | None) -> str | None:
@@ -141,7 +140,7 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
 
     from . import kernel_bodies, kernel_int8, kernel_kquants
 
-    mv_sig, dq_sig, product_sigs, rounding_sigs = _signatures()
+    mv_sig, dq_sig, product_sig, rounding_sig = _signatures()
     saved = numba.config.CACHE_DIR
     try:
         numba.config.CACHE_DIR = path or saved
@@ -150,10 +149,10 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
             dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
             if name in INT8_ACTIVATIONS:
                 kind = rounding(name)
-                mv = numba.njit(product_sigs[kind], nogil=True, cache=path is not None)(
+                mv = numba.njit(product_sig, nogil=True, cache=path is not None)(
                     getattr(kernel_int8, f"product_{key}"))
                 if kind not in _COMPILED.roundings:
-                    _COMPILED.roundings[kind] = numba.njit(rounding_sigs[kind], nogil=True, cache=path is not None)(
+                    _COMPILED.roundings[kind] = numba.njit(rounding_sig, nogil=True, cache=path is not None)(
                         getattr(kernel_int8, kind))
             else:
                 mv = numba.njit(mv_sig, nogil=True, cache=path is not None)(getattr(bodies, f"matvec_{key}"))
@@ -250,7 +249,8 @@ def _bytes(qtype_name: str, w: np.ndarray, z: int) -> np.ndarray:
 
 
 def rounding(qtype_name: str) -> str | None:
-    """How the type's matvec rounds x: "q8_k" (per 256 values), "q8_0" (per 32), or None (float32 sums)."""
+    """How the type's matvec rounds x: "q8_k" (per 256 values, with the sums of qx over each 16), "q8_0" (per
+    32, with the sums of qx over each 32), or None (float32 sums)."""
     if qtype_name not in INT8_ACTIVATIONS:
         return None
     return "q8_k" if TYPES[qtype_name][0] == 256 else "q8_0"
@@ -263,7 +263,7 @@ def takes(qtype_name: str, t: int) -> bool:
 
 
 def rounded(qtype_name: str, x: np.ndarray):
-    """x (T, Z) float32 as the type's matvec takes it: for INT8_ACTIVATIONS its 8-bit rounding (qx, dx[, bsums]),
+    """x (T, Z) float32 as the type's matvec takes it: for INT8_ACTIVATIONS its 8-bit rounding (qx, dx, sums),
     computed once for every row block of a product (the same for every type of a rounding); else x."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if qtype_name not in INT8_ACTIVATIONS:
