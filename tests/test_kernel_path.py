@@ -282,14 +282,18 @@ def test_the_first_start_says_it_compiles_the_kernels_and_later_starts_load_them
     assert "kernels" not in numpy.err
 
 
-def test_auto_takes_the_numpy_path_for_a_model_small_as_f32_and_the_kernels_for_a_larger_one(monkeypatch):
+def test_auto_takes_the_numpy_path_for_a_small_model_without_int8_products_and_the_kernels_else(qdir, monkeypatch):
+    """auto: the kernels for a small file whose matrices all have int8 products (Q8_0 here, SmolLM2's Q4_1 and
+    Q8_0) and for any larger file; numpy for a small file of other types (F16 here) or of F32 alone."""
     import colichat.engine as engine
 
-    path = str(TINY / "ds-v3.q8_0.gguf")
-    assert kernel_path("auto", "fast", path=path) == "numpy" and kernel_path("numba", "fast", path=path) == "numba"
+    int8, other = str(TINY / "ds-v3.q8_0.gguf"), quantized_copy("plm", "F16", qdir)
+    assert kernel_path("auto", "fast", path=int8) == "numba"
+    assert kernel_path("auto", "fast", path=other) == "numpy" and kernel_path("numba", "fast", path=other) == "numba"
+    assert kernel_path("auto", "fast", path=str(TINY / "ds-v3.gguf")) == "numpy"  # (F32 alone)
     monkeypatch.setattr(engine, "SMALL_F32", 1)  # every file is larger
-    assert kernel_path("auto", "fast", path=path) == "numba"
-    assert kernel_path("auto", "llama.cpp", path=path) == "numpy"  # (llama.cpp numerics: always f32)
+    assert kernel_path("auto", "fast", path=other) == "numba"
+    assert kernel_path("auto", "llama.cpp", path=int8) == "numpy"  # (llama.cpp numerics: always f32)
 
 
 @pytest.mark.parametrize("t", [1, 3])

@@ -182,7 +182,8 @@ def test_merged_gate_up_experts_equal_separate(tmp_path):
 def test_cli_answers_as_llama_cpp(colichat_home):
     """End to end through the chat program: the first prompt of the reference (default system prompt,
     "What is the capital of France?") answered greedily with --numerics llama.cpp prints llama.cpp's
-    continuation. (It is "L'Étoile, la Mar..."; the fast engine answers "The capital of France is Paris.")"""
+    continuation. (It is "L'Étoile, la Mar...", as the kernel path's is; the numpy path answers "The capital of
+    France is Paris.")"""
     from colichat.engine import load_tokenizer
     from colichat.models.default import default_model_path
 

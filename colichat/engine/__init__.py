@@ -35,8 +35,8 @@ from .mtp import bytes_per_token as mtp_bytes_per_token
 from .sampler import Sampler, SamplerSettings
 
 DEFAULT_CTX = 8192
-# weights under this as f32 run on the numpy path under --kernels auto: SmolLM2-135M's 0.5 GiB answer 1.25x faster
-# there (44 against 55 ms a token, one process, 2026-12-07), and start without a compile
+# weights under this as f32 run on the numpy path under --kernels auto where a matrix type has no int8 products
+# (kernel_path): BLAS multiplies small f32 matrices faster than those kernels' float32 sums
 SMALL_F32 = 1 << 30
 
 __all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "check_headers",
@@ -184,12 +184,16 @@ def kernel_path(kernels: str, numerics: str, on_note=None, path: str | None = No
     """The path load() takes: "numba" where asked for and the kernels run here (else "numpy", on_note
     told why in one line; not asked of numba for a GGUF `path` with no type they take), "numpy" for
     llama.cpp numerics (their reference works on f32 weights). "auto" is "numba" but for a `path` small as f32
-    (small_as_f32): numpy's BLAS multiplies its small matrices faster than the kernels' calls cost."""
+    (small_as_f32) whose matrices are not all of types with int8 products (kernels.INT8_ACTIVATIONS): numpy's
+    BLAS multiplies small f32 matrices faster than the float32 sums of the other types' kernels (SmolLM2's
+    Q4_1 decodes 1.7x faster on the kernels, BENCHMARKS.md)."""
     from .gguf import kernels as compiled
 
     if kernels not in ("auto", "numba", "numpy"):
         raise ValueError(f"kernels must be 'auto', 'numba' or 'numpy', not {kernels!r}")
-    if kernels == "numpy" or numerics != "fast" or (kernels == "auto" and path is not None and small_as_f32(path)):
+    small_f32 = kernels == "auto" and path is not None and small_as_f32(path)
+    if kernels == "numpy" or numerics != "fast" or (
+            small_f32 and not set(kernel_types(path) or ["F32"]) <= set(compiled.INT8_ACTIVATIONS)):
         return "numpy"
     problem = compiled.problem() if path is None or kernel_types(path) else None
     if problem is not None:
