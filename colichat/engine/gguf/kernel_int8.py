@@ -26,7 +26,7 @@ Accuracy: exact integers, so the only error beside float rounding is x's roundin
 so |out - x W.T| <= sum over x's blocks of |dx| / 2 sum |W| + 1e-5 sum |x| |W| (tests/test_kernels.py):
 about 1-2% of the largest logit on the tiny models, the error llama.cpp's CPU backend has.
 Measured (benchmarks/kernels.py, 4096 x 4096, T 1, a thread, this 2-core Zen 4 with AVX-512 VNNI, 2026-12-07
-20:30), against the float32 activations of kernel_bodies.py / kernel_kquants.py: Q4_K 31 Gparam/s (was
+20:00), against the float32 activations of kernel_bodies.py / kernel_kquants.py: Q4_K 31 Gparam/s (was
 3.9-7.8), Q5_K 28 (2.7), Q6_K 32 (3.3), Q8_0 30 (4.6-7.3), Q4_0 27 (4.9), Q4_1 20 (3.3), Q5_0 20 (3.9),
 Q5_1 17 (3.5).
 

@@ -37,7 +37,7 @@ Contract:
   INT8_ACTIVATIONS, plus x's rounding: half of x's block scale times sum |W| over each block.
 
 Measured (benchmarks/kernels.py, 2026-12-07, a quiet 2-core Zen 4 with AVX-512 VNNI): matvec Gparam/s on one
-thread, 4096 x 4096, T 1, the int8 products (20:30): Q6_K 32.2, Q4_K 31.0, Q8_0 30.2, Q5_K 28.2, Q4_0 26.9,
+thread, 4096 x 4096, T 1, the int8 products (20:00): Q6_K 32.2, Q4_K 31.0, Q8_0 30.2, Q5_K 28.2, Q4_0 26.9,
 Q5_0 20.4, Q4_1 20.1, Q5_1 16.5; the float32 sums (17:40): F32 5.0, Q3_K 2.7, BF16 2.6, F16 2.4, IQ4_NL 2.1,
 Q2_K 1.6, IQ4_XS 1.2. First start, every type: 9.5 s (half the types compiled in a helper process);
 a later start: 0.35-0.38 s in prepare(), plus 0.4 s to import numba.
