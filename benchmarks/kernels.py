@@ -1,11 +1,11 @@
 """The compiled kernels (engine/gguf/kernels.py) measured: matvec Gparam/s per type on a matrix of a real
 size, on 1 thread and on 2 (two Python threads on the row halves), against numpy's f32 matvec on the
 dequantized matrix and against the memory bandwidth (the quantized bytes read per second against a
-measured memcpy and sum); the compile and the cached start; and the variants tried (int8 activations,
-no fastmath) on Q4_K and Q8_0.
+measured memcpy and sum); the compile and the cached start; and the variants tried (each int8 type's
+float32 sums against its int8 products; no fastmath and numba's own byte loops on Q4_K and Q8_0).
 
     python benchmarks/kernels.py                          # every type, 14336 x 4096 (Llama-3.1-8B's FFN)
-    python benchmarks/kernels.py --variants               # Q4_K and Q8_0: no fastmath, int8 activations
+    python benchmarks/kernels.py --variants               # per int8 type: float32 sums against int8 products
     python benchmarks/kernels.py --start                  # first compile and cached start, in fresh processes
 
 Each figure is the best of --repeat runs (other load on the machine only slows a run down). Also: CPU
@@ -197,34 +197,49 @@ def plain_kernel(name: str):
     return matvec
 
 
+def float32_kernel(name: str):
+    """The matvec of `name` with float32 sums (kernel_bodies.py / kernel_kquants.py), compiled as kernels.py
+    compiles the kept ones: what the type ran before its int8 products."""
+    import numba
+
+    from colichat.engine.gguf import kernel_bodies, kernel_kquants
+
+    bodies = kernel_kquants if kernels.block(name)[0] == 256 else kernel_bodies
+    return numba.njit(nogil=True)(getattr(bodies, f"matvec_{name.lower()}"))
+
+
 def measure_variants(args) -> None:
-    """Q4_K and Q8_0: the kernel as it is, without fastmath, and with int8 activations; Gparam/s on one
-    thread and the worst error against float64 over sum |x| |W| (256 rows)."""
+    """Each type of kernels.INT8_ACTIVATIONS: its float32 sums against its int8 products (the kept kernel);
+    for Q4_K and Q8_0 also the float32 sums without fastmath and int8 products in numba's own loops on bytes.
+    Gparam/s on one thread and the worst error against float64 over sum |x| |W| (256 rows)."""
     rng = np.random.default_rng(1)
     R, Z = args.rows, args.cols
     x = rng.standard_normal((args.t, Z), dtype=np.float32)
     say(f"variants, {R} x {Z}, T = {args.t}, one thread: Gparam/s (wall, cpu), worst |error| / sum |x| |W|")
-    for name in ("Q4_K", "Q8_0"):
+    for name in kernels.INT8_ACTIVATIONS:
         compare(name, random_rows(name, R, Z, rng), x, args)
 
 
 def compare(name: str, w: np.ndarray, x: np.ndarray, args) -> None:
     from colichat.engine.gguf.kernel_bodies import sub_sums
 
-    quantize, int8_q8_0, int8_q4_k = int8_kernels()
-    xs, plain = sub_sums(x, 32 if name == "Q4_K" else 0), plain_kernel(name)
+    variants = [("float32 sums, fastmath reassoc", float32_kernel(name))]
+    if name in ("Q4_K", "Q8_0"):
+        quantize, int8_q8_0, int8_q4_k = int8_kernels()
+        xs, plain = sub_sums(x, 32 if name == "Q4_K" else 0), plain_kernel(name)
 
-    def with_int8(w, x, out):
-        xq, dx = quantize(x)
-        int8_q4_k(w, xq, dx, sub_sums(x, 32), out) if name == "Q4_K" else int8_q8_0(w, xq, dx, out)
+        def with_int8(w, x, out):
+            xq, dx = quantize(x)
+            int8_q4_k(w, xq, dx, sub_sums(x, 32), out) if name == "Q4_K" else int8_q8_0(w, xq, dx, out)
 
+        variants += [("float32 sums, no fastmath", lambda w, x, out: plain(w, x, xs, out)),
+                     ("int8, numba's loops on bytes", with_int8)]
+    variants.append(("int8, vector IR (kernels.matvec: kept)", lambda w, x, out: kernels.matvec(name, w, x, out)))
     W = np.empty((256, x.shape[1]), dtype=np.float32)
     kernels.dequantize(name, w[:256], W)
     want = x.astype(np.float64) @ W.T.astype(np.float64)
     scale = np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64)
-    for label, fn in (("float32 sums, fastmath reassoc (kept)", lambda w, x, out: kernels.matvec(name, w, x, out)),
-                      ("float32 sums, no fastmath", lambda w, x, out: plain(w, x, xs, out)),
-                      ("int8 activations, integer sums", with_int8)):
+    for label, fn in variants:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
         wall, cpu = timed(fn, w, x, out, args.repeat)
         p = w.shape[0] * x.shape[1] * x.shape[0]
@@ -270,7 +285,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--numpy", action="store_true", help="also numpy's f32 matvec on the dequantized matrix")
     ap.add_argument("--start", action="store_true", help="measure the first compile and a cached start")
-    ap.add_argument("--variants", action="store_true", help="Q4_K and Q8_0 without fastmath, with int8 activations")
+    ap.add_argument("--variants", action="store_true", help="each int8 type's float32 sums against its int8 products")
     args = ap.parse_args()
     if args.start:
         measure_start(args)

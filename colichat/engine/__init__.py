@@ -191,11 +191,13 @@ def kernel_path(kernels: str, numerics: str, on_note=None, path: str | None = No
 
     if kernels not in ("auto", "numba", "numpy"):
         raise ValueError(f"kernels must be 'auto', 'numba' or 'numpy', not {kernels!r}")
-    small_f32 = kernels == "auto" and path is not None and small_as_f32(path)
-    if kernels == "numpy" or numerics != "fast" or (
-            small_f32 and not set(kernel_types(path) or ["F32"]) <= set(compiled.INT8_ACTIVATIONS)):
+    if kernels == "numpy" or numerics != "fast":
         return "numpy"
-    problem = compiled.problem() if path is None or kernel_types(path) else None
+    types = kernel_types(path) if path is not None else None  # (from the file's header: read once)
+    if kernels == "auto" and path is not None and small_as_f32(path) and not set(types or ["F32"]) <= set(
+            compiled.INT8_ACTIVATIONS):
+        return "numpy"
+    problem = compiled.problem() if path is None or types else None
     if problem is not None:
         if on_note:
             on_note(f"compiled kernels cannot run here ({problem}): weights dequantized to f32 (--kernels numpy)")

@@ -68,13 +68,9 @@ class _IR:
     def __init__(self, context, builder, signature, args):
         self.context, self.b, self.types, self.args = context, builder, signature.args, args
 
-    def load(self, arg: int, offset: int, at: int = 1, n: int = 32, bits: int = 8):
-        """<n x i`bits`>: the n values from index args[at] + offset of the (C-contiguous) array args[arg]
-        (of int8/uint8, or int32 for bits 32)."""
-        return self.load_at(arg, self.b.add(self.args[at], ir.Constant(self.args[at].type, offset)), n, bits)
-
     def load_at(self, arg: int, index, n: int = 32, bits: int = 8):
-        """As load, from the index (an IR integer); n 1: the scalar."""
+        """<n x i`bits`>: the n values from `index` (an IR integer) of the (C-contiguous) array args[arg] (of
+        int8/uint8, or int32 for bits 32); n 1: the scalar."""
         data = self.context.make_array(self.types[arg])(self.context, self.b, self.args[arg]).data
         kind = ir.IntType(bits) if n == 1 else ir.VectorType(ir.IntType(bits), n)
         return self.b.load(self.b.bitcast(self.b.gep(data, [index]), kind.as_pointer()), align=1)
@@ -563,37 +559,17 @@ def _product(kind, w, qx, dx, sums, out):
                 t += 1
 
 
-# The products kernels.py compiles, one per type: a kind number in the code, not an argument (the row
-# intrinsics cannot be passed as arguments: numba would not keep them in its on-disk cache).
+def _product_of(kind: int):
+    """The product kernels.py compiles for type KINDS[kind]: the kind a constant of its code (a closure over an
+    int, which numba keeps in its on-disk cache; the row intrinsics cannot be passed as arguments), its own
+    name so that each type has its own cache index."""
+
+    def product(w, qx, dx, sums, out):
+        _product(kind, w, qx, dx, sums, out)
+
+    product.__name__ = product.__qualname__ = f"product_{KINDS[kind].lower()}"
+    return product
 
 
-def product_q8_0(w, qx, dx, sums, out):
-    _product(0, w, qx, dx, sums, out)
-
-
-def product_q4_0(w, qx, dx, sums, out):
-    _product(1, w, qx, dx, sums, out)
-
-
-def product_q4_1(w, qx, dx, sums, out):
-    _product(2, w, qx, dx, sums, out)
-
-
-def product_q5_0(w, qx, dx, sums, out):
-    _product(3, w, qx, dx, sums, out)
-
-
-def product_q5_1(w, qx, dx, sums, out):
-    _product(4, w, qx, dx, sums, out)
-
-
-def product_q4_k(w, qx, dx, sums, out):
-    _product(5, w, qx, dx, sums, out)
-
-
-def product_q5_k(w, qx, dx, sums, out):
-    _product(6, w, qx, dx, sums, out)
-
-
-def product_q6_k(w, qx, dx, sums, out):
-    _product(7, w, qx, dx, sums, out)
+product_q8_0, product_q4_0, product_q4_1, product_q5_0, product_q5_1, product_q4_k, product_q5_k, product_q6_k = (
+    _product_of(kind) for kind in range(len(KINDS)))
