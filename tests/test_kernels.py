@@ -244,7 +244,7 @@ def test_bad_shapes_are_caller_bugs():
     with pytest.raises(ValueError, match="T 1..256"):
         kernels.matvec("Q8_0", w, np.ones((257, 64), dtype=np.float32), np.empty((257, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="T 1..16"):
-        kernels.matvec("IQ4_NL", random_rows("IQ4_NL", 4, 64), np.ones((17, 64), dtype=np.float32),
+        kernels.matvec("F16", random_rows("F16", 4, 64), np.ones((17, 64), dtype=np.float32),
                        np.empty((17, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="is not what Q8_0"):
         kernels.matvec("Q8_0", w, kernels.rounded("Q4_K", np.ones((1, 256), dtype=np.float32)),

@@ -1,15 +1,17 @@
-"""The 32-value types' and the K-quants' products on int8 activations (llama.cpp's way): x rounded to 8 bits,
-integer dots.
+"""The quantized types' products on int8 activations (llama.cpp's way): x rounded to 8 bits, integer dots.
 
 Types (kernels.INT8_ACTIVATIONS, numbered by KINDS):
-- Q4_K, Q5_K and Q6_K against x rounded to Q8_K (q8_k, ggml's quantize_row_q8_K: per 256 values, d = max /
-  -127 for the value of largest magnitude, qx the nearest integer of x / d, even on ties; and the sums of
-  qx over each 16). A sub-block's 32 (or 16) codes are dotted with qx in int32, exactly; its integer scale
-  is applied in int32 lanes, a minimum through the sums of qx.
-- Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 against x rounded to Q8_0 (q8_0: per 32 values, qx the nearest integer of
-  x 127 / max |x|, d = max |x| / 127 kept in float32 where llama.cpp keeps fp16; and the sums of qx over
-  each 32, which the offset codes (less 8 or 16) and the minimums take, as llama.cpp's Q8_1 does). Q8_0's
-  signed codes: |code| times qx with the code's sign.
+- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS against x rounded to Q8_K (q8_k, ggml's quantize_row_q8_K: per 256
+  values, d = max / -127 for the value of largest magnitude, qx the nearest integer of x / d, even on ties;
+  and the sums of qx over each 16). A sub-block's 32 (or 16) codes are dotted with qx in int32, exactly;
+  its integer scale is applied in int32 lanes, a minimum (or a code's offset: Q3_K's 4, Q6_K's 32) through
+  the sums of qx.
+- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL against x rounded to Q8_0 (q8_0: per 32 values, qx the nearest
+  integer of x 127 / max |x|, d = max |x| / 127 kept in float32 where llama.cpp keeps fp16; and the sums of
+  qx over each 32, which the offset codes (less 8 or 16) and the minimums take, as llama.cpp's Q8_1 does).
+  Q8_0's signed codes: |code| times qx with the code's sign.
+- IQ4_NL and IQ4_XS: a code is a byte of IQ4_VALUES, looked up (vpshufb) and taken 128 higher, unsigned;
+  128 times the sums of qx is taken off.
 A block's int32 lanes times its scales (d dx, and dmin dx) are added into 8 float32 lanes a row of x,
 summed in order where the row ends.
 
@@ -26,9 +28,9 @@ Accuracy: exact integers, so the only error beside float rounding is x's roundin
 so |out - x W.T| <= sum over x's blocks of |dx| / 2 sum |W| + 1e-5 sum |x| |W| (tests/test_kernels.py):
 about 1-2% of the largest logit on the tiny models, the error llama.cpp's CPU backend has.
 Measured (benchmarks/kernels.py, 4096 x 4096, T 1, a thread, this 2-core Zen 4 with AVX-512 VNNI, 2026-12-07
-20:00), against the float32 activations of kernel_bodies.py / kernel_kquants.py: Q4_K 31 Gparam/s (was
-3.9-7.8), Q5_K 28 (2.7), Q6_K 32 (3.3), Q8_0 30 (4.6-7.3), Q4_0 27 (4.9), Q4_1 20 (3.3), Q5_0 20 (3.9),
-Q5_1 17 (3.5).
+20:00 and 22:10), against the float32 activations of kernel_bodies.py / kernel_kquants.py: Q4_K 31 Gparam/s
+(was 3.9-7.8), Q5_K 28 (2.7), Q6_K 32 (3.3), Q8_0 30 (4.6-7.3), Q4_0 27 (4.9), Q4_1 20 (3.3), Q5_0 20 (3.9),
+Q5_1 17 (3.5), Q2_K 34 (1.3), Q3_K 27 (3.1), IQ4_NL 21 (1.8), IQ4_XS 27 (1.0).
 
 Bits: each out[t, r] is a function of w[r] and x[t] alone (x[t]'s rounding is too), summed in a fixed
 order: the same for any T, row split or thread count.
@@ -87,6 +89,13 @@ class _IR:
     def ints(self, v: int, n: int = 8):
         return ir.Constant(ir.VectorType(I32, n), [v] * n)
 
+    def nibbles(self, index):
+        """<32 x i8>: the low nibbles of the 16 bytes of w (args[0]) from `index`, then their high nibbles."""
+        b, i8x16 = self.b, ir.VectorType(ir.IntType(8), 16)
+        v = self.load_at(0, index, n=16)
+        low, high = b.and_(v, ir.Constant(i8x16, [15] * 16)), b.lshr(v, ir.Constant(i8x16, [4] * 16))
+        return b.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+
     @staticmethod
     def bytes(v: int):
         return ir.Constant(I8x32, [v] * 32)
@@ -123,6 +132,19 @@ class _IR:
         special = b.or_(ir.Constant(i32, 0x7F800000), b.shl(m, ir.Constant(i32, 13)))  # inf, or a NaN
         bits = b.select(b.icmp_unsigned("==", e, ir.Constant(i32, 31)), special, value)
         return b.bitcast(b.or_(bits, b.shl(b.and_(u, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))), ir.FloatType())
+
+    def lookup(self, codes, table):
+        """<32 x i8> of table[code] for codes 0-15 (table: 16 byte values): vpshufb where the CPU has AVX2,
+        else a tree of selects on the codes' four bits (the same bytes)."""
+        b = self.b
+        if _host("avx2"):
+            shuffle = self.function("llvm.x86.avx2.pshuf.b", I8x32, [I8x32, I8x32])
+            return b.call(shuffle, [ir.Constant(I8x32, [v & 255 for v in table] * 2), codes])
+        level = [self.bytes(v & 255) for v in table]
+        for bit in range(4):
+            on = b.icmp_unsigned("!=", b.and_(codes, self.bytes(1 << bit)), ir.Constant(I8x32, None))
+            level = [b.select(on, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+        return level[0]
 
     def scaled(self, lanes, scales, first: int, second: int):
         """lanes times scale `first` in the lanes of values 0-15, scale `second` in those of 16-31 (scales:
@@ -190,6 +212,25 @@ class _Rows(_IR):
             total.add_incoming(value, end)
         totals = [b.call(reduce, [ir.Constant(f32, -0.0), total]) for total in totals]
         return self.context.make_tuple(b, types.UniTuple(types.float32, self.nt), totals)
+
+    def sixteens(self, i: int, k, codes, scales):
+        """Token i's int32 lanes of block k's 16 sub-blocks of 16 values: codes[4 h + g] (32 unsigned bytes) are
+        values 128 h + 32 g + l, sub-blocks 8 h + 2 g and 8 h + 2 g + 1, each dot times its scale (scales: 16
+        int32 lanes)."""
+        dots = None
+        for n, c in enumerate(codes):
+            h, g = divmod(n, 4)
+            lanes = self.dot_lanes(c, self.load_at(1, self.x_index(i, k, 1, 128 * h + 32 * g)))
+            part = self.scaled(lanes, scales, 8 * h + 2 * g, 8 * h + 2 * g + 1)
+            dots = part if dots is None else self.b.add(dots, part)
+        return dots
+
+    def weighted_sums(self, i: int, k, weights):
+        """8 int32 lanes whose sum is sum_j weights[j] (sum of token i's qx over sixteen j of block k): weights
+        16 int32 lanes (of a Q8_K block's 16 sums)."""
+        runs = self.load_at(3, self.x_index(i, k, 16), n=16, bits=32)
+        both = self.b.mul(weights, runs)
+        return self.b.add(self.lanes(both, list(range(8))), self.lanes(both, list(range(8, 16))))
 
     def x_index(self, i: int, k, per: int, offset: int = 0):
         """The index of token i's value (per = 1: qx), block scale (per = 256 or 32: dx) or sum of 16 (per = 16:
@@ -291,18 +332,157 @@ def _q6_k_row(nt: int):
                         codes.append(b.or_(low, b.shl(high, r.bytes(4))))
                 out = []
                 for i, acc in enumerate(sums):
-                    dots = None
-                    for n, c in enumerate(codes):  # n = 4 h + g
-                        h, g = divmod(n, 4)
-                        lanes = r.dot_lanes(c, r.load_at(1, r.x_index(i, k, 1, 128 * h + 32 * g)))
-                        part = r.scaled(lanes, scales, 8 * h + 2 * g, 8 * h + 2 * g + 1)
-                        dots = part if dots is None else b.add(dots, part)
-                    runs = r.load_at(3, r.x_index(i, k, 16), n=16, bits=32)  # the sums of qx over each 16
-                    offset = b.mul(scales, runs)
-                    offset = b.shl(b.add(r.lanes(offset, list(range(8))), r.lanes(offset, list(range(8, 16)))),
-                                   r.ints(5))
+                    dots = r.sixteens(i, k, codes, scales)
+                    offset = b.shl(r.weighted_sums(i, k, scales), r.ints(5))  # 32 sum_i scale_i (sum of qx_i)
                     scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
                     out.append(b.fadd(acc, b.fmul(b.sitofp(b.sub(dots, offset), r.v8f), r.splat_f(scale))))
+                return out
+
+            return r.loop(block)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
+
+    return row
+
+
+def _q3_k_row(nt: int):
+    """Q3_K's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx d sum over its 16 sub-blocks i of
+    (its six-bit scale i - 32) times (codes 0-7 . qx_i - 4 (sum of qx_i)): a code is its two low bits (qs) and
+    the hmask bit above them, the value less 4."""
+
+    @intrinsic
+    def row(typingctx, w, qx, dx, bsums, t, blocks):
+        if not _c_layout(w, qx, dx, bsums):
+            return None
+
+        def codegen(context, builder, signature, args):
+            r = _Rows(context, builder, signature, args, nt, 256)
+            b = builder
+            v16 = ir.VectorType(I32, 16)
+
+            def block(k, sums):
+                o = b.mul(k, r.const(110))
+
+                def at(offset):
+                    return b.add(o, r.const(offset))
+
+                # scale i: low four bits from byte i % 8 (>> 4 for i >= 8), two high bits from byte 8 + i % 4
+                # (>> 2 (i // 4)), less 32
+                low = b.zext(r.lanes(r.load_at(0, at(96), n=8), list(range(8)) * 2), v16)
+                high = b.zext(r.lanes(r.load_at(0, at(104), n=4), list(range(4)) * 4), v16)
+                low = b.and_(b.lshr(low, ir.Constant(v16, [0] * 8 + [4] * 8)), r.ints(15, 16))
+                high = b.and_(b.lshr(high, ir.Constant(v16, [2 * (i // 4) for i in range(16)])), r.ints(3, 16))
+                scales = b.sub(b.or_(low, b.shl(high, r.ints(4, 16))), r.ints(32, 16))
+                d = r.half(r.load_at(0, at(108), n=1, bits=16))
+                hmask = r.load_at(0, at(0))
+                codes = []
+                for h in range(2):
+                    q = r.load_at(0, at(32 + 32 * h))
+                    for g in range(4):  # values 128 h + 32 g + l
+                        two = b.and_(b.lshr(q, r.bytes(2 * g)), r.bytes(3))
+                        third = b.and_(b.lshr(hmask, r.bytes(4 * h + g)), r.bytes(1))
+                        codes.append(b.or_(two, b.shl(third, r.bytes(2))))
+                out = []
+                for i, acc in enumerate(sums):
+                    dots = b.sub(r.sixteens(i, k, codes, scales), b.shl(r.weighted_sums(i, k, scales), r.ints(2)))
+                    scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
+                    out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
+                return out
+
+            return r.loop(block)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
+
+    return row
+
+
+def _q2_k_row(nt: int):
+    """Q2_K's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx (d sum_i sc_i (codes_i . qx_i)
+    - dmin sum_i m_i (sum of qx_i)) over its 16 sub-blocks, sc_i and m_i the low and high nibbles of byte i,
+    a code two bits of qs."""
+
+    @intrinsic
+    def row(typingctx, w, qx, dx, bsums, t, blocks):
+        if not _c_layout(w, qx, dx, bsums):
+            return None
+
+        def codegen(context, builder, signature, args):
+            r = _Rows(context, builder, signature, args, nt, 256)
+            b = builder
+
+            def block(k, sums):
+                o = b.mul(k, r.const(84))
+
+                def at(offset):
+                    return b.add(o, r.const(offset))
+
+                s = b.zext(r.load_at(0, at(0), n=16), ir.VectorType(I32, 16))
+                scales, mins = b.and_(s, r.ints(15, 16)), b.lshr(s, r.ints(4, 16))
+                d, dmin = r.half(r.load_at(0, at(80), n=1, bits=16)), r.half(r.load_at(0, at(82), n=1, bits=16))
+                codes = []
+                for h in range(2):
+                    q = r.load_at(0, at(16 + 32 * h))
+                    codes += [b.and_(b.lshr(q, r.bytes(2 * g)), r.bytes(3)) for g in range(4)]
+                out = []
+                for i, acc in enumerate(sums):
+                    dots = r.sixteens(i, k, codes, scales)
+                    scale = r.scalar_f32(2, r.x_index(i, k, 256))
+                    lanes = b.fsub(b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(scale, d))),
+                                   b.fmul(b.sitofp(r.weighted_sums(i, k, mins), r.v8f), r.splat_f(b.fmul(scale, dmin))))
+                    out.append(b.fadd(acc, lanes))
+                return out
+
+            return r.loop(block)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
+
+    return row
+
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _iq4_xs_row(nt: int):
+    """IQ4_XS's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx d sum over its 8 sub-blocks j
+    of (its six-bit scale j - 32) times (IQ4_VALUES[codes_j] . qx_j); the values taken 128 higher (unsigned
+    bytes), and 128 (sum of qx_j) taken off."""
+
+    @intrinsic
+    def row(typingctx, w, qx, dx, bsums, t, blocks):
+        if not _c_layout(w, qx, dx, bsums):
+            return None
+
+        def codegen(context, builder, signature, args):
+            r = _Rows(context, builder, signature, args, nt, 256)
+            b = builder
+            v8 = ir.VectorType(I32, 8)
+
+            def block(k, sums):
+                o = b.mul(k, r.const(136))
+
+                def at(offset):
+                    return b.add(o, r.const(offset))
+
+                d = r.half(r.load_at(0, o, n=1, bits=16))
+                # scale j: nibble j % 2 of scales_l[j // 2], bits 2 j, 2 j + 1 of scales_h above it, less 32
+                low = b.zext(r.lanes(r.load_at(0, at(4), n=4), [j // 2 for j in range(8)]), v8)
+                low = b.and_(b.lshr(low, ir.Constant(v8, [4 * (j % 2) for j in range(8)])), r.ints(15))
+                high = b.zext(r.load_at(0, at(2), n=1, bits=16), I32)
+                high = b.shuffle_vector(b.insert_element(ir.Constant(v8, None), high, ir.Constant(I32, 0)),
+                                        ir.Constant(v8, None), ir.Constant(v8, [0] * 8))
+                high = b.and_(b.lshr(high, ir.Constant(v8, [2 * j for j in range(8)])), r.ints(3))
+                scales = b.sub(b.or_(low, b.shl(high, r.ints(4))), r.ints(32))
+                pairs = r.lanes(scales, [j // 2 for j in range(16)])  # each scale for its two sums of 16
+                codes = [r.lookup(r.nibbles(at(8 + 16 * j)), [v + 128 for v in IQ4_VALUES]) for j in range(8)]
+                out = []
+                for i, acc in enumerate(sums):
+                    dots = None
+                    for j, c in enumerate(codes):
+                        part = r.scaled(r.dot_lanes(c, r.load_at(1, r.x_index(i, k, 1, 32 * j))), scales, j, j)
+                        dots = part if dots is None else b.add(dots, part)
+                    dots = b.sub(dots, b.shl(r.weighted_sums(i, k, pairs), r.ints(7)))
+                    scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
+                    out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
                 return out
 
             return r.loop(block)
@@ -348,12 +528,13 @@ def _q8_0_row(nt: int):
     return row
 
 
-def _q4_row(size: int, minimum: bool, fifth: bool, nt: int):
+def _q4_row(size: int, minimum: bool, fifth: bool, nt: int, table: bool = False):
     """The row intrinsic of Q4_0 (size 18: d, 16 bytes of nibbles), Q4_1 (20: d, m, nibbles), Q5_0 (22: d,
-    qh, nibbles) or Q5_1 (24: d, m, qh, nibbles) against x rounded to Q8_0 with its sums, nt tokens. Byte
-    l's low nibble is code l, its high one code 16 + l; bit l of qh (32 bits) the fifth bit of code l.
-    Per block: d dx (codes . qx - offset sum qx) (offset 8 or 16 without a minimum), + m dx sum qx."""
-    offset = 0 if minimum else (16 if fifth else 8)
+    qh, nibbles), Q5_1 (24: d, m, qh, nibbles) or IQ4_NL (18, table: a code is IQ4_VALUES[nibble], taken 128
+    higher) against x rounded to Q8_0 with its sums, nt tokens. Byte l's low nibble is code l, its high one
+    code 16 + l; bit l of qh (32 bits) the fifth bit of code l.
+    Per block: d dx (codes . qx - offset sum qx) (offset 8, 16 or 128 without a minimum), + m dx sum qx."""
+    offset = 128 if table else 0 if minimum else (16 if fifth else 8)
     at_qh = 4 if minimum else 2
     at_codes = at_qh + (4 if fifth else 0)
 
@@ -365,16 +546,14 @@ def _q4_row(size: int, minimum: bool, fifth: bool, nt: int):
         def codegen(context, builder, signature, args):
             r = _Rows(context, builder, signature, args, nt, 32)
             b = builder
-            i8x16 = ir.VectorType(ir.IntType(8), 16)
 
             def block(k, accs):
                 o = b.mul(k, r.const(size))
                 d = r.half(r.load_at(0, o, n=1, bits=16))
                 m = r.half(r.load_at(0, b.add(o, r.const(2)), n=1, bits=16)) if minimum else None
-                nibbles = r.load_at(0, b.add(o, r.const(at_codes)), n=16)
-                low = b.and_(nibbles, ir.Constant(i8x16, [15] * 16))
-                high = b.lshr(nibbles, ir.Constant(i8x16, [4] * 16))
-                codes = b.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+                codes = r.nibbles(b.add(o, r.const(at_codes)))
+                if table:
+                    codes = r.lookup(codes, [v + 128 for v in IQ4_VALUES])
                 if fifth:
                     qh = r.load_at(0, b.add(o, r.const(at_qh)), n=1, bits=32)
                     bits = b.zext(b.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), I8x32)
@@ -412,6 +591,10 @@ q4_0_row, q4_0_rows = _q4_row(18, False, False, 1), _q4_row(18, False, False, NT
 q4_1_row, q4_1_rows = _q4_row(20, True, False, 1), _q4_row(20, True, False, NT)
 q5_0_row, q5_0_rows = _q4_row(22, False, True, 1), _q4_row(22, False, True, NT)
 q5_1_row, q5_1_rows = _q4_row(24, True, True, 1), _q4_row(24, True, True, NT)
+iq4_nl_row, iq4_nl_rows = _q4_row(18, False, False, 1, table=True), _q4_row(18, False, False, NT, table=True)
+iq4_xs_row, iq4_xs_rows = _iq4_xs_row(1), _iq4_xs_row(NT)
+q2_k_row, q2_k_rows = _q2_k_row(1), _q2_k_row(NT)
+q3_k_row, q3_k_rows = _q3_k_row(1), _q3_k_row(NT)
 
 
 @njit
@@ -490,7 +673,8 @@ def q8_0(x):
 
 
 CHUNK_BYTES = 512 << 10  # x's rows a product takes at once: their qx stays in L2
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # the types, by their number here
+# the types, by their number here
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K")
 
 
 @njit
@@ -516,7 +700,15 @@ def _rows(kind, wr, qx, dx, sums, t, blocks):
         return q4_k_rows(wr, qx, dx, sums, t, blocks)
     if kind == 6:
         return q5_k_rows(wr, qx, dx, sums, t, blocks)
-    return q6_k_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 7:
+        return q6_k_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 8:
+        return iq4_nl_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 9:
+        return iq4_xs_rows(wr, qx, dx, sums, t, blocks)
+    if kind == 10:
+        return q2_k_rows(wr, qx, dx, sums, t, blocks)
+    return q3_k_rows(wr, qx, dx, sums, t, blocks)
 
 
 @njit(inline="always")  # (kind a constant where it is called: one branch compiled)
@@ -536,7 +728,15 @@ def _row(kind, wr, qx, dx, sums, t, blocks):
         return q4_k_row(wr, qx, dx, sums, t, blocks)[0]
     if kind == 6:
         return q5_k_row(wr, qx, dx, sums, t, blocks)[0]
-    return q6_k_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 7:
+        return q6_k_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 8:
+        return iq4_nl_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 9:
+        return iq4_xs_row(wr, qx, dx, sums, t, blocks)[0]
+    if kind == 10:
+        return q2_k_row(wr, qx, dx, sums, t, blocks)[0]
+    return q3_k_row(wr, qx, dx, sums, t, blocks)[0]
 
 
 @njit(inline="always")  # (kind a constant where it is called: one branch compiled)
@@ -571,5 +771,5 @@ def _product_of(kind: int):
     return product
 
 
-product_q8_0, product_q4_0, product_q4_1, product_q5_0, product_q5_1, product_q4_k, product_q5_k, product_q6_k = (
-    _product_of(kind) for kind in range(len(KINDS)))
+(product_q8_0, product_q4_0, product_q4_1, product_q5_0, product_q5_1, product_q4_k, product_q5_k, product_q6_k,
+ product_iq4_nl, product_iq4_xs, product_q2_k, product_q3_k) = (_product_of(kind) for kind in range(len(KINDS)))

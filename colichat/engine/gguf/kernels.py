@@ -17,12 +17,13 @@ on each block's sub-blocks: the integer codes times x summed in float32 (vectori
 scale applied once to that sum, and a minimum through the per-sub-block sums of x, computed once per
 call and shared by every row; blocks add into float64. The 32-value types (Q8_0, Q4_0, ...) sum in 32
 float32 lanes across the row's blocks instead (what LLVM vectorizes for them: 3x faster on Q8_0).
-The types of INT8_ACTIVATIONS (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) round x to 8 bits per block
-instead, as llama.cpp does, and take integer dot products that kernel_int8.py emits as vector IR (one
-vpdpbusd per 32 codes on a CPU with VNNI, 4 rows of x sharing each block's unpacked codes): 3-6x faster
-than their float32 sums, at llama.cpp's accuracy, and faster than a dequantized tile's sgemm for a
-prefill (MOST_ROWS). (numba's own loops on bytes widen to int64: no faster than float32, benchmarks/kernels.py
---variants.)
+The types of INT8_ACTIVATIONS (every quantized type: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_XS) round x to 8 bits per block instead, as llama.cpp does, and take integer dot products
+that kernel_int8.py emits as vector IR (one vpdpbusd per 32 codes on a CPU with VNNI, 4 rows of x sharing
+each block's unpacked codes): 3-27x faster than their float32 sums, at llama.cpp's accuracy, and faster
+than a dequantized tile's sgemm for a prefill (MOST_ROWS). The float32 sums remain the matvec of F32, F16
+and BF16, and a variant benchmarks/kernels.py --variants measures. (numba's own loops on bytes widen to
+int64: no faster than float32.)
 
 Contract:
 - w: C-contiguous rows of whole blocks, uint8 (or the float dtype gguf-py gives F32/F16 tensors: viewed
@@ -38,8 +39,9 @@ Contract:
 
 Measured (benchmarks/kernels.py, 2026-12-07, a quiet 2-core Zen 4 with AVX-512 VNNI): matvec Gparam/s on one
 thread, 4096 x 4096, T 1, the int8 products (20:00): Q6_K 32.2, Q4_K 31.0, Q8_0 30.2, Q5_K 28.2, Q4_0 26.9,
-Q5_0 20.4, Q4_1 20.1, Q5_1 16.5; the float32 sums (17:40): F32 5.0, Q3_K 2.7, BF16 2.6, F16 2.4, IQ4_NL 2.1,
-Q2_K 1.6, IQ4_XS 1.2. First start, every type: 9.5 s (half the types compiled in a helper process);
+Q5_0 20.4, Q4_1 20.1, Q5_1 16.5; (22:10) Q2_K 33.9, IQ4_XS 26.9, Q3_K 26.6, IQ4_NL 21.3 (their float32
+sums: 1.3, 1.0, 3.1, 1.8); the float32 sums (17:40): F32 5.0, BF16 2.6, F16 2.4. First start, every type:
+9.5 s (half the types compiled in a helper process);
 a later start: 0.35-0.38 s in prepare(), plus 0.4 s to import numba.
 
 State: one module-level cache, _COMPILED, of the compiled functions by type name (and the reason a
@@ -67,10 +69,11 @@ TYPES = {  # GGUF type name -> (values per block, bytes per block)
 }
 
 # matvec rounds x to 8 bits (Q8_0 per 32 values, Q8_K per 256) and takes integer dot products (kernel_int8.py)
-INT8_ACTIVATIONS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+INT8_ACTIVATIONS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K")
 # The most rows of x a matvec takes: SMALL_BATCH, or for INT8_ACTIVATIONS about where a dequantized tile's sgemm
 # becomes faster (benchmarks/kernels.py; 1 thread, 4096 x 4096; None: never, up to T 512 measured).
-MOST_ROWS = {"Q8_0": 256, "Q4_0": 256, "Q4_1": 128, "Q5_0": 256, "Q5_1": 128, "Q4_K": None, "Q5_K": None, "Q6_K": None}
+MOST_ROWS = {"Q8_0": 256, "Q4_0": 256, "Q4_1": 128, "Q5_0": 256, "Q5_1": 128, "Q4_K": None, "Q5_K": None, "Q6_K": None,
+             "IQ4_NL": 128, "IQ4_XS": 128, "Q2_K": 128, "Q3_K": 256}
 
 
 class _Compiled:
