@@ -1,10 +1,10 @@
 """deepseek2 with llama.cpp's arithmetic: the same block as deepseek2.Forward.layer, computed with
 the ops of ggml_ops.py in the order llama.cpp's graph runs them (`load(..., numerics="llama.cpp")`).
 
-It reads the weights as the GGUF stores them (Q8_0 blocks or F32), fills the same latent cache
+It reads the weights as the GGUF stores them (Q8_0 blocks, F32, ...), fills the same latent cache
 (c, k_pe) as the fast path, and reproduces llama.cpp's logits bit for bit
 (tests/test_llama_cpp_numerics.py). Scope: split attn_k_b/attn_v_b files whose matmul weights are
-of ggml_ops.KINDS. Axis letters: engine/__init__.py.
+of ggml_ops.KINDS (or INT8_KINDS, within their bound). Axis letters: engine/__init__.py.
 """
 
 from __future__ import annotations

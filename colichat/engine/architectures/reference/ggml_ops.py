@@ -12,6 +12,9 @@ are llama.cpp's, bit for bit (tests/test_llama_cpp_numerics.py):
 - Q8_0 / Q4_1 x activations: activations quantized per 32 (d = amax/127 as fp16, round half to
   even), each block's integer products summed in 8 lanes of 4, the lanes accumulated with fma over
   the blocks, then added pairwise (`hsum`); Q4_1 adds its minimums times the blocks' sums;
+- the K-quants and IQ4 (INT8_KINDS) x activations: the compiled kernels' products (x rounded to Q8_K
+  or Q8_0, the same integer sums), their last float sums in the kernels' order: within a stated
+  bound of llama.cpp, not bit for bit (tests/test_quant_types.py);
 - f32 x f32: tinyBLAS (16 lanes accumulated with fma along k, then `_mm512_reduce_add_ps`) when
   there are two or more columns, k is a multiple of 16 and the operand is contiguous; otherwise
   `ggml_vec_dot_f32` (4 x 16 lanes over 64-wide steps, then a scalar tail). Attention scores are
@@ -34,6 +37,7 @@ import math
 import numpy as np
 
 from ....errors import ModelError
+from ...gguf import kernels
 from ...rope import RopeParams, yarn_corr_dims
 
 F32, F64 = np.float32, np.float64
@@ -101,10 +105,11 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 class GgmlWeight:
     """A matmul weight as the GGUF stores it, multiplied as ggml does (x (T, Z) -> (T, O)):
-    F32 (f (O, Z)), Q8_0 (q int8 (O, Z/32, 32), d (O, Z/32)) or Q4_1 (q 0..15, d, and minimums m)."""
+    F32 (f (O, Z)), Q8_0 (q int8 (O, Z/32, 32), d (O, Z/32)), Q4_1 (q 0..15, d, and minimums m), or one
+    of INT8_KINDS (rows (O, row bytes), the file's blocks)."""
 
-    def __init__(self, kind: str, q=None, d=None, m=None, f=None):
-        self.kind, self.q, self.d, self.m, self.f = kind, q, d, m, f
+    def __init__(self, kind: str, q=None, d=None, m=None, f=None, rows=None):
+        self.kind, self.q, self.d, self.m, self.f, self.rows = kind, q, d, m, f, rows
 
     def __call__(self, x: np.ndarray, no_sgemm: bool = False) -> np.ndarray:
         """no_sgemm: in llama.cpp's graph x is a permuted view, or the op is ggml_mul_mat_id (routed
@@ -112,20 +117,34 @@ class GgmlWeight:
         (tinyBLAS_Q0 and vec_dot_q8_0 sum in the same order; Q4_1 has no tinyBLAS form.)"""
         if self.kind == "F32":
             return vec_dot_f32(x, self.f) if no_sgemm else matmul_f32(x, self.f)
+        if self.kind in INT8_KINDS:
+            return int8_products(x, self)
         return matmul_blocks(x, self)
 
 
-KINDS = ("F32", "Q8_0", "Q4_1")  # the weight types these numerics multiply like llama.cpp
+# Bit for bit: the weight types these numerics multiply in llama.cpp's order
+KINDS = ("F32", "Q8_0", "Q4_1")
+# Within a bound: the K-quants and IQ4_XS, through the compiled kernels' integer products on x rounded to Q8_K as
+# ggml rounds it (the same integers; the last float sums in another order: llama.cpp's decode logits within
+# 1e-6 of the largest, tests/test_quant_types.py); Q2_K, Q6_K and IQ4_NL (llama.cpp multiplies them with other
+# kernels where a matrix's rows are a multiple of 8, and rounds x to Q8_0 with fp16 scales for IQ4_NL): within
+# 3% of the largest logit.
+INT8_KINDS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL")
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
 
 
 def require_kinds(t, names) -> None:
-    """Refuse, naming the tensor, a matmul weight these numerics cannot multiply as llama.cpp does."""
+    """Refuse, naming the tensor, a matmul weight these numerics cannot multiply as llama.cpp does (INT8_KINDS
+    need the compiled kernels)."""
+    problem = kernels.problem()
     for name in names:
         kind = t.qtype(name).name
-        if kind not in KINDS:
-            raise ModelError(f"{t.path}: llama.cpp numerics support {', '.join(KINDS)} weights, not {kind} "
-                             f"({name}); use the default numerics")
+        if kind in INT8_KINDS and problem is not None:
+            raise ModelError(f"{t.path}: llama.cpp numerics multiply {kind} weights ({name}) with the compiled "
+                             f"kernels, which cannot run here ({problem}); use the default numerics")
+        if kind not in KINDS + INT8_KINDS:
+            raise ModelError(f"{t.path}: llama.cpp numerics support {', '.join(KINDS + INT8_KINDS)} weights, "
+                             f"not {kind} ({name}); use the default numerics")
 
 
 def read_weight(t, name: str, expert: int | None = None, head: int | None = None) -> GgmlWeight:
@@ -136,6 +155,10 @@ def read_weight(t, name: str, expert: int | None = None, head: int | None = None
         return GgmlWeight(kind, f=f if head is None else f[head])
     data = t.require(name).data
     data = data if expert is None else data[expert]
+    if kind in INT8_KINDS:
+        rows = np.asarray(data, dtype=np.uint8)
+        rows = rows.reshape(-1, rows.shape[-1]) if head is None else rows[head]  # (O, row bytes)
+        return GgmlWeight(kind, rows=rows)
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[kind])  # (blocks, bytes)
     shape = t.shape(name)[0 if expert is None else 1:-1] + (-1,)  # (..., O, Z/32)
     d = blocks[:, 0:2].copy().view(np.float16).astype(F32).reshape(shape)
@@ -172,6 +195,16 @@ def matmul_blocks(x: np.ndarray, w: GgmlWeight, rows: int = 16) -> np.ndarray:
             if w.m is not None:
                 summs = fma(w.m[None, :, blk], xs[i0:i0 + rows, blk, None], summs)
         out[i0:i0 + rows] = (hsum(acc) + summs).astype(F32) if w.m is not None else hsum(acc)
+    return out
+
+
+def int8_products(x: np.ndarray, w: GgmlWeight) -> np.ndarray:
+    """x (T, Z) times a weight of INT8_KINDS -> (T, O): the kernels' products (kernels.matvec), SMALL_BATCH
+    rows of x at a time (their bits do not depend on how many)."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    out = np.empty((x.shape[0], w.rows.shape[0]), dtype=F32)
+    for i in range(0, x.shape[0], kernels.SMALL_BATCH):
+        kernels.matvec(w.kind, w.rows, x[i : i + kernels.SMALL_BATCH], out[i : i + kernels.SMALL_BATCH])
     return out
 
 

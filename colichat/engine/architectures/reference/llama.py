@@ -1,8 +1,8 @@
 """llama with llama.cpp's arithmetic: the same block as llama.Forward.layer, computed with the ops
 of ggml_ops.py in the order llama.cpp's graph runs them (`load(..., numerics="llama.cpp")`).
 
-Weights are read as the GGUF stores them (F32, Q8_0, Q4_1: the default model); the cache holds the
-same K and V rows as the fast path. Axis letters: engine/__init__.py.
+Weights are read as the GGUF stores them (F32, Q8_0, Q4_1: the default model; the K-quants and IQ4 within
+a bound, ggml_ops.INT8_KINDS); the cache holds the same K and V rows as the fast path. Axis letters: engine/__init__.py.
 """
 
 from __future__ import annotations
