@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import REF
 
-from colichat.engine import load
+from colichat.engine import load, runs_kernels
 from colichat.engine.architectures.reference import ggml_ops as G
 from colichat.engine.gguf import kernels
 from colichat.engine.gguf.qmatrix import QMatrix
@@ -95,3 +95,11 @@ def test_llama_cpp_numerics_refuse_k_quants_without_the_kernels(monkeypatch):
     monkeypatch.setattr(G.kernels, "problem", lambda: "numba cannot be imported (test)")
     with pytest.raises(ModelError, match=r"Q\d_K weights .* compiled kernels, which cannot run here"):
         model("llama.kquants", numerics="llama.cpp")
+
+
+def test_the_start_readies_the_kernels_where_llama_cpp_numerics_take_them():
+    """runs_kernels: what the chat's start compiles (or loads) before loading, and says so on a first start."""
+    kquants, q8 = str(QUANTS / "llama.kquants.gguf"), str(REF / "tiny" / "ds-v3.q8_0.gguf")
+    assert runs_kernels(kquants, "auto", "llama.cpp") and runs_kernels(kquants, "auto", "fast")
+    assert not runs_kernels(q8, "auto", "llama.cpp")  # (Q8_0: the numerics' own numpy products)
+    assert not runs_kernels(kquants, "numpy", "fast")

@@ -41,7 +41,7 @@ SMALL_F32 = 1 << 30
 
 __all__ = ["ContextError", "Model", "ModelConfig", "ModelError", "Sampler", "SamplerSettings", "check_headers",
            "default_context", "f32_bytes_but_experts", "file_headers", "kernel_path", "kernels_kept", "load",
-           "load_tokenizer", "prepare_kernels", "resume_problem",
+           "load_tokenizer", "prepare_kernels", "resume_problem", "runs_kernels",
            "trained_context"]
 
 
@@ -139,6 +139,17 @@ def prepare_kernels(path: str, cache_dir, on_compile=None) -> float | None:
     if on_compile is not None and not compiled.cached(str(cache_dir), names):
         on_compile()
     return compiled.prepare(str(cache_dir), names=names)
+
+
+def runs_kernels(path: str, kernels: str, numerics: str) -> bool:
+    """Whether load(path, kernels=..., numerics=...) runs the compiled kernels (so that prepare_kernels should
+    ready them first): the kernel path, or llama.cpp numerics on a file with weights those multiply with the
+    kernels' products (the K-quants and IQ4: architectures/reference/ggml_ops.INT8_KINDS)."""
+    from .architectures.reference.ggml_ops import INT8_KINDS
+
+    if numerics == "llama.cpp":
+        return bool(set(kernel_types(path)) & set(INT8_KINDS))
+    return kernel_path(kernels, numerics, path=path) == "numba"
 
 
 def kernels_kept(cache_dir) -> bool:

@@ -31,11 +31,11 @@ from ..engine import (
     ContextError,
     ModelError,
     default_context,
-    kernel_path,
     kernels_kept,
     load,
     prepare_kernels,
     resume_problem,
+    runs_kernels,
     trained_context,
 )
 from ..models import hub
@@ -318,7 +318,7 @@ def load_model(plan: Plan, say, status):
         status.show("compiling kernels (first start) ...")
         compiled.append(time.perf_counter())
 
-    if kernel_path(plan.kernels, plan.numerics, path=path) == "numba":
+    if runs_kernels(path, plan.kernels, plan.numerics):
         prepare_kernels(path, paths().cache, compiling)
         compiled = [time.perf_counter() - t for t in compiled]
     try:
