@@ -27,7 +27,20 @@ def quantized_copy(name: str, qtype: str, directory) -> str:
         return str(dst)
     kind = gguf.GGMLQuantizationType[qtype]
     per = gguf.GGML_QUANT_SIZES[kind][0]
-    reader = gguf.GGUFReader(str(TINY / f"{name}.gguf"))
+
+    def quantized(tensor: str, data: np.ndarray):
+        if data.ndim >= 2 and data.shape[-1] % per == 0 and not any(k in tensor for k in KEEP_F32):
+            return gguf.quants.quantize(data, kind), kind
+        return None
+
+    write_copy(TINY / f"{name}.gguf", dst, quantized)
+    return str(dst)
+
+
+def write_copy(src, dst, quantized) -> None:
+    """GGUF `src` copied to `dst`, its metadata as it is and each tensor as quantized(name, data) gives it:
+    (raw blocks, GGMLQuantizationType), or None to copy the tensor as f32."""
+    reader = gguf.GGUFReader(str(src))
     writer = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -36,13 +49,12 @@ def quantized_copy(name: str, qtype: str, directory) -> str:
         writer.add_key_value(key, f.contents(), vtype, f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     for t in reader.tensors:
         data = np.array(t.data, dtype=np.float32)  # numpy shape
-        if data.ndim >= 2 and data.shape[-1] % per == 0 and not any(k in t.name for k in KEEP_F32):
-            raw = gguf.quants.quantize(data, kind)
-            writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=kind)
-        else:
+        q = quantized(t.name, data)
+        if q is None:
             writer.add_tensor(t.name, data)
+        else:
+            writer.add_tensor(t.name, q[0], raw_shape=q[0].shape, raw_dtype=q[1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return str(dst)

@@ -240,6 +240,30 @@ class _Rows(_IR):
         return b.add(row, b.add(b.mul(k, self.const(self.per_block // per)), self.const(offset // per)))
 
 
+def _row_of(per_block: int, size: int, nt: int, block):
+    """The row intrinsic (w, qx, dx, sums, t, blocks) -> nt float32 of a type whose blocks are `size` bytes of
+    `per_block` values: block(r, at, k, sums) emits block k's arithmetic (r: its _Rows; at(offset): the index of
+    byte `offset` of block k in w) and returns the nt new sums."""
+
+    @intrinsic
+    def row(typingctx, w, qx, dx, sums, t, blocks):
+        if not _c_layout(w, qx, dx, sums):
+            return None
+
+        def codegen(context, builder, signature, args):
+            r = _Rows(context, builder, signature, args, nt, per_block)
+
+            def one(k, accs):
+                o = builder.mul(k, r.const(size))
+                return block(r, lambda offset: builder.add(o, r.const(offset)), k, accs)
+
+            return r.loop(one)
+
+        return types.UniTuple(types.float32, nt)(w, qx, dx, sums, t, blocks), codegen
+
+    return row
+
+
 def _k4_row(fifth: bool, nt: int):
     """The row intrinsic of Q4_K (fifth False) or Q5_K (True: 32 bytes qh at byte 16 before the nibbles, bit j
     of qh[l] the fifth bit of value l of sub-block j) against x rounded to Q8_K, nt tokens: per block,
@@ -247,102 +271,68 @@ def _k4_row(fifth: bool, nt: int):
     unpacked in lanes, the sums kept in lanes until the row ends."""
     size = 176 if fifth else 144
 
-    @intrinsic
-    def row(typingctx, w, qx, dx, bsums, t, blocks):
-        if not _c_layout(w, qx, dx, bsums):
-            return None
+    def block(r, at, k, sums):
+        b, and_, or_ = r.b, r.b.and_, r.b.or_
+        d, dmin = r.half(r.load_at(0, at(0), n=1, bits=16)), r.half(r.load_at(0, at(2), n=1, bits=16))
+        s = b.zext(r.load_at(0, at(4), n=16), ir.VectorType(I32, 16))  # the 12 scale bytes (and 4 more)
+        # sc_j: byte j & 63 (j < 4), else byte j + 4 & 15 | (byte j - 4 >> 6) << 4
+        # m_j: byte j + 4 & 63 (j < 4), else byte j + 4 >> 4 | (byte j >> 6) << 4
+        first, second = r.lanes(s, [0, 1, 2, 3, 8, 9, 10, 11]), r.lanes(s, [4, 5, 6, 7, 8, 9, 10, 11])
+        top_sc = b.shl(b.lshr(r.lanes(s, [0, 1, 2, 3, 0, 1, 2, 3]), r.ints(6)), r.ints(4))
+        top_m = b.shl(b.lshr(r.lanes(s, [0, 1, 2, 3, 4, 5, 6, 7]), r.ints(6)), r.ints(4))
+        scales = r.join(and_(first, r.ints(63)), or_(and_(first, r.ints(15)), top_sc), 8)
+        mins = r.join(and_(second, r.ints(63)), or_(b.lshr(second, r.ints(4)), top_m), 8)
+        high_bits = r.load_at(0, at(16)) if fifth else None
+        codes = []
+        for c in range(4):  # 32 bytes: sub-block 2 c in the low nibbles, 2 c + 1 in the high ones
+            nibbles = r.load_at(0, at((48 if fifth else 16) + 32 * c))
+            for j, part in ((2 * c, and_(nibbles, r.bytes(15))), (2 * c + 1, b.lshr(nibbles, r.bytes(4)))):
+                if fifth:
+                    bit = and_(b.lshr(high_bits, r.bytes(j)), r.bytes(1))
+                    part = or_(part, b.shl(bit, r.bytes(4)))
+                codes.append(part)
+        out = []
+        for i, acc in enumerate(sums):
+            parts = [r.scaled(r.dot_lanes(codes[j], r.load_at(1, r.x_index(i, k, 1, 32 * j))), scales, j, j)
+                     for j in range(8)]
+            dots = parts[0]
+            for p in parts[1:]:
+                dots = b.add(dots, p)
+            runs = r.load_at(3, r.x_index(i, k, 16), n=16, bits=32)  # the sums of qx over each 16
+            pairs = b.add(r.lanes(runs, list(range(0, 16, 2))), r.lanes(runs, list(range(1, 16, 2))))
+            scale = r.scalar_f32(2, r.x_index(i, k, 256))
+            lanes = b.fsub(b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(scale, d))),
+                           b.fmul(b.sitofp(b.mul(mins, pairs), r.v8f), r.splat_f(b.fmul(scale, dmin))))
+            out.append(b.fadd(acc, lanes))
+        return out
 
-        def codegen(context, builder, signature, args):
-            r = _Rows(context, builder, signature, args, nt, 256)
-            b, and_, or_ = builder, builder.and_, builder.or_
-
-            def block(k, sums):
-                o = b.mul(k, r.const(size))
-
-                def at(offset):
-                    return b.add(o, r.const(offset))
-
-                d, dmin = r.half(r.load_at(0, o, n=1, bits=16)), r.half(r.load_at(0, at(2), n=1, bits=16))
-                s = b.zext(r.load_at(0, at(4), n=16), ir.VectorType(I32, 16))  # the 12 scale bytes (and 4 more)
-                # sc_j: byte j & 63 (j < 4), else byte j + 4 & 15 | (byte j - 4 >> 6) << 4
-                # m_j: byte j + 4 & 63 (j < 4), else byte j + 4 >> 4 | (byte j >> 6) << 4
-                first, second = r.lanes(s, [0, 1, 2, 3, 8, 9, 10, 11]), r.lanes(s, [4, 5, 6, 7, 8, 9, 10, 11])
-                top_sc = b.shl(b.lshr(r.lanes(s, [0, 1, 2, 3, 0, 1, 2, 3]), r.ints(6)), r.ints(4))
-                top_m = b.shl(b.lshr(r.lanes(s, [0, 1, 2, 3, 4, 5, 6, 7]), r.ints(6)), r.ints(4))
-                scales = r.join(and_(first, r.ints(63)), or_(and_(first, r.ints(15)), top_sc), 8)
-                mins = r.join(and_(second, r.ints(63)), or_(b.lshr(second, r.ints(4)), top_m), 8)
-                high_bits = r.load_at(0, at(16)) if fifth else None
-                codes = []
-                for c in range(4):  # 32 bytes: sub-block 2 c in the low nibbles, 2 c + 1 in the high ones
-                    nibbles = r.load_at(0, at((48 if fifth else 16) + 32 * c))
-                    for j, part in ((2 * c, and_(nibbles, r.bytes(15))), (2 * c + 1, b.lshr(nibbles, r.bytes(4)))):
-                        if fifth:
-                            bit = and_(b.lshr(high_bits, r.bytes(j)), r.bytes(1))
-                            part = or_(part, b.shl(bit, r.bytes(4)))
-                        codes.append(part)
-                out = []
-                for i, acc in enumerate(sums):
-                    parts = [r.scaled(r.dot_lanes(codes[j], r.load_at(1, r.x_index(i, k, 1, 32 * j))), scales, j, j)
-                             for j in range(8)]
-                    dots = parts[0]
-                    for p in parts[1:]:
-                        dots = b.add(dots, p)
-                    runs = r.load_at(3, r.x_index(i, k, 16), n=16, bits=32)  # the sums of qx over each 16
-                    pairs = b.add(r.lanes(runs, list(range(0, 16, 2))), r.lanes(runs, list(range(1, 16, 2))))
-                    scale = r.scalar_f32(2, r.x_index(i, k, 256))
-                    lanes = b.fsub(b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(scale, d))),
-                                   b.fmul(b.sitofp(b.mul(mins, pairs), r.v8f), r.splat_f(b.fmul(scale, dmin))))
-                    out.append(b.fadd(acc, lanes))
-                return out
-
-            return r.loop(block)
-
-        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
-
-    return row
+    return _row_of(256, size, nt, block)
 
 
 def _q6_k_row(nt: int):
     """Q6_K's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx d sum over its 16 sub-blocks i
     of its int8 scale i times (codes 0-63 . qx_i - 32 (sum of qx_i)), kept in lanes until the row ends."""
 
-    @intrinsic
-    def row(typingctx, w, qx, dx, bsums, t, blocks):
-        if not _c_layout(w, qx, dx, bsums):
-            return None
+    def block(r, at, k, sums):
+        b = r.b
+        scales = b.sext(r.load_at(0, at(192), n=16), ir.VectorType(I32, 16))
+        d = r.half(r.load_at(0, at(208), n=1, bits=16))
+        codes = []
+        for h in range(2):
+            for g in range(4):  # values 128 h + 32 g + l: sub-blocks 8 h + 2 g and 8 h + 2 g + 1
+                low = b.and_(b.lshr(r.load_at(0, at(64 * h + 32 * (g & 1))), r.bytes(4 * (g >> 1))),
+                             r.bytes(15))
+                high = b.and_(b.lshr(r.load_at(0, at(128 + 32 * h)), r.bytes(2 * g)), r.bytes(3))
+                codes.append(b.or_(low, b.shl(high, r.bytes(4))))
+        out = []
+        for i, acc in enumerate(sums):
+            dots = r.sixteens(i, k, codes, scales)
+            offset = b.shl(r.weighted_sums(i, k, scales), r.ints(5))  # 32 sum_i scale_i (sum of qx_i)
+            scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
+            out.append(b.fadd(acc, b.fmul(b.sitofp(b.sub(dots, offset), r.v8f), r.splat_f(scale))))
+        return out
 
-        def codegen(context, builder, signature, args):
-            r = _Rows(context, builder, signature, args, nt, 256)
-            b = builder
-
-            def block(k, sums):
-                o = b.mul(k, r.const(210))
-
-                def at(offset):
-                    return b.add(o, r.const(offset))
-
-                scales = b.sext(r.load_at(0, at(192), n=16), ir.VectorType(I32, 16))
-                d = r.half(r.load_at(0, at(208), n=1, bits=16))
-                codes = []
-                for h in range(2):
-                    for g in range(4):  # values 128 h + 32 g + l: sub-blocks 8 h + 2 g and 8 h + 2 g + 1
-                        low = b.and_(b.lshr(r.load_at(0, at(64 * h + 32 * (g & 1))), r.bytes(4 * (g >> 1))),
-                                     r.bytes(15))
-                        high = b.and_(b.lshr(r.load_at(0, at(128 + 32 * h)), r.bytes(2 * g)), r.bytes(3))
-                        codes.append(b.or_(low, b.shl(high, r.bytes(4))))
-                out = []
-                for i, acc in enumerate(sums):
-                    dots = r.sixteens(i, k, codes, scales)
-                    offset = b.shl(r.weighted_sums(i, k, scales), r.ints(5))  # 32 sum_i scale_i (sum of qx_i)
-                    scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
-                    out.append(b.fadd(acc, b.fmul(b.sitofp(b.sub(dots, offset), r.v8f), r.splat_f(scale))))
-                return out
-
-            return r.loop(block)
-
-        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
-
-    return row
+    return _row_of(256, 210, nt, block)
 
 
 def _q3_k_row(nt: int):
@@ -350,50 +340,33 @@ def _q3_k_row(nt: int):
     (its six-bit scale i - 32) times (codes 0-7 . qx_i - 4 (sum of qx_i)): a code is its two low bits (qs) and
     the hmask bit above them, the value less 4."""
 
-    @intrinsic
-    def row(typingctx, w, qx, dx, bsums, t, blocks):
-        if not _c_layout(w, qx, dx, bsums):
-            return None
+    def block(r, at, k, sums):
+        b = r.b
+        v16 = ir.VectorType(I32, 16)
+        # scale i: low four bits from byte i % 8 (>> 4 for i >= 8), two high bits from byte 8 + i % 4
+        # (>> 2 (i // 4)), less 32
+        low = b.zext(r.lanes(r.load_at(0, at(96), n=8), list(range(8)) * 2), v16)
+        high = b.zext(r.lanes(r.load_at(0, at(104), n=4), list(range(4)) * 4), v16)
+        low = b.and_(b.lshr(low, ir.Constant(v16, [0] * 8 + [4] * 8)), r.ints(15, 16))
+        high = b.and_(b.lshr(high, ir.Constant(v16, [2 * (i // 4) for i in range(16)])), r.ints(3, 16))
+        scales = b.sub(b.or_(low, b.shl(high, r.ints(4, 16))), r.ints(32, 16))
+        d = r.half(r.load_at(0, at(108), n=1, bits=16))
+        hmask = r.load_at(0, at(0))
+        codes = []
+        for h in range(2):
+            q = r.load_at(0, at(32 + 32 * h))
+            for g in range(4):  # values 128 h + 32 g + l
+                two = b.and_(b.lshr(q, r.bytes(2 * g)), r.bytes(3))
+                third = b.and_(b.lshr(hmask, r.bytes(4 * h + g)), r.bytes(1))
+                codes.append(b.or_(two, b.shl(third, r.bytes(2))))
+        out = []
+        for i, acc in enumerate(sums):
+            dots = b.sub(r.sixteens(i, k, codes, scales), b.shl(r.weighted_sums(i, k, scales), r.ints(2)))
+            scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
+            out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
+        return out
 
-        def codegen(context, builder, signature, args):
-            r = _Rows(context, builder, signature, args, nt, 256)
-            b = builder
-            v16 = ir.VectorType(I32, 16)
-
-            def block(k, sums):
-                o = b.mul(k, r.const(110))
-
-                def at(offset):
-                    return b.add(o, r.const(offset))
-
-                # scale i: low four bits from byte i % 8 (>> 4 for i >= 8), two high bits from byte 8 + i % 4
-                # (>> 2 (i // 4)), less 32
-                low = b.zext(r.lanes(r.load_at(0, at(96), n=8), list(range(8)) * 2), v16)
-                high = b.zext(r.lanes(r.load_at(0, at(104), n=4), list(range(4)) * 4), v16)
-                low = b.and_(b.lshr(low, ir.Constant(v16, [0] * 8 + [4] * 8)), r.ints(15, 16))
-                high = b.and_(b.lshr(high, ir.Constant(v16, [2 * (i // 4) for i in range(16)])), r.ints(3, 16))
-                scales = b.sub(b.or_(low, b.shl(high, r.ints(4, 16))), r.ints(32, 16))
-                d = r.half(r.load_at(0, at(108), n=1, bits=16))
-                hmask = r.load_at(0, at(0))
-                codes = []
-                for h in range(2):
-                    q = r.load_at(0, at(32 + 32 * h))
-                    for g in range(4):  # values 128 h + 32 g + l
-                        two = b.and_(b.lshr(q, r.bytes(2 * g)), r.bytes(3))
-                        third = b.and_(b.lshr(hmask, r.bytes(4 * h + g)), r.bytes(1))
-                        codes.append(b.or_(two, b.shl(third, r.bytes(2))))
-                out = []
-                for i, acc in enumerate(sums):
-                    dots = b.sub(r.sixteens(i, k, codes, scales), b.shl(r.weighted_sums(i, k, scales), r.ints(2)))
-                    scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
-                    out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
-                return out
-
-            return r.loop(block)
-
-        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
-
-    return row
+    return _row_of(256, 110, nt, block)
 
 
 def _q2_k_row(nt: int):
@@ -401,42 +374,25 @@ def _q2_k_row(nt: int):
     - dmin sum_i m_i (sum of qx_i)) over its 16 sub-blocks, sc_i and m_i the low and high nibbles of byte i,
     a code two bits of qs."""
 
-    @intrinsic
-    def row(typingctx, w, qx, dx, bsums, t, blocks):
-        if not _c_layout(w, qx, dx, bsums):
-            return None
+    def block(r, at, k, sums):
+        b = r.b
+        s = b.zext(r.load_at(0, at(0), n=16), ir.VectorType(I32, 16))
+        scales, mins = b.and_(s, r.ints(15, 16)), b.lshr(s, r.ints(4, 16))
+        d, dmin = r.half(r.load_at(0, at(80), n=1, bits=16)), r.half(r.load_at(0, at(82), n=1, bits=16))
+        codes = []
+        for h in range(2):
+            q = r.load_at(0, at(16 + 32 * h))
+            codes += [b.and_(b.lshr(q, r.bytes(2 * g)), r.bytes(3)) for g in range(4)]
+        out = []
+        for i, acc in enumerate(sums):
+            dots = r.sixteens(i, k, codes, scales)
+            scale = r.scalar_f32(2, r.x_index(i, k, 256))
+            lanes = b.fsub(b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(scale, d))),
+                           b.fmul(b.sitofp(r.weighted_sums(i, k, mins), r.v8f), r.splat_f(b.fmul(scale, dmin))))
+            out.append(b.fadd(acc, lanes))
+        return out
 
-        def codegen(context, builder, signature, args):
-            r = _Rows(context, builder, signature, args, nt, 256)
-            b = builder
-
-            def block(k, sums):
-                o = b.mul(k, r.const(84))
-
-                def at(offset):
-                    return b.add(o, r.const(offset))
-
-                s = b.zext(r.load_at(0, at(0), n=16), ir.VectorType(I32, 16))
-                scales, mins = b.and_(s, r.ints(15, 16)), b.lshr(s, r.ints(4, 16))
-                d, dmin = r.half(r.load_at(0, at(80), n=1, bits=16)), r.half(r.load_at(0, at(82), n=1, bits=16))
-                codes = []
-                for h in range(2):
-                    q = r.load_at(0, at(16 + 32 * h))
-                    codes += [b.and_(b.lshr(q, r.bytes(2 * g)), r.bytes(3)) for g in range(4)]
-                out = []
-                for i, acc in enumerate(sums):
-                    dots = r.sixteens(i, k, codes, scales)
-                    scale = r.scalar_f32(2, r.x_index(i, k, 256))
-                    lanes = b.fsub(b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(scale, d))),
-                                   b.fmul(b.sitofp(r.weighted_sums(i, k, mins), r.v8f), r.splat_f(b.fmul(scale, dmin))))
-                    out.append(b.fadd(acc, lanes))
-                return out
-
-            return r.loop(block)
-
-        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
-
-    return row
+    return _row_of(256, 84, nt, block)
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
@@ -447,49 +403,32 @@ def _iq4_xs_row(nt: int):
     of (its six-bit scale j - 32) times (IQ4_VALUES[codes_j] . qx_j); the values taken 128 higher (unsigned
     bytes), and 128 (sum of qx_j) taken off."""
 
-    @intrinsic
-    def row(typingctx, w, qx, dx, bsums, t, blocks):
-        if not _c_layout(w, qx, dx, bsums):
-            return None
+    def block(r, at, k, sums):
+        b = r.b
+        v8 = ir.VectorType(I32, 8)
+        d = r.half(r.load_at(0, at(0), n=1, bits=16))
+        # scale j: nibble j % 2 of scales_l[j // 2], bits 2 j, 2 j + 1 of scales_h above it, less 32
+        low = b.zext(r.lanes(r.load_at(0, at(4), n=4), [j // 2 for j in range(8)]), v8)
+        low = b.and_(b.lshr(low, ir.Constant(v8, [4 * (j % 2) for j in range(8)])), r.ints(15))
+        high = b.zext(r.load_at(0, at(2), n=1, bits=16), I32)
+        high = b.shuffle_vector(b.insert_element(ir.Constant(v8, None), high, ir.Constant(I32, 0)),
+                                ir.Constant(v8, None), ir.Constant(v8, [0] * 8))
+        high = b.and_(b.lshr(high, ir.Constant(v8, [2 * j for j in range(8)])), r.ints(3))
+        scales = b.sub(b.or_(low, b.shl(high, r.ints(4))), r.ints(32))
+        pairs = r.lanes(scales, [j // 2 for j in range(16)])  # each scale for its two sums of 16
+        codes = [r.lookup(r.nibbles(at(8 + 16 * j)), [v + 128 for v in IQ4_VALUES]) for j in range(8)]
+        out = []
+        for i, acc in enumerate(sums):
+            dots = None
+            for j, c in enumerate(codes):
+                part = r.scaled(r.dot_lanes(c, r.load_at(1, r.x_index(i, k, 1, 32 * j))), scales, j, j)
+                dots = part if dots is None else b.add(dots, part)
+            dots = b.sub(dots, b.shl(r.weighted_sums(i, k, pairs), r.ints(7)))
+            scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
+            out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
+        return out
 
-        def codegen(context, builder, signature, args):
-            r = _Rows(context, builder, signature, args, nt, 256)
-            b = builder
-            v8 = ir.VectorType(I32, 8)
-
-            def block(k, sums):
-                o = b.mul(k, r.const(136))
-
-                def at(offset):
-                    return b.add(o, r.const(offset))
-
-                d = r.half(r.load_at(0, o, n=1, bits=16))
-                # scale j: nibble j % 2 of scales_l[j // 2], bits 2 j, 2 j + 1 of scales_h above it, less 32
-                low = b.zext(r.lanes(r.load_at(0, at(4), n=4), [j // 2 for j in range(8)]), v8)
-                low = b.and_(b.lshr(low, ir.Constant(v8, [4 * (j % 2) for j in range(8)])), r.ints(15))
-                high = b.zext(r.load_at(0, at(2), n=1, bits=16), I32)
-                high = b.shuffle_vector(b.insert_element(ir.Constant(v8, None), high, ir.Constant(I32, 0)),
-                                        ir.Constant(v8, None), ir.Constant(v8, [0] * 8))
-                high = b.and_(b.lshr(high, ir.Constant(v8, [2 * j for j in range(8)])), r.ints(3))
-                scales = b.sub(b.or_(low, b.shl(high, r.ints(4))), r.ints(32))
-                pairs = r.lanes(scales, [j // 2 for j in range(16)])  # each scale for its two sums of 16
-                codes = [r.lookup(r.nibbles(at(8 + 16 * j)), [v + 128 for v in IQ4_VALUES]) for j in range(8)]
-                out = []
-                for i, acc in enumerate(sums):
-                    dots = None
-                    for j, c in enumerate(codes):
-                        part = r.scaled(r.dot_lanes(c, r.load_at(1, r.x_index(i, k, 1, 32 * j))), scales, j, j)
-                        dots = part if dots is None else b.add(dots, part)
-                    dots = b.sub(dots, b.shl(r.weighted_sums(i, k, pairs), r.ints(7)))
-                    scale = b.fmul(r.scalar_f32(2, r.x_index(i, k, 256)), d)
-                    out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
-                return out
-
-            return r.loop(block)
-
-        return types.UniTuple(types.float32, nt)(w, qx, dx, bsums, t, blocks), codegen
-
-    return row
+    return _row_of(256, 136, nt, block)
 
 
 def _q8_0_row(nt: int):
@@ -497,35 +436,22 @@ def _q8_0_row(nt: int):
     code's sign: unsigned times signed) dotted in 8 int32 lanes, the lanes times d dx added into 8 float32
     lanes (x's sums unused)."""
 
-    @intrinsic
-    def row(typingctx, w, qx, dx, sums, t, blocks):
-        if not _c_layout(w, qx, dx, sums):
-            return None
+    def block(r, at, k, accs):
+        b = r.b
+        d = r.half(r.load_at(0, at(0), n=1, bits=16))
+        codes = r.load_at(0, at(2))
+        negative = b.icmp_signed("<", codes, ir.Constant(I8x32, None))
+        magnitude = b.select(negative, b.neg(codes), codes)  # (-128: 128 as unsigned)
+        out = []
+        for i, acc in enumerate(accs):
+            xv = r.load_at(1, r.x_index(i, k, 1))
+            signed_x = b.select(negative, b.neg(xv), xv)  # (|qx| <= 127)
+            lanes = b.sitofp(r.dot_lanes(magnitude, signed_x), r.v8f)
+            scale = b.fmul(d, r.scalar_f32(2, r.x_index(i, k, 32)))
+            out.append(b.fadd(acc, b.fmul(lanes, r.splat_f(scale))))
+        return out
 
-        def codegen(context, builder, signature, args):
-            r = _Rows(context, builder, signature, args, nt, 32)
-            b = builder
-
-            def block(k, accs):
-                o = b.mul(k, r.const(34))
-                d = r.half(r.load_at(0, o, n=1, bits=16))
-                codes = r.load_at(0, b.add(o, r.const(2)))
-                negative = b.icmp_signed("<", codes, ir.Constant(I8x32, None))
-                magnitude = b.select(negative, b.neg(codes), codes)  # (-128: 128 as unsigned)
-                out = []
-                for i, acc in enumerate(accs):
-                    xv = r.load_at(1, r.x_index(i, k, 1))
-                    signed_x = b.select(negative, b.neg(xv), xv)  # (|qx| <= 127)
-                    lanes = b.sitofp(r.dot_lanes(magnitude, signed_x), r.v8f)
-                    scale = b.fmul(d, r.scalar_f32(2, r.x_index(i, k, 32)))
-                    out.append(b.fadd(acc, b.fmul(lanes, r.splat_f(scale))))
-                return out
-
-            return r.loop(block)
-
-        return types.UniTuple(types.float32, nt)(w, qx, dx, sums, t, blocks), codegen
-
-    return row
+    return _row_of(32, 34, nt, block)
 
 
 def _q4_row(size: int, minimum: bool, fifth: bool, nt: int, table: bool = False):
@@ -538,48 +464,35 @@ def _q4_row(size: int, minimum: bool, fifth: bool, nt: int, table: bool = False)
     at_qh = 4 if minimum else 2
     at_codes = at_qh + (4 if fifth else 0)
 
-    @intrinsic
-    def row(typingctx, w, qx, dx, sums, t, blocks):
-        if not _c_layout(w, qx, dx, sums):
-            return None
+    def block(r, at, k, accs):
+        b = r.b
+        d = r.half(r.load_at(0, at(0), n=1, bits=16))
+        m = r.half(r.load_at(0, at(2), n=1, bits=16)) if minimum else None
+        codes = r.nibbles(at(at_codes))
+        if table:
+            codes = r.lookup(codes, [v + 128 for v in IQ4_VALUES])
+        if fifth:
+            qh = r.load_at(0, at(at_qh), n=1, bits=32)
+            bits = b.zext(b.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), I8x32)
+            codes = b.or_(codes, b.shl(bits, r.bytes(4)))
+        out = []
+        for i, acc in enumerate(accs):
+            dots = r.dot_lanes(codes, r.load_at(1, r.x_index(i, k, 1)))
+            block_of_x = r.x_index(i, k, 32)
+            total = r.load_at(3, block_of_x, n=1, bits=32)  # the sum of this block's qx
+            if offset:
+                off = b.insert_element(ir.Constant(ir.VectorType(I32, 8), None),
+                                       b.mul(total, ir.Constant(I32, offset)), ir.Constant(I32, 0))
+                dots = b.sub(dots, off)
+            scale = r.scalar_f32(2, block_of_x)
+            lanes = b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(d, scale)))
+            if minimum:
+                low_lane = b.fmul(b.sitofp(total, ir.FloatType()), b.fmul(m, scale))
+                lanes = b.fadd(lanes, b.insert_element(ir.Constant(r.v8f, None), low_lane, ir.Constant(I32, 0)))
+            out.append(b.fadd(acc, lanes))
+        return out
 
-        def codegen(context, builder, signature, args):
-            r = _Rows(context, builder, signature, args, nt, 32)
-            b = builder
-
-            def block(k, accs):
-                o = b.mul(k, r.const(size))
-                d = r.half(r.load_at(0, o, n=1, bits=16))
-                m = r.half(r.load_at(0, b.add(o, r.const(2)), n=1, bits=16)) if minimum else None
-                codes = r.nibbles(b.add(o, r.const(at_codes)))
-                if table:
-                    codes = r.lookup(codes, [v + 128 for v in IQ4_VALUES])
-                if fifth:
-                    qh = r.load_at(0, b.add(o, r.const(at_qh)), n=1, bits=32)
-                    bits = b.zext(b.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), I8x32)
-                    codes = b.or_(codes, b.shl(bits, r.bytes(4)))
-                out = []
-                for i, acc in enumerate(accs):
-                    dots = r.dot_lanes(codes, r.load_at(1, r.x_index(i, k, 1)))
-                    at = r.x_index(i, k, 32)
-                    total = r.load_at(3, at, n=1, bits=32)  # the sum of this block's qx
-                    if offset:
-                        off = b.insert_element(ir.Constant(ir.VectorType(I32, 8), None),
-                                               b.mul(total, ir.Constant(I32, offset)), ir.Constant(I32, 0))
-                        dots = b.sub(dots, off)
-                    scale = r.scalar_f32(2, at)
-                    lanes = b.fmul(b.sitofp(dots, r.v8f), r.splat_f(b.fmul(d, scale)))
-                    if minimum:
-                        low_lane = b.fmul(b.sitofp(total, ir.FloatType()), b.fmul(m, scale))
-                        lanes = b.fadd(lanes, b.insert_element(ir.Constant(r.v8f, None), low_lane, ir.Constant(I32, 0)))
-                    out.append(b.fadd(acc, lanes))
-                return out
-
-            return r.loop(block)
-
-        return types.UniTuple(types.float32, nt)(w, qx, dx, sums, t, blocks), codegen
-
-    return row
+    return _row_of(32, size, nt, block)
 
 
 NT = 4  # tokens a row intrinsic takes at once: their codes unpacked once
