@@ -15,9 +15,9 @@ Types (kernels.INT8_ACTIVATIONS, numbered by KINDS):
 A block's int32 lanes times its scales (d dx, and dmin dx) are added into 8 float32 lanes a row of x,
 summed in order where the row ends.
 
-The dot products are the compiled code's own: numba intrinsics (the row functions: q4_k_row, q4_k_rows, ...)
+The dot products are the compiled code's own: numba intrinsics (the row functions: q4_k_row, q8_0_row, ...)
 emit LLVM vector IR for a whole row: a loop over its blocks, each block's codes unpacked in byte lanes once
-and dotted with NT rows of x (the _rows functions; _row one row: the same arithmetic a row), 32 codes
+and dotted with nt rows of x (NT at once, then one: the same arithmetic a row), 32 codes
 (unsigned) times 32 int8 of qx summed into int32 lanes. On a CPU with int8 dot products (AVX-512 VNNI or
 AVX-VNNI) each 32 codes are one vpdpbusd, and fp16 scales one vcvtph2ps (F16C); elsewhere portable IR
 (widen to int16, multiply, widen; fp16 in integer steps) that LLVM lowers for the CPU numba compiles
@@ -159,7 +159,7 @@ def _c_layout(*arrays) -> bool:
 
 
 class _Rows(_IR):
-    """The IR of a row intrinsic: (w, qx, dx[, bsums], t, blocks) -> the nt float32 dot products of the row w
+    """The IR of a row intrinsic: (w, qx, dx, sums, t, blocks, nt) -> the nt float32 dot products of the row w
     (`blocks` blocks) with x's rows t .. t + nt - 1 (qx, dx, bsums flat: x's rounding, row after row).
     A loop over the blocks keeps a <8 x float> of sums a token; each token's arithmetic is the same
     whatever nt is (the bits of out[t, r] do not depend on T)."""
@@ -167,7 +167,7 @@ class _Rows(_IR):
     def __init__(self, context, builder, signature, args, nt: int, per_block: int):
         super().__init__(context, builder, signature, args)
         self.nt, self.per_block, self.i64 = nt, per_block, ir.IntType(64)
-        t, self.blocks = args[-2], args[-1]
+        t, self.blocks = args[4], args[5]  # (w, qx, dx, sums, t, blocks, the rows of x)
         self.v8f = ir.VectorType(ir.FloatType(), 8)
         # per token: its first element of qx, dx and bsums
         self.tokens = [builder.add(t, ir.Constant(self.i64, i)) for i in range(nt)]
@@ -240,15 +240,17 @@ class _Rows(_IR):
         return b.add(row, b.add(b.mul(k, self.const(self.per_block // per)), self.const(offset // per)))
 
 
-def _row_of(per_block: int, size: int, nt: int, block):
-    """The row intrinsic (w, qx, dx, sums, t, blocks) -> nt float32 of a type whose blocks are `size` bytes of
-    `per_block` values: block(r, at, k, sums) emits block k's arithmetic (r: its _Rows; at(offset): the index of
-    byte `offset` of block k in w) and returns the nt new sums."""
+def _row_of(per_block: int, size: int, block):
+    """The row intrinsic (w, qx, dx, sums, t, blocks, nt) -> nt float32 of a type whose blocks are `size` bytes
+    of `per_block` values, nt a constant (its code is made for it): block(r, at, k, sums) emits block k's
+    arithmetic (r: its _Rows; at(offset): the index of byte `offset` of block k in w) and returns the nt new
+    sums."""
 
     @intrinsic
-    def row(typingctx, w, qx, dx, sums, t, blocks):
-        if not _c_layout(w, qx, dx, sums):
+    def row(typingctx, w, qx, dx, sums, t, blocks, rows_of_x):
+        if not _c_layout(w, qx, dx, sums) or not isinstance(rows_of_x, types.IntegerLiteral):
             return None
+        nt = rows_of_x.literal_value
 
         def codegen(context, builder, signature, args):
             r = _Rows(context, builder, signature, args, nt, per_block)
@@ -259,12 +261,12 @@ def _row_of(per_block: int, size: int, nt: int, block):
 
             return r.loop(one)
 
-        return types.UniTuple(types.float32, nt)(w, qx, dx, sums, t, blocks), codegen
+        return types.UniTuple(types.float32, nt)(w, qx, dx, sums, t, blocks, rows_of_x), codegen
 
     return row
 
 
-def _k4_row(fifth: bool, nt: int):
+def _k4_row(fifth: bool):
     """The row intrinsic of Q4_K (fifth False) or Q5_K (True: 32 bytes qh at byte 16 before the nibbles, bit j
     of qh[l] the fifth bit of value l of sub-block j) against x rounded to Q8_K, nt tokens: per block,
     dx (d sum_j sc_j (codes_j . qx_j) - dmin sum_j m_j (sum of qx_j)), its six-bit scales sc and minimums m
@@ -306,10 +308,10 @@ def _k4_row(fifth: bool, nt: int):
             out.append(b.fadd(acc, lanes))
         return out
 
-    return _row_of(256, size, nt, block)
+    return _row_of(256, size, block)
 
 
-def _q6_k_row(nt: int):
+def _q6_k_row():
     """Q6_K's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx d sum over its 16 sub-blocks i
     of its int8 scale i times (codes 0-63 . qx_i - 32 (sum of qx_i)), kept in lanes until the row ends."""
 
@@ -332,10 +334,10 @@ def _q6_k_row(nt: int):
             out.append(b.fadd(acc, b.fmul(b.sitofp(b.sub(dots, offset), r.v8f), r.splat_f(scale))))
         return out
 
-    return _row_of(256, 210, nt, block)
+    return _row_of(256, 210, block)
 
 
-def _q3_k_row(nt: int):
+def _q3_k_row():
     """Q3_K's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx d sum over its 16 sub-blocks i of
     (its six-bit scale i - 32) times (codes 0-7 . qx_i - 4 (sum of qx_i)): a code is its two low bits (qs) and
     the hmask bit above them, the value less 4."""
@@ -366,10 +368,10 @@ def _q3_k_row(nt: int):
             out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
         return out
 
-    return _row_of(256, 110, nt, block)
+    return _row_of(256, 110, block)
 
 
-def _q2_k_row(nt: int):
+def _q2_k_row():
     """Q2_K's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx (d sum_i sc_i (codes_i . qx_i)
     - dmin sum_i m_i (sum of qx_i)) over its 16 sub-blocks, sc_i and m_i the low and high nibbles of byte i,
     a code two bits of qs."""
@@ -392,13 +394,13 @@ def _q2_k_row(nt: int):
             out.append(b.fadd(acc, lanes))
         return out
 
-    return _row_of(256, 84, nt, block)
+    return _row_of(256, 84, block)
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 
 
-def _iq4_xs_row(nt: int):
+def _iq4_xs_row():
     """IQ4_XS's row intrinsic against x rounded to Q8_K, nt tokens: per block, dx d sum over its 8 sub-blocks j
     of (its six-bit scale j - 32) times (IQ4_VALUES[codes_j] . qx_j); the values taken 128 higher (unsigned
     bytes), and 128 (sum of qx_j) taken off."""
@@ -428,10 +430,10 @@ def _iq4_xs_row(nt: int):
             out.append(b.fadd(acc, b.fmul(b.sitofp(dots, r.v8f), r.splat_f(scale))))
         return out
 
-    return _row_of(256, 136, nt, block)
+    return _row_of(256, 136, block)
 
 
-def _q8_0_row(nt: int):
+def _q8_0_row():
     """Q8_0's row intrinsic against x rounded to Q8_0, nt tokens: each block's codes (as |code|, and qx with the
     code's sign: unsigned times signed) dotted in 8 int32 lanes, the lanes times d dx added into 8 float32
     lanes (x's sums unused)."""
@@ -451,10 +453,10 @@ def _q8_0_row(nt: int):
             out.append(b.fadd(acc, b.fmul(lanes, r.splat_f(scale))))
         return out
 
-    return _row_of(32, 34, nt, block)
+    return _row_of(32, 34, block)
 
 
-def _q4_row(size: int, minimum: bool, fifth: bool, nt: int, table: bool = False):
+def _q4_row(size: int, minimum: bool, fifth: bool, table: bool = False):
     """The row intrinsic of Q4_0 (size 18: d, 16 bytes of nibbles), Q4_1 (20: d, m, nibbles), Q5_0 (22: d,
     qh, nibbles), Q5_1 (24: d, m, qh, nibbles) or IQ4_NL (18, table: a code is IQ4_VALUES[nibble], taken 128
     higher) against x rounded to Q8_0 with its sums, nt tokens. Byte l's low nibble is code l, its high one
@@ -492,22 +494,14 @@ def _q4_row(size: int, minimum: bool, fifth: bool, nt: int, table: bool = False)
             out.append(b.fadd(acc, lanes))
         return out
 
-    return _row_of(32, size, nt, block)
+    return _row_of(32, size, block)
 
 
-NT = 4  # tokens a row intrinsic takes at once: their codes unpacked once
-q4_k_row, q4_k_rows = _k4_row(False, 1), _k4_row(False, NT)
-q5_k_row, q5_k_rows = _k4_row(True, 1), _k4_row(True, NT)
-q6_k_row, q6_k_rows = _q6_k_row(1), _q6_k_row(NT)
-q8_0_row, q8_0_rows = _q8_0_row(1), _q8_0_row(NT)
-q4_0_row, q4_0_rows = _q4_row(18, False, False, 1), _q4_row(18, False, False, NT)
-q4_1_row, q4_1_rows = _q4_row(20, True, False, 1), _q4_row(20, True, False, NT)
-q5_0_row, q5_0_rows = _q4_row(22, False, True, 1), _q4_row(22, False, True, NT)
-q5_1_row, q5_1_rows = _q4_row(24, True, True, 1), _q4_row(24, True, True, NT)
-iq4_nl_row, iq4_nl_rows = _q4_row(18, False, False, 1, table=True), _q4_row(18, False, False, NT, table=True)
-iq4_xs_row, iq4_xs_rows = _iq4_xs_row(1), _iq4_xs_row(NT)
-q2_k_row, q2_k_rows = _q2_k_row(1), _q2_k_row(NT)
-q3_k_row, q3_k_rows = _q3_k_row(1), _q3_k_row(NT)
+NT = 4  # rows of x a row intrinsic takes at once: their codes unpacked once
+q4_k_row, q5_k_row, q6_k_row = _k4_row(False), _k4_row(True), _q6_k_row()
+q8_0_row, q4_0_row, q4_1_row = _q8_0_row(), _q4_row(18, False, False), _q4_row(20, True, False)
+q5_0_row, q5_1_row, iq4_nl_row = _q4_row(22, False, True), _q4_row(24, True, True), _q4_row(18, False, False, True)
+iq4_xs_row, q2_k_row, q3_k_row = _iq4_xs_row(), _q2_k_row(), _q3_k_row()
 
 
 @njit
@@ -596,60 +590,32 @@ def _chunk(z):
     return max(NT, CHUNK_BYTES // z // NT * NT)
 
 
-@njit(inline="always")  # (kind a constant where it is called: one branch compiled)
-def _rows(kind, wr, qx, dx, sums, t, blocks):
-    """Row wr of type KINDS[kind] times x's rows t .. t + NT - 1: NT float32."""
+@njit(inline="always")  # (kind and nt constants where it is called: one branch compiled)
+def _dots(kind, wr, qx, dx, sums, t, blocks, nt):
+    """Row wr of type KINDS[kind] times x's rows t .. t + nt - 1: nt float32."""
     if kind == 0:
-        return q8_0_rows(wr, qx, dx, sums, t, blocks)
+        return q8_0_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 1:
-        return q4_0_rows(wr, qx, dx, sums, t, blocks)
+        return q4_0_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 2:
-        return q4_1_rows(wr, qx, dx, sums, t, blocks)
+        return q4_1_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 3:
-        return q5_0_rows(wr, qx, dx, sums, t, blocks)
+        return q5_0_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 4:
-        return q5_1_rows(wr, qx, dx, sums, t, blocks)
+        return q5_1_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 5:
-        return q4_k_rows(wr, qx, dx, sums, t, blocks)
+        return q4_k_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 6:
-        return q5_k_rows(wr, qx, dx, sums, t, blocks)
+        return q5_k_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 7:
-        return q6_k_rows(wr, qx, dx, sums, t, blocks)
+        return q6_k_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 8:
-        return iq4_nl_rows(wr, qx, dx, sums, t, blocks)
+        return iq4_nl_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 9:
-        return iq4_xs_rows(wr, qx, dx, sums, t, blocks)
+        return iq4_xs_row(wr, qx, dx, sums, t, blocks, nt)
     if kind == 10:
-        return q2_k_rows(wr, qx, dx, sums, t, blocks)
-    return q3_k_rows(wr, qx, dx, sums, t, blocks)
-
-
-@njit(inline="always")  # (kind a constant where it is called: one branch compiled)
-def _row(kind, wr, qx, dx, sums, t, blocks):
-    """Row wr of type KINDS[kind] times x's row t: a float32."""
-    if kind == 0:
-        return q8_0_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 1:
-        return q4_0_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 2:
-        return q4_1_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 3:
-        return q5_0_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 4:
-        return q5_1_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 5:
-        return q4_k_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 6:
-        return q5_k_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 7:
-        return q6_k_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 8:
-        return iq4_nl_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 9:
-        return iq4_xs_row(wr, qx, dx, sums, t, blocks)[0]
-    if kind == 10:
-        return q2_k_row(wr, qx, dx, sums, t, blocks)[0]
-    return q3_k_row(wr, qx, dx, sums, t, blocks)[0]
+        return q2_k_row(wr, qx, dx, sums, t, blocks, nt)
+    return q3_k_row(wr, qx, dx, sums, t, blocks, nt)
 
 
 @njit(inline="always")  # (kind a constant where it is called: one branch compiled)
@@ -663,12 +629,12 @@ def _product(kind, w, qx, dx, sums, out):
         for r in range(w.shape[0]):
             t = c
             while t + NT <= end:
-                ys = _rows(kind, w[r], qx, dx, sums, t, blocks)
+                ys = _dots(kind, w[r], qx, dx, sums, t, blocks, NT)
                 for i in range(NT):
                     out[t + i, r] = ys[i]
                 t += NT
             while t < end:
-                out[t, r] = _row(kind, w[r], qx, dx, sums, t, blocks)
+                out[t, r] = _dots(kind, w[r], qx, dx, sums, t, blocks, 1)[0]
                 t += 1
 
 

@@ -41,8 +41,8 @@ Measured (benchmarks/kernels.py, 2026-12-07, a quiet 2-core Zen 4 with AVX-512 V
 thread, 4096 x 4096, T 1, the int8 products (20:00): Q6_K 32.2, Q4_K 31.0, Q8_0 30.2, Q5_K 28.2, Q4_0 26.9,
 Q5_0 20.4, Q4_1 20.1, Q5_1 16.5; (22:10) Q2_K 33.9, IQ4_XS 26.9, Q3_K 26.6, IQ4_NL 21.3 (their float32
 sums: 1.3, 1.0, 3.1, 1.8); the float32 sums (17:40): F32 5.0, BF16 2.6, F16 2.4. First start, every type:
-9.5 s (half the types compiled in a helper process);
-a later start: 0.35-0.38 s in prepare(), plus 0.4 s to import numba.
+8.8 s (half the types compiled in a helper process; 22:55, one row intrinsic a type for any count of x's rows);
+a later start: 0.22-0.23 s in prepare(), plus 0.4 s to import numba.
 
 State: one module-level cache, _COMPILED, of the compiled functions by type name (and the reason a
 compile failed); everything else here is constant tables.
