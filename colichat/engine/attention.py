@@ -25,16 +25,23 @@ def _exp_rows(s: np.ndarray) -> np.ndarray:
     return s.sum(axis=-1, keepdims=True)
 
 
-def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
+def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float,
+                  compiled: bool = False) -> np.ndarray:
     """Grouped-query attention; query head h uses KV head h // J (ggml broadcast, HF repeat_kv).
 
     q: (T, H, E) roped queries at positions pos0..pos0+T-1;
     k, v: (N, G, E) cache views (rows 0..N-1, N = pos0 + T, new rows already written).
+    compiled: a pass of 1..SMALL_BATCH queries (decode, verify) takes the compiled kernel (the kernel path:
+    gguf/kernel_attention.py, in its own fixed order, E a multiple of 8); else numpy's (the reference).
     Returns (T, H * E).
     """
     t, h, e = q.shape
     n, g, _ = k.shape
     qpk = h // g
+    if compiled and t <= SMALL_BATCH and e % 8 == 0:
+        from .gguf import kernels  # (imported on the kernel path only: numba)
+
+        return kernels.gqa_rows(q, k.reshape(n, g * e), v.reshape(n, g * e), pos0, scale)
     if 1 < t <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
         return np.concatenate([gqa_attention(q[i : i + 1], k[: pos0 + i + 1], v[: pos0 + i + 1], pos0 + i, scale)
                                for i in range(t)])

@@ -92,6 +92,8 @@ class Forward:
         self.cfg, self.w = cfg, weights
         rope, self.kq_scale = llama_rope(cfg)
         self.rot = rope_rotations(rope, n_ctx, weights.get("rope_freqs"))  # (P, I) complex64
+        # where the compiled kernels multiply the matrices (the kernel path), decode's attention is compiled too
+        self.compiled = any(isinstance(m, QMatrix) for m in weights.values())
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.w["output_norm"], self.cfg.rms_eps)  # (T, D)
@@ -112,7 +114,8 @@ class Forward:
         kc[pos0:n] = k.reshape(t, g * e)
         vc[pos0:n] = qkv[:, (h + g) * e :]
         cache.round_rows(l, pos0, n)  # (a compact cache: what its file will give back)
-        o = gqa_attention(q, kc[:n].reshape(n, g, e), vc[:n].reshape(n, g, e), pos0, self.kq_scale)  # (T, H*E)
+        o = gqa_attention(q, kc[:n].reshape(n, g, e), vc[:n].reshape(n, g, e), pos0, self.kq_scale,
+                          self.compiled)  # (T, H*E)
         x = x + linear(o, w[b + "attn_output"])  # (T, D)
         u = rms_norm(x, w[b + "ffn_norm"], cfg.rms_eps)
         return x + swiglu(u, w[b + "ffn_gate_up"], w[b + "ffn_down"])

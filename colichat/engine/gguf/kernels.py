@@ -76,11 +76,15 @@ MOST_ROWS = {"Q8_0": 256, "Q4_0": 256, "Q4_1": 128, "Q5_0": 256, "Q5_1": 128, "Q
              "IQ4_NL": 128, "IQ4_XS": 128, "Q2_K": 128, "Q3_K": 256}
 
 
+ATTENTION = "attention"  # prepare()'s name for the compiled GQA attention (kernel_attention.py), beside the types
+
+
 class _Compiled:
-    """The compiled (matvec, dequantize) of each type name, and why compiling failed, if it did."""
+    """The compiled (matvec, dequantize) of each type name, the attention, and why compiling failed, if it did."""
 
     def __init__(self):
         self.functions: dict[str, tuple] = {}
+        self.attention = None  # kernel_attention.gqa_rows, compiled
         self.roundings: dict[str, object] = {}  # "q8_k", "q8_0": x's 8-bit rounding (INT8_ACTIVATIONS)
         self.failure: str | None = None
 
@@ -141,13 +145,20 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
     import numba
     from numba.core.errors import NumbaError
 
-    from . import kernel_bodies, kernel_int8, kernel_kquants
+    from . import kernel_attention, kernel_bodies, kernel_int8, kernel_kquants
 
     mv_sig, dq_sig, product_sig, rounding_sig = _signatures()
     saved = numba.config.CACHE_DIR
     try:
         numba.config.CACHE_DIR = path or saved
         for name in names:
+            if name == ATTENTION:
+                _COMPILED.attention = numba.njit(kernel_attention.signature(), nogil=True, cache=path is not None)(
+                    kernel_attention.gqa_rows)
+                done += 1
+                if progress is not None:
+                    progress(done, total or len(names))
+                continue
             key, bodies = name.lower(), kernel_kquants if TYPES[name][0] == 256 else kernel_bodies
             dq = numba.njit(dq_sig, nogil=True, cache=path is not None)(getattr(bodies, f"dequant_{key}"))
             if name in INT8_ACTIVATIONS:
@@ -173,7 +184,7 @@ def cached(cache_dir: str | None, names) -> bool:
     """Whether numba's cache under <cache_dir>/kernels holds the kernels of every type `names` (prepare()
     then loads them: well under a second; else it compiles: a first start's seconds, worth saying)."""
     path = None if problem() is not None else cache_path(cache_dir)
-    return path is not None and all(os.path.exists(_stamp(path, n)) for n in names)
+    return path is not None and all(os.path.exists(_stamp(path, n)) for n in [*names, ATTENTION])
 
 
 def _stamp(path: str, name: str) -> str:
@@ -182,7 +193,7 @@ def _stamp(path: str, name: str) -> str:
     import numba
 
     h = hashlib.sha256(f"{numba.__version__} {sys.version}".encode())
-    for module in ("kernel_bodies.py", "kernel_kquants.py", "kernel_int8.py"):
+    for module in ("kernel_bodies.py", "kernel_kquants.py", "kernel_int8.py", "kernel_attention.py"):
         h.update(Path(__file__).with_name(module).read_bytes())
     return os.path.join(path, f"{name}-{h.hexdigest()[:16]}.done")
 
@@ -209,6 +220,7 @@ def prepare(cache_dir: str | None, progress=None, names=None) -> float:
     start = time.perf_counter()
     if problem() is None:
         todo = [n for n in (names or TYPES) if n not in _COMPILED.functions]
+        todo += [ATTENTION] if _COMPILED.attention is None else []
         path = cache_path(cache_dir)
         helper = None
         cached = path is not None and all(os.path.exists(_stamp(path, n)) for n in todo)
@@ -296,6 +308,22 @@ def matvec(qtype_name: str, w: np.ndarray, x, out: np.ndarray) -> None:
         _functions(qtype_name)[0](w, x, out)
     else:
         _functions(qtype_name)[0](w, *x[1:], out)
+
+
+def gqa_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
+    """The attention of T = 1..SMALL_BATCH query rows over a GQA cache (kernel_attention.py): q (T, H, E)
+    float32 roped queries at positions pos0 .. pos0 + T - 1, k and v (N, G E) float32 cache rows (any row
+    stride, the new rows written); returns (T, H E), row t over rows 0 .. pos0 + t. Releases the GIL."""
+    t, h, e = q.shape
+    if not (1 <= t <= SMALL_BATCH and e % 8 == 0 and k.shape[1] % e == 0 and h % (k.shape[1] // e) == 0
+            and k.shape == v.shape and k.shape[0] >= pos0 + t and q.dtype == k.dtype == v.dtype == np.float32
+            and q.strides[-1] == k.strides[-1] == v.strides[-1] == 4):
+        raise ValueError("gqa_rows takes q (T, H, E), T 1..16, E a multiple of 8, and k, v (N, G E) float32 rows")
+    if _COMPILED.attention is None:  # not prepared: compiled now, without a disk cache
+        _compile([ATTENTION], None)
+    out = np.empty((t, h * e), dtype=np.float32)  # (T, H*E)
+    _COMPILED.attention(q, k, v, pos0, np.float32(scale), out)
+    return out
 
 
 def dequantize(qtype_name: str, w: np.ndarray, out: np.ndarray) -> None:

@@ -1,0 +1,237 @@
+"""Compiled attention of a decode or verify pass over a GQA cache (kernels.prepare() compiles it): each query
+row against the key and value rows it sees, read in place from the cache's strided views.
+
+    gqa_rows(q, k, v, pos0, scale, out)
+        q (T, H, E) float32 roped queries at positions pos0 .. pos0 + T - 1, any strides but the last (1);
+        k, v (N, G E) float32 cache rows (N >= pos0 + T, the new rows written), any row stride;
+        out (T, H E) float32: row t = softmax(scale q[t] K[:n].T) V[:n], n = pos0 + t + 1, query head h
+        against KV head h // J (J = H / G).
+
+It is what attention.gqa_attention computes for 1..SMALL_BATCH queries (ops.SMALL_BATCH), in another order,
+for the kernel path (numpy's is the reference): numpy multiplies the scores of one KV head's queries by the
+strided cache views in one matmul each, 3-4x the time of the arithmetic at a few thousand rows. Here each key
+row is read once for all H heads, the next rows fetched ahead (AHEAD: the cache's rows lie a record apart,
+where no hardware prefetcher follows), and the exponentials are a polynomial vectorized over the scores.
+
+Order (fixed by this code alone, so the bits depend on no thread count, no T and no CPU):
+- a score: 4 <8 x float> sums of q times k over 32 values at a time (the rest of E into the first), the four
+  added (0 + 1) + (2 + 3), then the 8 lanes as a tree; times scale. No fused multiply-adds (LLVM makes none
+  without fastmath), so every CPU gives the same bits. E: a multiple of 8 (gqa_attention checks).
+- p = exp(s - max s), the sum of p in 8 partial sums (i mod 8) added as a tree; out = (sum_r p_r v_r) / sum p,
+  the sums over r in order, one <8 x float> fmul and fadd per 8 values.
+- exp: x = max(s - max s, -87.3), 2^k p(f) with k = floor(x / ln 2 + 1/2), f = x - k ln 2 (ln 2 in two parts),
+  p a degree-7 Taylor polynomial (|f| <= ln 2 / 2): measured relative error 9.9e-8 (numpy's float32 exp: 2.0e-7);
+  a row with a NaN score takes np.exp (NaN kept).
+Accuracy (tests/test_kernel_attention.py): within 2.0e-7 of max |v| of a float64 softmax up to 4096 rows (numpy's
+path: 2.7e-7).
+Row t's result is a function of q[t] and the first n rows alone: a verify pass's rows are decoding's, bit
+for bit (ops.linear's contract, kept for speculative decoding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+F32 = np.float32
+AHEAD = 8  # key (value) rows fetched ahead of the one read
+LINE = 16  # float32 values of a cache line
+V8 = ir.VectorType(ir.FloatType(), 8)
+I32, I64 = ir.IntType(32), ir.IntType(64)
+LOG2E, LN2_HI, LN2_LO = F32(1.4426950408889634), F32(0.693145751953125), F32(1.4286068203094172e-06)
+EXP_MIN = F32(-87.3)  # exp(x) below this is under float32's smallest normal: taken at this x (~1e-38)
+TAYLOR = tuple(F32(1.0 / f) for f in (5040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0))  # 1/7! .. 1/0!
+
+
+def _vector_at(context, builder, array_type, array, index):
+    """A <8 x float> pointer to element `index` of a 1-D array whose elements are adjacent."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [index]), V8.as_pointer())
+
+
+def _loop(builder, count, body, init):
+    """for k in range(count) (an i64): values = body(k, values), from init (IR values); returns the last."""
+    start = builder.block
+    loop, done = builder.append_basic_block("loop"), builder.append_basic_block("done")
+    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    k = builder.phi(I64)
+    phis = [builder.phi(v.type) for v in init]
+    after = body(k, phis)
+    k1, end = builder.add(k, ir.Constant(I64, 1)), builder.block
+    k.add_incoming(ir.Constant(I64, 0), start)
+    k.add_incoming(k1, end)
+    for phi, first, later in zip(phis, init, after, strict=True):
+        phi.add_incoming(first, start)
+        phi.add_incoming(later, end)
+    builder.cbranch(builder.icmp_signed("<", k1, count), loop, done)
+    builder.position_at_end(done)
+    last = []
+    for first, later in zip(init, after, strict=True):
+        phi = builder.phi(first.type)
+        phi.add_incoming(first, start)
+        phi.add_incoming(later, end)
+        last.append(phi)
+    return last
+
+
+def _lanes(builder, v, picks):
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(picks)), picks))
+
+
+@intrinsic
+def dot(typingctx, a, ia, b, ib, e):
+    """float32 sum of a[ia + i] b[ib + i] for i < e (e a multiple of 8; a, b 1-D, adjacent elements)."""
+    if not all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 for x in (a, b)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        av, iav, bv, ibv, ev = args
+        eight, thirty_two = ir.Constant(I64, 8), ir.Constant(I64, 32)
+
+        def product(i):
+            x = builder.load(_vector_at(context, builder, signature.args[0], av, builder.add(iav, i)), align=4)
+            y = builder.load(_vector_at(context, builder, signature.args[2], bv, builder.add(ibv, i)), align=4)
+            return builder.fmul(x, y)
+
+        def four(k, sums):
+            at = builder.mul(k, thirty_two)
+            return [builder.fadd(sums[j], product(builder.add(at, ir.Constant(I64, 8 * j)))) for j in range(4)]
+
+        fours = builder.sdiv(ev, thirty_two)
+        sums = _loop(builder, fours, four, [ir.Constant(V8, None)] * 4)
+        done = builder.mul(fours, thirty_two)
+        first = _loop(builder, builder.sdiv(builder.sub(ev, done), eight),
+                      lambda k, s: [builder.fadd(s[0], product(builder.add(done, builder.mul(k, eight))))], sums[:1])
+        v = builder.fadd(builder.fadd(first[0], sums[1]), builder.fadd(sums[2], sums[3]))
+        v4 = builder.fadd(_lanes(builder, v, [0, 1, 2, 3]), _lanes(builder, v, [4, 5, 6, 7]))
+        v2 = builder.fadd(_lanes(builder, v4, [0, 1]), _lanes(builder, v4, [2, 3]))
+        return builder.fadd(builder.extract_element(v2, ir.Constant(I32, 0)),
+                            builder.extract_element(v2, ir.Constant(I32, 1)))
+
+    return types.float32(a, ia, b, ib, e), codegen
+
+
+@intrinsic
+def add_scaled(typingctx, p, v, iv, o, io, e):
+    """o[io + i] += p v[iv + i] for i < e (a multiple of 8; v, o 1-D, adjacent elements)."""
+    if not all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 for x in (v, o)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pv, vv, ivv, ov, iov, ev = args
+        one = builder.insert_element(ir.Constant(V8, None), pv, ir.Constant(I32, 0))
+        ps = _lanes(builder, one, [0] * 8)
+
+        def step(k, _):
+            at = builder.mul(k, ir.Constant(I64, 8))
+            x = builder.load(_vector_at(context, builder, signature.args[1], vv, builder.add(ivv, at)), align=4)
+            to = _vector_at(context, builder, signature.args[3], ov, builder.add(iov, at))
+            builder.store(builder.fadd(builder.load(to, align=4), builder.fmul(ps, x)), to, align=4)
+            return []
+
+        _loop(builder, builder.sdiv(ev, ir.Constant(I64, 8)), step, [])
+        return context.get_dummy_value()
+
+    return types.void(p, v, iv, o, io, e), codegen
+
+
+@intrinsic
+def fetch(typingctx, a, i):
+    """Prefetch the cache line of a[i] (a 1-D) for reading."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        at = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        module, i8p = builder.module, ir.IntType(8).as_pointer()
+        f = module.globals.get("llvm.prefetch.p0i8") or ir.Function(
+            module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]), "llvm.prefetch.p0i8")
+        builder.call(f, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(a, i), codegen
+
+
+@njit(inline="always")
+def _fetch_row(rows, r):
+    """Prefetch the cache lines of rows[r] (its values adjacent)."""
+    row = rows[r]
+    for i in range(0, row.size + LINE, LINE):
+        fetch(row, min(i, row.size - 1))
+
+
+@njit
+def _exp_sum(s, n, bits):
+    """s[:n] <- exp(s[:n] - max), returns their sum (8 partial sums, added as a tree); bits: (n,) int32 scratch."""
+    m = s[0]
+    nan = False
+    for i in range(n):
+        m = max(m, s[i])
+        nan |= s[i] != s[i]
+    if nan or not np.isfinite(m):
+        for i in range(n):
+            s[i] = np.exp(s[i] - m)
+    else:
+        for i in range(n):  # (vectorized: no call, no branch)
+            x = max(s[i] - m, EXP_MIN)
+            k = np.floor(x * LOG2E + F32(0.5))
+            f = (x - k * LN2_HI) - k * LN2_LO
+            p = TAYLOR[0]
+            for c in TAYLOR[1:]:
+                p = p * f + c
+            s[i] = p
+            bits[i] = np.int32(k) << 23
+        view = s[:n].view(np.int32)
+        for i in range(n):
+            view[i] += bits[i]  # p 2^k: k added to p's exponent (p in [0.7, 1.5], 2^k p normal)
+    part = np.zeros(8, F32)
+    for i in range(0, n - n % 8, 8):
+        for j in range(8):
+            part[j] += s[i + j]
+    for i in range(n - n % 8, n):
+        part[i % 8] += s[i]
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))
+
+
+def gqa_rows(q, k, v, pos0, scale, out):
+    """out (T, H E): row t is query row t's attention over cache rows 0 .. pos0 + t (the module's docstring)."""
+    t_count, h_count, e = q.shape
+    g_count = k.shape[1] // e
+    j_count = h_count // g_count
+    s = np.empty((h_count, pos0 + t_count), F32)  # one row's scores, then its exp
+    bits = np.empty(pos0 + t_count, np.int32)
+    inv = np.empty(h_count, F32)
+    for t in range(t_count):
+        n = pos0 + t + 1
+        for r in range(n):
+            if r + AHEAD < n:
+                _fetch_row(k, r + AHEAD)
+            kr = k[r]
+            for g in range(g_count):
+                for h in range(g * j_count, g * j_count + j_count):
+                    s[h, r] = dot(q[t, h], 0, kr, g * e, e) * scale
+        for h in range(h_count):
+            inv[h] = F32(1) / _exp_sum(s[h], n, bits)
+        o = out[t]
+        o[:] = 0
+        for r in range(n):
+            if r + AHEAD < n:
+                _fetch_row(v, r + AHEAD)
+            vr = v[r]
+            for g in range(g_count):
+                for h in range(g * j_count, g * j_count + j_count):
+                    add_scaled(s[h, r], vr, g * e, o, h * e, e)
+        for h in range(h_count):
+            for i in range(h * e, h * e + e):
+                o[i] *= inv[h]
+
+
+def signature():
+    """numba's signature of gqa_rows (kernels.prepare compiles it nogil, cached on disk)."""
+    rows = types.Array(types.float32, 2, "A", readonly=True)
+    return types.void(types.Array(types.float32, 3, "A", readonly=True), rows, rows, types.int64, types.float32,
+                      types.Array(types.float32, 2, "C"))
