@@ -2,7 +2,8 @@
 a float64 softmax, on rows laid out as the cache lays them (records of every layer's rows, a row stride apart).
 
 - within BOUND of the float64 attention, for head sizes with and without a 32-value tail, and any J;
-- row t of a pass of T queries is, bit for bit, the one-query pass at its position (speculative decoding);
+- row t of a pass of T queries is, bit for bit, the one-query pass at its position (speculative decoding), and
+  the bits do not depend on which threads computed the parts of the rows;
 - its exponential is within EXP_BOUND of float64's over float32's range, and a NaN score stays NaN;
 - the same bits on numba's "generic" CPU (no AVX, no FMA): the order is the code's alone.
 """
@@ -18,6 +19,7 @@ import pytest
 
 from colichat.engine.attention import gqa_attention
 from colichat.engine.gguf import kernel_attention, kernels
+from colichat.engine.threads import Workers
 
 BOUND = 2e-6  # |compiled - float64| <= BOUND * max |v| (measured <= 2.0e-7 up to 4096 rows; numpy's path 2.7e-7)
 EXP_BOUND = 2e-7  # relative error of its exp (a degree-7 polynomial in float32: measured 9.9e-8; numpy's 2.0e-7)
@@ -73,6 +75,22 @@ def test_a_pass_of_t_queries_gives_each_row_the_one_query_pass_bit_for_bit():
         assert np.array_equal(one.view(np.uint32), rows[i : i + 1].view(np.uint32)), i
 
 
+def test_the_same_bits_whichever_threads_compute_the_parts():
+    k, v = cache_rows(3 * kernel_attention.PART + 5, 3, 64)
+    q = queries(4, 9, 3, 64)
+    here = kernels.gqa_rows(q, k, v, k.shape[0] - 4, 0.125)
+    workers = Workers(2)
+    shared = kernels.gqa_rows(q, k, v, k.shape[0] - 4, 0.125, lambda compute, n: workers.run(compute, put, n))
+    backwards = kernels.gqa_rows(q, k, v, k.shape[0] - 4, 0.125,
+                                 lambda compute, n: [compute(i) for i in reversed(range(n))])
+    assert np.array_equal(here.view(np.uint32), shared.view(np.uint32))
+    assert np.array_equal(here.view(np.uint32), backwards.view(np.uint32))
+
+
+def put(i, _):
+    pass
+
+
 def test_gqa_attention_takes_the_kernel_for_small_passes_only():
     k, v = cache_rows(64, 2, 16)
     q = queries(17, 4, 2, 16)
@@ -87,7 +105,7 @@ def test_its_exp_is_within_the_bound_of_float64_and_keeps_nan():
     exp_sum = kernel_attention._exp_sum
     s = np.concatenate([np.linspace(-100, 0, 200_001), [0.0, -1e-30, -87.3, -88.0]]).astype(np.float32)
     got = s.copy()
-    total = exp_sum(got, s.size, np.empty(s.size, np.int32))
+    total = exp_sum(got, s.size, np.empty(s.size, np.int32))[1]
     want = np.exp(s.astype(np.float64))
     normal = want > np.finfo(np.float32).tiny * 2
     assert np.all(np.abs(got[normal] - want[normal]) <= EXP_BOUND * want[normal])

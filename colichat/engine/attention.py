@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import SMALL_BATCH, WORKERS, causal_mask, run_blocks, softmax
+from .ops import KERNEL_WORKERS, SMALL_BATCH, WORKERS, causal_mask, run_blocks, softmax
 
 SCORE_BUDGET = 1 << 25  # floats in one (rows, N) score block: bounds attention scratch to ~128 MiB
 QUERY_BLOCK = 128  # prefill queries per block: later keys of a block are left out (causal)
@@ -41,7 +41,9 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     if compiled and t <= SMALL_BATCH and e % 8 == 0:
         from .gguf import kernels  # (imported on the kernel path only: numba)
 
-        return kernels.gqa_rows(q, k.reshape(n, g * e), v.reshape(n, g * e), pos0, scale)
+        workers = KERNEL_WORKERS.get()  # (the small pass's threads share its parts of the cache rows)
+        return kernels.gqa_rows(q, k.reshape(n, g * e), v.reshape(n, g * e), pos0, scale,
+                                lambda compute, parts: run_blocks(compute, lambda i, _: None, parts, workers))
     if 1 < t <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
         return np.concatenate([gqa_attention(q[i : i + 1], k[: pos0 + i + 1], v[: pos0 + i + 1], pos0 + i, scale)
                                for i in range(t)])

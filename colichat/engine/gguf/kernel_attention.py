@@ -37,6 +37,7 @@ from numba.extending import intrinsic
 
 F32 = np.float32
 AHEAD = 8  # key (value) rows fetched ahead of the one read
+PART = 512  # cache rows a part takes: a row's attention is computed by parts (shared by the pass's threads), merged
 LINE = 16  # float32 values of a cache line
 V8 = ir.VectorType(ir.FloatType(), 8)
 I32, I64 = ir.IntType(32), ir.IntType(64)
@@ -166,7 +167,8 @@ def _fetch_row(rows, r):
 
 @njit
 def _exp_sum(s, n, bits):
-    """s[:n] <- exp(s[:n] - max), returns their sum (8 partial sums, added as a tree); bits: (n,) int32 scratch."""
+    """s[:n] <- exp(s[:n] - max); returns (max, their sum: 8 partial sums added as a tree); bits: (n,) int32
+    scratch."""
     m = s[0]
     nan = False
     for i in range(n):
@@ -194,44 +196,77 @@ def _exp_sum(s, n, bits):
             part[j] += s[i + j]
     for i in range(n - n % 8, n):
         part[i % 8] += s[i]
-    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))
+    return m, ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))
 
 
-def gqa_rows(q, k, v, pos0, scale, out):
-    """out (T, H E): row t is query row t's attention over cache rows 0 .. pos0 + t (the module's docstring)."""
+def gqa_part(q, k, v, pos0, scale, part, top, z, o):
+    """Every query row t's attention over the cache rows of part `part` (rows part PART .. part PART + PART - 1,
+    those row t sees): top[t, part, h] its largest score, z[t, part, h] the sum of p = exp(score - top) and
+    o[t, part, h] (E,) the sum of p v; an empty part (past row t's last): -inf, 0 and 0."""
     t_count, h_count, e = q.shape
     g_count = k.shape[1] // e
     j_count = h_count // g_count
-    s = np.empty((h_count, pos0 + t_count), F32)  # one row's scores, then its exp
-    bits = np.empty(pos0 + t_count, np.int32)
-    inv = np.empty(h_count, F32)
+    s = np.empty((h_count, PART), F32)  # scores, then p
+    bits = np.empty(PART, np.int32)
+    a = part * PART
     for t in range(t_count):
-        n = pos0 + t + 1
-        for r in range(n):
-            if r + AHEAD < n:
+        b = min(pos0 + t + 1, a + PART)
+        ot = o[t, part]  # (H, E)
+        ot[:] = 0
+        if b <= a:
+            top[t, part, :] = -np.inf
+            z[t, part, :] = 0
+            continue
+        for r in range(a, b):
+            if r + AHEAD < b:
                 _fetch_row(k, r + AHEAD)
             kr = k[r]
             for g in range(g_count):
                 for h in range(g * j_count, g * j_count + j_count):
-                    s[h, r] = dot(q[t, h], 0, kr, g * e, e) * scale
+                    s[h, r - a] = dot(q[t, h], 0, kr, g * e, e) * scale
         for h in range(h_count):
-            inv[h] = F32(1) / _exp_sum(s[h], n, bits)
-        o = out[t]
-        o[:] = 0
-        for r in range(n):
-            if r + AHEAD < n:
+            top[t, part, h], z[t, part, h] = _exp_sum(s[h], b - a, bits)
+        for r in range(a, b):
+            if r + AHEAD < b:
                 _fetch_row(v, r + AHEAD)
             vr = v[r]
             for g in range(g_count):
                 for h in range(g * j_count, g * j_count + j_count):
-                    add_scaled(s[h, r], vr, g * e, o, h * e, e)
+                    add_scaled(s[h, r - a], vr, g * e, ot[h], 0, e)
+
+
+def gqa_merge(top, z, o, out):
+    """out (T, H E) = the parts' sums, in part order, each times exp(its top - the largest), divided."""
+    t_count, parts, h_count, e = o.shape
+    total = np.empty(e, F32)
+    for t in range(t_count):
         for h in range(h_count):
-            for i in range(h * e, h * e + e):
-                o[i] *= inv[h]
+            m = top[t, 0, h]
+            for p in range(1, parts):
+                m = max(m, top[t, p, h])
+            total[:] = 0
+            sum_z = F32(0)
+            for p in range(parts):  # (one part: w = 1, the sums as they are)
+                w = np.exp(top[t, p, h] - m)
+                sum_z += z[t, p, h] * w
+                for i in range(e):
+                    total[i] += o[t, p, h, i] * w
+            inv = F32(1) / sum_z
+            for i in range(e):
+                out[t, h * e + i] = total[i] * inv
 
 
-def signature():
-    """numba's signature of gqa_rows (kernels.prepare compiles it nogil, cached on disk)."""
+def parts(rows: int) -> int:
+    """The parts gqa_part computes for a pass over `rows` cache rows."""
+    return -(-rows // PART)
+
+
+def signatures():
+    """numba's signatures of gqa_part and gqa_merge (kernels.prepare compiles them nogil, cached on disk)."""
     rows = types.Array(types.float32, 2, "A", readonly=True)
-    return types.void(types.Array(types.float32, 3, "A", readonly=True), rows, rows, types.int64, types.float32,
-                      types.Array(types.float32, 2, "C"))
+    q = types.Array(types.float32, 3, "A", readonly=True)
+    top, o = types.Array(types.float32, 3, "C"), types.Array(types.float32, 4, "C")  # (T, P, H), (T, P, H, E)
+    part = types.void(q, rows, rows, types.int64, types.float32, types.int64, top, top, o)
+    merge = types.void(top.copy(readonly=True), top.copy(readonly=True), o.copy(readonly=True),
+                       types.Array(types.float32, 2, "C"))
+    return part, merge

@@ -153,8 +153,10 @@ def _compile(names, path: str | None, progress=None, done: int = 0, total: int =
         numba.config.CACHE_DIR = path or saved
         for name in names:
             if name == ATTENTION:
-                _COMPILED.attention = numba.njit(kernel_attention.signature(), nogil=True, cache=path is not None)(
-                    kernel_attention.gqa_rows)
+                part_sig, merge_sig = kernel_attention.signatures()
+                _COMPILED.attention = (
+                    numba.njit(part_sig, nogil=True, cache=path is not None)(kernel_attention.gqa_part),
+                    numba.njit(merge_sig, nogil=True, cache=path is not None)(kernel_attention.gqa_merge))
                 done += 1
                 if progress is not None:
                     progress(done, total or len(names))
@@ -310,10 +312,15 @@ def matvec(qtype_name: str, w: np.ndarray, x, out: np.ndarray) -> None:
         _functions(qtype_name)[0](w, *x[1:], out)
 
 
-def gqa_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
+def gqa_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, run=None) -> np.ndarray:
     """The attention of T = 1..SMALL_BATCH query rows over a GQA cache (kernel_attention.py): q (T, H, E)
     float32 roped queries at positions pos0 .. pos0 + T - 1, k and v (N, G E) float32 cache rows (any row
-    stride, the new rows written); returns (T, H E), row t over rows 0 .. pos0 + t. Releases the GIL."""
+    stride, the new rows written); returns (T, H E), row t over rows 0 .. pos0 + t. Computed by parts of
+    kernel_attention.PART rows: run(compute, n) calls compute(i) for every i < n (default: in order, here;
+    the engine's threads may share them, each releasing the GIL), then the parts are merged in order: the same
+    bits however they were shared."""
+    from . import kernel_attention
+
     t, h, e = q.shape
     if not (1 <= t <= SMALL_BATCH and e % 8 == 0 and k.shape[1] % e == 0 and h % (k.shape[1] // e) == 0
             and k.shape == v.shape and k.shape[0] >= pos0 + t and q.dtype == k.dtype == v.dtype == np.float32
@@ -321,8 +328,21 @@ def gqa_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: floa
         raise ValueError("gqa_rows takes q (T, H, E), T 1..16, E a multiple of 8, and k, v (N, G E) float32 rows")
     if _COMPILED.attention is None:  # not prepared: compiled now, without a disk cache
         _compile([ATTENTION], None)
+    part, merge = _COMPILED.attention
+    n = kernel_attention.parts(pos0 + t)
+    top, z, o = np.empty((t, n, h), np.float32), np.empty((t, n, h), np.float32), np.empty((t, n, h, e), np.float32)
+    scale = np.float32(scale)
+
+    def compute(i: int) -> None:
+        part(q, k, v, pos0, scale, i, top, z, o)
+
+    if run is None or n == 1:
+        for i in range(n):
+            compute(i)
+    else:
+        run(compute, n)
     out = np.empty((t, h * e), dtype=np.float32)  # (T, H*E)
-    _COMPILED.attention(q, k, v, pos0, np.float32(scale), out)
+    merge(top, z, o, out)
     return out
 
 
