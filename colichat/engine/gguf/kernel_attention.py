@@ -1,11 +1,12 @@
-"""Compiled attention of a decode or verify pass over a GQA cache (kernels.prepare() compiles it): each query
-row against the key and value rows it sees, read in place from the cache's strided views.
+"""Compiled attention of a decode or verify pass over a GQA cache (kernels.prepare() compiles it; kernels.gqa_rows
+runs it): each query row against the key and value rows it sees, read in place from the cache's strided views.
 
-    gqa_rows(q, k, v, pos0, scale, out)
+    gqa_part(q, k, v, pos0, scale, part, top, z, o)   every row's sums over the cache rows of one part
+    gqa_merge(top, z, o, out)                          the parts merged, in part order
         q (T, H, E) float32 roped queries at positions pos0 .. pos0 + T - 1, any strides but the last (1);
         k, v (N, G E) float32 cache rows (N >= pos0 + T, the new rows written), any row stride;
         out (T, H E) float32: row t = softmax(scale q[t] K[:n].T) V[:n], n = pos0 + t + 1, query head h
-        against KV head h // J (J = H / G).
+        against KV head h // J (J = H / G); top, z (T, P, H) and o (T, P, H, E): the parts' sums.
 
 It is what attention.gqa_attention computes for 1..SMALL_BATCH queries (ops.SMALL_BATCH), in another order,
 for the kernel path (numpy's is the reference): numpy multiplies the scores of one KV head's queries by the
@@ -17,8 +18,10 @@ Order (fixed by this code alone, so the bits depend on no thread count, no T and
 - a score: 4 <8 x float> sums of q times k over 32 values at a time (the rest of E into the first), the four
   added (0 + 1) + (2 + 3), then the 8 lanes as a tree; times scale. No fused multiply-adds (LLVM makes none
   without fastmath), so every CPU gives the same bits. E: a multiple of 8 (gqa_attention checks).
-- p = exp(s - max s), the sum of p in 8 partial sums (i mod 8) added as a tree; out = (sum_r p_r v_r) / sum p,
-  the sums over r in order, one <8 x float> fmul and fadd per 8 values.
+- per part of PART rows: p = exp(s - max s), the sum of p in 8 partial sums (i mod 8) added as a tree, and
+  sum_r p_r v_r in order of r, one <8 x float> fmul and fadd per 8 values;
+- the parts merged in order, each times exp(its max - the largest) (one part: times 1, the sums as they are),
+  then divided.
 - exp: x = max(s - max s, -87.3), 2^k p(f) with k = floor(x / ln 2 + 1/2), f = x - k ln 2 (ln 2 in two parts),
   p a degree-7 Taylor polynomial (|f| <= ln 2 / 2): measured relative error 9.9e-8 (numpy's float32 exp: 2.0e-7);
   a row with a NaN score takes np.exp (NaN kept).

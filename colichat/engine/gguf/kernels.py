@@ -10,6 +10,8 @@
     rounded(name, x)                x as the type's matvec takes it (INT8_ACTIVATIONS: its 8-bit rounding,
                                     computed once for every row block of a product)
     dequantize(name, w, out)        out (R, Z) = dequant(w): gguf-py's values, bit for bit
+    gqa_rows(q, k, v, pos0, scale)  decode's and verify passes' GQA attention over the cache's rows
+                                    (kernel_attention.py)
 
 The bodies are in kernel_bodies.py, kernel_kquants.py and kernel_int8.py (numba `njit`, nogil): plain loops over the
 bytes of each block as ggml lays them out (their comments; gguf-py's gguf.quants). A K-quant matvec works
