@@ -47,29 +47,39 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     if 1 < t <= SMALL_BATCH:  # one query at a time, exactly as decoding computes it (ops.linear)
         return np.concatenate([gqa_attention(q[i : i + 1], k[: pos0 + i + 1], v[: pos0 + i + 1], pos0 + i, scale)
                                for i in range(t)])
-    workers = WORKERS.get()
-    if t > 1 and g > 1 and workers is not None:  # prefill: the pass's threads share the KV heads (same bits)
-        o = np.empty((t, g, qpk * e), dtype=np.float32)  # (T, G, J*E)
-
-        def head(i: int) -> np.ndarray:
-            return gqa_attention(q[:, i * qpk : (i + 1) * qpk], k[:, i : i + 1], v[:, i : i + 1], pos0, scale)
-
-        def put(i: int, y: np.ndarray) -> None:
-            o[:, i] = y
-
-        run_blocks(head, put, g, workers)
-        return o.reshape(t, h * e)
-    qg = q.reshape(t, g, qpk, e).transpose(1, 2, 0, 3).reshape(g, qpk * t, e)  # (G, J*T, E)
-    s = np.matmul(qg, k.transpose(1, 2, 0))  # (G, J*T, N)
-    s *= np.float32(scale)
     if t > 1:
-        s = s.reshape(g, qpk, t, n)
-        s += causal_mask(pos0, t, n)  # (T, N) broadcast
-        s = s.reshape(g, qpk * t, n)
+        return _gqa_prefill(q, k, v, pos0, scale)
+    qg = q.reshape(g, qpk, e)  # (G, J, E): one query
+    s = np.matmul(qg, k.transpose(1, 2, 0))  # (G, J, N)
+    s *= np.float32(scale)
     softmax(s)
-    o = np.matmul(s, v.transpose(1, 0, 2))  # (G, J*T, E)
-    o = o.reshape(g, qpk, t, e).transpose(2, 0, 1, 3)  # (T, G, J, E)
-    return o.reshape(t, h * e)
+    o = np.matmul(s, v.transpose(1, 0, 2))  # (G, J, E)
+    return o.reshape(1, h * e)
+
+
+def _gqa_prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float) -> np.ndarray:
+    """gqa_attention for more than SMALL_BATCH queries: per KV head and block of queries (_query_blocks), its
+    J query heads' scores against the keys the block sees (causal: later keys left out, the mask only on the
+    block's last ones), shared by the pass's WORKERS. Each (head, block) is the same BLAS calls whoever
+    computes it: the bits depend on the shape alone."""
+    t, h, e = q.shape
+    n, g, _ = k.shape
+    qpk = h // g
+    out = np.empty((t, g, qpk, e), dtype=np.float32)  # (T, G, J, E)
+    tasks = [(i, i0, i1) for i in range(g) for i0, i1 in _query_blocks(t, qpk, n)]
+
+    def task(j: int) -> None:
+        i, i0, i1 = tasks[j]
+        tb, m, first = i1 - i0, pos0 + i1, pos0 + i0  # keys 0 .. m - 1; a mask from key first + 1 on
+        qb = q[i0:i1, i * qpk : (i + 1) * qpk].transpose(1, 0, 2).reshape(qpk * tb, e)  # (J*tb, E)
+        s = qb @ k[:m, i].T  # (J*tb, m)
+        s *= np.float32(scale)
+        s.reshape(qpk, tb, m)[:, :, first:] += causal_mask(first, tb, m)[:, first:]
+        z = _exp_rows(s)  # (J*tb, 1)
+        out[i0:i1, i] = ((s @ v[:m, i]) / z).reshape(qpk, tb, e).transpose(1, 0, 2)
+
+    run_blocks(task, lambda j, _: None, len(tasks), WORKERS.get())
+    return out.reshape(t, h * e)
 
 
 def mla_absorbed(
