@@ -12,7 +12,8 @@ Here a matrix product's blocks are fixed by its shape (up to ops.ROW_BLOCKS, mor
 each is one single-threaded BLAS call, and each thread takes the next block when it is done with one:
 a thread on a busy core takes fewer blocks, and the caller computes a late helper's last block itself
 rather than wait for a descheduled thread (Workers.run). The result has the same bits whatever the number
-of threads or the load (tests/test_threads.py). GQA prefill attention shares its KV heads the same way.
+of threads or the load (tests/test_threads.py). GQA prefill attention shares its (KV head, block of queries)
+tasks the same way, and on the kernel path a small pass's compiled attention its parts of the cache rows.
 
 Per phase: prefill (passes of more than ops.SMALL_BATCH tokens, compute-bound) uses every core this
 process may run on (at most ROW_BLOCKS). Small passes (decode's one token, a verify pass's 2..SMALL_BATCH:
