@@ -255,11 +255,13 @@ def test_bad_shapes_are_caller_bugs():
 
 @pytest.mark.process
 def test_a_later_start_loads_every_kernel_from_the_cache(tmp_path_factory, compiled):
-    """A later process on the cache the session's kernels were compiled into compiles nothing."""
+    """A later process on the cache the session's kernels (and the attention) were compiled into compiles
+    nothing."""
     cache = tmp_path_factory.mktemp("kernel-cache")
     shutil.copytree(os.environ["NUMBA_CACHE_DIR"], cache / "kernels")  # a copy no other process rewrites
     code = ("import sys; from colichat.engine.gguf import kernels; kernels.prepare(sys.argv[1]); "
-            "print(sum(sum(f.stats.cache_misses.values()) for fs in kernels._COMPILED.functions.values() for f in fs),"
+            "fs = [f for fs in kernels._COMPILED.functions.values() for f in fs] + list(kernels._COMPILED.attention); "
+            "print(sum(sum(f.stats.cache_misses.values()) for f in fs),"
             " len(kernels._COMPILED.functions), kernels.problem())")
     # (the copy may hold an index another process of the run was rewriting: the first start completes it, the
     # second must compile nothing)

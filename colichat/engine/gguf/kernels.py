@@ -224,7 +224,7 @@ def prepare(cache_dir: str | None, progress=None, names=None) -> float:
     start = time.perf_counter()
     if problem() is None:
         todo = [n for n in (names or TYPES) if n not in _COMPILED.functions]
-        todo += [ATTENTION] if _COMPILED.attention is None else []
+        todo = ([ATTENTION] if _COMPILED.attention is None else []) + todo  # (first: here, a type beside it)
         path = cache_path(cache_dir)
         helper = None
         cached = path is not None and all(os.path.exists(_stamp(path, n)) for n in todo)
