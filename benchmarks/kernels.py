@@ -7,6 +7,7 @@ float32 sums against its int8 products; no fastmath and numba's own byte loops o
     python benchmarks/kernels.py                          # every type, 14336 x 4096 (Llama-3.1-8B's FFN)
     python benchmarks/kernels.py --variants               # per int8 type: float32 sums against int8 products
     python benchmarks/kernels.py --start                  # first compile and cached start, in fresh processes
+    python benchmarks/kernels.py --attention              # decode's attention: numpy's against the compiled one
 
 Each figure is the best of --repeat runs (other load on the machine only slows a run down). Also: CPU
 seconds of one thread (thread_time), which other processes on the cores disturb less than the clock.
@@ -276,6 +277,53 @@ def measure_start(args) -> None:
             say(f"{label}: {got.stdout.strip() or got.stderr.strip()}")
 
 
+def measure_attention(args) -> None:
+    """One decode step's attention over every layer of SmolLM2's shape (30 layers, G 3, J 3, E 64), rows in the
+    cache's record layout (engine/cache.py), at each context: numpy's gqa_attention against the compiled one
+    on 1 thread and on 2 (the engine's threads sharing its parts), ms a token; after reading 256 MB of other
+    memory (as the weights stream between a token's layers), and with one layer's rows read 30 times (in the
+    CPU's caches)."""
+    say("decode attention, SmolLM2's shape: ms a token (the best of --repeat), after 256 MB of other reads")
+    other = np.ones(64 << 20, dtype=np.float32)
+    for n in args.contexts:
+        for name, times in attention_at(n, other, args.repeat).items():
+            say(f"  {n} rows, {name}: {min(times) * 1e3:.2f} ms (median {sorted(times)[len(times) // 2] * 1e3:.2f})")
+
+
+def attention_at(n: int, other: np.ndarray, repeat: int, layers: int = 30, g: int = 3, e: int = 64,
+                 h: int = 9) -> dict:
+    """measure_attention's seconds a token at n cache rows, each way `repeat` times."""
+    from colichat.engine.attention import gqa_attention
+    from colichat.engine.ops import run_blocks
+    from colichat.engine.threads import Workers
+
+    rng, workers = np.random.default_rng(0), Workers(2)
+    record = np.dtype([("token", "<i4"), ("kv", "<f4", (layers, 2 * g * e))])
+    rows = np.zeros(n, dtype=record)
+    rows["kv"] = rng.standard_normal((n, layers, 2 * g * e), dtype=np.float32)
+    k = [rows["kv"][:, l, : g * e] for l in range(layers)]  # (N, G*E) strided views, as the cache's
+    v = [rows["kv"][:, l, g * e :] for l in range(layers)]
+    q = rng.standard_normal((1, h + g, e), dtype=np.float32)[:, :h]  # (1, H, E) as the layer's view
+
+    def two(compute, parts):
+        run_blocks(compute, lambda i, _: None, parts, workers)
+
+    ways = {"numpy": lambda l: gqa_attention(q, k[l].reshape(n, g, e), v[l].reshape(n, g, e), n - 1, 0.125),
+            "compiled, 1 thread": lambda l: kernels.gqa_rows(q, k[l], v[l], n - 1, 0.125),
+            "compiled, 2 threads": lambda l: kernels.gqa_rows(q, k[l], v[l], n - 1, 0.125, two),
+            "compiled, one layer's rows (in cache)": lambda l: kernels.gqa_rows(q, k[0], v[0], n - 1, 0.125)}
+    out = {}
+    for name, one in ways.items():
+        out[name] = []
+        for _ in range(repeat):
+            other.sum()
+            t0 = time.perf_counter()
+            for l in range(layers):
+                one(l)
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", nargs="+", default=list(kernels.TYPES))
@@ -286,7 +334,13 @@ def main() -> None:
     ap.add_argument("--numpy", action="store_true", help="also numpy's f32 matvec on the dequantized matrix")
     ap.add_argument("--start", action="store_true", help="measure the first compile and a cached start")
     ap.add_argument("--variants", action="store_true", help="each int8 type's float32 sums against its int8 products")
+    ap.add_argument("--attention", action="store_true", help="decode's attention: numpy's against the compiled one")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4000], help="cache rows (--attention)")
     args = ap.parse_args()
+    if args.attention:
+        kernels.prepare(None, names=[])
+        measure_attention(args)
+        return
     if args.start:
         measure_start(args)
         return
