@@ -196,6 +196,14 @@ def _fetch_row(rows, r):
         fetch(row, min(i, row.size - 1))
 
 
+@njit(inline="always")
+def _ahead(rows, r, b):
+    """(rows[r], .. rows[r + ROWS - 1]), the rows AHEAD after them (below b) fetched."""
+    for ahead in range(r + AHEAD, min(b, r + AHEAD + ROWS)):
+        _fetch_row(rows, ahead)
+    return rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
+
+
 @njit
 def _exp_sum(s, n, bits):
     """s[:n] <- exp(s[:n] - max); returns (max, their sum: 8 partial sums added as a tree); bits: (n,) int32
@@ -249,41 +257,27 @@ def gqa_part(q, k, v, pos0, scale, part, top, z, o):
             top[t, part, :] = -np.inf
             z[t, part, :] = 0
             continue
-        r = a
-        while r < b:  # 4 rows side by side (ROWS), then one at a time: the same sums either way
-            if r + ROWS <= b:
-                for ahead in range(r + AHEAD, min(b, r + AHEAD + ROWS)):
-                    _fetch_row(k, ahead)
-                four = (k[r], k[r + 1], k[r + 2], k[r + 3])
-                for g in range(g_count):
-                    for h in range(g * j_count, g * j_count + j_count):
-                        d = dots(q[t, h], 0, four, g * e, e)
-                        for i in range(ROWS):
-                            s[h, r - a + i] = d[i] * scale
-                r += ROWS
-            else:
-                for g in range(g_count):
-                    for h in range(g * j_count, g * j_count + j_count):
-                        s[h, r - a] = dots(q[t, h], 0, (k[r],), g * e, e)[0] * scale
-                r += 1
+        fours = a + (b - a) // ROWS * ROWS  # rows a .. fours - 1 by ROWS side by side, the rest one at a time
+        for r in range(a, fours, ROWS):
+            rows = _ahead(k, r, b)
+            for g in range(g_count):
+                for h in range(g * j_count, g * j_count + j_count):
+                    d = dots(q[t, h], 0, rows, g * e, e)
+                    for i in range(ROWS):
+                        s[h, r - a + i] = d[i] * scale
+        for r in range(fours, b):
+            for h in range(h_count):
+                s[h, r - a] = dots(q[t, h], 0, (k[r],), h // j_count * e, e)[0] * scale
         for h in range(h_count):
             top[t, part, h], z[t, part, h] = _exp_sum(s[h], b - a, bits)
-        r = a
-        while r < b:
-            if r + ROWS <= b:
-                for ahead in range(r + AHEAD, min(b, r + AHEAD + ROWS)):
-                    _fetch_row(v, ahead)
-                four = (v[r], v[r + 1], v[r + 2], v[r + 3])
-                for g in range(g_count):
-                    for h in range(g * j_count, g * j_count + j_count):
-                        i = r - a
-                        add_scaled((s[h, i], s[h, i + 1], s[h, i + 2], s[h, i + 3]), four, g * e, ot[h], 0, e)
-                r += ROWS
-            else:
-                for g in range(g_count):
-                    for h in range(g * j_count, g * j_count + j_count):
-                        add_scaled((s[h, r - a],), (v[r],), g * e, ot[h], 0, e)
-                r += 1
+        for r in range(a, fours, ROWS):
+            rows, i = _ahead(v, r, b), r - a
+            for g in range(g_count):
+                for h in range(g * j_count, g * j_count + j_count):
+                    add_scaled((s[h, i], s[h, i + 1], s[h, i + 2], s[h, i + 3]), rows, g * e, ot[h], 0, e)
+        for r in range(fours, b):
+            for h in range(h_count):
+                add_scaled((s[h, r - a],), (v[r],), h // j_count * e, ot[h], 0, e)
 
 
 def gqa_merge(top, z, o, out):
