@@ -75,8 +75,8 @@ def _gqa_prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: 
         s = qb @ k[:m, i].T  # (J*tb, m)
         s *= np.float32(scale)
         s.reshape(qpk, tb, m)[:, :, first:] += causal_mask(first, tb, m)[:, first:]
-        z = _exp_rows(s)  # (J*tb, 1)
-        out[i0:i1, i] = ((s @ v[:m, i]) / z).reshape(qpk, tb, e).transpose(1, 0, 2)
+        s /= _exp_rows(s)  # (J*tb, m) probabilities: a prompt of up to QUERY_BLOCK tokens gets softmax's bits
+        out[i0:i1, i] = (s @ v[:m, i]).reshape(qpk, tb, e).transpose(1, 0, 2)
 
     run_blocks(task, lambda j, _: None, len(tasks), WORKERS.get())
     return out.reshape(t, h * e)
