@@ -380,7 +380,7 @@ def test_a_paste_while_it_answers_waits_at_the_prompt_as_one_message(terminal, c
     unseen); Ctrl-C still stops the answer. A paste at the idle prompt waits there, as it always did."""
     log = tmp_path / "raw.log"
     t = terminal("--ctx", "2048", "--max-tokens", "800", "--session", "p")  # (room for two long answers)
-    t.run("pipe-pane", "-o", f"cat >> {log}")
+    t.record(log)
     t.type("hello")
     t.keys("Enter")
     t.wait_for(streaming("hello"), WAIT, "the answer to stream")

@@ -125,7 +125,7 @@ def gated_chat(home, args: str, log, module: str = "colichat.terminal.cli") -> T
     """colichat in tmux, started only once everything it writes is recorded to `log` (the raw bytes,
     escapes included, in order: what a transient status line showed stays there after it is cleared)."""
     t = start_colichat(home, *args.split(), program=f"-m {module}", before="read _;")
-    t.run("pipe-pane", "-o", f"cat >> {log}")
+    t.record(log)
     t.keys("Enter")
     return t
 
@@ -621,7 +621,7 @@ def test_keys_typed_while_a_pruned_conversation_is_read_again_at_start_wait_for_
     layers, raw = tmp_path / "layers.log", tmp_path / "raw.log"
     t = start_colichat(colichat_home, *TINY_ARGS, "--resume", "--session", "s", before="read _;",
                        program=f"{Path(__file__).parent / 'slow_layers.py'} 0.5 {layers} --")
-    t.run("pipe-pane", "-o", f"cat >> {raw}")
+    t.record(raw)
     t.keys("Enter")
     try:
         t.wait_for(lambda s: layers.exists() and layers.read_text().split(), MODEL_WAIT, "the reading again begun")

@@ -50,6 +50,12 @@ class Tmux:
         """A tmux command on this session (e.g. `run("resize-window", "-x", "50")`); its output."""
         return _tmux(command, "-t", self.name, *args)
 
+    def record(self, log) -> None:
+        """From now on, every byte the pane shows is appended to the file `log` (escapes included, in order).
+        The file exists when this returns (the shell tmux starts for the pipe may open it later)."""
+        log.touch()
+        self.run("pipe-pane", "-o", f"cat >> {log}")
+
     def keys(self, *keys: str) -> None:
         self.run("send-keys", *keys)
 
