@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .gguf import kernels
 from .ops import KERNEL_WORKERS, SMALL_BATCH, WORKERS, causal_mask, run_blocks, softmax
 
 SCORE_BUDGET = 1 << 25  # floats in one (rows, N) score block: bounds attention scratch to ~128 MiB
@@ -39,8 +40,6 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale:
     n, g, _ = k.shape
     qpk = h // g
     if compiled and t <= SMALL_BATCH and e % 8 == 0:
-        from .gguf import kernels  # (imported on the kernel path only: numba)
-
         workers = KERNEL_WORKERS.get()  # (the small pass's threads share its parts of the cache rows)
         return kernels.gqa_rows(q, k.reshape(n, g * e), v.reshape(n, g * e), pos0, scale,
                                 lambda compute, parts: run_blocks(compute, lambda i, _: None, parts, workers))
